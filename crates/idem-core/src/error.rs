@@ -1,0 +1,163 @@
+//! One error type for the whole toolkit: a [`ErrorKind`] to match on, a message, a boxed source,
+//! and a [`Disposition`] that tells a broker adapter whether to redeliver or dead-letter.
+
+use std::borrow::Cow;
+use std::fmt;
+
+/// A boxed error from a handler or a driver.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// What went wrong, in the pattern's words.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// The message has no usable ID (empty, oversized). Redelivery cannot fix it.
+    InvalidMessageId,
+    /// A configuration the library refuses to run with (bad table name, retention shorter
+    /// than the redelivery window, unknown store URL scheme).
+    InvalidConfig,
+    /// The store could not be reached or the connection broke before anything committed.
+    Unavailable,
+    /// A deadlock, serialization failure or lock timeout; the whole unit rolled back and can
+    /// simply be retried.
+    Transient,
+    /// The connection was lost while committing: the transaction may or may not have committed.
+    /// Retrying is safe precisely because the claim committed with the effect: a retry either
+    /// does the work or finds a duplicate.
+    OutcomeUnknown,
+    /// The handler failed; its writes and the claim rolled back. Worth retrying.
+    Handler,
+    /// The handler rejected the message as permanently unprocessable (see [`Error::reject`]).
+    Rejected,
+    /// Any other error reported by the store (missing table, constraint, disk full).
+    Store,
+}
+
+/// What a consumer should do with the delivery after an error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Disposition {
+    /// Negative-ack or let the broker redeliver, with backoff.
+    Retry,
+    /// Move the message to the dead-letter destination with the error as its reason.
+    DeadLetter,
+    /// Stop consuming: the process is misconfigured and every message would fail the same way.
+    Fatal,
+}
+
+impl ErrorKind {
+    /// The default action for this kind of error.
+    pub const fn disposition(self) -> Disposition {
+        match self {
+            ErrorKind::InvalidMessageId | ErrorKind::Rejected => Disposition::DeadLetter,
+            ErrorKind::InvalidConfig => Disposition::Fatal,
+            ErrorKind::Unavailable
+            | ErrorKind::Transient
+            | ErrorKind::OutcomeUnknown
+            | ErrorKind::Handler
+            | ErrorKind::Store => Disposition::Retry,
+        }
+    }
+}
+
+/// The error type of every idem crate.
+pub struct Error {
+    kind: ErrorKind,
+    message: Cow<'static, str>,
+    source: Option<BoxError>,
+}
+
+impl Error {
+    /// An error of `kind` with a human-readable message.
+    pub fn new(kind: ErrorKind, message: impl Into<Cow<'static, str>>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+            source: None,
+        }
+    }
+
+    /// Attaches the underlying cause.
+    pub fn with_source(mut self, source: impl Into<BoxError>) -> Self {
+        self.source = Some(source.into());
+        self
+    }
+
+    /// For handlers: this message can never succeed (undecodable payload, unknown account);
+    /// roll back and dead-letter it instead of retrying.
+    pub fn reject(reason: impl Into<BoxError>) -> Self {
+        let source = reason.into();
+        Self::new(
+            ErrorKind::Rejected,
+            format!("handler rejected the message: {source}"),
+        )
+        .with_source(source)
+    }
+
+    /// For handlers: roll back and retry later (e.g. a downstream API is briefly down).
+    pub fn retry(reason: impl Into<BoxError>) -> Self {
+        let source = reason.into();
+        Self::new(ErrorKind::Handler, format!("handler failed: {source}")).with_source(source)
+    }
+
+    /// What went wrong.
+    pub fn kind(&self) -> ErrorKind {
+        self.kind
+    }
+
+    /// What to do with the delivery.
+    pub fn disposition(&self) -> Disposition {
+        self.kind.disposition()
+    }
+
+    /// Whether retrying the same message may succeed.
+    pub fn is_retryable(&self) -> bool {
+        self.disposition() == Disposition::Retry
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl fmt::Debug for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut d = f.debug_struct("Error");
+        d.field("kind", &self.kind).field("message", &self.message);
+        if let Some(source) = &self.source {
+            d.field("source", source);
+        }
+        d.finish()
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source.as_deref().map(|e| e as _)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kinds_map_to_dispositions() {
+        assert_eq!(
+            Error::reject("bad json").disposition(),
+            Disposition::DeadLetter
+        );
+        assert_eq!(Error::retry("503").disposition(), Disposition::Retry);
+        assert!(Error::new(ErrorKind::OutcomeUnknown, "x").is_retryable());
+        assert_eq!(ErrorKind::InvalidConfig.disposition(), Disposition::Fatal);
+    }
+
+    #[test]
+    fn reject_keeps_the_reason_and_the_source() {
+        let err = Error::reject("amount must be positive");
+        assert!(err.to_string().contains("amount must be positive"));
+        assert!(std::error::Error::source(&err).is_some());
+    }
+}

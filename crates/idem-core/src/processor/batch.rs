@@ -1,0 +1,223 @@
+//! Batches: N messages, one transaction, one commit.
+//!
+//! Two forms. [`Processor::process_batch`] runs a per-message handler under a savepoint per
+//! message, so one failing or conflicting message rolls back only itself. [`Processor::
+//! process_batch_set`] claims the whole batch in one statement and hands the new messages to a
+//! set-based handler at once: the fast path for high-volume consumers.
+
+use std::collections::HashMap;
+
+use crate::clock::Clock;
+use crate::error::{BoxError, Error};
+use crate::fingerprint::Fingerprint;
+use crate::id::MessageId;
+use crate::message::Identified;
+use crate::outcome::{Claim, Outcome};
+use crate::store::{BatchClaimStore, ClaimStore, Savepoints};
+
+use super::{ClaimMode, Processor};
+
+/// What [`Processor::process_batch_set`] reports.
+#[derive(Debug)]
+pub struct SetBatch<T> {
+    /// Per input message, in input order: `Processed(())` for those the handler received,
+    /// `Duplicate`/`Conflict` for those it did not, or the message's own error (an invalid ID).
+    pub outcomes: Vec<Result<Outcome<()>, Error>>,
+    /// The handler's value; `None` when no message was new and the handler did not run.
+    pub output: Option<T>,
+}
+
+impl<S: ClaimStore, C: Clock> Processor<S, C> {
+    /// Processes `msgs` in one transaction with a savepoint per message.
+    ///
+    /// Returns one result per message, in input order. A message whose handler fails is rolled
+    /// back to its savepoint (its claim too) and reported as `Err` with its kind; the others
+    /// commit together. The outer `Err` means nothing committed (e.g. the commit failed).
+    pub async fn process_batch<M, T, E, F>(
+        &self,
+        msgs: &[M],
+        mut handler: F,
+    ) -> Result<Vec<Result<Outcome<T>, Error>>, Error>
+    where
+        S: Savepoints,
+        M: Identified,
+        F: AsyncFnMut(&mut S::Tx, &M) -> Result<T, E>,
+        E: Into<BoxError>,
+    {
+        let mut results = Vec::with_capacity(msgs.len());
+        if msgs.is_empty() {
+            return Ok(results);
+        }
+        let mut tx = self.store.begin().await?;
+        for msg in msgs {
+            if let Err(e) = self.check_id(msg.message_id()) {
+                results.push(Err(e));
+                continue;
+            }
+            if let Err(e) = self.store.savepoint(&mut tx).await {
+                let _ = self.store.rollback(tx).await;
+                return Err(e);
+            }
+            // A later duplicate of an ID earlier in this batch finds that claim: same transaction.
+            let claim = match self.claim_in(&mut tx, msg).await {
+                Ok(claim) => claim,
+                Err(e) => {
+                    self.undo_message(&mut tx).await?;
+                    results.push(Err(e));
+                    continue;
+                }
+            };
+            if let Some(skipped) = claim.skipped() {
+                self.keep_message(&mut tx).await?;
+                results.push(Ok(skipped));
+                continue;
+            }
+            match handler(&mut tx, msg).await {
+                Ok(value) => {
+                    self.keep_message(&mut tx).await?;
+                    results.push(Ok(Outcome::Processed(value)));
+                }
+                Err(e) => {
+                    let err = self.handler_error(e.into());
+                    // Some engines (InnoDB on deadlock) abort the whole transaction, savepoint
+                    // included; then nothing in the batch can commit and the caller retries it.
+                    if let Err(undo) = self.store.rollback_to_savepoint(&mut tx).await {
+                        let _ = self.store.rollback(tx).await;
+                        return Err(if err.is_retryable() { err } else { undo });
+                    }
+                    results.push(Err(err));
+                }
+            }
+        }
+        self.store.commit(tx).await?;
+        Ok(results)
+    }
+
+    /// Processes `msgs` in one transaction with one claim statement for all of them, then runs
+    /// `handler` once with the new (not duplicate, not conflicting) messages.
+    ///
+    /// A handler error rolls back the whole batch, claims included, and is returned.
+    pub async fn process_batch_set<M, T, E, F>(
+        &self,
+        msgs: &[M],
+        handler: F,
+    ) -> Result<SetBatch<T>, Error>
+    where
+        S: BatchClaimStore,
+        M: Identified,
+        F: AsyncFnOnce(&mut S::Tx, &[&M]) -> Result<T, E>,
+        E: Into<BoxError>,
+    {
+        let mut outcomes: Vec<Option<Result<Outcome<()>, Error>>> =
+            (0..msgs.len()).map(|_| None).collect();
+        // First occurrence of each ID goes to the store; repeats inside the batch are decided
+        // against it here, because one statement cannot see its own rows.
+        let mut first: HashMap<&MessageId, (usize, Fingerprint)> = HashMap::new();
+        let mut to_claim: Vec<usize> = Vec::with_capacity(msgs.len());
+        let mut repeats: Vec<(usize, usize)> = Vec::new();
+        for (i, msg) in msgs.iter().enumerate() {
+            if let Err(e) = self.check_id(msg.message_id()) {
+                outcomes[i] = Some(Err(e));
+                continue;
+            }
+            match first.get(msg.message_id()) {
+                Some(&(j, _)) => repeats.push((i, j)),
+                None => {
+                    first.insert(msg.message_id(), (i, msg.fingerprint()));
+                    to_claim.push(i);
+                }
+            }
+        }
+        let mut tx = self.store.begin().await?;
+        let stored: Vec<Option<Fingerprint>> =
+            if self.mode == ClaimMode::Skip || to_claim.is_empty() {
+                vec![None; to_claim.len()]
+            } else {
+                // Claims go in ID order so two batches sharing IDs lock rows in the same order and
+                // wait for each other instead of deadlocking.
+                let mut order = to_claim.clone();
+                order.sort_by(|&a, &b| msgs[a].message_id().cmp(msgs[b].message_id()));
+                let items: Vec<(&MessageId, Fingerprint)> = order
+                    .iter()
+                    .map(|&i| (msgs[i].message_id(), first[msgs[i].message_id()].1))
+                    .collect();
+                let found = match self
+                    .store
+                    .claim_many(&mut tx, &self.consumer, &items, self.clock.now())
+                    .await
+                {
+                    Ok(found) => found,
+                    Err(e) => {
+                        let _ = self.store.rollback(tx).await;
+                        return Err(e);
+                    }
+                };
+                let mut by_index: HashMap<usize, Option<Fingerprint>> =
+                    order.iter().copied().zip(found).collect();
+                to_claim
+                    .iter()
+                    .map(|i| by_index.remove(i).flatten())
+                    .collect()
+            };
+        let mut fresh: Vec<&M> = Vec::with_capacity(to_claim.len());
+        for (&i, stored) in to_claim.iter().zip(&stored) {
+            let claim = Claim::from_stored(*stored, first[msgs[i].message_id()].1);
+            outcomes[i] = Some(Ok(match claim.skipped() {
+                Some(skipped) => skipped,
+                None => {
+                    fresh.push(&msgs[i]);
+                    Outcome::Processed(())
+                }
+            }));
+        }
+        for (i, j) in repeats {
+            let (_, fp) = first[msgs[j].message_id()];
+            let received = msgs[i].fingerprint();
+            outcomes[i] = Some(Ok(if self.mode == ClaimMode::Skip {
+                fresh.push(&msgs[i]);
+                Outcome::Processed(())
+            } else if received == fp {
+                Outcome::Duplicate
+            } else {
+                Outcome::Conflict {
+                    stored: fp,
+                    received,
+                }
+            }));
+        }
+        let output = if fresh.is_empty() {
+            let _ = self.store.rollback(tx).await;
+            None
+        } else {
+            match handler(&mut tx, &fresh).await {
+                Ok(v) => {
+                    self.store.commit(tx).await?;
+                    Some(v)
+                }
+                Err(e) => {
+                    let _ = self.store.rollback(tx).await;
+                    return Err(self.handler_error(e.into()));
+                }
+            }
+        };
+        let outcomes = outcomes
+            .into_iter()
+            .map(|o| o.unwrap_or(Ok(Outcome::Duplicate)))
+            .collect();
+        Ok(SetBatch { outcomes, output })
+    }
+
+    async fn keep_message(&self, tx: &mut S::Tx) -> Result<(), Error>
+    where
+        S: Savepoints,
+    {
+        self.store.release_savepoint(tx).await
+    }
+
+    async fn undo_message(&self, tx: &mut S::Tx) -> Result<(), Error>
+    where
+        S: Savepoints,
+    {
+        self.store.rollback_to_savepoint(tx).await
+    }
+}

@@ -1,0 +1,126 @@
+//! Configuration of a [`Processor`], validated once at startup.
+
+use std::time::Duration;
+
+use crate::clock::{Clock, SystemClock};
+use crate::error::{Error, ErrorKind};
+use crate::id::{ConsumerName, DEFAULT_MAX_ID_LEN};
+use crate::retention::Retention;
+use crate::store::ClaimStore;
+
+use super::{ClaimMode, Processor};
+
+/// Builds a [`Processor`]; [`build`](Self::build) refuses unsafe configurations.
+#[derive(Debug)]
+pub struct ProcessorBuilder<S, C = SystemClock> {
+    store: S,
+    consumer: String,
+    keep_for: Option<Duration>,
+    redelivery_window: Option<Duration>,
+    max_id_len: usize,
+    mode: ClaimMode,
+    prune_batch: u32,
+    clock: C,
+}
+
+impl<S: ClaimStore> ProcessorBuilder<S, SystemClock> {
+    pub(super) fn new(store: S, consumer: impl Into<String>) -> Self {
+        Self {
+            store,
+            consumer: consumer.into(),
+            keep_for: None,
+            redelivery_window: None,
+            max_id_len: DEFAULT_MAX_ID_LEN,
+            mode: ClaimMode::Claim,
+            prune_batch: 10_000,
+            clock: SystemClock,
+        }
+    }
+}
+
+impl<S: ClaimStore, C: Clock> ProcessorBuilder<S, C> {
+    /// How long claims are kept before [`Processor::prune`] may delete them.
+    pub fn keep_claims_for(mut self, keep_for: Duration) -> Self {
+        self.keep_for = Some(keep_for);
+        self
+    }
+
+    /// The broker's longest redelivery window. [`build`](Self::build) refuses a retention
+    /// shorter than this.
+    pub fn redelivery_window(mut self, window: Duration) -> Self {
+        self.redelivery_window = Some(window);
+        self
+    }
+
+    /// Longest accepted message ID in bytes (default 255). Longer IDs are rejected as
+    /// [`ErrorKind::InvalidMessageId`]; the store must be able to hold it.
+    pub fn max_message_id_len(mut self, len: usize) -> Self {
+        self.max_id_len = len;
+        self
+    }
+
+    /// Rows deleted per transaction when pruning (default 10 000).
+    pub fn prune_batch_size(mut self, n: u32) -> Self {
+        self.prune_batch = n.max(1);
+        self
+    }
+
+    /// For naturally idempotent handlers ("set status to shipped"): same API, but no claim row
+    /// is written, so every delivery runs the handler. Only correct when running it twice has
+    /// the effect of running it once.
+    pub fn naturally_idempotent(mut self) -> Self {
+        self.mode = ClaimMode::Skip;
+        self
+    }
+
+    /// Replaces the wall clock (tests of retention).
+    pub fn clock<C2: Clock>(self, clock: C2) -> ProcessorBuilder<S, C2> {
+        ProcessorBuilder {
+            store: self.store,
+            consumer: self.consumer,
+            keep_for: self.keep_for,
+            redelivery_window: self.redelivery_window,
+            max_id_len: self.max_id_len,
+            mode: self.mode,
+            prune_batch: self.prune_batch,
+            clock,
+        }
+    }
+
+    /// Validates and builds.
+    pub fn build(self) -> Result<Processor<S, C>, Error> {
+        let consumer = ConsumerName::new(&self.consumer)?;
+        let default = Retention::default();
+        let retention = match (self.keep_for, self.redelivery_window) {
+            (None, None) => default,
+            (Some(_), None) => {
+                return Err(Error::new(
+                    ErrorKind::InvalidConfig,
+                    "a retention was set without declaring the broker's redelivery window; \
+                     call redelivery_window() so a too-short retention can be refused",
+                ));
+            }
+            (None, Some(window)) => Retention::new(default.keep_for().max(window), window)?,
+            (Some(keep), Some(window)) => Retention::new(keep, window)?,
+        };
+        if self.max_id_len == 0 || self.max_id_len > self.store.max_message_id_len() {
+            return Err(Error::new(
+                ErrorKind::InvalidConfig,
+                format!(
+                    "max message ID length {} is outside what this store holds (1..={})",
+                    self.max_id_len,
+                    self.store.max_message_id_len()
+                ),
+            ));
+        }
+        Ok(Processor {
+            store: self.store,
+            consumer,
+            retention,
+            max_id_len: self.max_id_len,
+            mode: self.mode,
+            prune_batch: self.prune_batch,
+            clock: self.clock,
+        })
+    }
+}

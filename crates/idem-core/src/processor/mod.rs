@@ -1,0 +1,192 @@
+//! The processing loop: begin → claim → handler → commit, one message or a batch at a time.
+//!
+//! Everything a broker adapter or the HTTP layer needs sits here, on top of the store traits;
+//! no caller writes claim SQL of its own.
+
+mod batch;
+mod builder;
+
+use crate::clock::{Clock, SystemClock};
+use crate::derived::DerivedKey;
+use crate::error::{BoxError, Error, ErrorKind};
+use crate::id::{ConsumerName, MessageId};
+use crate::message::Identified;
+use crate::outcome::{Claim, Outcome};
+use crate::retention::Retention;
+use crate::store::{ClaimRequest, ClaimStore, Prune, prune_all};
+
+pub use batch::SetBatch;
+pub use builder::ProcessorBuilder;
+
+/// Whether claims are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ClaimMode {
+    Claim,
+    Skip,
+}
+
+/// Runs handlers so that each message's effects commit exactly once, in the same transaction
+/// as its claim.
+///
+/// ```
+/// # async fn demo<S: idem_core::ClaimStore>(store: S) -> Result<(), idem_core::Error> {
+/// use idem_core::{Message, MessageId, Outcome, Processor};
+///
+/// let processor = Processor::builder(store, "billing").build()?;
+/// let msg = Message::new(MessageId::new("payment-42")?, br#"{"amount":100}"#.to_vec());
+/// match processor.process(&msg, async |tx| {
+///     // write the side effect through `tx`; it commits or rolls back with the claim
+///     let _ = tx;
+///     Ok::<_, idem_core::Error>(())
+/// }).await? {
+///     Outcome::Processed(()) => { /* ack */ }
+///     Outcome::Duplicate => { /* ack, nothing else */ }
+///     Outcome::Conflict { .. } => { /* dead-letter: same ID, different payload */ }
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct Processor<S, C = SystemClock> {
+    store: S,
+    consumer: ConsumerName,
+    retention: Retention,
+    max_id_len: usize,
+    mode: ClaimMode,
+    prune_batch: u32,
+    clock: C,
+}
+
+impl<S: ClaimStore> Processor<S, SystemClock> {
+    /// Starts configuring a processor for `consumer` on `store`.
+    pub fn builder(store: S, consumer: impl Into<String>) -> ProcessorBuilder<S, SystemClock> {
+        ProcessorBuilder::new(store, consumer)
+    }
+}
+
+impl<S: ClaimStore, C: Clock> Processor<S, C> {
+    /// The store.
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+
+    /// The consumer name claims are recorded under.
+    pub fn consumer(&self) -> &ConsumerName {
+        &self.consumer
+    }
+
+    /// The validated retention.
+    pub fn retention(&self) -> Retention {
+        self.retention
+    }
+
+    /// Key for an external side effect of `id` (see [`DerivedKey`]).
+    pub fn derived_key(&self, id: &MessageId, step: &str) -> DerivedKey {
+        DerivedKey::new(&self.consumer, id, step)
+    }
+
+    /// Processes one message: begin, claim, run `handler` inside the same transaction, commit.
+    ///
+    /// A duplicate or conflict returns without running the handler. A handler error rolls back
+    /// the claim together with the handler's writes and is returned with a kind that says
+    /// whether to retry or dead-letter.
+    pub async fn process<M, T, E, F>(&self, msg: &M, handler: F) -> Result<Outcome<T>, Error>
+    where
+        M: Identified + ?Sized,
+        F: AsyncFnOnce(&mut S::Tx) -> Result<T, E>,
+        E: Into<BoxError>,
+    {
+        self.check_id(msg.message_id())?;
+        let mut tx = self.store.begin().await?;
+        if self.mode == ClaimMode::Claim {
+            let claimed = self.claim_in(&mut tx, msg).await;
+            match claimed {
+                Ok(Claim::New) => {}
+                Ok(other) => {
+                    // Nothing was written; end the transaction and report.
+                    let _ = self.store.rollback(tx).await;
+                    return Ok(other.skipped().unwrap_or(Outcome::Duplicate));
+                }
+                Err(e) => {
+                    let _ = self.store.rollback(tx).await;
+                    return Err(e);
+                }
+            }
+        }
+        match handler(&mut tx).await {
+            Ok(value) => {
+                self.store.commit(tx).await?;
+                Ok(Outcome::Processed(value))
+            }
+            Err(e) => {
+                // A failed rollback means a broken connection, which the driver discards; the
+                // handler's error is the one worth reporting.
+                let _ = self.store.rollback(tx).await;
+                Err(self.handler_error(e.into()))
+            }
+        }
+    }
+
+    /// The low-level claim, inside a transaction the caller owns: composes with any code that
+    /// already has a transaction. Do the work only on [`Claim::New`], then commit.
+    pub async fn claim_in<M>(&self, tx: &mut S::Tx, msg: &M) -> Result<Claim, Error>
+    where
+        M: Identified + ?Sized,
+    {
+        self.check_id(msg.message_id())?;
+        let fingerprint = msg.fingerprint();
+        if self.mode == ClaimMode::Skip {
+            return Ok(Claim::New);
+        }
+        let stored = self
+            .store
+            .claim(
+                tx,
+                ClaimRequest {
+                    consumer: &self.consumer,
+                    id: msg.message_id(),
+                    fingerprint: &fingerprint,
+                    at: self.clock.now(),
+                },
+            )
+            .await?;
+        Ok(Claim::from_stored(stored, fingerprint))
+    }
+
+    /// Deletes this consumer's claims older than the retention, in bounded batches.
+    pub async fn prune(&self) -> Result<u64, Error>
+    where
+        S: Prune,
+    {
+        let before = self.clock.now().saturating_sub(self.retention.keep_for());
+        prune_all(&self.store, Some(&self.consumer), before, self.prune_batch).await
+    }
+
+    fn check_id(&self, id: &MessageId) -> Result<(), Error> {
+        if id.len() > self.max_id_len {
+            return Err(Error::new(
+                ErrorKind::InvalidMessageId,
+                format!(
+                    "message ID is {} bytes, over the limit of {} bytes",
+                    id.len(),
+                    self.max_id_len
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Keeps an explicit idem error's kind (e.g. [`Error::reject`]), lets the store recognise its
+    /// driver's transient errors, and treats anything else as a retryable handler failure.
+    fn handler_error(&self, e: BoxError) -> Error {
+        let e = match e.downcast::<Error>() {
+            Ok(ours) => return *ours,
+            Err(e) => e,
+        };
+        let kind = self.store.classify(&*e).unwrap_or(ErrorKind::Handler);
+        let message = match kind {
+            ErrorKind::Transient => format!("handler hit a transient database error: {e}"),
+            _ => format!("handler failed: {e}"),
+        };
+        Error::new(kind, message).with_source(e)
+    }
+}

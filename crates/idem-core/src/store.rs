@@ -1,0 +1,161 @@
+//! The store traits: small capabilities a backend implements, instead of one fat trait.
+//!
+//! | trait | what it gives | used by |
+//! |---|---|---|
+//! | [`TransactionalStore`] | begin / commit / rollback on the business database | every processing path |
+//! | [`ClaimStore`] | one claim under the unique constraint, in the caller's transaction | [`Processor::process`] |
+//! | [`Savepoints`] | roll back one message inside a batch | [`Processor::process_batch`] |
+//! | [`BatchClaimStore`] | many claims in one statement | [`Processor::process_batch_set`] |
+//! | [`Migrate`], [`Prune`], [`Stats`] | schema, retention, inspection | operators and `idem` CLI |
+//!
+//! Later capabilities (stored HTTP responses, leases) are added as new traits beside these.
+//!
+//! [`Processor::process`]: crate::Processor::process
+//! [`Processor::process_batch`]: crate::Processor::process_batch
+//! [`Processor::process_batch_set`]: crate::Processor::process_batch_set
+
+use std::future::Future;
+
+use crate::clock::Timestamp;
+use crate::error::{Error, ErrorKind};
+use crate::fingerprint::Fingerprint;
+use crate::id::{ConsumerName, MessageId};
+
+/// One claim to record: (consumer, message ID) is the unique key.
+#[derive(Debug, Clone, Copy)]
+pub struct ClaimRequest<'a> {
+    /// Namespace of the claim.
+    pub consumer: &'a ConsumerName,
+    /// The producer-set ID.
+    pub id: &'a MessageId,
+    /// Digest of this delivery's payload.
+    pub fingerprint: &'a Fingerprint,
+    /// When it is processed; what retention is measured from.
+    pub at: Timestamp,
+}
+
+/// A store that runs transactions on the database where the handler's effects live.
+pub trait TransactionalStore: Send + Sync {
+    /// An open transaction; handlers receive `&mut` of it and run their writes on it.
+    type Tx: Send;
+
+    /// Begins a transaction. Stores that need a write lock up front (SQLite) take it here.
+    fn begin(&self) -> impl Future<Output = Result<Self::Tx, Error>> + Send;
+
+    /// Commits. A connection lost during commit is [`ErrorKind::OutcomeUnknown`].
+    fn commit(&self, tx: Self::Tx) -> impl Future<Output = Result<(), Error>> + Send;
+
+    /// Rolls back.
+    fn rollback(&self, tx: Self::Tx) -> impl Future<Output = Result<(), Error>> + Send;
+
+    /// Classifies an error a handler returned, if it came from this store's driver, so a
+    /// deadlock inside the handler is [`ErrorKind::Transient`] rather than a handler failure.
+    fn classify(&self, error: &(dyn std::error::Error + 'static)) -> Option<ErrorKind> {
+        let _ = error;
+        None
+    }
+}
+
+/// Records claims under a unique (consumer, message ID) constraint.
+///
+/// The insert must be one statement that cannot race (`INSERT … ON CONFLICT DO NOTHING` or the
+/// store's equivalent), never a check followed by an insert. When another transaction holds an
+/// uncommitted claim for the same key, the insert waits for it to finish.
+pub trait ClaimStore: TransactionalStore {
+    /// The longest message ID, in bytes, this store's schema holds.
+    fn max_message_id_len(&self) -> usize;
+
+    /// Inserts the claim. `None`: inserted by this transaction. `Some(fp)`: a claim already
+    /// existed, recorded with fingerprint `fp`.
+    fn claim(
+        &self,
+        tx: &mut Self::Tx,
+        claim: ClaimRequest<'_>,
+    ) -> impl Future<Output = Result<Option<Fingerprint>, Error>> + Send;
+}
+
+/// Claims a whole batch in one statement.
+pub trait BatchClaimStore: ClaimStore {
+    /// Inserts every claim; returns, in input order, `None` for those this statement inserted
+    /// and `Some(stored fingerprint)` for those that already existed. The caller guarantees that
+    /// the IDs are distinct and that all share `consumer` and `at`.
+    fn claim_many(
+        &self,
+        tx: &mut Self::Tx,
+        consumer: &ConsumerName,
+        items: &[(&MessageId, Fingerprint)],
+        at: Timestamp,
+    ) -> impl Future<Output = Result<Vec<Option<Fingerprint>>, Error>> + Send;
+}
+
+/// A single, non-nested savepoint inside a transaction.
+pub trait Savepoints: TransactionalStore {
+    /// Sets the savepoint.
+    fn savepoint(&self, tx: &mut Self::Tx) -> impl Future<Output = Result<(), Error>> + Send;
+    /// Keeps everything since the savepoint.
+    fn release_savepoint(
+        &self,
+        tx: &mut Self::Tx,
+    ) -> impl Future<Output = Result<(), Error>> + Send;
+    /// Undoes everything since the savepoint; the transaction stays usable.
+    fn rollback_to_savepoint(
+        &self,
+        tx: &mut Self::Tx,
+    ) -> impl Future<Output = Result<(), Error>> + Send;
+}
+
+/// Creates the processed-messages table and its indexes; safe to run many times.
+pub trait Migrate: Send + Sync {
+    /// Creates what is missing.
+    fn migrate(&self) -> impl Future<Output = Result<(), Error>> + Send;
+}
+
+/// Deletes old claims in bounded batches.
+pub trait Prune: Send + Sync {
+    /// Deletes at most `limit` claims processed before `before` (of `consumer`, or of every
+    /// consumer), in its own short transaction. Returns how many were deleted.
+    fn prune_batch(
+        &self,
+        consumer: Option<&ConsumerName>,
+        before: Timestamp,
+        limit: u32,
+    ) -> impl Future<Output = Result<u64, Error>> + Send;
+}
+
+/// Claims per consumer, for operators.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConsumerStats {
+    /// The consumer.
+    pub consumer: String,
+    /// How many claims it holds.
+    pub claims: u64,
+    /// Oldest `processed_at`.
+    pub oldest: Timestamp,
+    /// Newest `processed_at`.
+    pub newest: Timestamp,
+}
+
+/// Reports [`ConsumerStats`].
+pub trait Stats: Send + Sync {
+    /// One row per consumer, ordered by name.
+    fn stats(&self) -> impl Future<Output = Result<Vec<ConsumerStats>, Error>> + Send;
+}
+
+/// Deletes every claim processed before `before`, `batch` rows at a time, so that pruning a
+/// large table never holds long locks or bloats one transaction.
+pub async fn prune_all<S: Prune + ?Sized>(
+    store: &S,
+    consumer: Option<&ConsumerName>,
+    before: Timestamp,
+    batch: u32,
+) -> Result<u64, Error> {
+    let batch = batch.max(1);
+    let mut total = 0;
+    loop {
+        let n = store.prune_batch(consumer, before, batch).await?;
+        total += n;
+        if n < u64::from(batch) {
+            return Ok(total);
+        }
+    }
+}

@@ -1,0 +1,117 @@
+//! A store chosen at run time from a URL, for operators' tools (`idem migrate/prune/stats`).
+//!
+//! Processing code should name its concrete store type; this enum only forwards the
+//! administrative capabilities.
+
+use idem_core::{ConsumerName, ConsumerStats, Error, ErrorKind, Migrate, Stats, Timestamp};
+
+use crate::table::TableName;
+
+/// One of the compiled-in SQL stores.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum AnyStore {
+    /// SQLite.
+    #[cfg(feature = "sqlite")]
+    Sqlite(crate::SqliteStore),
+    /// PostgreSQL.
+    #[cfg(feature = "postgres")]
+    Postgres(crate::PostgresStore),
+    /// MySQL / MariaDB.
+    #[cfg(feature = "mysql")]
+    MySql(crate::MySqlStore),
+}
+
+/// The URL schemes [`AnyStore::connect`] understands.
+pub const SCHEMES: &str = "sqlite:, postgres://, postgresql://, mysql://, mariadb://";
+
+impl AnyStore {
+    /// Connects by URL scheme: `sqlite:PATH`, `postgres://…`, `mysql://…`.
+    pub async fn connect(url: &str, table: TableName) -> Result<Self, Error> {
+        let scheme = url
+            .split(':')
+            .next()
+            .unwrap_or_default()
+            .to_ascii_lowercase();
+        match scheme.as_str() {
+            #[cfg(feature = "sqlite")]
+            "sqlite" => Ok(Self::Sqlite(
+                crate::SqliteStore::connect(url, crate::SqliteOptions::default().must_exist())
+                    .await?
+                    .with_table(table)?,
+            )),
+            #[cfg(feature = "postgres")]
+            "postgres" | "postgresql" => Ok(Self::Postgres(
+                crate::PostgresStore::connect(url).await?.with_table(table),
+            )),
+            #[cfg(feature = "mysql")]
+            "mysql" | "mariadb" => {
+                let url = url.replacen("mariadb:", "mysql:", 1);
+                Ok(Self::MySql(
+                    crate::MySqlStore::connect(&url).await?.with_table(table),
+                ))
+            }
+            _ => Err(Error::new(
+                ErrorKind::InvalidConfig,
+                format!(
+                    "unsupported store URL {:?}: expected one of {SCHEMES}",
+                    crate::common::redact(url)
+                ),
+            )),
+        }
+    }
+
+    /// Like [`connect`](Self::connect), but creates a missing SQLite file (for `migrate`).
+    pub async fn connect_or_create(url: &str, table: TableName) -> Result<Self, Error> {
+        #[cfg(feature = "sqlite")]
+        if url.to_ascii_lowercase().starts_with("sqlite:") {
+            return Ok(Self::Sqlite(
+                crate::SqliteStore::connect(url, crate::SqliteOptions::default())
+                    .await?
+                    .with_table(table)?,
+            ));
+        }
+        Self::connect(url, table).await
+    }
+
+    /// Creates the claims table.
+    pub async fn migrate(&self) -> Result<(), Error> {
+        match self {
+            #[cfg(feature = "sqlite")]
+            Self::Sqlite(s) => s.migrate().await,
+            #[cfg(feature = "postgres")]
+            Self::Postgres(s) => s.migrate().await,
+            #[cfg(feature = "mysql")]
+            Self::MySql(s) => s.migrate().await,
+        }
+    }
+
+    /// Deletes claims processed before `before`, `batch` rows per transaction.
+    pub async fn prune(
+        &self,
+        consumer: Option<&ConsumerName>,
+        before: Timestamp,
+        batch: u32,
+    ) -> Result<u64, Error> {
+        match self {
+            #[cfg(feature = "sqlite")]
+            Self::Sqlite(s) => idem_core::store::prune_all(s, consumer, before, batch).await,
+            #[cfg(feature = "postgres")]
+            Self::Postgres(s) => idem_core::store::prune_all(s, consumer, before, batch).await,
+            #[cfg(feature = "mysql")]
+            Self::MySql(s) => idem_core::store::prune_all(s, consumer, before, batch).await,
+        }
+    }
+
+    /// Claims per consumer.
+    pub async fn stats(&self) -> Result<Vec<ConsumerStats>, Error> {
+        match self {
+            #[cfg(feature = "sqlite")]
+            Self::Sqlite(s) => s.stats().await,
+            #[cfg(feature = "postgres")]
+            Self::Postgres(s) => s.stats().await,
+            #[cfg(feature = "mysql")]
+            Self::MySql(s) => s.stats().await,
+        }
+    }
+}

@@ -1,0 +1,47 @@
+//! Small helpers every SQL store shares.
+
+use idem_core::{Error, ErrorKind, Fingerprint};
+
+/// Turns the stored column into a fingerprint; a missing row means the claim vanished between
+/// the insert and the read (pruned concurrently), which a retry resolves.
+pub(crate) fn stored_fingerprint(bytes: Option<Vec<u8>>) -> Result<Option<Fingerprint>, Error> {
+    match bytes {
+        Some(b) => Fingerprint::from_slice(&b).map(Some).ok_or_else(|| {
+            Error::new(
+                ErrorKind::Store,
+                format!("stored fingerprint is {} bytes, expected 32", b.len()),
+            )
+        }),
+        None => Err(Error::new(
+            ErrorKind::Transient,
+            "claim existed at insert but was gone when read back (pruned concurrently?); retry",
+        )),
+    }
+}
+
+/// Hides the password of a connection URL in error messages.
+pub(crate) fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => {
+            let userinfo = &url[s + 3..at];
+            match userinfo.split_once(':') {
+                Some((user, _)) => format!("{}{user}:***{}", &url[..s + 3], &url[at..]),
+                None => url.to_string(),
+            }
+        }
+        _ => url.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn redacts_passwords_only() {
+        assert_eq!(
+            super::redact("postgres://u:secret@h/db"),
+            "postgres://u:***@h/db"
+        );
+        assert_eq!(super::redact("postgres://u@h/db"), "postgres://u@h/db");
+        assert_eq!(super::redact("postgres://h/db"), "postgres://h/db");
+    }
+}

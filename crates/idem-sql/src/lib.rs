@@ -1,0 +1,61 @@
+//! SQL claim stores for idem, on sqlx 0.8: SQLite (the embedded default), PostgreSQL and
+//! MySQL/MariaDB, each behind a cargo feature of the same name.
+//!
+//! Each store implements the capabilities of [`idem_core::store`] on the *same* database as
+//! your data, so a claim and the handler's writes commit in one transaction. Handlers receive
+//! the `sqlx::Transaction` and run their queries on `&mut **tx`.
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//! use idem_core::{Message, MessageId, Migrate, Outcome, Processor};
+//! use idem_sql::{SqliteOptions, SqliteStore};
+//!
+//! let dir = std::env::temp_dir().join(format!("idem-doc-{}", std::process::id()));
+//! std::fs::create_dir_all(&dir)?;
+//! let store = SqliteStore::open(dir.join("app.db"), SqliteOptions::default()).await?;
+//! store.migrate().await?;
+//! sqlx::query("CREATE TABLE IF NOT EXISTS charges (message_id BLOB, amount INTEGER)")
+//!     .execute(store.pool()).await?;
+//!
+//! let processor = Processor::builder(store, "billing").build()?;
+//! let msg = Message::new(MessageId::new("payment-42")?, b"100".to_vec());
+//!
+//! for _delivery in 0..2 {
+//!     // The broker delivers twice; the charge happens once.
+//!     let outcome = processor
+//!         .process(&msg, async |tx| {
+//!             sqlx::query("INSERT INTO charges VALUES (?, 100)")
+//!                 .bind(b"payment-42".as_slice())
+//!                 .execute(&mut **tx)
+//!                 .await
+//!         })
+//!         .await?;
+//!     assert!(matches!(outcome, Outcome::Processed(_) | Outcome::Duplicate));
+//! }
+//! let charges: i64 = sqlx::query_scalar("SELECT count(*) FROM charges")
+//!     .fetch_one(processor.store().pool()).await?;
+//! assert_eq!(charges, 1);
+//! # std::fs::remove_dir_all(&dir)?;
+//! # Ok(()) }
+//! ```
+
+mod any;
+mod common;
+mod errors;
+#[cfg(feature = "mysql")]
+mod mysql;
+#[cfg(feature = "postgres")]
+mod postgres;
+#[cfg(feature = "sqlite")]
+mod sqlite;
+mod table;
+
+pub use any::{AnyStore, SCHEMES};
+#[cfg(feature = "mysql")]
+pub use mysql::{MAX_MESSAGE_ID_LEN as MYSQL_MAX_MESSAGE_ID_LEN, MySqlStore};
+#[cfg(feature = "postgres")]
+pub use postgres::{MAX_MESSAGE_ID_LEN as POSTGRES_MAX_MESSAGE_ID_LEN, PostgresStore};
+#[cfg(feature = "sqlite")]
+pub use sqlite::{MAX_MESSAGE_ID_LEN as SQLITE_MAX_MESSAGE_ID_LEN, SqliteOptions, SqliteStore};
+pub use table::{DEFAULT_TABLE, TableName};

@@ -1,0 +1,321 @@
+//! MySQL / MariaDB store (InnoDB).
+//!
+//! The claim is `INSERT … ON DUPLICATE KEY UPDATE duplicates = duplicates + 1`: one statement
+//! that cannot race, and — unlike `INSERT IGNORE` — it does not turn truncation or other errors
+//! into warnings. The counter is what makes the result readable: sqlx connects with
+//! `CLIENT_FOUND_ROWS`, under which a no-op update reports 1 affected row, the same as an
+//! insert; a real increment reports 2. It also tells operators how often each message was
+//! redelivered. A concurrent duplicate waits on the first transaction's record lock.
+
+use idem_core::store::ClaimRequest;
+use idem_core::{
+    BatchClaimStore, ClaimStore, ConsumerName, ConsumerStats, Error, ErrorKind, Fingerprint,
+    MessageId, Migrate, Prune, Savepoints, Stats, Timestamp, TransactionalStore,
+};
+use sqlx::mysql::{MySql, MySqlConnection, MySqlPool, MySqlPoolOptions};
+use sqlx::{QueryBuilder, Row};
+
+use crate::common::{redact, stored_fingerprint};
+use crate::errors::{classify, commit_error, store_error};
+use crate::table::TableName;
+
+/// Longest message ID the `VARBINARY(1024)` column holds.
+pub const MAX_MESSAGE_ID_LEN: usize = 1024;
+
+/// Rows per multi-row INSERT.
+const CHUNK: usize = 1000;
+
+/// Claims stored in a MySQL or MariaDB table (default `idem_processed`).
+#[derive(Debug, Clone)]
+pub struct MySqlStore {
+    pool: MySqlPool,
+    table: TableName,
+    sql: Statements,
+}
+
+#[derive(Debug, Clone)]
+struct Statements {
+    table: String,
+    claim: String,
+    read_fingerprint: String,
+    prune_all: String,
+    prune_consumer: String,
+    stats: String,
+}
+
+impl Statements {
+    fn new(t: &TableName) -> Self {
+        Self {
+            table: t.to_string(),
+            claim: format!(
+                "INSERT INTO {t} (consumer, message_id, fingerprint, processed_at) \
+                 VALUES (?, ?, ?, ?) ON DUPLICATE KEY UPDATE duplicates = duplicates + 1"
+            ),
+            read_fingerprint: format!(
+                "SELECT fingerprint FROM {t} WHERE consumer = ? AND message_id = ?"
+            ),
+            prune_all: format!("DELETE FROM {t} WHERE processed_at < ? LIMIT ?"),
+            prune_consumer: format!(
+                "DELETE FROM {t} WHERE processed_at < ? AND consumer = ? LIMIT ?"
+            ),
+            stats: format!(
+                "SELECT consumer, CAST(count(*) AS SIGNED), min(processed_at), max(processed_at) \
+                 FROM {t} GROUP BY consumer ORDER BY consumer"
+            ),
+        }
+    }
+}
+
+impl MySqlStore {
+    /// Connects a pool to `url` (`mysql://user:pass@host/db`) with the default table.
+    pub async fn connect(url: &str) -> Result<Self, Error> {
+        let pool = MySqlPoolOptions::new()
+            .max_connections(16)
+            .connect(url)
+            .await
+            .map_err(|e| store_error(&format!("connecting to MySQL at {}", redact(url)), e))?;
+        Ok(Self::from_pool(pool))
+    }
+
+    /// Uses an existing pool.
+    pub fn from_pool(pool: MySqlPool) -> Self {
+        let table = TableName::default();
+        Self {
+            sql: Statements::new(&table),
+            pool,
+            table,
+        }
+    }
+
+    /// Stores claims in `table` instead of `idem_processed` (`db.table` selects a database).
+    pub fn with_table(mut self, table: TableName) -> Self {
+        self.sql = Statements::new(&table);
+        self.table = table;
+        self
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &MySqlPool {
+        &self.pool
+    }
+
+    /// The claims table.
+    pub fn table(&self) -> &TableName {
+        &self.table
+    }
+
+    /// The claim on a connection the caller already has inside a transaction.
+    pub async fn claim_on(
+        &self,
+        conn: &mut MySqlConnection,
+        claim: ClaimRequest<'_>,
+    ) -> Result<Option<Fingerprint>, Error> {
+        let affected = sqlx::query(&self.sql.claim)
+            .bind(claim.consumer.as_str())
+            .bind(claim.id.as_bytes())
+            .bind(&claim.fingerprint.as_bytes()[..])
+            .bind(claim.at.as_micros())
+            .execute(&mut *conn)
+            .await
+            .map_err(|e| store_error("claim", e))?
+            .rows_affected();
+        if affected == 1 {
+            return Ok(None);
+        }
+        // The update above locked the existing row and made it visible to this transaction.
+        let row = sqlx::query(&self.sql.read_fingerprint)
+            .bind(claim.consumer.as_str())
+            .bind(claim.id.as_bytes())
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(|e| store_error("reading the stored fingerprint", e))?;
+        stored_fingerprint(row.map(|r| r.get::<Vec<u8>, _>(0)))
+    }
+}
+
+impl TransactionalStore for MySqlStore {
+    type Tx = sqlx::Transaction<'static, MySql>;
+
+    async fn begin(&self) -> Result<Self::Tx, Error> {
+        self.pool.begin().await.map_err(|e| store_error("begin", e))
+    }
+
+    async fn commit(&self, tx: Self::Tx) -> Result<(), Error> {
+        tx.commit().await.map_err(commit_error)
+    }
+
+    async fn rollback(&self, tx: Self::Tx) -> Result<(), Error> {
+        tx.rollback().await.map_err(|e| store_error("rollback", e))
+    }
+
+    fn classify(&self, error: &(dyn std::error::Error + 'static)) -> Option<ErrorKind> {
+        classify(error)
+    }
+}
+
+impl ClaimStore for MySqlStore {
+    fn max_message_id_len(&self) -> usize {
+        MAX_MESSAGE_ID_LEN
+    }
+
+    async fn claim(
+        &self,
+        tx: &mut Self::Tx,
+        claim: ClaimRequest<'_>,
+    ) -> Result<Option<Fingerprint>, Error> {
+        self.claim_on(tx, claim).await
+    }
+}
+
+impl BatchClaimStore for MySqlStore {
+    async fn claim_many(
+        &self,
+        tx: &mut Self::Tx,
+        consumer: &ConsumerName,
+        items: &[(&MessageId, Fingerprint)],
+        at: Timestamp,
+    ) -> Result<Vec<Option<Fingerprint>>, Error> {
+        let t = &self.sql.table;
+        let mut affected = 0;
+        for chunk in items.chunks(CHUNK) {
+            let mut q = QueryBuilder::<MySql>::new(format!(
+                "INSERT INTO {t} (consumer, message_id, fingerprint, processed_at) "
+            ));
+            q.push_values(chunk, |mut row, (id, fp)| {
+                row.push_bind(consumer.as_str())
+                    .push_bind(id.as_bytes())
+                    .push_bind(&fp.as_bytes()[..])
+                    .push_bind(at.as_micros());
+            });
+            q.push(" ON DUPLICATE KEY UPDATE duplicates = duplicates + 1");
+            affected += q
+                .build()
+                .execute(&mut **tx)
+                .await
+                .map_err(|e| store_error("batch claim", e))?
+                .rows_affected();
+        }
+        if affected == items.len() as u64 {
+            return Ok(vec![None; items.len()]);
+        }
+        // Every row of the batch is now locked by this transaction: inserted ones still have
+        // duplicates = 0, pre-existing ones were just incremented. No other writer can change
+        // that before commit, so the split is exact.
+        let mut existing = std::collections::HashMap::new();
+        for chunk in items.chunks(CHUNK) {
+            let mut q = QueryBuilder::<MySql>::new(format!(
+                "SELECT message_id, fingerprint FROM {t} WHERE duplicates > 0 AND consumer = "
+            ));
+            q.push_bind(consumer.as_str()).push(" AND message_id IN (");
+            let mut sep = q.separated(", ");
+            for (id, _) in chunk {
+                sep.push_bind(id.as_bytes());
+            }
+            q.push(")");
+            let rows = q
+                .build()
+                .fetch_all(&mut **tx)
+                .await
+                .map_err(|e| store_error("reading stored fingerprints", e))?;
+            for r in rows {
+                existing.insert(r.get::<Vec<u8>, _>(0), r.get::<Vec<u8>, _>(1));
+            }
+        }
+        items
+            .iter()
+            .map(|(id, _)| match existing.remove(id.as_bytes()) {
+                None => Ok(None),
+                Some(fp) => stored_fingerprint(Some(fp)),
+            })
+            .collect()
+    }
+}
+
+impl Savepoints for MySqlStore {
+    async fn savepoint(&self, tx: &mut Self::Tx) -> Result<(), Error> {
+        exec(tx, "SAVEPOINT idem_message").await
+    }
+
+    async fn release_savepoint(&self, tx: &mut Self::Tx) -> Result<(), Error> {
+        exec(tx, "RELEASE SAVEPOINT idem_message").await
+    }
+
+    async fn rollback_to_savepoint(&self, tx: &mut Self::Tx) -> Result<(), Error> {
+        exec(tx, "ROLLBACK TO SAVEPOINT idem_message").await?;
+        exec(tx, "RELEASE SAVEPOINT idem_message").await
+    }
+}
+
+async fn exec(conn: &mut MySqlConnection, sql: &'static str) -> Result<(), Error> {
+    sqlx::query(sql)
+        .execute(conn)
+        .await
+        .map(drop)
+        .map_err(|e| store_error(sql, e))
+}
+
+impl Migrate for MySqlStore {
+    async fn migrate(&self) -> Result<(), Error> {
+        let t = &self.table;
+        let name = t.table();
+        // MySQL DDL commits implicitly, so there is no transaction to hold; CREATE … IF NOT
+        // EXISTS is atomic per statement, which is enough for concurrent starts.
+        let sql = format!(
+            "CREATE TABLE IF NOT EXISTS {t} (
+                consumer     VARCHAR(100) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
+                message_id   VARBINARY({MAX_MESSAGE_ID_LEN}) NOT NULL,
+                fingerprint  BINARY(32)   NOT NULL,
+                processed_at BIGINT       NOT NULL COMMENT 'microseconds since the Unix epoch',
+                duplicates   INT UNSIGNED NOT NULL DEFAULT 0,
+                PRIMARY KEY (consumer, message_id),
+                KEY {name}_processed_at (processed_at)
+            ) ENGINE = InnoDB"
+        );
+        sqlx::query(&sql)
+            .execute(&self.pool)
+            .await
+            .map(drop)
+            .map_err(|e| store_error("migrate", e))
+    }
+}
+
+impl Prune for MySqlStore {
+    async fn prune_batch(
+        &self,
+        consumer: Option<&ConsumerName>,
+        before: Timestamp,
+        limit: u32,
+    ) -> Result<u64, Error> {
+        let q = match consumer {
+            None => sqlx::query(&self.sql.prune_all)
+                .bind(before.as_micros())
+                .bind(limit),
+            Some(c) => sqlx::query(&self.sql.prune_consumer)
+                .bind(before.as_micros())
+                .bind(c.as_str())
+                .bind(limit),
+        };
+        q.execute(&self.pool)
+            .await
+            .map(|r| r.rows_affected())
+            .map_err(|e| store_error("prune", e))
+    }
+}
+
+impl Stats for MySqlStore {
+    async fn stats(&self) -> Result<Vec<ConsumerStats>, Error> {
+        let rows = sqlx::query(&self.sql.stats)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| store_error("stats", e))?;
+        Ok(rows
+            .into_iter()
+            .map(|r| ConsumerStats {
+                consumer: r.get(0),
+                claims: u64::try_from(r.get::<i64, _>(1)).unwrap_or(0),
+                oldest: Timestamp::from_micros(r.get(2)),
+                newest: Timestamp::from_micros(r.get(3)),
+            })
+            .collect())
+    }
+}

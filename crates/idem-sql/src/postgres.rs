@@ -1,0 +1,342 @@
+//! PostgreSQL store.
+//!
+//! The claim is `INSERT … ON CONFLICT (consumer, message_id) DO NOTHING`: one statement that
+//! cannot race. A concurrent transaction holding an uncommitted claim for the same key makes it
+//! wait; if that one commits, this insert affects no row (a duplicate), if it rolls back, this
+//! insert proceeds. The `processed_at` index is BRIN: claims arrive in time order, so a BRIN
+//! index costs almost nothing per insert and still lets pruning find old rows.
+
+use idem_core::store::ClaimRequest;
+use idem_core::{
+    BatchClaimStore, ClaimStore, ConsumerName, ConsumerStats, Error, ErrorKind, Fingerprint,
+    MessageId, Migrate, Prune, Savepoints, Stats, Timestamp, TransactionalStore,
+};
+use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions};
+use sqlx::{Postgres, Row};
+
+use crate::common::{redact, stored_fingerprint};
+use crate::errors::{classify, commit_error, store_error};
+use crate::table::TableName;
+
+/// Longest message ID this schema holds: well inside the btree tuple limit.
+pub const MAX_MESSAGE_ID_LEN: usize = 1024;
+
+/// Claims stored in a PostgreSQL table (default `idem_processed`).
+#[derive(Debug, Clone)]
+pub struct PostgresStore {
+    pool: PgPool,
+    table: TableName,
+    sql: Statements,
+}
+
+#[derive(Debug, Clone)]
+struct Statements {
+    claim: String,
+    read_fingerprint: String,
+    claim_many: String,
+    read_fingerprints: String,
+    prune_all: String,
+    prune_consumer: String,
+    stats: String,
+}
+
+impl Statements {
+    fn new(t: &TableName) -> Self {
+        Self {
+            claim: format!(
+                "INSERT INTO {t} (consumer, message_id, fingerprint, processed_at) \
+                 VALUES ($1, $2, $3, $4) ON CONFLICT (consumer, message_id) DO NOTHING"
+            ),
+            read_fingerprint: format!(
+                "SELECT fingerprint FROM {t} WHERE consumer = $1 AND message_id = $2"
+            ),
+            claim_many: format!(
+                "INSERT INTO {t} (consumer, message_id, fingerprint, processed_at) \
+                 SELECT $1, m, f, $4 FROM unnest($2::bytea[], $3::bytea[]) AS u(m, f) \
+                 ON CONFLICT (consumer, message_id) DO NOTHING RETURNING message_id"
+            ),
+            read_fingerprints: format!(
+                "SELECT message_id, fingerprint FROM {t} \
+                 WHERE consumer = $1 AND message_id = ANY($2::bytea[])"
+            ),
+            // `ctid = ANY(ARRAY(…))` plans as a TID scan; `ctid IN (…)` may scan the table.
+            prune_all: format!(
+                "DELETE FROM {t} WHERE ctid = ANY(ARRAY( \
+                 SELECT ctid FROM {t} WHERE processed_at < $1 LIMIT $2))"
+            ),
+            prune_consumer: format!(
+                "DELETE FROM {t} WHERE ctid = ANY(ARRAY( \
+                 SELECT ctid FROM {t} WHERE processed_at < $1 AND consumer = $3 LIMIT $2))"
+            ),
+            stats: format!(
+                "SELECT consumer, count(*)::bigint, min(processed_at), max(processed_at) \
+                 FROM {t} GROUP BY consumer ORDER BY consumer"
+            ),
+        }
+    }
+}
+
+impl PostgresStore {
+    /// Connects a pool to `url` (`postgres://user@host/db`) with the default table.
+    pub async fn connect(url: &str) -> Result<Self, Error> {
+        let pool = PgPoolOptions::new()
+            .max_connections(16)
+            .connect(url)
+            .await
+            .map_err(|e| store_error(&format!("connecting to PostgreSQL at {}", redact(url)), e))?;
+        Ok(Self::from_pool(pool))
+    }
+
+    /// Uses an existing pool: claims then share connections with the application's own queries.
+    pub fn from_pool(pool: PgPool) -> Self {
+        let table = TableName::default();
+        Self {
+            sql: Statements::new(&table),
+            pool,
+            table,
+        }
+    }
+
+    /// Stores claims in `table` instead of `idem_processed`.
+    pub fn with_table(mut self, table: TableName) -> Self {
+        self.sql = Statements::new(&table);
+        self.table = table;
+        self
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The claims table.
+    pub fn table(&self) -> &TableName {
+        &self.table
+    }
+
+    /// The claim on a connection the caller already has inside a transaction. `None`: inserted
+    /// now; `Some(fp)`: already claimed with fingerprint `fp`.
+    pub async fn claim_on(
+        &self,
+        conn: &mut PgConnection,
+        claim: ClaimRequest<'_>,
+    ) -> Result<Option<Fingerprint>, Error> {
+        let inserted = sqlx::query(&self.sql.claim)
+            .bind(claim.consumer.as_str())
+            .bind(claim.id.as_bytes())
+            .bind(&claim.fingerprint.as_bytes()[..])
+            .bind(claim.at.as_micros())
+            .execute(&mut *conn)
+            .await
+            .map_err(|e| store_error("claim", e))?
+            .rows_affected();
+        if inserted == 1 {
+            return Ok(None);
+        }
+        // READ COMMITTED: this new statement sees the row whose commit the insert waited for.
+        let row = sqlx::query(&self.sql.read_fingerprint)
+            .bind(claim.consumer.as_str())
+            .bind(claim.id.as_bytes())
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(|e| store_error("reading the stored fingerprint", e))?;
+        stored_fingerprint(row.map(|r| r.get::<Vec<u8>, _>(0)))
+    }
+}
+
+impl TransactionalStore for PostgresStore {
+    type Tx = sqlx::Transaction<'static, Postgres>;
+
+    async fn begin(&self) -> Result<Self::Tx, Error> {
+        self.pool.begin().await.map_err(|e| store_error("begin", e))
+    }
+
+    async fn commit(&self, tx: Self::Tx) -> Result<(), Error> {
+        tx.commit().await.map_err(commit_error)
+    }
+
+    async fn rollback(&self, tx: Self::Tx) -> Result<(), Error> {
+        tx.rollback().await.map_err(|e| store_error("rollback", e))
+    }
+
+    fn classify(&self, error: &(dyn std::error::Error + 'static)) -> Option<ErrorKind> {
+        classify(error)
+    }
+}
+
+impl ClaimStore for PostgresStore {
+    fn max_message_id_len(&self) -> usize {
+        MAX_MESSAGE_ID_LEN
+    }
+
+    async fn claim(
+        &self,
+        tx: &mut Self::Tx,
+        claim: ClaimRequest<'_>,
+    ) -> Result<Option<Fingerprint>, Error> {
+        self.claim_on(tx, claim).await
+    }
+}
+
+impl BatchClaimStore for PostgresStore {
+    async fn claim_many(
+        &self,
+        tx: &mut Self::Tx,
+        consumer: &ConsumerName,
+        items: &[(&MessageId, Fingerprint)],
+        at: Timestamp,
+    ) -> Result<Vec<Option<Fingerprint>>, Error> {
+        let ids: Vec<&[u8]> = items.iter().map(|(id, _)| id.as_bytes()).collect();
+        let fps: Vec<&[u8]> = items.iter().map(|(_, fp)| &fp.as_bytes()[..]).collect();
+        let inserted: Vec<Vec<u8>> = sqlx::query_scalar(&self.sql.claim_many)
+            .bind(consumer.as_str())
+            .bind(&ids)
+            .bind(&fps)
+            .bind(at.as_micros())
+            .fetch_all(&mut **tx)
+            .await
+            .map_err(|e| store_error("batch claim", e))?;
+        if inserted.len() == items.len() {
+            return Ok(vec![None; items.len()]);
+        }
+        let inserted: std::collections::HashSet<Vec<u8>> = inserted.into_iter().collect();
+        let existing: Vec<&[u8]> = ids
+            .iter()
+            .copied()
+            .filter(|id| !inserted.contains(*id))
+            .collect();
+        let rows = sqlx::query(&self.sql.read_fingerprints)
+            .bind(consumer.as_str())
+            .bind(&existing)
+            .fetch_all(&mut **tx)
+            .await
+            .map_err(|e| store_error("reading stored fingerprints", e))?;
+        let mut stored: std::collections::HashMap<Vec<u8>, Vec<u8>> = rows
+            .into_iter()
+            .map(|r| (r.get::<Vec<u8>, _>(0), r.get::<Vec<u8>, _>(1)))
+            .collect();
+        ids.iter()
+            .map(|id| {
+                if inserted.contains(*id) {
+                    Ok(None)
+                } else {
+                    stored_fingerprint(stored.remove(*id))
+                }
+            })
+            .collect()
+    }
+}
+
+impl Savepoints for PostgresStore {
+    async fn savepoint(&self, tx: &mut Self::Tx) -> Result<(), Error> {
+        exec(tx, "SAVEPOINT idem_message").await
+    }
+
+    async fn release_savepoint(&self, tx: &mut Self::Tx) -> Result<(), Error> {
+        exec(tx, "RELEASE SAVEPOINT idem_message").await
+    }
+
+    async fn rollback_to_savepoint(&self, tx: &mut Self::Tx) -> Result<(), Error> {
+        // ROLLBACK TO keeps the savepoint; release it so savepoints do not pile up.
+        exec(tx, "ROLLBACK TO SAVEPOINT idem_message").await?;
+        exec(tx, "RELEASE SAVEPOINT idem_message").await
+    }
+}
+
+async fn exec(conn: &mut PgConnection, sql: &'static str) -> Result<(), Error> {
+    sqlx::query(sql)
+        .execute(conn)
+        .await
+        .map(drop)
+        .map_err(|e| store_error(sql, e))
+}
+
+impl Migrate for PostgresStore {
+    async fn migrate(&self) -> Result<(), Error> {
+        let t = &self.table;
+        let name = t.table();
+        let mut tx = self
+            .pool
+            .begin()
+            .await
+            .map_err(|e| store_error("migrate", e))?;
+        // Several replicas may start at once; CREATE … IF NOT EXISTS alone can still race on
+        // the catalog, so serialise migrations on an advisory lock.
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtext('idem-migrate'))")
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| store_error("migrate lock", e))?;
+        if let Some(schema) = t.schema() {
+            let sql = format!("CREATE SCHEMA IF NOT EXISTS {schema}");
+            sqlx::query(&sql)
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| store_error("migrate", e))?;
+        }
+        for sql in [
+            format!(
+                "CREATE TABLE IF NOT EXISTS {t} (
+                    consumer     text   NOT NULL,
+                    message_id   bytea  NOT NULL,
+                    fingerprint  bytea  NOT NULL,
+                    processed_at bigint NOT NULL,
+                    PRIMARY KEY (consumer, message_id)
+                )"
+            ),
+            format!(
+                "CREATE INDEX IF NOT EXISTS {name}_processed_at ON {t} USING brin (processed_at)"
+            ),
+            format!(
+                "COMMENT ON TABLE {t} IS 'idem claims: one row per (consumer, message_id) \
+                 processed; processed_at in microseconds since the Unix epoch'"
+            ),
+        ] {
+            sqlx::query(&sql)
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| store_error("migrate", e))?;
+        }
+        tx.commit().await.map_err(commit_error)
+    }
+}
+
+impl Prune for PostgresStore {
+    async fn prune_batch(
+        &self,
+        consumer: Option<&ConsumerName>,
+        before: Timestamp,
+        limit: u32,
+    ) -> Result<u64, Error> {
+        let q = match consumer {
+            None => sqlx::query(&self.sql.prune_all)
+                .bind(before.as_micros())
+                .bind(i64::from(limit)),
+            Some(c) => sqlx::query(&self.sql.prune_consumer)
+                .bind(before.as_micros())
+                .bind(i64::from(limit))
+                .bind(c.as_str()),
+        };
+        q.execute(&self.pool)
+            .await
+            .map(|r| r.rows_affected())
+            .map_err(|e| store_error("prune", e))
+    }
+}
+
+impl Stats for PostgresStore {
+    async fn stats(&self) -> Result<Vec<ConsumerStats>, Error> {
+        let rows = sqlx::query(&self.sql.stats)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| store_error("stats", e))?;
+        Ok(rows
+            .into_iter()
+            .map(|r| ConsumerStats {
+                consumer: r.get(0),
+                claims: u64::try_from(r.get::<i64, _>(1)).unwrap_or(0),
+                oldest: Timestamp::from_micros(r.get(2)),
+                newest: Timestamp::from_micros(r.get(3)),
+            })
+            .collect())
+    }
+}

@@ -1,0 +1,416 @@
+//! SQLite store: the embedded default.
+//!
+//! SQLite allows one writer at a time. Every transaction here starts with `BEGIN IMMEDIATE`,
+//! which takes the write lock up front, so a concurrent duplicate waits (up to the busy timeout)
+//! for the first transaction to finish and then finds its committed claim — the same guarantee
+//! the row lock gives on PostgreSQL. A deferred `BEGIN` would instead fail with SQLITE_BUSY when
+//! it tries to upgrade a read lock. The journal is WAL, so readers never block the writer.
+
+use std::path::Path;
+use std::str::FromStr;
+use std::time::Duration;
+
+use idem_core::store::ClaimRequest;
+use idem_core::{
+    BatchClaimStore, ClaimStore, ConsumerName, ConsumerStats, Error, ErrorKind, Fingerprint,
+    MessageId, Migrate, Prune, Savepoints, Stats, Timestamp, TransactionalStore,
+};
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
+    SqliteSynchronous,
+};
+use sqlx::{QueryBuilder, Row, Sqlite};
+
+use crate::common::stored_fingerprint;
+use crate::errors::{classify, commit_error, store_error};
+use crate::table::TableName;
+
+/// SQLite has no practical limit; this bound keeps rows and the index reasonable.
+pub const MAX_MESSAGE_ID_LEN: usize = 4096;
+
+/// Rows per multi-row INSERT, under SQLite's bound-parameter limit (4 per row).
+const CHUNK: usize = 500;
+
+/// Claims stored in an SQLite database file.
+#[derive(Debug, Clone)]
+pub struct SqliteStore {
+    pool: SqlitePool,
+    table: TableName,
+    sql: Statements,
+}
+
+#[derive(Debug, Clone)]
+struct Statements {
+    table: String,
+    claim: String,
+    read_fingerprint: String,
+    prune_all: String,
+    prune_consumer: String,
+    stats: String,
+}
+
+impl Statements {
+    fn new(t: &TableName) -> Self {
+        Self {
+            table: t.to_string(),
+            claim: format!(
+                "INSERT INTO {t} (consumer, message_id, fingerprint, processed_at) \
+                 VALUES (?1, ?2, ?3, ?4) ON CONFLICT (consumer, message_id) DO NOTHING"
+            ),
+            read_fingerprint: format!(
+                "SELECT fingerprint FROM {t} WHERE consumer = ?1 AND message_id = ?2"
+            ),
+            prune_all: format!(
+                "DELETE FROM {t} WHERE rowid IN \
+                 (SELECT rowid FROM {t} WHERE processed_at < ?1 LIMIT ?2)"
+            ),
+            prune_consumer: format!(
+                "DELETE FROM {t} WHERE rowid IN \
+                 (SELECT rowid FROM {t} WHERE processed_at < ?1 AND consumer = ?3 LIMIT ?2)"
+            ),
+            stats: format!(
+                "SELECT consumer, count(*), min(processed_at), max(processed_at) \
+                 FROM {t} GROUP BY consumer ORDER BY consumer"
+            ),
+        }
+    }
+}
+
+/// How an SQLite database is opened.
+#[derive(Debug, Clone)]
+pub struct SqliteOptions {
+    busy_timeout: Duration,
+    synchronous: SqliteSynchronous,
+    max_connections: u32,
+    create: bool,
+}
+
+impl Default for SqliteOptions {
+    fn default() -> Self {
+        Self {
+            busy_timeout: Duration::from_secs(10),
+            synchronous: SqliteSynchronous::Full,
+            max_connections: 8,
+            create: true,
+        }
+    }
+}
+
+impl SqliteOptions {
+    /// How long a transaction waits for the write lock before failing with a transient error
+    /// (default 10 s).
+    pub fn busy_timeout(mut self, d: Duration) -> Self {
+        self.busy_timeout = d;
+        self
+    }
+
+    /// `synchronous = NORMAL` instead of `FULL`: faster commits, but a power loss may undo the
+    /// last commits *after* the broker was acked — those messages' effects are then lost.
+    /// Only for data you can rebuild.
+    pub fn relaxed_durability(mut self) -> Self {
+        self.synchronous = SqliteSynchronous::Normal;
+        self
+    }
+
+    /// Pool size (default 8). Writers still take turns; more connections help readers.
+    pub fn max_connections(mut self, n: u32) -> Self {
+        self.max_connections = n.max(1);
+        self
+    }
+
+    /// Fail instead of creating a missing database file.
+    pub fn must_exist(mut self) -> Self {
+        self.create = false;
+        self
+    }
+}
+
+impl SqliteStore {
+    /// Opens (creating if needed) the database file at `path` with WAL, a busy timeout and
+    /// full durability.
+    pub async fn open(path: impl AsRef<Path>, options: SqliteOptions) -> Result<Self, Error> {
+        let connect = SqliteConnectOptions::new().filename(path.as_ref());
+        Self::open_with(connect, options, &path.as_ref().display().to_string()).await
+    }
+
+    /// Opens a `sqlite:` URL (`sqlite:idem.db`, `sqlite:///var/lib/app/idem.db`,
+    /// `sqlite::memory:` is refused: each pooled connection would see its own database).
+    pub async fn connect(url: &str, options: SqliteOptions) -> Result<Self, Error> {
+        if url.contains(":memory:") || url.contains("mode=memory") {
+            return Err(Error::new(
+                ErrorKind::InvalidConfig,
+                "in-memory SQLite is not supported: claims would vanish with the connection",
+            ));
+        }
+        let connect = SqliteConnectOptions::from_str(url).map_err(|e| {
+            Error::new(
+                ErrorKind::InvalidConfig,
+                format!("invalid SQLite URL {url:?}: {e}"),
+            )
+            .with_source(e)
+        })?;
+        Self::open_with(connect, options, url).await
+    }
+
+    async fn open_with(
+        connect: SqliteConnectOptions,
+        o: SqliteOptions,
+        what: &str,
+    ) -> Result<Self, Error> {
+        let connect = connect
+            .create_if_missing(o.create)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(o.synchronous)
+            .busy_timeout(o.busy_timeout)
+            .foreign_keys(true);
+        let pool = SqlitePoolOptions::new()
+            .max_connections(o.max_connections)
+            .connect_with(connect)
+            .await
+            .map_err(|e| store_error(&format!("opening SQLite database {what}"), e))?;
+        Ok(Self::from_pool(pool))
+    }
+
+    /// Uses an existing pool. It should use WAL and a busy timeout, as [`SqliteStore::open`]
+    /// configures.
+    pub fn from_pool(pool: SqlitePool) -> Self {
+        let table = TableName::default();
+        Self {
+            sql: Statements::new(&table),
+            pool,
+            table,
+        }
+    }
+
+    /// Stores claims in `table` instead of `idem_processed`.
+    pub fn with_table(mut self, table: TableName) -> Result<Self, Error> {
+        if table.schema().is_some() {
+            return Err(Error::new(
+                ErrorKind::InvalidConfig,
+                "SQLite tables cannot be schema-qualified here; use a plain table name",
+            ));
+        }
+        self.sql = Statements::new(&table);
+        self.table = table;
+        Ok(self)
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+
+    /// The claims table.
+    pub fn table(&self) -> &TableName {
+        &self.table
+    }
+
+    /// Begins a transaction that holds the write lock (`BEGIN IMMEDIATE`). Use it for your own
+    /// transactions that call the low-level claim.
+    pub async fn begin_immediate(&self) -> Result<sqlx::Transaction<'static, Sqlite>, Error> {
+        self.pool
+            .begin_with("BEGIN IMMEDIATE")
+            .await
+            .map_err(|e| store_error("BEGIN IMMEDIATE", e))
+    }
+
+    /// The claim on a connection inside a transaction begun with [`begin_immediate`].
+    ///
+    /// [`begin_immediate`]: SqliteStore::begin_immediate
+    pub async fn claim_on(
+        &self,
+        conn: &mut SqliteConnection,
+        claim: ClaimRequest<'_>,
+    ) -> Result<Option<Fingerprint>, Error> {
+        let inserted = sqlx::query(&self.sql.claim)
+            .bind(claim.consumer.as_str())
+            .bind(claim.id.as_bytes())
+            .bind(&claim.fingerprint.as_bytes()[..])
+            .bind(claim.at.as_micros())
+            .execute(&mut *conn)
+            .await
+            .map_err(|e| store_error("claim", e))?
+            .rows_affected();
+        if inserted == 1 {
+            return Ok(None);
+        }
+        let row = sqlx::query(&self.sql.read_fingerprint)
+            .bind(claim.consumer.as_str())
+            .bind(claim.id.as_bytes())
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(|e| store_error("reading the stored fingerprint", e))?;
+        stored_fingerprint(row.map(|r| r.get::<Vec<u8>, _>(0)))
+    }
+}
+
+impl TransactionalStore for SqliteStore {
+    type Tx = sqlx::Transaction<'static, Sqlite>;
+
+    async fn begin(&self) -> Result<Self::Tx, Error> {
+        self.begin_immediate().await
+    }
+
+    async fn commit(&self, tx: Self::Tx) -> Result<(), Error> {
+        tx.commit().await.map_err(commit_error)
+    }
+
+    async fn rollback(&self, tx: Self::Tx) -> Result<(), Error> {
+        tx.rollback().await.map_err(|e| store_error("rollback", e))
+    }
+
+    fn classify(&self, error: &(dyn std::error::Error + 'static)) -> Option<ErrorKind> {
+        classify(error)
+    }
+}
+
+impl ClaimStore for SqliteStore {
+    fn max_message_id_len(&self) -> usize {
+        MAX_MESSAGE_ID_LEN
+    }
+
+    async fn claim(
+        &self,
+        tx: &mut Self::Tx,
+        claim: ClaimRequest<'_>,
+    ) -> Result<Option<Fingerprint>, Error> {
+        self.claim_on(tx, claim).await
+    }
+}
+
+impl BatchClaimStore for SqliteStore {
+    async fn claim_many(
+        &self,
+        tx: &mut Self::Tx,
+        consumer: &ConsumerName,
+        items: &[(&MessageId, Fingerprint)],
+        at: Timestamp,
+    ) -> Result<Vec<Option<Fingerprint>>, Error> {
+        let t = &self.sql.table;
+        let mut inserted = std::collections::HashSet::new();
+        for chunk in items.chunks(CHUNK) {
+            let mut q = QueryBuilder::<Sqlite>::new(format!(
+                "INSERT INTO {t} (consumer, message_id, fingerprint, processed_at) "
+            ));
+            q.push_values(chunk, |mut row, (id, fp)| {
+                row.push_bind(consumer.as_str())
+                    .push_bind(id.as_bytes())
+                    .push_bind(&fp.as_bytes()[..])
+                    .push_bind(at.as_micros());
+            });
+            q.push(" ON CONFLICT (consumer, message_id) DO NOTHING RETURNING message_id");
+            let rows: Vec<Vec<u8>> = q
+                .build_query_scalar()
+                .fetch_all(&mut **tx)
+                .await
+                .map_err(|e| store_error("batch claim", e))?;
+            inserted.extend(rows);
+        }
+        let mut out = Vec::with_capacity(items.len());
+        for (id, _) in items {
+            if inserted.contains(id.as_bytes()) {
+                out.push(None);
+            } else {
+                let row = sqlx::query(&self.sql.read_fingerprint)
+                    .bind(consumer.as_str())
+                    .bind(id.as_bytes())
+                    .fetch_optional(&mut **tx)
+                    .await
+                    .map_err(|e| store_error("reading the stored fingerprint", e))?;
+                out.push(stored_fingerprint(row.map(|r| r.get::<Vec<u8>, _>(0)))?);
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl Savepoints for SqliteStore {
+    async fn savepoint(&self, tx: &mut Self::Tx) -> Result<(), Error> {
+        exec(tx, "SAVEPOINT idem_message").await
+    }
+
+    async fn release_savepoint(&self, tx: &mut Self::Tx) -> Result<(), Error> {
+        exec(tx, "RELEASE SAVEPOINT idem_message").await
+    }
+
+    async fn rollback_to_savepoint(&self, tx: &mut Self::Tx) -> Result<(), Error> {
+        exec(tx, "ROLLBACK TO SAVEPOINT idem_message").await?;
+        exec(tx, "RELEASE SAVEPOINT idem_message").await
+    }
+}
+
+async fn exec(conn: &mut SqliteConnection, sql: &'static str) -> Result<(), Error> {
+    sqlx::query(sql)
+        .execute(conn)
+        .await
+        .map(drop)
+        .map_err(|e| store_error(sql, e))
+}
+
+impl Migrate for SqliteStore {
+    async fn migrate(&self) -> Result<(), Error> {
+        let t = &self.table;
+        let name = t.table();
+        let mut tx = self.begin_immediate().await?;
+        for sql in [
+            // processed_at: microseconds since the Unix epoch.
+            format!(
+                "CREATE TABLE IF NOT EXISTS {t} (
+                    consumer     TEXT    NOT NULL,
+                    message_id   BLOB    NOT NULL,
+                    fingerprint  BLOB    NOT NULL,
+                    processed_at INTEGER NOT NULL,
+                    PRIMARY KEY (consumer, message_id)
+                )"
+            ),
+            format!("CREATE INDEX IF NOT EXISTS {name}_processed_at ON {t} (processed_at)"),
+        ] {
+            sqlx::query(&sql)
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| store_error("migrate", e))?;
+        }
+        tx.commit().await.map_err(commit_error)
+    }
+}
+
+impl Prune for SqliteStore {
+    async fn prune_batch(
+        &self,
+        consumer: Option<&ConsumerName>,
+        before: Timestamp,
+        limit: u32,
+    ) -> Result<u64, Error> {
+        let q = match consumer {
+            None => sqlx::query(&self.sql.prune_all)
+                .bind(before.as_micros())
+                .bind(i64::from(limit)),
+            Some(c) => sqlx::query(&self.sql.prune_consumer)
+                .bind(before.as_micros())
+                .bind(i64::from(limit))
+                .bind(c.as_str()),
+        };
+        q.execute(&self.pool)
+            .await
+            .map(|r| r.rows_affected())
+            .map_err(|e| store_error("prune", e))
+    }
+}
+
+impl Stats for SqliteStore {
+    async fn stats(&self) -> Result<Vec<ConsumerStats>, Error> {
+        let rows = sqlx::query(&self.sql.stats)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| store_error("stats", e))?;
+        Ok(rows
+            .into_iter()
+            .map(|r| ConsumerStats {
+                consumer: r.get(0),
+                claims: u64::try_from(r.get::<i64, _>(1)).unwrap_or(0),
+                oldest: Timestamp::from_micros(r.get(2)),
+                newest: Timestamp::from_micros(r.get(3)),
+            })
+            .collect())
+    }
+}

@@ -1,0 +1,114 @@
+//! The processed-messages table name: configurable, validated, never interpolated unchecked.
+
+use std::fmt;
+
+use idem_core::{Error, ErrorKind};
+
+/// The default table name.
+pub const DEFAULT_TABLE: &str = "idem_processed";
+
+/// A validated table name, optionally schema-qualified (`billing.idem_processed`).
+///
+/// Table names end up inside SQL text (they cannot be bind parameters), so only plain
+/// identifiers are accepted: ASCII letters, digits and `_`, not starting with a digit, at most
+/// 48 bytes per part — short enough that derived index names fit every engine's limit.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct TableName {
+    schema: Option<Box<str>>,
+    table: Box<str>,
+}
+
+impl TableName {
+    /// Validates a table name.
+    pub fn new(name: &str) -> Result<Self, Error> {
+        let (schema, table) = match name.split_once('.') {
+            Some((s, t)) => (Some(s), t),
+            None => (None, name),
+        };
+        for part in schema.iter().chain(Some(&table)) {
+            let ok = !part.is_empty()
+                && part.len() <= 48
+                && part.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+                && !part.as_bytes()[0].is_ascii_digit();
+            if !ok {
+                return Err(Error::new(
+                    ErrorKind::InvalidConfig,
+                    format!(
+                        "invalid table name {name:?}: use letters, digits and _ (at most 48 each), \
+                         optionally schema-qualified as schema.table"
+                    ),
+                ));
+            }
+        }
+        Ok(Self {
+            schema: schema.map(Into::into),
+            table: table.into(),
+        })
+    }
+
+    /// The unqualified table name, used to derive index names.
+    pub fn table(&self) -> &str {
+        &self.table
+    }
+
+    /// The schema, if qualified.
+    pub fn schema(&self) -> Option<&str> {
+        self.schema.as_deref()
+    }
+}
+
+impl Default for TableName {
+    fn default() -> Self {
+        Self {
+            schema: None,
+            table: DEFAULT_TABLE.into(),
+        }
+    }
+}
+
+impl fmt::Display for TableName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.schema {
+            Some(s) => write!(f, "{s}.{}", self.table),
+            None => f.write_str(&self.table),
+        }
+    }
+}
+
+impl fmt::Debug for TableName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "TableName({self})")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accepts_plain_and_qualified_names() {
+        assert_eq!(
+            TableName::new("idem_processed").unwrap().to_string(),
+            "idem_processed"
+        );
+        let t = TableName::new("billing.claims").unwrap();
+        assert_eq!((t.schema(), t.table()), (Some("billing"), "claims"));
+    }
+
+    #[test]
+    fn rejects_anything_that_could_escape_an_identifier() {
+        for bad in [
+            "",
+            "a b",
+            "t;drop table x",
+            "1abc",
+            "a.b.c",
+            "\"t\"",
+            "a-b",
+            &"x".repeat(49),
+        ] {
+            let err = TableName::new(bad).unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::InvalidConfig, "{bad:?}");
+        }
+    }
+}
