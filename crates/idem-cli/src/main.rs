@@ -1,1 +1,65 @@
-fn main() {}
+//! The `idem` command: a thin binary over the idem libraries.
+//!
+//! `idem demo` runs the payments scenario on the embedded SQLite store; `migrate`, `prune` and
+//! `stats` administer a claims table on any SQL store; `bench` measures the claim's overhead.
+
+mod admin;
+mod bench;
+mod demo;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Idempotent message processing: exactly-once effects over at-least-once delivery.
+#[derive(Debug, Parser)]
+#[command(name = "idem", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the payments demo on an embedded SQLite ledger, through a simulated at-least-once broker.
+    Demo(demo::DemoArgs),
+    /// Create the claims table (idempotent).
+    Migrate(admin::MigrateArgs),
+    /// Delete claims older than a duration, in bounded batches.
+    Prune(admin::PruneArgs),
+    /// Show claims per consumer, oldest and newest.
+    Stats(admin::StatsArgs),
+    /// Measure the claim's overhead against the same handler without it.
+    Bench(bench::BenchArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let result = runtime.block_on(async {
+        match cli.command {
+            Command::Demo(args) => demo::run(args).await,
+            Command::Migrate(args) => admin::migrate(args).await,
+            Command::Prune(args) => admin::prune(args).await,
+            Command::Stats(args) => admin::stats(args).await,
+            Command::Bench(args) => bench::run(args).await,
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // One line, with the cause chain, no backtrace: `{:#}` joins anyhow's contexts.
+            eprintln!("error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}

@@ -1,6 +1,7 @@
 //! Small helpers every SQL store shares.
 
-use idem_core::{Error, ErrorKind, Fingerprint};
+use idem_core::{ConsumerStats, Error, ErrorKind, Fingerprint, Timestamp};
+use sqlx::Row;
 
 /// Turns the stored column into a fingerprint; a missing row means the claim vanished between
 /// the insert and the read (pruned concurrently), which a retry resolves.
@@ -31,6 +32,22 @@ pub(crate) fn redact(url: &str) -> String {
         }
         _ => url.to_string(),
     }
+}
+
+/// Reads one `(consumer, count, oldest, newest)` row of a stats query.
+pub(crate) fn stats_row<R>(r: &R) -> Result<ConsumerStats, sqlx::Error>
+where
+    R: Row,
+    usize: sqlx::ColumnIndex<R>,
+    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+{
+    Ok(ConsumerStats {
+        consumer: r.try_get(0)?,
+        claims: u64::try_from(r.try_get::<i64, _>(1)?).unwrap_or(0),
+        oldest: Timestamp::from_micros(r.try_get(2)?),
+        newest: Timestamp::from_micros(r.try_get(3)?),
+    })
 }
 
 #[cfg(test)]

@@ -13,8 +13,9 @@ use idem_core::{
     MessageId, Migrate, Prune, Savepoints, Stats, Timestamp, TransactionalStore,
 };
 use sqlx::mysql::{MySql, MySqlConnection, MySqlPool, MySqlPoolOptions};
-use sqlx::{QueryBuilder, Row};
+use sqlx::QueryBuilder;
 
+use crate::common::stats_row;
 use crate::common::{redact, stored_fingerprint};
 use crate::errors::{classify, commit_error, store_error};
 use crate::table::TableName;
@@ -59,7 +60,7 @@ impl Statements {
                 "DELETE FROM {t} WHERE processed_at < ? AND consumer = ? LIMIT ?"
             ),
             stats: format!(
-                "SELECT consumer, CAST(count(*) AS SIGNED), min(processed_at), max(processed_at) \
+                "SELECT CAST(consumer AS CHAR), CAST(count(*) AS SIGNED), min(processed_at), max(processed_at) \
                  FROM {t} GROUP BY consumer ORDER BY consumer"
             ),
         }
@@ -123,13 +124,13 @@ impl MySqlStore {
             return Ok(None);
         }
         // The update above locked the existing row and made it visible to this transaction.
-        let row = sqlx::query(&self.sql.read_fingerprint)
+        let row: Option<Vec<u8>> = sqlx::query_scalar(&self.sql.read_fingerprint)
             .bind(claim.consumer.as_str())
             .bind(claim.id.as_bytes())
             .fetch_optional(&mut *conn)
             .await
             .map_err(|e| store_error("reading the stored fingerprint", e))?;
-        stored_fingerprint(row.map(|r| r.get::<Vec<u8>, _>(0)))
+        stored_fingerprint(row)
     }
 }
 
@@ -212,14 +213,12 @@ impl BatchClaimStore for MySqlStore {
                 sep.push_bind(id.as_bytes());
             }
             q.push(")");
-            let rows = q
-                .build()
+            let rows: Vec<(Vec<u8>, Vec<u8>)> = q
+                .build_query_as()
                 .fetch_all(&mut **tx)
                 .await
                 .map_err(|e| store_error("reading stored fingerprints", e))?;
-            for r in rows {
-                existing.insert(r.get::<Vec<u8>, _>(0), r.get::<Vec<u8>, _>(1));
-            }
+            existing.extend(rows);
         }
         items
             .iter()
@@ -308,14 +307,9 @@ impl Stats for MySqlStore {
             .fetch_all(&self.pool)
             .await
             .map_err(|e| store_error("stats", e))?;
-        Ok(rows
-            .into_iter()
-            .map(|r| ConsumerStats {
-                consumer: r.get(0),
-                claims: u64::try_from(r.get::<i64, _>(1)).unwrap_or(0),
-                oldest: Timestamp::from_micros(r.get(2)),
-                newest: Timestamp::from_micros(r.get(3)),
-            })
-            .collect())
+        rows.iter()
+            .map(stats_row)
+            .collect::<Result<_, sqlx::Error>>()
+            .map_err(|e| store_error("stats", e))
     }
 }

@@ -12,8 +12,9 @@ use idem_core::{
     MessageId, Migrate, Prune, Savepoints, Stats, Timestamp, TransactionalStore,
 };
 use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions};
-use sqlx::{Postgres, Row};
+use sqlx::Postgres;
 
+use crate::common::stats_row;
 use crate::common::{redact, stored_fingerprint};
 use crate::errors::{classify, commit_error, store_error};
 use crate::table::TableName;
@@ -134,13 +135,13 @@ impl PostgresStore {
             return Ok(None);
         }
         // READ COMMITTED: this new statement sees the row whose commit the insert waited for.
-        let row = sqlx::query(&self.sql.read_fingerprint)
+        let row: Option<Vec<u8>> = sqlx::query_scalar(&self.sql.read_fingerprint)
             .bind(claim.consumer.as_str())
             .bind(claim.id.as_bytes())
             .fetch_optional(&mut *conn)
             .await
             .map_err(|e| store_error("reading the stored fingerprint", e))?;
-        stored_fingerprint(row.map(|r| r.get::<Vec<u8>, _>(0)))
+        stored_fingerprint(row)
     }
 }
 
@@ -205,16 +206,13 @@ impl BatchClaimStore for PostgresStore {
             .copied()
             .filter(|id| !inserted.contains(*id))
             .collect();
-        let rows = sqlx::query(&self.sql.read_fingerprints)
+        let rows: Vec<(Vec<u8>, Vec<u8>)> = sqlx::query_as(&self.sql.read_fingerprints)
             .bind(consumer.as_str())
             .bind(&existing)
             .fetch_all(&mut **tx)
             .await
             .map_err(|e| store_error("reading stored fingerprints", e))?;
-        let mut stored: std::collections::HashMap<Vec<u8>, Vec<u8>> = rows
-            .into_iter()
-            .map(|r| (r.get::<Vec<u8>, _>(0), r.get::<Vec<u8>, _>(1)))
-            .collect();
+        let mut stored: std::collections::HashMap<Vec<u8>, Vec<u8>> = rows.into_iter().collect();
         ids.iter()
             .map(|id| {
                 if inserted.contains(*id) {
@@ -329,14 +327,9 @@ impl Stats for PostgresStore {
             .fetch_all(&self.pool)
             .await
             .map_err(|e| store_error("stats", e))?;
-        Ok(rows
-            .into_iter()
-            .map(|r| ConsumerStats {
-                consumer: r.get(0),
-                claims: u64::try_from(r.get::<i64, _>(1)).unwrap_or(0),
-                oldest: Timestamp::from_micros(r.get(2)),
-                newest: Timestamp::from_micros(r.get(3)),
-            })
-            .collect())
+        rows.iter()
+            .map(stats_row)
+            .collect::<Result<_, sqlx::Error>>()
+            .map_err(|e| store_error("stats", e))
     }
 }

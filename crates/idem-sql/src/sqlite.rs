@@ -19,8 +19,9 @@ use sqlx::sqlite::{
     SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
     SqliteSynchronous,
 };
-use sqlx::{QueryBuilder, Row, Sqlite};
+use sqlx::{QueryBuilder, Sqlite};
 
+use crate::common::stats_row;
 use crate::common::stored_fingerprint;
 use crate::errors::{classify, commit_error, store_error};
 use crate::table::TableName;
@@ -234,13 +235,13 @@ impl SqliteStore {
         if inserted == 1 {
             return Ok(None);
         }
-        let row = sqlx::query(&self.sql.read_fingerprint)
+        let row: Option<Vec<u8>> = sqlx::query_scalar(&self.sql.read_fingerprint)
             .bind(claim.consumer.as_str())
             .bind(claim.id.as_bytes())
             .fetch_optional(&mut *conn)
             .await
             .map_err(|e| store_error("reading the stored fingerprint", e))?;
-        stored_fingerprint(row.map(|r| r.get::<Vec<u8>, _>(0)))
+        stored_fingerprint(row)
     }
 }
 
@@ -311,13 +312,13 @@ impl BatchClaimStore for SqliteStore {
             if inserted.contains(id.as_bytes()) {
                 out.push(None);
             } else {
-                let row = sqlx::query(&self.sql.read_fingerprint)
+                let row: Option<Vec<u8>> = sqlx::query_scalar(&self.sql.read_fingerprint)
                     .bind(consumer.as_str())
                     .bind(id.as_bytes())
                     .fetch_optional(&mut **tx)
                     .await
                     .map_err(|e| store_error("reading the stored fingerprint", e))?;
-                out.push(stored_fingerprint(row.map(|r| r.get::<Vec<u8>, _>(0)))?);
+                out.push(stored_fingerprint(row)?);
             }
         }
         Ok(out)
@@ -403,14 +404,9 @@ impl Stats for SqliteStore {
             .fetch_all(&self.pool)
             .await
             .map_err(|e| store_error("stats", e))?;
-        Ok(rows
-            .into_iter()
-            .map(|r| ConsumerStats {
-                consumer: r.get(0),
-                claims: u64::try_from(r.get::<i64, _>(1)).unwrap_or(0),
-                oldest: Timestamp::from_micros(r.get(2)),
-                newest: Timestamp::from_micros(r.get(3)),
-            })
-            .collect())
+        rows.iter()
+            .map(stats_row)
+            .collect::<Result<_, sqlx::Error>>()
+            .map_err(|e| store_error("stats", e))
     }
 }

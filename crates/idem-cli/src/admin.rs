@@ -1,0 +1,143 @@
+//! `idem migrate`, `idem prune`, `idem stats`: operators' commands on any SQL store.
+
+use std::time::Duration;
+
+use anyhow::Context;
+use idem_core::{Clock, ConsumerName, SystemClock, format_duration, parse_duration};
+use idem_sql::{AnyStore, TableName};
+
+/// Where the claims live.
+#[derive(Debug, clap::Args)]
+pub(crate) struct StoreArgs {
+    /// Store URL: sqlite:PATH, postgres://…, mysql://…
+    #[arg(long, value_name = "URL")]
+    store: String,
+    /// Claims table name.
+    #[arg(long, default_value = idem_sql::DEFAULT_TABLE)]
+    table: String,
+}
+
+impl StoreArgs {
+    async fn connect(&self, create: bool) -> anyhow::Result<AnyStore> {
+        let table = TableName::new(&self.table)?;
+        let store = if create {
+            AnyStore::connect_or_create(&self.store, table).await?
+        } else {
+            AnyStore::connect(&self.store, table).await?
+        };
+        Ok(store)
+    }
+}
+
+/// Options of `idem migrate`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct MigrateArgs {
+    #[command(flatten)]
+    store: StoreArgs,
+}
+
+/// Options of `idem prune`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct PruneArgs {
+    #[command(flatten)]
+    store: StoreArgs,
+    /// Delete claims processed longer ago than this (7d, 36h, 90m).
+    #[arg(long, value_name = "DURATION", value_parser = parse_arg_duration)]
+    older_than: Duration,
+    /// The broker's longest redelivery window; pruning closer to now than this is refused.
+    #[arg(long, value_name = "DURATION", value_parser = parse_arg_duration)]
+    redelivery_window: Option<Duration>,
+    /// Only this consumer's claims.
+    #[arg(long)]
+    consumer: Option<String>,
+    /// Rows deleted per transaction.
+    #[arg(long, default_value_t = 10_000)]
+    batch: u32,
+}
+
+/// Options of `idem stats`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct StatsArgs {
+    #[command(flatten)]
+    store: StoreArgs,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn parse_arg_duration(s: &str) -> Result<Duration, String> {
+    parse_duration(s).map_err(|e| e.to_string())
+}
+
+pub(crate) async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
+    let store = args.store.connect(true).await?;
+    store.migrate().await?;
+    println!("claims table {} is ready", args.store.table);
+    Ok(())
+}
+
+pub(crate) async fn prune(args: PruneArgs) -> anyhow::Result<()> {
+    if let Some(window) = args.redelivery_window {
+        idem_core::Retention::new(args.older_than, window)?;
+    }
+    let consumer = args
+        .consumer
+        .as_deref()
+        .map(ConsumerName::new)
+        .transpose()?;
+    let store = args.store.connect(false).await?;
+    let before = SystemClock.now().saturating_sub(args.older_than);
+    let deleted = store
+        .prune(consumer.as_ref(), before, args.batch)
+        .await
+        .context("pruning")?;
+    println!(
+        "deleted {deleted} claims processed more than {} ago (before {before})",
+        format_duration(args.older_than)
+    );
+    Ok(())
+}
+
+pub(crate) async fn stats(args: StatsArgs) -> anyhow::Result<()> {
+    let store = args.store.connect(false).await?;
+    let rows = store.stats().await?;
+    if args.json {
+        let rows: Vec<_> = rows
+            .iter()
+            .map(|r| {
+                serde_json::json!({
+                    "consumer": r.consumer,
+                    "claims": r.claims,
+                    "oldest": r.oldest.to_string(),
+                    "newest": r.newest.to_string(),
+                })
+            })
+            .collect();
+        println!("{}", serde_json::Value::Array(rows));
+        return Ok(());
+    }
+    if rows.is_empty() {
+        println!("no claims in {}", args.store.table);
+        return Ok(());
+    }
+    let width = rows
+        .iter()
+        .map(|r| r.consumer.len())
+        .max()
+        .unwrap_or(8)
+        .max(8);
+    println!(
+        "{:<width$}  {:>10}  {:<27}  {:<27}",
+        "consumer", "claims", "oldest", "newest"
+    );
+    for r in rows {
+        println!(
+            "{:<width$}  {:>10}  {:<27}  {:<27}",
+            r.consumer,
+            r.claims,
+            r.oldest.to_string(),
+            r.newest.to_string()
+        );
+    }
+    Ok(())
+}
