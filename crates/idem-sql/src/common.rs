@@ -50,6 +50,49 @@ where
     })
 }
 
+/// How long `connect` waits for the first connection before reporting the server unreachable.
+const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Opens a pool on `url`, failing fast with the real cause.
+///
+/// A pool retries failed connections until its acquire timeout and then reports only "pool
+/// timed out"; one direct connection first surfaces "connection refused" or "database does not
+/// exist" at once, which is what an operator needs to see.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) async fn connect_pool<DB: sqlx::Database>(
+    url: &str,
+    what: &str,
+    max_connections: u32,
+) -> Result<sqlx::Pool<DB>, Error> {
+    use sqlx::ConnectOptions;
+    use sqlx::Connection;
+    type Opts<DB> = <<DB as sqlx::Database>::Connection as Connection>::Options;
+
+    let place = format!("{what} at {}", redact(url));
+    let options: Opts<DB> = url.parse().map_err(|e: sqlx::Error| {
+        Error::new(ErrorKind::InvalidConfig, format!("invalid {what} URL {}: {e}", redact(url)))
+            .with_source(e)
+    })?;
+    let probe = tokio::time::timeout(CONNECT_TIMEOUT, options.connect()).await;
+    match probe {
+        Err(_) => {
+            return Err(Error::new(
+                ErrorKind::Unavailable,
+                format!("connecting to {place} timed out after {}s", CONNECT_TIMEOUT.as_secs()),
+            ));
+        }
+        Ok(Err(e)) => return Err(crate::errors::store_error(&format!("connecting to {place}"), e)),
+        Ok(Ok(conn)) => {
+            let _ = conn.close().await;
+        }
+    }
+    sqlx::pool::PoolOptions::<DB>::new()
+        .max_connections(max_connections)
+        .connect_with(options)
+        .await
+        .map_err(|e| crate::errors::store_error(&format!("connecting to {place}"), e))
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

@@ -12,11 +12,11 @@ use idem_core::{
     BatchClaimStore, ClaimStore, ConsumerName, ConsumerStats, Error, ErrorKind, Fingerprint,
     MessageId, Migrate, Prune, Savepoints, Stats, Timestamp, TransactionalStore,
 };
-use sqlx::mysql::{MySql, MySqlConnection, MySqlPool, MySqlPoolOptions};
+use sqlx::mysql::{MySql, MySqlConnection, MySqlPool};
 use sqlx::QueryBuilder;
 
 use crate::common::stats_row;
-use crate::common::{redact, stored_fingerprint};
+use crate::common::stored_fingerprint;
 use crate::errors::{classify, commit_error, store_error};
 use crate::table::TableName;
 
@@ -70,11 +70,7 @@ impl Statements {
 impl MySqlStore {
     /// Connects a pool to `url` (`mysql://user:pass@host/db`) with the default table.
     pub async fn connect(url: &str) -> Result<Self, Error> {
-        let pool = MySqlPoolOptions::new()
-            .max_connections(16)
-            .connect(url)
-            .await
-            .map_err(|e| store_error(&format!("connecting to MySQL at {}", redact(url)), e))?;
+        let pool = crate::common::connect_pool::<MySql>(url, "MySQL", 16).await?;
         Ok(Self::from_pool(pool))
     }
 

@@ -11,11 +11,11 @@ use idem_core::{
     BatchClaimStore, ClaimStore, ConsumerName, ConsumerStats, Error, ErrorKind, Fingerprint,
     MessageId, Migrate, Prune, Savepoints, Stats, Timestamp, TransactionalStore,
 };
-use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions};
+use sqlx::postgres::{PgConnection, PgPool};
 use sqlx::Postgres;
 
 use crate::common::stats_row;
-use crate::common::{redact, stored_fingerprint};
+use crate::common::stored_fingerprint;
 use crate::errors::{classify, commit_error, store_error};
 use crate::table::TableName;
 
@@ -80,11 +80,7 @@ impl Statements {
 impl PostgresStore {
     /// Connects a pool to `url` (`postgres://user@host/db`) with the default table.
     pub async fn connect(url: &str) -> Result<Self, Error> {
-        let pool = PgPoolOptions::new()
-            .max_connections(16)
-            .connect(url)
-            .await
-            .map_err(|e| store_error(&format!("connecting to PostgreSQL at {}", redact(url)), e))?;
+        let pool = crate::common::connect_pool::<Postgres>(url, "PostgreSQL", 16).await?;
         Ok(Self::from_pool(pool))
     }
 

@@ -1,0 +1,217 @@
+//! `idem migrate/prune/stats` through the real binary: happy paths on SQLite (and PostgreSQL
+//! and MariaDB when configured), and every bad input giving one clear line and exit code 2.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+use idem_testkit::{service_url, services, unique_name};
+
+fn idem(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(args)
+        .output()
+        .expect("run idem")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// Exit code 2, a single `error:` line mentioning `needle`, and no panic.
+fn assert_clear_error(o: &Output, needle: &str) {
+    let err = stderr(o);
+    assert_eq!(o.status.code(), Some(2), "stderr: {err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(err.starts_with("error: "), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "one line expected: {err}");
+    assert!(err.contains(needle), "expected {needle:?} in {err}");
+}
+
+fn temp_db(test: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(unique_name("idem_cli", test));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir.join("claims.db")
+}
+
+#[test]
+fn unknown_url_scheme_is_one_clear_line() {
+    let o = idem(&["migrate", "--store", "ftp://example.com/db"]);
+    assert_clear_error(&o, "unsupported store URL");
+    assert!(stderr(&o).contains("postgres://"), "lists the supported schemes");
+}
+
+#[test]
+fn unreachable_postgres_and_mysql_are_one_clear_line() {
+    // Port 1 on loopback: nothing listens, the connection is refused at once.
+    let o = idem(&["stats", "--store", "postgres://postgres@127.0.0.1:1/test"]);
+    assert_clear_error(&o, "Connection refused");
+    let o = idem(&["stats", "--store", "mysql://root@127.0.0.1:1/test"]);
+    assert_clear_error(&o, "Connection refused");
+}
+
+#[test]
+fn missing_sqlite_file_is_not_created_by_stats() {
+    let db = temp_db("missing_sqlite");
+    let url = format!("sqlite:{}", db.display());
+    let o = idem(&["stats", "--store", &url]);
+    assert_clear_error(&o, "unable to open database file");
+    assert!(!db.exists(), "stats must not create a database");
+}
+
+#[test]
+fn passwords_are_redacted_in_errors() {
+    let o = idem(&["stats", "--store", "postgres://app:hunter2@127.0.0.1:1/test"]);
+    assert_clear_error(&o, "app:***@");
+    assert!(!stderr(&o).contains("hunter2"));
+}
+
+#[test]
+fn bad_table_name_and_bad_duration_are_rejected() {
+    let db = temp_db("bad_inputs");
+    let url = format!("sqlite:{}", db.display());
+    let o = idem(&["migrate", "--store", &url, "--table", "claims; DROP TABLE x"]);
+    assert_clear_error(&o, "invalid table name");
+    let o = idem(&["prune", "--store", &url, "--older-than", "7 days"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("invalid duration"), "{}", stderr(&o));
+}
+
+#[test]
+fn prune_refuses_to_cut_inside_the_redelivery_window() {
+    let db = temp_db("prune_window");
+    let url = format!("sqlite:{}", db.display());
+    assert!(idem(&["migrate", "--store", &url]).status.success());
+    let o = idem(&[
+        "prune",
+        "--store",
+        &url,
+        "--older-than",
+        "1d",
+        "--redelivery-window",
+        "7d",
+    ]);
+    assert_clear_error(
+        &o,
+        "retention of 1d is shorter than the broker's redelivery window of 7d",
+    );
+}
+
+/// migrate → claims written by the library → stats → prune, on one store URL.
+async fn round_trip(url: &str, table: &str) {
+    let o = idem(&["migrate", "--store", url, "--table", table]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = idem(&["migrate", "--store", url, "--table", table]);
+    assert!(o.status.success(), "migrate twice: {}", stderr(&o));
+
+    let o = idem(&["stats", "--store", url, "--table", table, "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(stdout(&o).trim(), "[]");
+
+    // Three claims from 2020 and one fresh, written through the store itself.
+    let table_name = idem_sql::TableName::new(table).expect("valid");
+    let store = idem_sql::AnyStore::connect(url, table_name)
+        .await
+        .expect("connect");
+    insert_claims(&store).await;
+
+    let o = idem(&["stats", "--store", url, "--table", table, "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let stats: serde_json::Value = serde_json::from_str(stdout(&o).trim()).expect("json");
+    assert_eq!(stats[0]["consumer"], "billing");
+    assert_eq!(stats[0]["claims"], 4);
+    assert_eq!(stats[0]["oldest"], "2020-09-13T12:26:40.000000Z");
+
+    let o = idem(&[
+        "prune",
+        "--store",
+        url,
+        "--table",
+        table,
+        "--older-than",
+        "7d",
+        "--batch",
+        "2",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("deleted 3 claims"), "{}", stdout(&o));
+    let o = idem(&["stats", "--store", url, "--table", table, "--json"]);
+    let stats: serde_json::Value = serde_json::from_str(stdout(&o).trim()).expect("json");
+    assert_eq!(stats[0]["claims"], 1);
+}
+
+async fn insert_claims(store: &idem_sql::AnyStore) {
+    use idem_core::{
+        ClaimRequest, ClaimStore, Clock, ConsumerName, Fingerprint, MessageId, SystemClock,
+        Timestamp,
+    };
+    async fn put<S: ClaimStore>(s: &S, at: Timestamp, n: u8) {
+        let consumer = ConsumerName::new("billing").expect("valid");
+        let mut tx = s.begin().await.expect("begin");
+        let id = MessageId::new(format!("m-{n}")).expect("valid");
+        let fingerprint = Fingerprint::of([n]);
+        let req = ClaimRequest {
+            consumer: &consumer,
+            id: &id,
+            fingerprint: &fingerprint,
+            at,
+        };
+        assert_eq!(s.claim(&mut tx, req).await.expect("claim"), None);
+        s.commit(tx).await.expect("commit");
+    }
+    let old = 1_600_000_000_000_000i64;
+    for n in 0..4u8 {
+        let at = if n < 3 {
+            Timestamp::from_micros(old + i64::from(n))
+        } else {
+            SystemClock.now()
+        };
+        match store {
+            idem_sql::AnyStore::Sqlite(s) => put(s, at, n).await,
+            idem_sql::AnyStore::Postgres(s) => put(s, at, n).await,
+            idem_sql::AnyStore::MySql(s) => put(s, at, n).await,
+            _ => unreachable!("all stores are compiled into the CLI"),
+        }
+    }
+}
+
+#[tokio::test]
+async fn sqlite_round_trip() {
+    let db = temp_db("sqlite_round_trip");
+    round_trip(&format!("sqlite:{}", db.display()), "idem_processed").await;
+}
+
+#[tokio::test]
+async fn postgres_round_trip() {
+    let Some(url) = service_url(services::POSTGRES, "postgres_round_trip") else {
+        return;
+    };
+    let table = unique_name("cli", "postgres_round_trip");
+    round_trip(&url, &table).await;
+    drop_table(&url, &table).await;
+}
+
+#[tokio::test]
+async fn mysql_round_trip() {
+    let Some(url) = service_url(services::MYSQL, "mysql_round_trip") else {
+        return;
+    };
+    let table = unique_name("cli", "mysql_round_trip");
+    round_trip(&url, &table).await;
+    drop_table(&url, &table).await;
+}
+
+async fn drop_table(url: &str, table: &str) {
+    use sqlx::Connection;
+    let sql = format!("DROP TABLE IF EXISTS {table}");
+    if url.starts_with("postgres") {
+        let mut c = sqlx::PgConnection::connect(url).await.expect("connect");
+        sqlx::query(&sql).execute(&mut c).await.expect("drop");
+    } else {
+        let mut c = sqlx::MySqlConnection::connect(url).await.expect("connect");
+        sqlx::query(&sql).execute(&mut c).await.expect("drop");
+    }
+}
