@@ -70,18 +70,29 @@ pub(crate) async fn connect_pool<DB: sqlx::Database>(
 
     let place = format!("{what} at {}", redact(url));
     let options: Opts<DB> = url.parse().map_err(|e: sqlx::Error| {
-        Error::new(ErrorKind::InvalidConfig, format!("invalid {what} URL {}: {e}", redact(url)))
-            .with_source(e)
+        Error::new(
+            ErrorKind::InvalidConfig,
+            format!("invalid {what} URL {}: {e}", redact(url)),
+        )
+        .with_source(e)
     })?;
     let probe = tokio::time::timeout(CONNECT_TIMEOUT, options.connect()).await;
     match probe {
         Err(_) => {
             return Err(Error::new(
                 ErrorKind::Unavailable,
-                format!("connecting to {place} timed out after {}s", CONNECT_TIMEOUT.as_secs()),
+                format!(
+                    "connecting to {place} timed out after {}s",
+                    CONNECT_TIMEOUT.as_secs()
+                ),
             ));
         }
-        Ok(Err(e)) => return Err(crate::errors::store_error(&format!("connecting to {place}"), e)),
+        Ok(Err(e)) => {
+            return Err(crate::errors::store_error(
+                &format!("connecting to {place}"),
+                e,
+            ));
+        }
         Ok(Ok(conn)) => {
             let _ = conn.close().await;
         }

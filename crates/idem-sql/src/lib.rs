@@ -50,6 +50,7 @@ mod postgres;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 mod table;
+mod tx;
 
 pub use any::{AnyStore, SCHEMES};
 #[cfg(feature = "mysql")]
@@ -59,3 +60,4 @@ pub use postgres::{MAX_MESSAGE_ID_LEN as POSTGRES_MAX_MESSAGE_ID_LEN, PostgresSt
 #[cfg(feature = "sqlite")]
 pub use sqlite::{MAX_MESSAGE_ID_LEN as SQLITE_MAX_MESSAGE_ID_LEN, SqliteOptions, SqliteStore};
 pub use table::{DEFAULT_TABLE, TableName};
+pub use tx::Tx;

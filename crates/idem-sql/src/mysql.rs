@@ -12,8 +12,8 @@ use idem_core::{
     BatchClaimStore, ClaimStore, ConsumerName, ConsumerStats, Error, ErrorKind, Fingerprint,
     MessageId, Migrate, Prune, Savepoints, Stats, Timestamp, TransactionalStore,
 };
-use sqlx::mysql::{MySql, MySqlConnection, MySqlPool};
 use sqlx::QueryBuilder;
+use sqlx::mysql::{MySql, MySqlConnection, MySqlPool};
 
 use crate::common::stats_row;
 use crate::common::stored_fingerprint;
@@ -131,10 +131,14 @@ impl MySqlStore {
 }
 
 impl TransactionalStore for MySqlStore {
-    type Tx = sqlx::Transaction<'static, MySql>;
+    type Tx = crate::Tx<MySql>;
 
     async fn begin(&self) -> Result<Self::Tx, Error> {
-        self.pool.begin().await.map_err(|e| store_error("begin", e))
+        self.pool
+            .begin()
+            .await
+            .map(crate::Tx::new)
+            .map_err(|e| store_error("begin", e))
     }
 
     async fn commit(&self, tx: Self::Tx) -> Result<(), Error> {

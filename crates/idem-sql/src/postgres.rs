@@ -11,8 +11,8 @@ use idem_core::{
     BatchClaimStore, ClaimStore, ConsumerName, ConsumerStats, Error, ErrorKind, Fingerprint,
     MessageId, Migrate, Prune, Savepoints, Stats, Timestamp, TransactionalStore,
 };
-use sqlx::postgres::{PgConnection, PgPool};
 use sqlx::Postgres;
+use sqlx::postgres::{PgConnection, PgPool};
 
 use crate::common::stats_row;
 use crate::common::stored_fingerprint;
@@ -142,10 +142,14 @@ impl PostgresStore {
 }
 
 impl TransactionalStore for PostgresStore {
-    type Tx = sqlx::Transaction<'static, Postgres>;
+    type Tx = crate::Tx<Postgres>;
 
     async fn begin(&self) -> Result<Self::Tx, Error> {
-        self.pool.begin().await.map_err(|e| store_error("begin", e))
+        self.pool
+            .begin()
+            .await
+            .map(crate::Tx::new)
+            .map_err(|e| store_error("begin", e))
     }
 
     async fn commit(&self, tx: Self::Tx) -> Result<(), Error> {

@@ -208,10 +208,11 @@ impl SqliteStore {
 
     /// Begins a transaction that holds the write lock (`BEGIN IMMEDIATE`). Use it for your own
     /// transactions that call the low-level claim.
-    pub async fn begin_immediate(&self) -> Result<sqlx::Transaction<'static, Sqlite>, Error> {
+    pub async fn begin_immediate(&self) -> Result<crate::Tx<Sqlite>, Error> {
         self.pool
             .begin_with("BEGIN IMMEDIATE")
             .await
+            .map(crate::Tx::new)
             .map_err(|e| store_error("BEGIN IMMEDIATE", e))
     }
 
@@ -246,7 +247,7 @@ impl SqliteStore {
 }
 
 impl TransactionalStore for SqliteStore {
-    type Tx = sqlx::Transaction<'static, Sqlite>;
+    type Tx = crate::Tx<Sqlite>;
 
     async fn begin(&self) -> Result<Self::Tx, Error> {
         self.begin_immediate().await
