@@ -61,3 +61,8 @@ pub use postgres::{MAX_MESSAGE_ID_LEN as POSTGRES_MAX_MESSAGE_ID_LEN, PostgresSt
 pub use sqlite::{MAX_MESSAGE_ID_LEN as SQLITE_MAX_MESSAGE_ID_LEN, SqliteOptions, SqliteStore};
 pub use table::{DEFAULT_TABLE, TableName};
 pub use tx::Tx;
+
+/// The README's library example, compiled and run as a doc test so it cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+pub struct ReadmeDoctests;
