@@ -41,6 +41,7 @@
 //! ```
 
 mod any;
+mod capabilities;
 mod common;
 mod errors;
 #[cfg(feature = "mysql")]

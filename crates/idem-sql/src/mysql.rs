@@ -9,15 +9,14 @@
 
 use idem_core::store::ClaimRequest;
 use idem_core::{
-    BatchClaimStore, ClaimStore, ConsumerName, ConsumerStats, Error, ErrorKind, Fingerprint,
-    MessageId, Migrate, Prune, Savepoints, Stats, Timestamp, TransactionalStore,
+    BatchClaimStore, ClaimStore, ConsumerName, Error, Fingerprint, MessageId, Migrate, Prune,
+    Savepoints, Stats, Timestamp, TransactionalStore,
 };
 use sqlx::QueryBuilder;
 use sqlx::mysql::{MySql, MySqlConnection, MySqlPool};
 
-use crate::common::stats_row;
 use crate::common::stored_fingerprint;
-use crate::errors::{classify, commit_error, store_error};
+use crate::errors::store_error;
 use crate::table::TableName;
 
 /// Longest message ID the `VARBINARY(1024)` column holds.
@@ -101,6 +100,15 @@ impl MySqlStore {
         &self.table
     }
 
+    /// Begins a transaction for a caller that claims with [`claim_on`](Self::claim_on).
+    pub async fn begin_tx(&self) -> Result<crate::Tx<MySql>, Error> {
+        self.pool
+            .begin()
+            .await
+            .map(crate::Tx::new)
+            .map_err(|e| store_error("begin", e))
+    }
+
     /// The claim on a connection the caller already has inside a transaction.
     pub async fn claim_on(
         &self,
@@ -127,44 +135,6 @@ impl MySqlStore {
             .await
             .map_err(|e| store_error("reading the stored fingerprint", e))?;
         stored_fingerprint(row)
-    }
-}
-
-impl TransactionalStore for MySqlStore {
-    type Tx = crate::Tx<MySql>;
-
-    async fn begin(&self) -> Result<Self::Tx, Error> {
-        self.pool
-            .begin()
-            .await
-            .map(crate::Tx::new)
-            .map_err(|e| store_error("begin", e))
-    }
-
-    async fn commit(&self, tx: Self::Tx) -> Result<(), Error> {
-        tx.commit().await.map_err(commit_error)
-    }
-
-    async fn rollback(&self, tx: Self::Tx) -> Result<(), Error> {
-        tx.rollback().await.map_err(|e| store_error("rollback", e))
-    }
-
-    fn classify(&self, error: &(dyn std::error::Error + 'static)) -> Option<ErrorKind> {
-        classify(error)
-    }
-}
-
-impl ClaimStore for MySqlStore {
-    fn max_message_id_len(&self) -> usize {
-        MAX_MESSAGE_ID_LEN
-    }
-
-    async fn claim(
-        &self,
-        tx: &mut Self::Tx,
-        claim: ClaimRequest<'_>,
-    ) -> Result<Option<Fingerprint>, Error> {
-        self.claim_on(tx, claim).await
     }
 }
 
@@ -230,28 +200,7 @@ impl BatchClaimStore for MySqlStore {
     }
 }
 
-impl Savepoints for MySqlStore {
-    async fn savepoint(&self, tx: &mut Self::Tx) -> Result<(), Error> {
-        exec(tx, "SAVEPOINT idem_message").await
-    }
-
-    async fn release_savepoint(&self, tx: &mut Self::Tx) -> Result<(), Error> {
-        exec(tx, "RELEASE SAVEPOINT idem_message").await
-    }
-
-    async fn rollback_to_savepoint(&self, tx: &mut Self::Tx) -> Result<(), Error> {
-        exec(tx, "ROLLBACK TO SAVEPOINT idem_message").await?;
-        exec(tx, "RELEASE SAVEPOINT idem_message").await
-    }
-}
-
-async fn exec(conn: &mut MySqlConnection, sql: &'static str) -> Result<(), Error> {
-    sqlx::query(sql)
-        .execute(conn)
-        .await
-        .map(drop)
-        .map_err(|e| store_error(sql, e))
-}
+crate::capabilities::impl_sql_capabilities!(MySqlStore, MySql, MAX_MESSAGE_ID_LEN);
 
 impl Migrate for MySqlStore {
     async fn migrate(&self) -> Result<(), Error> {
@@ -275,41 +224,5 @@ impl Migrate for MySqlStore {
             .await
             .map(drop)
             .map_err(|e| store_error("migrate", e))
-    }
-}
-
-impl Prune for MySqlStore {
-    async fn prune_batch(
-        &self,
-        consumer: Option<&ConsumerName>,
-        before: Timestamp,
-        limit: u32,
-    ) -> Result<u64, Error> {
-        let q = match consumer {
-            None => sqlx::query(&self.sql.prune_all)
-                .bind(before.as_micros())
-                .bind(limit),
-            Some(c) => sqlx::query(&self.sql.prune_consumer)
-                .bind(before.as_micros())
-                .bind(c.as_str())
-                .bind(limit),
-        };
-        q.execute(&self.pool)
-            .await
-            .map(|r| r.rows_affected())
-            .map_err(|e| store_error("prune", e))
-    }
-}
-
-impl Stats for MySqlStore {
-    async fn stats(&self) -> Result<Vec<ConsumerStats>, Error> {
-        let rows = sqlx::query(&self.sql.stats)
-            .fetch_all(&self.pool)
-            .await
-            .map_err(|e| store_error("stats", e))?;
-        rows.iter()
-            .map(stats_row)
-            .collect::<Result<_, sqlx::Error>>()
-            .map_err(|e| store_error("stats", e))
     }
 }

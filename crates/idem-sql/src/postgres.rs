@@ -8,15 +8,14 @@
 
 use idem_core::store::ClaimRequest;
 use idem_core::{
-    BatchClaimStore, ClaimStore, ConsumerName, ConsumerStats, Error, ErrorKind, Fingerprint,
-    MessageId, Migrate, Prune, Savepoints, Stats, Timestamp, TransactionalStore,
+    BatchClaimStore, ClaimStore, ConsumerName, Error, Fingerprint, MessageId, Migrate, Prune,
+    Savepoints, Stats, Timestamp, TransactionalStore,
 };
 use sqlx::Postgres;
 use sqlx::postgres::{PgConnection, PgPool};
 
-use crate::common::stats_row;
 use crate::common::stored_fingerprint;
-use crate::errors::{classify, commit_error, store_error};
+use crate::errors::{commit_error, store_error};
 use crate::table::TableName;
 
 /// Longest message ID this schema holds: well inside the btree tuple limit.
@@ -67,7 +66,7 @@ impl Statements {
             ),
             prune_consumer: format!(
                 "DELETE FROM {t} WHERE ctid = ANY(ARRAY( \
-                 SELECT ctid FROM {t} WHERE processed_at < $1 AND consumer = $3 LIMIT $2))"
+                 SELECT ctid FROM {t} WHERE processed_at < $1 AND consumer = $2 LIMIT $3))"
             ),
             stats: format!(
                 "SELECT consumer, count(*)::bigint, min(processed_at), max(processed_at) \
@@ -111,6 +110,15 @@ impl PostgresStore {
         &self.table
     }
 
+    /// Begins a transaction for a caller that claims with [`claim_on`](Self::claim_on).
+    pub async fn begin_tx(&self) -> Result<crate::Tx<Postgres>, Error> {
+        self.pool
+            .begin()
+            .await
+            .map(crate::Tx::new)
+            .map_err(|e| store_error("begin", e))
+    }
+
     /// The claim on a connection the caller already has inside a transaction. `None`: inserted
     /// now; `Some(fp)`: already claimed with fingerprint `fp`.
     pub async fn claim_on(
@@ -138,44 +146,6 @@ impl PostgresStore {
             .await
             .map_err(|e| store_error("reading the stored fingerprint", e))?;
         stored_fingerprint(row)
-    }
-}
-
-impl TransactionalStore for PostgresStore {
-    type Tx = crate::Tx<Postgres>;
-
-    async fn begin(&self) -> Result<Self::Tx, Error> {
-        self.pool
-            .begin()
-            .await
-            .map(crate::Tx::new)
-            .map_err(|e| store_error("begin", e))
-    }
-
-    async fn commit(&self, tx: Self::Tx) -> Result<(), Error> {
-        tx.commit().await.map_err(commit_error)
-    }
-
-    async fn rollback(&self, tx: Self::Tx) -> Result<(), Error> {
-        tx.rollback().await.map_err(|e| store_error("rollback", e))
-    }
-
-    fn classify(&self, error: &(dyn std::error::Error + 'static)) -> Option<ErrorKind> {
-        classify(error)
-    }
-}
-
-impl ClaimStore for PostgresStore {
-    fn max_message_id_len(&self) -> usize {
-        MAX_MESSAGE_ID_LEN
-    }
-
-    async fn claim(
-        &self,
-        tx: &mut Self::Tx,
-        claim: ClaimRequest<'_>,
-    ) -> Result<Option<Fingerprint>, Error> {
-        self.claim_on(tx, claim).await
     }
 }
 
@@ -225,29 +195,7 @@ impl BatchClaimStore for PostgresStore {
     }
 }
 
-impl Savepoints for PostgresStore {
-    async fn savepoint(&self, tx: &mut Self::Tx) -> Result<(), Error> {
-        exec(tx, "SAVEPOINT idem_message").await
-    }
-
-    async fn release_savepoint(&self, tx: &mut Self::Tx) -> Result<(), Error> {
-        exec(tx, "RELEASE SAVEPOINT idem_message").await
-    }
-
-    async fn rollback_to_savepoint(&self, tx: &mut Self::Tx) -> Result<(), Error> {
-        // ROLLBACK TO keeps the savepoint; release it so savepoints do not pile up.
-        exec(tx, "ROLLBACK TO SAVEPOINT idem_message").await?;
-        exec(tx, "RELEASE SAVEPOINT idem_message").await
-    }
-}
-
-async fn exec(conn: &mut PgConnection, sql: &'static str) -> Result<(), Error> {
-    sqlx::query(sql)
-        .execute(conn)
-        .await
-        .map(drop)
-        .map_err(|e| store_error(sql, e))
-}
+crate::capabilities::impl_sql_capabilities!(PostgresStore, Postgres, MAX_MESSAGE_ID_LEN);
 
 impl Migrate for PostgresStore {
     async fn migrate(&self) -> Result<(), Error> {
@@ -295,41 +243,5 @@ impl Migrate for PostgresStore {
                 .map_err(|e| store_error("migrate", e))?;
         }
         tx.commit().await.map_err(commit_error)
-    }
-}
-
-impl Prune for PostgresStore {
-    async fn prune_batch(
-        &self,
-        consumer: Option<&ConsumerName>,
-        before: Timestamp,
-        limit: u32,
-    ) -> Result<u64, Error> {
-        let q = match consumer {
-            None => sqlx::query(&self.sql.prune_all)
-                .bind(before.as_micros())
-                .bind(i64::from(limit)),
-            Some(c) => sqlx::query(&self.sql.prune_consumer)
-                .bind(before.as_micros())
-                .bind(i64::from(limit))
-                .bind(c.as_str()),
-        };
-        q.execute(&self.pool)
-            .await
-            .map(|r| r.rows_affected())
-            .map_err(|e| store_error("prune", e))
-    }
-}
-
-impl Stats for PostgresStore {
-    async fn stats(&self) -> Result<Vec<ConsumerStats>, Error> {
-        let rows = sqlx::query(&self.sql.stats)
-            .fetch_all(&self.pool)
-            .await
-            .map_err(|e| store_error("stats", e))?;
-        rows.iter()
-            .map(stats_row)
-            .collect::<Result<_, sqlx::Error>>()
-            .map_err(|e| store_error("stats", e))
     }
 }

@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use idem_core::store::ClaimRequest;
 use idem_core::{
-    BatchClaimStore, ClaimStore, ConsumerName, ConsumerStats, Error, ErrorKind, Fingerprint,
-    MessageId, Migrate, Prune, Savepoints, Stats, Timestamp, TransactionalStore,
+    BatchClaimStore, ClaimStore, ConsumerName, Error, ErrorKind, Fingerprint, MessageId, Migrate,
+    Prune, Savepoints, Stats, Timestamp, TransactionalStore,
 };
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
@@ -21,9 +21,8 @@ use sqlx::sqlite::{
 };
 use sqlx::{QueryBuilder, Sqlite};
 
-use crate::common::stats_row;
 use crate::common::stored_fingerprint;
-use crate::errors::{classify, commit_error, store_error};
+use crate::errors::{commit_error, store_error};
 use crate::table::TableName;
 
 /// SQLite has no practical limit; this bound keeps rows and the index reasonable.
@@ -67,7 +66,7 @@ impl Statements {
             ),
             prune_consumer: format!(
                 "DELETE FROM {t} WHERE rowid IN \
-                 (SELECT rowid FROM {t} WHERE processed_at < ?1 AND consumer = ?3 LIMIT ?2)"
+                 (SELECT rowid FROM {t} WHERE processed_at < ?1 AND consumer = ?2 LIMIT ?3)"
             ),
             stats: format!(
                 "SELECT consumer, count(*), min(processed_at), max(processed_at) \
@@ -208,6 +207,11 @@ impl SqliteStore {
 
     /// Begins a transaction that holds the write lock (`BEGIN IMMEDIATE`). Use it for your own
     /// transactions that call the low-level claim.
+    pub async fn begin_tx(&self) -> Result<crate::Tx<Sqlite>, Error> {
+        self.begin_immediate().await
+    }
+
+    /// Begins a transaction holding the write lock; the same as [`begin_tx`](Self::begin_tx).
     pub async fn begin_immediate(&self) -> Result<crate::Tx<Sqlite>, Error> {
         self.pool
             .begin_with("BEGIN IMMEDIATE")
@@ -243,40 +247,6 @@ impl SqliteStore {
             .await
             .map_err(|e| store_error("reading the stored fingerprint", e))?;
         stored_fingerprint(row)
-    }
-}
-
-impl TransactionalStore for SqliteStore {
-    type Tx = crate::Tx<Sqlite>;
-
-    async fn begin(&self) -> Result<Self::Tx, Error> {
-        self.begin_immediate().await
-    }
-
-    async fn commit(&self, tx: Self::Tx) -> Result<(), Error> {
-        tx.commit().await.map_err(commit_error)
-    }
-
-    async fn rollback(&self, tx: Self::Tx) -> Result<(), Error> {
-        tx.rollback().await.map_err(|e| store_error("rollback", e))
-    }
-
-    fn classify(&self, error: &(dyn std::error::Error + 'static)) -> Option<ErrorKind> {
-        classify(error)
-    }
-}
-
-impl ClaimStore for SqliteStore {
-    fn max_message_id_len(&self) -> usize {
-        MAX_MESSAGE_ID_LEN
-    }
-
-    async fn claim(
-        &self,
-        tx: &mut Self::Tx,
-        claim: ClaimRequest<'_>,
-    ) -> Result<Option<Fingerprint>, Error> {
-        self.claim_on(tx, claim).await
     }
 }
 
@@ -326,28 +296,7 @@ impl BatchClaimStore for SqliteStore {
     }
 }
 
-impl Savepoints for SqliteStore {
-    async fn savepoint(&self, tx: &mut Self::Tx) -> Result<(), Error> {
-        exec(tx, "SAVEPOINT idem_message").await
-    }
-
-    async fn release_savepoint(&self, tx: &mut Self::Tx) -> Result<(), Error> {
-        exec(tx, "RELEASE SAVEPOINT idem_message").await
-    }
-
-    async fn rollback_to_savepoint(&self, tx: &mut Self::Tx) -> Result<(), Error> {
-        exec(tx, "ROLLBACK TO SAVEPOINT idem_message").await?;
-        exec(tx, "RELEASE SAVEPOINT idem_message").await
-    }
-}
-
-async fn exec(conn: &mut SqliteConnection, sql: &'static str) -> Result<(), Error> {
-    sqlx::query(sql)
-        .execute(conn)
-        .await
-        .map(drop)
-        .map_err(|e| store_error(sql, e))
-}
+crate::capabilities::impl_sql_capabilities!(SqliteStore, Sqlite, MAX_MESSAGE_ID_LEN);
 
 impl Migrate for SqliteStore {
     async fn migrate(&self) -> Result<(), Error> {
@@ -373,41 +322,5 @@ impl Migrate for SqliteStore {
                 .map_err(|e| store_error("migrate", e))?;
         }
         tx.commit().await.map_err(commit_error)
-    }
-}
-
-impl Prune for SqliteStore {
-    async fn prune_batch(
-        &self,
-        consumer: Option<&ConsumerName>,
-        before: Timestamp,
-        limit: u32,
-    ) -> Result<u64, Error> {
-        let q = match consumer {
-            None => sqlx::query(&self.sql.prune_all)
-                .bind(before.as_micros())
-                .bind(i64::from(limit)),
-            Some(c) => sqlx::query(&self.sql.prune_consumer)
-                .bind(before.as_micros())
-                .bind(i64::from(limit))
-                .bind(c.as_str()),
-        };
-        q.execute(&self.pool)
-            .await
-            .map(|r| r.rows_affected())
-            .map_err(|e| store_error("prune", e))
-    }
-}
-
-impl Stats for SqliteStore {
-    async fn stats(&self) -> Result<Vec<ConsumerStats>, Error> {
-        let rows = sqlx::query(&self.sql.stats)
-            .fetch_all(&self.pool)
-            .await
-            .map_err(|e| store_error("stats", e))?;
-        rows.iter()
-            .map(stats_row)
-            .collect::<Result<_, sqlx::Error>>()
-            .map_err(|e| store_error("stats", e))
     }
 }
