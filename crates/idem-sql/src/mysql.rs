@@ -8,10 +8,7 @@
 //! redelivered. A concurrent duplicate waits on the first transaction's record lock.
 
 use idem_core::store::ClaimRequest;
-use idem_core::{
-    BatchClaimStore, ClaimStore, ConsumerName, Error, Fingerprint, MessageId, Migrate, Prune,
-    Savepoints, Stats, Timestamp, TransactionalStore,
-};
+use idem_core::{BatchClaimStore, ConsumerName, Error, Fingerprint, MessageId, Migrate, Timestamp};
 use sqlx::QueryBuilder;
 use sqlx::mysql::{MySql, MySqlConnection, MySqlPool};
 

@@ -7,10 +7,7 @@
 //! index costs almost nothing per insert and still lets pruning find old rows.
 
 use idem_core::store::ClaimRequest;
-use idem_core::{
-    BatchClaimStore, ClaimStore, ConsumerName, Error, Fingerprint, MessageId, Migrate, Prune,
-    Savepoints, Stats, Timestamp, TransactionalStore,
-};
+use idem_core::{BatchClaimStore, ConsumerName, Error, Fingerprint, MessageId, Migrate, Timestamp};
 use sqlx::Postgres;
 use sqlx::postgres::{PgConnection, PgPool};
 

@@ -12,8 +12,7 @@ use std::time::Duration;
 
 use idem_core::store::ClaimRequest;
 use idem_core::{
-    BatchClaimStore, ClaimStore, ConsumerName, Error, ErrorKind, Fingerprint, MessageId, Migrate,
-    Prune, Savepoints, Stats, Timestamp, TransactionalStore,
+    BatchClaimStore, ConsumerName, Error, ErrorKind, Fingerprint, MessageId, Migrate, Timestamp,
 };
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
