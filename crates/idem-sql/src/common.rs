@@ -51,6 +51,7 @@ where
 }
 
 /// How long `connect` waits for the first connection before reporting the server unreachable.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Opens a pool on `url`, failing fast with the real cause.
