@@ -27,7 +27,11 @@ fn assert_clear_error(o: &Output, needle: &str) {
     assert_eq!(o.status.code(), Some(2), "stderr: {err}");
     assert!(!err.contains("panicked"), "{err}");
     assert!(err.starts_with("error: "), "{err}");
-    assert_eq!(err.trim_end().lines().count(), 1, "one line expected: {err}");
+    assert_eq!(
+        err.trim_end().lines().count(),
+        1,
+        "one line expected: {err}"
+    );
     assert!(err.contains(needle), "expected {needle:?} in {err}");
 }
 
@@ -41,7 +45,10 @@ fn temp_db(test: &str) -> PathBuf {
 fn unknown_url_scheme_is_one_clear_line() {
     let o = idem(&["migrate", "--store", "ftp://example.com/db"]);
     assert_clear_error(&o, "unsupported store URL");
-    assert!(stderr(&o).contains("postgres://"), "lists the supported schemes");
+    assert!(
+        stderr(&o).contains("postgres://"),
+        "lists the supported schemes"
+    );
 }
 
 #[test]
@@ -64,7 +71,11 @@ fn missing_sqlite_file_is_not_created_by_stats() {
 
 #[test]
 fn passwords_are_redacted_in_errors() {
-    let o = idem(&["stats", "--store", "postgres://app:hunter2@127.0.0.1:1/test"]);
+    let o = idem(&[
+        "stats",
+        "--store",
+        "postgres://app:hunter2@127.0.0.1:1/test",
+    ]);
     assert_clear_error(&o, "app:***@");
     assert!(!stderr(&o).contains("hunter2"));
 }
@@ -73,7 +84,13 @@ fn passwords_are_redacted_in_errors() {
 fn bad_table_name_and_bad_duration_are_rejected() {
     let db = temp_db("bad_inputs");
     let url = format!("sqlite:{}", db.display());
-    let o = idem(&["migrate", "--store", &url, "--table", "claims; DROP TABLE x"]);
+    let o = idem(&[
+        "migrate",
+        "--store",
+        &url,
+        "--table",
+        "claims; DROP TABLE x",
+    ]);
     assert_clear_error(&o, "invalid table name");
     let o = idem(&["prune", "--store", &url, "--older-than", "7 days"]);
     assert_eq!(o.status.code(), Some(2));

@@ -6,6 +6,11 @@
 //! before its visibility timeout becomes visible again and is handed to some consumer later,
 //! whether that consumer is slow, crashed or simply forgot. A producer publishing the same
 //! message twice yields two independent copies, each delivered and acked on its own.
+//!
+//! A late ack (after the visibility timeout) still settles its copy, as Google Pub/Sub may
+//! honour one; by then the copy has usually been handed out again, and that redelivery reaches
+//! a consumer as a duplicate. Honouring late acks also guarantees the run ends: under heavy
+//! contention a slow worker would otherwise never settle anything.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -20,8 +25,9 @@ use super::producer::Envelope;
 #[derive(Debug)]
 pub(crate) struct SimulatedBroker {
     state: Mutex<State>,
-    /// Wakes consumers blocked in [`SimulatedBroker::receive`] when something they may be
-    /// waiting for happens: a publish, a nack, a settlement, the producer closing.
+    /// Wakes consumers blocked in [`SimulatedBroker::receive`]: one per copy made visible
+    /// (publish, nack), all of them when the run may be over (close, last ack, abort). Waking
+    /// everyone on every event would make each publish cost O(workers).
     changed: Notify,
     visibility_timeout: Duration,
 }
@@ -29,8 +35,7 @@ pub(crate) struct SimulatedBroker {
 /// One delivery handed to a consumer: the message plus what the consumer needs to ack it.
 #[derive(Debug, Clone)]
 pub(crate) struct Delivery {
-    /// Identifies this delivery (not the message): a stale tag cannot ack a redelivered copy,
-    /// as with SQS receipt handles.
+    /// Identifies this delivery (not the message), like an SQS receipt handle.
     tag: u64,
     /// Which published copy this is, in publish order; stable across redeliveries.
     copy: usize,
@@ -69,8 +74,8 @@ pub(crate) struct BrokerStats {
     pub(crate) timeouts: u64,
     /// Negative acks: the consumer asked for a redelivery.
     pub(crate) nacks: u64,
-    /// Acks that arrived after the delivery had already timed out; they settle nothing.
-    pub(crate) stale_acks: u64,
+    /// Acks that arrived after their delivery's visibility timeout (they still settle).
+    pub(crate) late_acks: u64,
     /// Distinct producer messages with at least one settled copy (drives the progress bar).
     pub(crate) messages_settled: u64,
 }
@@ -139,7 +144,7 @@ impl SimulatedBroker {
         st.unsettled += 1;
         st.stats.published += 1;
         drop(st);
-        self.changed.notify_waiters();
+        self.changed.notify_one();
     }
 
     /// The producer is done: once every copy is settled, [`receive`](Self::receive) returns
@@ -159,8 +164,9 @@ impl SimulatedBroker {
     /// been acked (or the run was aborted).
     pub(crate) async fn receive(&self) -> Option<Delivery> {
         loop {
-            // Registered before looking at the state, so a change made between the look and
-            // the wait still wakes us.
+            // Created before looking at the state, so a change made between the look and the
+            // wait still wakes us (`notify_waiters` reaches it at once, `notify_one` leaves a
+            // permit).
             let changed = self.changed.notified();
             let next_timeout = {
                 let mut st = self.lock();
@@ -169,8 +175,11 @@ impl SimulatedBroker {
                 }
                 let now = Instant::now();
                 st.expire_visibility(now);
-                if let Some(copy) = st.ready.pop_front() {
-                    return Some(st.deliver(copy, now + self.visibility_timeout));
+                while let Some(copy) = st.ready.pop_front() {
+                    // A late ack may have settled a copy that was already queued again.
+                    if !st.copies[copy].settled {
+                        return Some(st.deliver(copy, now + self.visibility_timeout));
+                    }
                 }
                 if st.producer_closed && st.unsettled == 0 {
                     return None;
@@ -189,19 +198,23 @@ impl SimulatedBroker {
         }
     }
 
-    /// Settles the copy: it will not be delivered again. An ack for a delivery that already
-    /// timed out is stale and settles nothing; the copy's current delivery must be acked.
+    /// Settles the copy: it will not be delivered again. A late ack counts as one and still
+    /// settles it (see the module docs).
     pub(crate) fn ack(&self, delivery: &Delivery) {
         let mut st = self.lock();
-        match st.in_flight.remove(&delivery.tag) {
-            Some(flight) => st.settle(flight.copy),
-            None => st.stats.stale_acks += 1,
+        if st.in_flight.remove(&delivery.tag).is_none() && !st.copies[delivery.copy].settled {
+            st.stats.late_acks += 1;
         }
+        st.settle(delivery.copy);
+        let finished = st.producer_closed && st.unsettled == 0;
         drop(st);
-        self.changed.notify_waiters();
+        if finished {
+            self.changed.notify_waiters();
+        }
     }
 
-    /// Makes the copy visible again right away, for another attempt.
+    /// Makes the copy visible again right away, for another attempt. After the visibility
+    /// timeout there is nothing to do: the copy is visible again already.
     pub(crate) fn nack(&self, delivery: &Delivery) {
         let mut st = self.lock();
         st.stats.nacks += 1;
@@ -209,7 +222,7 @@ impl SimulatedBroker {
             st.ready.push_back(flight.copy);
         }
         drop(st);
-        self.changed.notify_waiters();
+        self.changed.notify_one();
     }
 
     /// A snapshot of the counters.
@@ -274,6 +287,8 @@ impl State {
         entry.settled = true;
         let number = entry.envelope.number;
         self.unsettled -= 1;
+        // Its other outstanding deliveries (after a timeout) must not come back once more.
+        self.in_flight.retain(|_, f| f.copy != copy);
         if let Some(done) = self.message_settled.get_mut(number) {
             if !*done {
                 *done = true;
@@ -302,19 +317,38 @@ mod tests {
         let first = broker.receive().await;
         assert!(first.as_ref().is_some_and(|d| d.attempt() == 1));
         // Never acked: the "consumer" crashed.
-        let again = broker.receive().await;
-        let Some(again) = again else {
+        let Some(again) = broker.receive().await else {
             panic!("the copy was not redelivered")
         };
         assert_eq!(again.attempt(), 2);
-        if let Some(first) = first {
-            broker.ack(&first); // stale: settles nothing
-        }
-        assert_eq!(broker.stats().stale_acks, 1);
         broker.ack(&again);
         assert!(broker.receive().await.is_none());
         let stats = broker.stats();
-        assert_eq!((stats.deliveries, stats.redeliveries, stats.timeouts), (2, 1, 1));
+        assert_eq!(
+            (stats.deliveries, stats.redeliveries, stats.timeouts),
+            (2, 1, 1)
+        );
+        assert_eq!(stats.late_acks, 0);
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn a_late_ack_still_settles_the_copy() -> anyhow::Result<()> {
+        let broker = SimulatedBroker::new(1, Duration::from_millis(20));
+        broker.publish(envelope()?);
+        broker.close();
+        let Some(slow) = broker.receive().await else {
+            panic!("nothing delivered")
+        };
+        let Some(redelivered) = broker.receive().await else {
+            panic!("the copy was not redelivered")
+        };
+        broker.ack(&slow); // after the timeout, while the redelivery is out
+        assert_eq!(broker.stats().late_acks, 1);
+        assert!(broker.receive().await.is_none(), "a settled copy came back");
+        broker.ack(&redelivered); // the consumer found a duplicate: a no-op
+        let stats = broker.stats();
+        assert_eq!((stats.late_acks, stats.messages_settled), (1, 1));
         Ok(())
     }
 

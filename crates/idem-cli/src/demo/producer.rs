@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use anyhow::Context;
-use idem_core::{Message, MessageId};
+use idem_core::{Error, Message, MessageId};
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 
@@ -27,6 +27,14 @@ pub(crate) struct PaymentRequested {
     pub(crate) account: String,
     /// How much, in cents.
     pub(crate) amount_cents: i64,
+}
+
+impl PaymentRequested {
+    /// Decodes a payload; one that does not decode never will, so it is rejected (dead-letter)
+    /// rather than retried.
+    pub(crate) fn decode(payload: &[u8]) -> Result<Self, Error> {
+        serde_json::from_slice(payload).map_err(Error::reject)
+    }
 }
 
 /// A message as the producer hands it to the broker.
