@@ -6,7 +6,8 @@ use std::ops::{Deref, DerefMut};
 /// An open transaction on the business database, holding the claim until commit.
 ///
 /// Handlers run their queries on `&mut **tx` (the connection), exactly as with a
-/// `sqlx::Transaction`. It wraps `sqlx::Transaction<'static, DB>` in a type without a lifetime
+/// `sqlx::Transaction`; to a helper taking `&mut SqliteConnection` (or `PgConnection`,
+/// `MySqlConnection`) pass `tx` itself and let deref coercion do the rest. It wraps `sqlx::Transaction<'static, DB>` in a type without a lifetime
 /// parameter: with one, a future that runs a handler is rejected by `tokio::spawn` with
 /// "implementation of `AsyncFnOnce` is not general enough" (the compiler erases that lifetime
 /// when it checks `Send`, and cannot prove the handler works for every lifetime).

@@ -97,6 +97,12 @@ impl<S: ClaimStore, C: Clock> Processor<S, C> {
     /// `handler` once with the new (not duplicate, not conflicting) messages.
     ///
     /// A handler error rolls back the whole batch, claims included, and is returned.
+    ///
+    /// Set handlers that update shared rows (balances) should lock them in key order first
+    /// (e.g. `SELECT … WHERE id = ANY($1) ORDER BY id FOR UPDATE`): an `UPDATE … FROM
+    /// unnest(…)` may lock rows in physical order and deadlock against a concurrent batch. A
+    /// deadlock is reported as [`ErrorKind::Transient`](crate::ErrorKind::Transient) and the
+    /// batch can be retried, but ordering avoids it.
     pub async fn process_batch_set<M, T, E, F>(
         &self,
         msgs: &[M],
