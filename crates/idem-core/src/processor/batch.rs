@@ -62,7 +62,12 @@ impl<S: ClaimStore, C: Clock> Processor<S, C> {
             let claim = match self.claim_in(&mut tx, msg).await {
                 Ok(claim) => claim,
                 Err(e) => {
-                    self.undo_message(&mut tx).await?;
+                    // As below: if the engine aborted the whole transaction (InnoDB deadlock),
+                    // the savepoint is gone and the claim's own error is the one to report.
+                    if self.store.rollback_to_savepoint(&mut tx).await.is_err() {
+                        let _ = self.store.rollback(tx).await;
+                        return Err(e);
+                    }
                     results.push(Err(e));
                     continue;
                 }
@@ -218,12 +223,5 @@ impl<S: ClaimStore, C: Clock> Processor<S, C> {
         S: Savepoints,
     {
         self.store.release_savepoint(tx).await
-    }
-
-    async fn undo_message(&self, tx: &mut S::Tx) -> Result<(), Error>
-    where
-        S: Savepoints,
-    {
-        self.store.rollback_to_savepoint(tx).await
     }
 }
