@@ -28,6 +28,20 @@ fn database_kind(db: &dyn sqlx::error::DatabaseError) -> ErrorKind {
             _ => ErrorKind::Store,
         };
     }
+    #[cfg(feature = "sqlite")]
+    if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() {
+        // Primary codes SQLITE_BUSY (5) and SQLITE_LOCKED (6), with their extended variants
+        // (extended code & 0xff is the primary code).
+        let busy = db
+            .code()
+            .and_then(|c| c.parse::<u32>().ok())
+            .is_some_and(|n| matches!(n & 0xff, 5 | 6));
+        return if busy {
+            ErrorKind::Transient
+        } else {
+            ErrorKind::Store
+        };
+    }
     let code = db.code();
     match code.as_deref() {
         // PostgreSQL: serialization_failure, deadlock_detected, lock_not_available.
@@ -35,15 +49,8 @@ fn database_kind(db: &dyn sqlx::error::DatabaseError) -> ErrorKind {
         // PostgreSQL: admin_shutdown, crash_shutdown, cannot_connect_now, class 08 connection.
         Some("57P01" | "57P02" | "57P03") => ErrorKind::Unavailable,
         Some(c) if c.starts_with("08") => ErrorKind::Unavailable,
-        // SQLite primary codes SQLITE_BUSY (5) and SQLITE_LOCKED (6), with extended variants
-        // (extended code & 0xff is the primary code).
-        Some(c) if is_sqlite_busy(c) => ErrorKind::Transient,
         _ => ErrorKind::Store,
     }
-}
-
-fn is_sqlite_busy(code: &str) -> bool {
-    cfg!(feature = "sqlite") && code.parse::<u32>().is_ok_and(|n| matches!(n & 0xff, 5 | 6))
 }
 
 /// Wraps a driver error from `what` (e.g. "claim") into an idem error.

@@ -336,6 +336,38 @@ pub async fn set_batch_claims_in_one_statement_and_hands_over_only_new_messages<
     for key in ["s-1", "s-2", "s-3", "s-old"] {
         assert_eq!(fx.count_effects(key).await, 1, "effects of {key}");
     }
+    // Repeats are judged against what the store holds, not against another delivery: with
+    // "s-old" stored as "o", a batch [other, other] is two conflicts and [other, o] a conflict
+    // and a duplicate.
+    let twice = vec![msg("s-old", "other"), msg("s-old", "other")];
+    let r = p
+        .process_batch_set(&twice, async |_tx, fresh: &[&Msg]| {
+            Ok::<_, BoxError>(fresh.len())
+        })
+        .await
+        .expect("batch");
+    assert!(
+        r.outcomes
+            .iter()
+            .all(|o| matches!(o, Ok(Outcome::Conflict { .. }))),
+        "{r:?}"
+    );
+    let mixed = vec![msg("s-old", "other"), msg("s-old", "o")];
+    let r = p
+        .process_batch_set(&mixed, async |_tx, fresh: &[&Msg]| {
+            Ok::<_, BoxError>(fresh.len())
+        })
+        .await
+        .expect("batch");
+    match &r.outcomes[0] {
+        Ok(Outcome::Conflict { stored, .. }) => assert_eq!(*stored, Fingerprint::of("o")),
+        other => panic!("expected a conflict with the stored claim, got {other:?}"),
+    }
+    assert!(
+        matches!(r.outcomes[1], Ok(Outcome::Duplicate)),
+        "{:?}",
+        r.outcomes[1]
+    );
     // Redelivering the whole batch: nothing is new, the handler does not run.
     let again = p
         .process_batch_set(&batch, async |_tx, fresh: &[&Msg]| {

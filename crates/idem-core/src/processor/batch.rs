@@ -125,14 +125,14 @@ impl<S: ClaimStore, C: Clock> Processor<S, C> {
         // against it here, because one statement cannot see its own rows.
         let mut first: HashMap<&MessageId, (usize, Fingerprint)> = HashMap::new();
         let mut to_claim: Vec<usize> = Vec::with_capacity(msgs.len());
-        let mut repeats: Vec<(usize, usize)> = Vec::new();
+        let mut repeats: Vec<usize> = Vec::new();
         for (i, msg) in msgs.iter().enumerate() {
             if let Err(e) = self.check_id(msg.message_id()) {
                 outcomes[i] = Some(Err(e));
                 continue;
             }
             match first.get(msg.message_id()) {
-                Some(&(j, _)) => repeats.push((i, j)),
+                Some(_) => repeats.push(i),
                 None => {
                     first.insert(msg.message_id(), (i, msg.fingerprint()));
                     to_claim.push(i);
@@ -163,6 +163,17 @@ impl<S: ClaimStore, C: Clock> Processor<S, C> {
                         return Err(e);
                     }
                 };
+                if found.len() != order.len() {
+                    let _ = self.store.rollback(tx).await;
+                    return Err(Error::new(
+                        crate::error::ErrorKind::Store,
+                        format!(
+                            "store returned {} claim results for {} messages",
+                            found.len(),
+                            order.len()
+                        ),
+                    ));
+                }
                 let mut by_index: HashMap<usize, Option<Fingerprint>> =
                     order.iter().copied().zip(found).collect();
                 to_claim
@@ -171,8 +182,14 @@ impl<S: ClaimStore, C: Clock> Processor<S, C> {
                     .collect()
             };
         let mut fresh: Vec<&M> = Vec::with_capacity(to_claim.len());
+        // What the store holds for each ID once this batch commits: the earlier claim's
+        // fingerprint if there was one, otherwise the first occurrence's own. Repeats inside the
+        // batch are judged against that, never against another unclaimed delivery.
+        let mut effective: HashMap<&MessageId, Fingerprint> = HashMap::new();
         for (&i, stored) in to_claim.iter().zip(&stored) {
-            let claim = Claim::from_stored(*stored, first[msgs[i].message_id()].1);
+            let own = first[msgs[i].message_id()].1;
+            effective.insert(msgs[i].message_id(), stored.unwrap_or(own));
+            let claim = Claim::from_stored(*stored, own);
             outcomes[i] = Some(Ok(match claim.skipped() {
                 Some(skipped) => skipped,
                 None => {
@@ -181,19 +198,16 @@ impl<S: ClaimStore, C: Clock> Processor<S, C> {
                 }
             }));
         }
-        for (i, j) in repeats {
-            let (_, fp) = first[msgs[j].message_id()];
+        for i in repeats {
             let received = msgs[i].fingerprint();
             outcomes[i] = Some(Ok(if self.mode == ClaimMode::Skip {
                 fresh.push(&msgs[i]);
                 Outcome::Processed(())
-            } else if received == fp {
-                Outcome::Duplicate
             } else {
-                Outcome::Conflict {
-                    stored: fp,
-                    received,
-                }
+                let stored = effective[msgs[i].message_id()];
+                Claim::from_stored(Some(stored), received)
+                    .skipped()
+                    .unwrap_or(Outcome::Duplicate)
             }));
         }
         let output = if fresh.is_empty() {
