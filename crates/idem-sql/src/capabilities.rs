@@ -7,9 +7,9 @@
 /// whose parameters are bound in the order before, [consumer,] limit), an inherent
 /// `begin_tx()` and `claim_on()`.
 macro_rules! impl_sql_capabilities {
-    ($store:ty, $db:ty, $max_id_len:expr) => {
+    ($store:ty, $db:ty, $tx:ty, $max_id_len:expr) => {
         impl idem_core::TransactionalStore for $store {
-            type Tx = $crate::Tx<$db>;
+            type Tx = $tx;
 
             async fn begin(&self) -> Result<Self::Tx, idem_core::Error> {
                 self.begin_tx().await

@@ -47,6 +47,8 @@ mod errors;
 #[cfg(feature = "mysql")]
 mod mysql;
 #[cfg(feature = "postgres")]
+mod pg_tx;
+#[cfg(feature = "postgres")]
 mod postgres;
 #[cfg(feature = "sqlite")]
 mod sqlite;
@@ -56,6 +58,8 @@ mod tx;
 pub use any::{AnyStore, SCHEMES};
 #[cfg(feature = "mysql")]
 pub use mysql::{MAX_MESSAGE_ID_LEN as MYSQL_MAX_MESSAGE_ID_LEN, MySqlStore};
+#[cfg(feature = "postgres")]
+pub use pg_tx::PgTx;
 #[cfg(feature = "postgres")]
 pub use postgres::{MAX_MESSAGE_ID_LEN as POSTGRES_MAX_MESSAGE_ID_LEN, PostgresStore};
 #[cfg(feature = "sqlite")]

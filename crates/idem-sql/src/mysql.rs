@@ -197,7 +197,12 @@ impl BatchClaimStore for MySqlStore {
     }
 }
 
-crate::capabilities::impl_sql_capabilities!(MySqlStore, MySql, MAX_MESSAGE_ID_LEN);
+crate::capabilities::impl_sql_capabilities!(
+    MySqlStore,
+    MySql,
+    crate::Tx<MySql>,
+    MAX_MESSAGE_ID_LEN
+);
 
 impl Migrate for MySqlStore {
     async fn migrate(&self) -> Result<(), Error> {

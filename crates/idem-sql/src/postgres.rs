@@ -108,11 +108,9 @@ impl PostgresStore {
     }
 
     /// Begins a transaction for a caller that claims with [`claim_on`](Self::claim_on).
-    pub async fn begin_tx(&self) -> Result<crate::Tx<Postgres>, Error> {
-        self.pool
-            .begin()
+    pub async fn begin_tx(&self) -> Result<crate::PgTx, Error> {
+        crate::PgTx::begin(&self.pool)
             .await
-            .map(crate::Tx::new)
             .map_err(|e| store_error("begin", e))
     }
 
@@ -192,7 +190,12 @@ impl BatchClaimStore for PostgresStore {
     }
 }
 
-crate::capabilities::impl_sql_capabilities!(PostgresStore, Postgres, MAX_MESSAGE_ID_LEN);
+crate::capabilities::impl_sql_capabilities!(
+    PostgresStore,
+    Postgres,
+    crate::PgTx,
+    MAX_MESSAGE_ID_LEN
+);
 
 impl Migrate for PostgresStore {
     async fn migrate(&self) -> Result<(), Error> {

@@ -295,7 +295,12 @@ impl BatchClaimStore for SqliteStore {
     }
 }
 
-crate::capabilities::impl_sql_capabilities!(SqliteStore, Sqlite, MAX_MESSAGE_ID_LEN);
+crate::capabilities::impl_sql_capabilities!(
+    SqliteStore,
+    Sqlite,
+    crate::Tx<Sqlite>,
+    MAX_MESSAGE_ID_LEN
+);
 
 impl Migrate for SqliteStore {
     async fn migrate(&self) -> Result<(), Error> {

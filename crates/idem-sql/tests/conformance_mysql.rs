@@ -64,6 +64,13 @@ impl StoreFixture for MySqlFixture {
         Ok(())
     }
 
+    async fn fail_statement(tx: &mut TxOf<Self>) -> Result<(), BoxError> {
+        sqlx::query("SELECT * FROM idem_no_such_table")
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+
     async fn count_effects(&self, key: &str) -> i64 {
         sqlx::query_scalar("SELECT count(*) FROM effects WHERE k = ?")
             .bind(key)

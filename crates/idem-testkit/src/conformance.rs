@@ -121,6 +121,37 @@ pub async fn handler_error_rolls_back_the_claim_and_the_effect<F: StoreFixture>(
     fx.teardown().await;
 }
 
+/// A handler that swallows a failed statement and returns `Ok`: whatever the engine does with
+/// the transaction (PostgreSQL aborts it, others carry on), `process` may report `Processed`
+/// only if the effect and the claim really committed — otherwise the caller would ack a lost
+/// message.
+pub async fn a_swallowed_database_error_never_reports_an_uncommitted_message<F: StoreFixture>(
+    test: &str,
+) {
+    let fx = fixture!(test);
+    let p = processor(&fx, "billing");
+    let out = p
+        .process(&msg("pay-swallow", "x"), async |tx| {
+            F::record_effect(tx, "pay-swallow").await?;
+            let _ignored = F::fail_statement(tx).await;
+            Ok::<_, BoxError>(())
+        })
+        .await;
+    let (effects, claims) = (
+        fx.count_effects("pay-swallow").await,
+        fx.count_claims().await,
+    );
+    match out {
+        Ok(Outcome::Processed(())) => assert_eq!((effects, claims), (1, 1), "reported processed"),
+        Err(e) => {
+            assert_eq!((effects, claims), (0, 0), "reported {e}");
+            assert!(e.is_retryable(), "{e:?}");
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    fx.teardown().await;
+}
+
 /// `Error::reject` from a handler keeps its kind: dead-letter, nothing committed.
 pub async fn rejected_message_is_dead_lettered_and_leaves_no_claim<F: StoreFixture>(test: &str) {
     let fx = fixture!(test);

@@ -39,6 +39,10 @@ pub trait StoreFixture: Sized + Send + Sync + 'static {
         key: &str,
     ) -> impl Future<Output = Result<(), BoxError>> + Send;
 
+    /// Runs a statement that fails (e.g. reads a table that does not exist) inside `tx`, and
+    /// returns its error: what a handler that swallows database errors runs into.
+    fn fail_statement(tx: &mut TxOf<Self>) -> impl Future<Output = Result<(), BoxError>> + Send;
+
     /// Committed effect rows with `key`.
     fn count_effects(&self, key: &str) -> impl Future<Output = i64> + Send;
 

@@ -27,6 +27,7 @@ macro_rules! conformance_tests {
             duplicate_delivery_runs_the_handler_once,
             concurrent_duplicates_commit_exactly_one_effect,
             handler_error_rolls_back_the_claim_and_the_effect,
+            a_swallowed_database_error_never_reports_an_uncommitted_message,
             rejected_message_is_dead_lettered_and_leaves_no_claim,
             fingerprint_conflict_is_reported_not_skipped,
             each_consumer_processes_a_message_once,
