@@ -5,7 +5,8 @@
 //! into warnings. The counter is what makes the result readable: sqlx connects with
 //! `CLIENT_FOUND_ROWS`, under which a no-op update reports 1 affected row, the same as an
 //! insert; a real increment reports 2. (The increment persists only when a batch containing the
-//! duplicate commits; a lone duplicate rolls back, so the column is not a redelivery count.) A concurrent duplicate waits on the first transaction's record lock.
+//! duplicate commits; a lone duplicate rolls back, so the column is not a redelivery count.)
+//! A concurrent duplicate waits on the first transaction's record lock.
 
 use idem_core::store::ClaimRequest;
 use idem_core::{BatchClaimStore, ConsumerName, Error, Fingerprint, MessageId, Migrate, Timestamp};
