@@ -59,7 +59,7 @@ impl<S: ClaimStore, C: Clock> Processor<S, C> {
                 return Err(e);
             }
             // A later duplicate of an ID earlier in this batch finds that claim: same transaction.
-            let claim = match self.claim_in(&mut tx, msg).await {
+            let claim = match self.claim_checked(&mut tx, msg).await {
                 Ok(claim) => claim,
                 Err(e) => {
                     // As below: if the engine aborted the whole transaction (InnoDB deadlock),
@@ -73,13 +73,13 @@ impl<S: ClaimStore, C: Clock> Processor<S, C> {
                 }
             };
             if let Some(skipped) = claim.skipped() {
-                self.keep_message(&mut tx).await?;
+                self.store.release_savepoint(&mut tx).await?;
                 results.push(Ok(skipped));
                 continue;
             }
             match handler(&mut tx, msg).await {
                 Ok(value) => {
-                    self.keep_message(&mut tx).await?;
+                    self.store.release_savepoint(&mut tx).await?;
                     results.push(Ok(Outcome::Processed(value)));
                 }
                 Err(e) => {
@@ -121,75 +121,66 @@ impl<S: ClaimStore, C: Clock> Processor<S, C> {
     {
         let mut outcomes: Vec<Option<Result<Outcome<()>, Error>>> =
             (0..msgs.len()).map(|_| None).collect();
-        // First occurrence of each ID goes to the store; repeats inside the batch are decided
-        // against it here, because one statement cannot see its own rows.
-        let mut first: HashMap<&MessageId, (usize, Fingerprint)> = HashMap::new();
+        // The first occurrence of each ID goes to the store; repeats inside the batch are
+        // decided here against it, because one statement cannot see its own rows.
+        let mut first: HashMap<&MessageId, usize> = HashMap::new();
         let mut to_claim: Vec<usize> = Vec::with_capacity(msgs.len());
-        let mut repeats: Vec<usize> = Vec::new();
+        let mut repeats: Vec<(usize, usize)> = Vec::new(); // (repeat, its first occurrence)
         for (i, msg) in msgs.iter().enumerate() {
             if let Err(e) = self.check_id(msg.message_id()) {
                 outcomes[i] = Some(Err(e));
                 continue;
             }
             match first.get(msg.message_id()) {
-                Some(_) => repeats.push(i),
+                Some(&j) => repeats.push((i, j)),
                 None => {
-                    first.insert(msg.message_id(), (i, msg.fingerprint()));
+                    first.insert(msg.message_id(), i);
                     to_claim.push(i);
                 }
             }
         }
+        let fingerprints: Vec<Fingerprint> = msgs.iter().map(Identified::fingerprint).collect();
+        // Per message index: the fingerprint of a claim that existed before this batch.
+        let mut stored: Vec<Option<Fingerprint>> = vec![None; msgs.len()];
         let mut tx = self.store.begin().await?;
-        let stored: Vec<Option<Fingerprint>> =
-            if self.mode == ClaimMode::Skip || to_claim.is_empty() {
-                vec![None; to_claim.len()]
-            } else {
-                // Claims go in ID order so two batches sharing IDs lock rows in the same order and
-                // wait for each other instead of deadlocking.
-                let mut order = to_claim.clone();
-                order.sort_by(|&a, &b| msgs[a].message_id().cmp(msgs[b].message_id()));
-                let items: Vec<(&MessageId, Fingerprint)> = order
-                    .iter()
-                    .map(|&i| (msgs[i].message_id(), first[msgs[i].message_id()].1))
-                    .collect();
-                let found = match self
-                    .store
-                    .claim_many(&mut tx, &self.consumer, &items, self.clock.now())
-                    .await
-                {
-                    Ok(found) => found,
-                    Err(e) => {
-                        let _ = self.store.rollback(tx).await;
-                        return Err(e);
-                    }
-                };
-                if found.len() != order.len() {
+        if self.mode == ClaimMode::Claim && !to_claim.is_empty() {
+            // Claims go in ID order so two batches sharing IDs lock rows in the same order and
+            // wait for each other instead of deadlocking.
+            let mut order = to_claim.clone();
+            order.sort_by(|&a, &b| msgs[a].message_id().cmp(msgs[b].message_id()));
+            let items: Vec<(&MessageId, Fingerprint)> = order
+                .iter()
+                .map(|&i| (msgs[i].message_id(), fingerprints[i]))
+                .collect();
+            let found = match self
+                .store
+                .claim_many(&mut tx, &self.consumer, &items, self.clock.now())
+                .await
+            {
+                Ok(found) => found,
+                Err(e) => {
                     let _ = self.store.rollback(tx).await;
-                    return Err(Error::new(
-                        crate::error::ErrorKind::Store,
-                        format!(
-                            "store returned {} claim results for {} messages",
-                            found.len(),
-                            order.len()
-                        ),
-                    ));
+                    return Err(e);
                 }
-                let mut by_index: HashMap<usize, Option<Fingerprint>> =
-                    order.iter().copied().zip(found).collect();
-                to_claim
-                    .iter()
-                    .map(|i| by_index.remove(i).flatten())
-                    .collect()
             };
+            if found.len() != order.len() {
+                let _ = self.store.rollback(tx).await;
+                return Err(Error::new(
+                    crate::error::ErrorKind::Store,
+                    format!(
+                        "store returned {} claim results for {} messages",
+                        found.len(),
+                        order.len()
+                    ),
+                ));
+            }
+            for (&i, fp) in order.iter().zip(found) {
+                stored[i] = fp;
+            }
+        }
         let mut fresh: Vec<&M> = Vec::with_capacity(to_claim.len());
-        // What the store holds for each ID once this batch commits: the earlier claim's
-        // fingerprint if there was one, otherwise the first occurrence's own. Repeats inside the
-        // batch are judged against that, never against another unclaimed delivery.
-        let mut effective: HashMap<&MessageId, Fingerprint> = HashMap::new();
-        for (&i, stored) in to_claim.iter().zip(&stored) {
-            let own = first[msgs[i].message_id()].1;
-            effective.insert(msgs[i].message_id(), stored.unwrap_or(own));
-            let claim = Claim::from_stored(*stored, own);
+        for &i in &to_claim {
+            let claim = Claim::from_stored(stored[i], fingerprints[i]);
             outcomes[i] = Some(Ok(match claim.skipped() {
                 Some(skipped) => skipped,
                 None => {
@@ -198,14 +189,15 @@ impl<S: ClaimStore, C: Clock> Processor<S, C> {
                 }
             }));
         }
-        for i in repeats {
-            let received = msgs[i].fingerprint();
+        for (i, j) in repeats {
             outcomes[i] = Some(Ok(if self.mode == ClaimMode::Skip {
                 fresh.push(&msgs[i]);
                 Outcome::Processed(())
             } else {
-                let stored = effective[msgs[i].message_id()];
-                Claim::from_stored(Some(stored), received)
+                // What the store holds for this ID once the batch commits: the earlier claim,
+                // else the first occurrence's own fingerprint — never another unclaimed copy.
+                let holds = stored[j].unwrap_or(fingerprints[j]);
+                Claim::from_stored(Some(holds), fingerprints[i])
                     .skipped()
                     .unwrap_or(Outcome::Duplicate)
             }));
@@ -230,12 +222,5 @@ impl<S: ClaimStore, C: Clock> Processor<S, C> {
             .map(|o| o.unwrap_or(Ok(Outcome::Duplicate)))
             .collect();
         Ok(SetBatch { outcomes, output })
-    }
-
-    async fn keep_message(&self, tx: &mut S::Tx) -> Result<(), Error>
-    where
-        S: Savepoints,
-    {
-        self.store.release_savepoint(tx).await
     }
 }

@@ -97,19 +97,17 @@ impl<S: ClaimStore, C: Clock> Processor<S, C> {
     {
         self.check_id(msg.message_id())?;
         let mut tx = self.store.begin().await?;
-        if self.mode == ClaimMode::Claim {
-            let claimed = self.claim_in(&mut tx, msg).await;
-            match claimed {
-                Ok(Claim::New) => {}
-                Ok(other) => {
+        match self.claim_checked(&mut tx, msg).await {
+            Ok(claim) => {
+                if let Some(skipped) = claim.skipped() {
                     // Nothing was written; end the transaction and report.
                     let _ = self.store.rollback(tx).await;
-                    return Ok(other.skipped().unwrap_or(Outcome::Duplicate));
+                    return Ok(skipped);
                 }
-                Err(e) => {
-                    let _ = self.store.rollback(tx).await;
-                    return Err(e);
-                }
+            }
+            Err(e) => {
+                let _ = self.store.rollback(tx).await;
+                return Err(e);
             }
         }
         match handler(&mut tx).await {
@@ -133,10 +131,19 @@ impl<S: ClaimStore, C: Clock> Processor<S, C> {
         M: Identified + ?Sized,
     {
         self.check_id(msg.message_id())?;
-        let fingerprint = msg.fingerprint();
+        self.claim_checked(tx, msg).await
+    }
+
+    /// The claim for a message whose ID was already checked against the limit; in naturally
+    /// idempotent mode every message is new and nothing is written.
+    async fn claim_checked<M>(&self, tx: &mut S::Tx, msg: &M) -> Result<Claim, Error>
+    where
+        M: Identified + ?Sized,
+    {
         if self.mode == ClaimMode::Skip {
             return Ok(Claim::New);
         }
+        let fingerprint = msg.fingerprint();
         let stored = self
             .store
             .claim(
