@@ -55,7 +55,7 @@ impl AnyStore {
                 ErrorKind::InvalidConfig,
                 format!(
                     "unsupported store URL {:?}: expected one of {SCHEMES}",
-                    crate::common::redact(url)
+                    crate::common::redact_url(url)
                 ),
             )),
         }

@@ -2,12 +2,48 @@
 //! claim, savepoints, bounded pruning, stats — generated once per store from the engine-specific
 //! pieces each store module provides: `begin_tx`, `claim_on`, and its `sql` statements.
 
-/// Implements `TransactionalStore`, `ClaimStore`, `Savepoints`, `Prune` and `Stats` for a
-/// store struct with fields `pool` and `sql` (with `prune_all`, `prune_consumer`, `stats`,
-/// whose parameters are bound in the order before, [consumer,] limit), an inherent
-/// `begin_tx()` and `claim_on()`.
+/// Implements the low-level `claim_on` and `TransactionalStore`, `ClaimStore`, `Savepoints`,
+/// `Prune` and `Stats` for a store struct with fields `pool` and `sql` (with `claim`,
+/// `read_fingerprint`, `prune_all`, `prune_consumer`, `stats`; prune parameters are bound in the
+/// order before, [consumer,] limit) and an inherent `begin_tx()`.
 macro_rules! impl_sql_capabilities {
     ($store:ty, $db:ty, $tx:ty, $max_id_len:expr) => {
+        impl $store {
+            /// The claim on a connection inside a transaction the caller began (see
+            /// `begin_tx`). `None`: inserted now; `Some(fp)`: already claimed with
+            /// fingerprint `fp`.
+            ///
+            /// One insert that cannot race; it reports exactly one affected row when this
+            /// transaction inserted the claim (see the module docs for each engine's statement).
+            pub async fn claim_on(
+                &self,
+                conn: &mut <$db as sqlx::Database>::Connection,
+                claim: idem_core::ClaimRequest<'_>,
+            ) -> Result<Option<idem_core::Fingerprint>, idem_core::Error> {
+                let inserted = sqlx::query(&self.sql.claim)
+                    .bind(claim.consumer.as_str())
+                    .bind(claim.id.as_bytes())
+                    .bind(&claim.fingerprint.as_bytes()[..])
+                    .bind(claim.at.as_micros())
+                    .execute(&mut *conn)
+                    .await
+                    .map_err(|e| $crate::errors::store_error("claim", e))?
+                    .rows_affected();
+                if inserted == 1 {
+                    return Ok(None);
+                }
+                let row: Option<Vec<u8>> = sqlx::query_scalar(&self.sql.read_fingerprint)
+                    .bind(claim.consumer.as_str())
+                    .bind(claim.id.as_bytes())
+                    .fetch_optional(&mut *conn)
+                    .await
+                    .map_err(|e| {
+                        $crate::errors::store_error("reading the stored fingerprint", e)
+                    })?;
+                $crate::common::stored_fingerprint(row)
+            }
+        }
+
         impl idem_core::TransactionalStore for $store {
             type Tx = $tx;
 

@@ -20,8 +20,8 @@ pub(crate) fn stored_fingerprint(bytes: Option<Vec<u8>>) -> Result<Option<Finger
     }
 }
 
-/// Hides the password of a connection URL in error messages.
-pub(crate) fn redact(url: &str) -> String {
+/// A connection URL with its password replaced by `***`, for logs and error messages.
+pub fn redact_url(url: &str) -> String {
     match (url.find("://"), url.rfind('@')) {
         (Some(s), Some(at)) if at > s => {
             let userinfo = &url[s + 3..at];
@@ -69,11 +69,11 @@ pub(crate) async fn connect_pool<DB: sqlx::Database>(
     use sqlx::Connection;
     type Opts<DB> = <<DB as sqlx::Database>::Connection as Connection>::Options;
 
-    let place = format!("{what} at {}", redact(url));
+    let place = format!("{what} at {}", redact_url(url));
     let options: Opts<DB> = url.parse().map_err(|e: sqlx::Error| {
         Error::new(
             ErrorKind::InvalidConfig,
-            format!("invalid {what} URL {}: {e}", redact(url)),
+            format!("invalid {what} URL {}: {e}", redact_url(url)),
         )
         .with_source(e)
     })?;
@@ -110,10 +110,10 @@ mod tests {
     #[test]
     fn redacts_passwords_only() {
         assert_eq!(
-            super::redact("postgres://u:secret@h/db"),
+            super::redact_url("postgres://u:secret@h/db"),
             "postgres://u:***@h/db"
         );
-        assert_eq!(super::redact("postgres://u@h/db"), "postgres://u@h/db");
-        assert_eq!(super::redact("postgres://h/db"), "postgres://h/db");
+        assert_eq!(super::redact_url("postgres://u@h/db"), "postgres://u@h/db");
+        assert_eq!(super::redact_url("postgres://h/db"), "postgres://h/db");
     }
 }

@@ -53,9 +53,11 @@ mod postgres;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 mod table;
+#[cfg(any(feature = "sqlite", feature = "mysql"))]
 mod tx;
 
 pub use any::{AnyStore, SCHEMES};
+pub use common::redact_url;
 #[cfg(feature = "mysql")]
 pub use mysql::{MAX_MESSAGE_ID_LEN as MYSQL_MAX_MESSAGE_ID_LEN, MySqlStore};
 #[cfg(feature = "postgres")]
@@ -65,6 +67,7 @@ pub use postgres::{MAX_MESSAGE_ID_LEN as POSTGRES_MAX_MESSAGE_ID_LEN, PostgresSt
 #[cfg(feature = "sqlite")]
 pub use sqlite::{MAX_MESSAGE_ID_LEN as SQLITE_MAX_MESSAGE_ID_LEN, SqliteOptions, SqliteStore};
 pub use table::{DEFAULT_TABLE, TableName};
+#[cfg(any(feature = "sqlite", feature = "mysql"))]
 pub use tx::Tx;
 
 /// The README's library example, compiled and run as a doc test so it cannot rot.

@@ -6,12 +6,12 @@
 //! `CLIENT_FOUND_ROWS`, under which a no-op update reports 1 affected row, the same as an
 //! insert; a real increment reports 2. (The increment persists only when a batch containing the
 //! duplicate commits; a lone duplicate rolls back, so the column is not a redelivery count.)
-//! A concurrent duplicate waits on the first transaction's record lock.
+//! A concurrent duplicate waits on the first transaction's record lock; the increment then locks
+//! the existing row and makes it visible to the fingerprint read that follows.
 
-use idem_core::store::ClaimRequest;
 use idem_core::{BatchClaimStore, ConsumerName, Error, Fingerprint, MessageId, Migrate, Timestamp};
 use sqlx::QueryBuilder;
-use sqlx::mysql::{MySql, MySqlConnection, MySqlPool};
+use sqlx::mysql::{MySql, MySqlPool};
 
 use crate::common::stored_fingerprint;
 use crate::errors::store_error;
@@ -105,34 +105,6 @@ impl MySqlStore {
             .await
             .map(crate::Tx::new)
             .map_err(|e| store_error("begin", e))
-    }
-
-    /// The claim on a connection the caller already has inside a transaction.
-    pub async fn claim_on(
-        &self,
-        conn: &mut MySqlConnection,
-        claim: ClaimRequest<'_>,
-    ) -> Result<Option<Fingerprint>, Error> {
-        let affected = sqlx::query(&self.sql.claim)
-            .bind(claim.consumer.as_str())
-            .bind(claim.id.as_bytes())
-            .bind(&claim.fingerprint.as_bytes()[..])
-            .bind(claim.at.as_micros())
-            .execute(&mut *conn)
-            .await
-            .map_err(|e| store_error("claim", e))?
-            .rows_affected();
-        if affected == 1 {
-            return Ok(None);
-        }
-        // The update above locked the existing row and made it visible to this transaction.
-        let row: Option<Vec<u8>> = sqlx::query_scalar(&self.sql.read_fingerprint)
-            .bind(claim.consumer.as_str())
-            .bind(claim.id.as_bytes())
-            .fetch_optional(&mut *conn)
-            .await
-            .map_err(|e| store_error("reading the stored fingerprint", e))?;
-        stored_fingerprint(row)
     }
 }
 

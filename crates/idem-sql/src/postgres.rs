@@ -3,13 +3,13 @@
 //! The claim is `INSERT … ON CONFLICT (consumer, message_id) DO NOTHING`: one statement that
 //! cannot race. A concurrent transaction holding an uncommitted claim for the same key makes it
 //! wait; if that one commits, this insert affects no row (a duplicate), if it rolls back, this
-//! insert proceeds. The `processed_at` index is BRIN: claims arrive in time order, so a BRIN
+//! insert proceeds. The duplicate's fingerprint is then read by a new statement, which under
+//! READ COMMITTED sees the row whose commit the insert waited for. The `processed_at` index is BRIN: claims arrive in time order, so a BRIN
 //! index costs almost nothing per insert and still lets pruning find old rows.
 
-use idem_core::store::ClaimRequest;
 use idem_core::{BatchClaimStore, ConsumerName, Error, Fingerprint, MessageId, Migrate, Timestamp};
 use sqlx::Postgres;
-use sqlx::postgres::{PgConnection, PgPool};
+use sqlx::postgres::PgPool;
 
 use crate::common::stored_fingerprint;
 use crate::errors::{commit_error, store_error};
@@ -112,35 +112,6 @@ impl PostgresStore {
         crate::PgTx::begin(&self.pool)
             .await
             .map_err(|e| store_error("begin", e))
-    }
-
-    /// The claim on a connection the caller already has inside a transaction. `None`: inserted
-    /// now; `Some(fp)`: already claimed with fingerprint `fp`.
-    pub async fn claim_on(
-        &self,
-        conn: &mut PgConnection,
-        claim: ClaimRequest<'_>,
-    ) -> Result<Option<Fingerprint>, Error> {
-        let inserted = sqlx::query(&self.sql.claim)
-            .bind(claim.consumer.as_str())
-            .bind(claim.id.as_bytes())
-            .bind(&claim.fingerprint.as_bytes()[..])
-            .bind(claim.at.as_micros())
-            .execute(&mut *conn)
-            .await
-            .map_err(|e| store_error("claim", e))?
-            .rows_affected();
-        if inserted == 1 {
-            return Ok(None);
-        }
-        // READ COMMITTED: this new statement sees the row whose commit the insert waited for.
-        let row: Option<Vec<u8>> = sqlx::query_scalar(&self.sql.read_fingerprint)
-            .bind(claim.consumer.as_str())
-            .bind(claim.id.as_bytes())
-            .fetch_optional(&mut *conn)
-            .await
-            .map_err(|e| store_error("reading the stored fingerprint", e))?;
-        stored_fingerprint(row)
     }
 }
 

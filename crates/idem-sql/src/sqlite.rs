@@ -10,13 +10,11 @@ use std::path::Path;
 use std::str::FromStr;
 use std::time::Duration;
 
-use idem_core::store::ClaimRequest;
 use idem_core::{
     BatchClaimStore, ConsumerName, Error, ErrorKind, Fingerprint, MessageId, Migrate, Timestamp,
 };
 use sqlx::sqlite::{
-    SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
-    SqliteSynchronous,
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
 use sqlx::{QueryBuilder, Sqlite};
 
@@ -217,35 +215,6 @@ impl SqliteStore {
             .await
             .map(crate::Tx::new)
             .map_err(|e| store_error("BEGIN IMMEDIATE", e))
-    }
-
-    /// The claim on a connection inside a transaction begun with [`begin_immediate`].
-    ///
-    /// [`begin_immediate`]: SqliteStore::begin_immediate
-    pub async fn claim_on(
-        &self,
-        conn: &mut SqliteConnection,
-        claim: ClaimRequest<'_>,
-    ) -> Result<Option<Fingerprint>, Error> {
-        let inserted = sqlx::query(&self.sql.claim)
-            .bind(claim.consumer.as_str())
-            .bind(claim.id.as_bytes())
-            .bind(&claim.fingerprint.as_bytes()[..])
-            .bind(claim.at.as_micros())
-            .execute(&mut *conn)
-            .await
-            .map_err(|e| store_error("claim", e))?
-            .rows_affected();
-        if inserted == 1 {
-            return Ok(None);
-        }
-        let row: Option<Vec<u8>> = sqlx::query_scalar(&self.sql.read_fingerprint)
-            .bind(claim.consumer.as_str())
-            .bind(claim.id.as_bytes())
-            .fetch_optional(&mut *conn)
-            .await
-            .map_err(|e| store_error("reading the stored fingerprint", e))?;
-        stored_fingerprint(row)
     }
 }
 
