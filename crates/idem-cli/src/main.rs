@@ -6,6 +6,7 @@
 mod admin;
 mod bench;
 mod demo;
+mod format;
 
 use std::process::ExitCode;
 

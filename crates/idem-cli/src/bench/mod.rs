@@ -382,7 +382,7 @@ pub(crate) async fn run(args: BenchArgs) -> anyhow::Result<()> {
             Err(e) => {
                 let line = format!(
                     "P1/P2 skipped: PostgreSQL at {} is unreachable ({e:#})",
-                    redact(&url)
+                    idem_sql::redact_url(&url)
                 );
                 eprintln!("{line}");
                 skipped.push(line);
@@ -644,27 +644,7 @@ fn ratio(x: f64, base: Option<f64>) -> String {
 
 /// `12345.6` as `12,346`: rates are read, not computed with.
 fn thousands(x: f64) -> String {
-    let n = x.round().max(0.0) as u64;
-    let digits = n.to_string();
-    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
-    for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    out
-}
-
-/// Hides a password in a connection URL before printing it.
-fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s => match url[s + 3..at].split_once(':') {
-            Some((user, _)) => format!("{}{user}:***{}", &url[..s + 3], &url[at..]),
-            None => url.to_string(),
-        },
-        _ => url.to_string(),
-    }
+    crate::format::group_digits(x.round().max(0.0) as u64)
 }
 
 #[cfg(test)]
@@ -677,11 +657,5 @@ mod tests {
         assert_eq!(thousands(999.0), "999");
         assert_eq!(thousands(1234.5), "1,235");
         assert_eq!(thousands(1_234_567.0), "1,234,567");
-    }
-
-    #[test]
-    fn redact_hides_passwords() {
-        assert_eq!(redact("postgres://u:pw@h/db"), "postgres://u:***@h/db");
-        assert_eq!(redact("postgres://u@h/db"), "postgres://u@h/db");
     }
 }

@@ -269,15 +269,11 @@ impl Report {
 fn dollars(cents: i64) -> String {
     let sign = if cents < 0 { "-" } else { "" };
     let cents = cents.unsigned_abs();
-    let whole = (cents / 100).to_string();
-    let mut grouped = String::new();
-    for (i, c) in whole.chars().enumerate() {
-        if i > 0 && (whole.len() - i) % 3 == 0 {
-            grouped.push(',');
-        }
-        grouped.push(c);
-    }
-    format!("{sign}${grouped}.{:02}", cents % 100)
+    format!(
+        "{sign}${}.{:02}",
+        crate::format::group_digits(cents / 100),
+        cents % 100
+    )
 }
 
 #[cfg(test)]
