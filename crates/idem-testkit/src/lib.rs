@@ -11,10 +11,13 @@
 //! idem_testkit::conformance_tests!(PgFixture);
 //! ```
 
+pub mod broker_conformance;
+mod broker_fixture;
 pub mod conformance;
 mod fixture;
 pub mod services;
 
+pub use broker_fixture::{BrokerFixture, DeadLettered};
 pub use fixture::{StoreFixture, TxOf};
 pub use services::{service_url, unique_name};
 

@@ -182,9 +182,11 @@ impl<S: ClaimStore, C: Clock> Processor<S, C> {
         Ok(())
     }
 
-    /// Keeps an explicit idem error's kind (e.g. [`Error::reject`]), lets the store recognise its
-    /// driver's transient errors, and treats anything else as a retryable handler failure.
-    fn handler_error(&self, e: BoxError) -> Error {
+    /// Turns a handler's error into an idem [`Error`]: keeps an explicit idem error's kind (e.g.
+    /// [`Error::reject`]), lets the store recognise its driver's transient errors (deadlocks),
+    /// and treats anything else as a retryable handler failure. Public for callers that drive
+    /// the transaction themselves with [`Processor::claim_in`].
+    pub fn handler_error(&self, e: BoxError) -> Error {
         let e = match e.downcast::<Error>() {
             Ok(ours) => return *ours,
             Err(e) => e,

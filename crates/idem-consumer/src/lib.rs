@@ -1,0 +1,48 @@
+//! The broker-independent consumer runner of idem.
+//!
+//! A broker adapter (`idem-nats`, `idem-amqp`, `idem-kafka`, `idem-redis-streams`, `idem-mqtt`)
+//! implements [`Source`] and [`Delivery`]; [`Consumer`] does the rest, the same way on every
+//! broker:
+//!
+//! | what happened | what the runner does |
+//! |---|---|
+//! | handler ran, transaction committed | ack |
+//! | already processed ([`Outcome::Duplicate`](idem_core::Outcome)) | ack, nothing else |
+//! | same ID, different payload ([`Outcome::Conflict`](idem_core::Outcome)) | dead-letter, reason `conflict` |
+//! | no ID, empty ID, ID over the store's limit | dead-letter, reason `missing-id` / `invalid-id` |
+//! | payload does not decode | dead-letter, reason `undecodable` |
+//! | handler [`Error::reject`](idem_core::Error::reject) | dead-letter, reason `rejected` |
+//! | retryable error (handler, deadlock) | retry with exponential backoff and jitter; after the last attempt dead-letter, reason `retries-exhausted` |
+//! | store unavailable through every attempt | leave unacknowledged for redelivery (an outage must not empty the queue into the dead letters) |
+//! | shutdown | stop fetching, finish in-flight messages, ack what committed, leave the rest |
+//! | broker connection lost | back off and fetch again; the adapter reconnects |
+//!
+//! Nothing is acknowledged that did not commit, and nothing is acknowledged silently: every
+//! dead letter carries its reason in headers ([`DeadLetter::headers`]).
+//!
+//! [`InMemoryBroker`] is an in-memory fake for unit tests of handlers; real adapters are tested
+//! against real brokers.
+
+mod dead_letter;
+mod decode;
+mod handler;
+mod id_source;
+mod in_memory;
+pub mod metrics;
+mod retry;
+mod runner;
+pub mod shutdown;
+mod source;
+
+pub use dead_letter::{
+    ATTEMPTS_HEADER, CONSUMER_HEADER, DETAIL_HEADER, DeadLetter, DeadLetterReason, REASON_HEADER,
+};
+pub use decode::{Decode, Json, Raw};
+pub use handler::Handler;
+pub use id_source::IdSource;
+pub use in_memory::{InMemoryBroker, InMemoryDelivery, InMemorySource, Settled};
+pub use metrics::RunStats;
+pub use retry::RetryPolicy;
+pub use runner::{Consumer, Observer};
+pub use source::{Delivery, Source};
+pub use tokio_util::sync::CancellationToken;

@@ -1,0 +1,205 @@
+//! What the runner counts and times, exported through the `metrics` facade, plus a Prometheus
+//! endpoint services can expose.
+//!
+//! Names (all labelled `consumer` and `broker`):
+//! - `idem_messages_total{outcome}`: `processed`, `duplicate`, `conflict`, `dead_lettered`
+//! - `idem_dead_letters_total{reason}`: per [`DeadLetterReason`](crate::DeadLetterReason) code
+//! - `idem_retries_total`: processing attempts after the first
+//! - `idem_abandoned_total`: deliveries left to broker redelivery (shutdown, database down)
+//! - `idem_ack_failures_total`: acknowledgements that failed after a commit (the broker will
+//!   redeliver; the claim turns that into a duplicate)
+//! - `idem_broker_errors_total`: failed fetches and failed dead-letter publishes
+//! - `idem_handler_seconds`: handler latency, inside the transaction
+//! - `idem_commit_seconds`: from the handler's return to the commit's return
+//!
+//! Without an installed recorder the `metrics` calls are no-ops; [`RunStats`] counts the same
+//! events for the caller either way.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use idem_core::{Error, ErrorKind};
+use metrics::{Counter, Histogram, counter, histogram};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+use crate::dead_letter::DeadLetterReason;
+
+/// Counts of what one [`Consumer::run`](crate::Consumer::run) did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RunStats {
+    /// Handler ran and committed.
+    pub processed: u64,
+    /// Found already processed; acknowledged without running the handler.
+    pub duplicates: u64,
+    /// Same ID, different payload; dead-lettered.
+    pub conflicts: u64,
+    /// Sent to the dead-letter destination (conflicts included).
+    pub dead_lettered: u64,
+    /// Attempts after the first.
+    pub retries: u64,
+    /// Left unacknowledged for the broker to redeliver.
+    pub abandoned: u64,
+    /// Acknowledgements that failed after their commit.
+    pub ack_failures: u64,
+    /// Fetch and dead-letter publish failures.
+    pub broker_errors: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counts {
+    processed: AtomicU64,
+    duplicates: AtomicU64,
+    conflicts: AtomicU64,
+    dead_lettered: AtomicU64,
+    retries: AtomicU64,
+    abandoned: AtomicU64,
+    ack_failures: AtomicU64,
+    broker_errors: AtomicU64,
+}
+
+/// The runner's instruments: `metrics` handles registered once per run, and the plain counts
+/// behind [`RunStats`].
+#[derive(Debug, Clone)]
+pub(crate) struct Instruments {
+    consumer: String,
+    broker: &'static str,
+    counts: Arc<Counts>,
+    processed: Counter,
+    duplicates: Counter,
+    conflicts: Counter,
+    dead_lettered: Counter,
+    retries: Counter,
+    abandoned: Counter,
+    ack_failures: Counter,
+    broker_errors: Counter,
+    handler: Histogram,
+    commit: Histogram,
+}
+
+fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+impl Instruments {
+    pub(crate) fn new(consumer: &str, broker: &'static str) -> Self {
+        let labels = |outcome: &'static str| {
+            counter!("idem_messages_total", "consumer" => consumer.to_owned(), "broker" => broker, "outcome" => outcome)
+        };
+        let plain = |name: &'static str| {
+            counter!(name, "consumer" => consumer.to_owned(), "broker" => broker)
+        };
+        Self {
+            consumer: consumer.to_owned(),
+            broker,
+            counts: Arc::default(),
+            processed: labels("processed"),
+            duplicates: labels("duplicate"),
+            conflicts: labels("conflict"),
+            dead_lettered: labels("dead_lettered"),
+            retries: plain("idem_retries_total"),
+            abandoned: plain("idem_abandoned_total"),
+            ack_failures: plain("idem_ack_failures_total"),
+            broker_errors: plain("idem_broker_errors_total"),
+            handler: histogram!("idem_handler_seconds", "consumer" => consumer.to_owned(), "broker" => broker),
+            commit: histogram!("idem_commit_seconds", "consumer" => consumer.to_owned(), "broker" => broker),
+        }
+    }
+
+    pub(crate) fn processed(&self) {
+        bump(&self.counts.processed);
+        self.processed.increment(1);
+    }
+    pub(crate) fn duplicate(&self) {
+        bump(&self.counts.duplicates);
+        self.duplicates.increment(1);
+    }
+    pub(crate) fn conflict(&self) {
+        bump(&self.counts.conflicts);
+        self.conflicts.increment(1);
+    }
+    pub(crate) fn dead_lettered(&self, reason: DeadLetterReason) {
+        bump(&self.counts.dead_lettered);
+        self.dead_lettered.increment(1);
+        counter!("idem_dead_letters_total", "consumer" => self.consumer.clone(), "broker" => self.broker, "reason" => reason.code())
+            .increment(1);
+    }
+    pub(crate) fn retry(&self) {
+        bump(&self.counts.retries);
+        self.retries.increment(1);
+    }
+    pub(crate) fn abandoned(&self) {
+        bump(&self.counts.abandoned);
+        self.abandoned.increment(1);
+    }
+    pub(crate) fn ack_failure(&self) {
+        bump(&self.counts.ack_failures);
+        self.ack_failures.increment(1);
+    }
+    pub(crate) fn broker_error(&self) {
+        bump(&self.counts.broker_errors);
+        self.broker_errors.increment(1);
+    }
+    pub(crate) fn handler_time(&self, d: Duration) {
+        self.handler.record(d.as_secs_f64());
+    }
+    pub(crate) fn commit_time(&self, d: Duration) {
+        self.commit.record(d.as_secs_f64());
+    }
+
+    pub(crate) fn snapshot(&self) -> RunStats {
+        let c = &self.counts;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        RunStats {
+            processed: get(&c.processed),
+            duplicates: get(&c.duplicates),
+            conflicts: get(&c.conflicts),
+            dead_lettered: get(&c.dead_lettered),
+            retries: get(&c.retries),
+            abandoned: get(&c.abandoned),
+            ack_failures: get(&c.ack_failures),
+            broker_errors: get(&c.broker_errors),
+        }
+    }
+}
+
+/// Latency buckets for the `_seconds` histograms: 100 µs to 10 s.
+const BUCKETS: &[f64] = &[
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0,
+];
+
+fn builder() -> Result<PrometheusBuilder, Error> {
+    PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), BUCKETS)
+        .map_err(|e| Error::new(ErrorKind::InvalidConfig, format!("metrics buckets: {e}")))
+}
+
+/// Installs the process-wide Prometheus recorder and serves `GET /metrics` on `addr`.
+///
+/// Call once at start, inside the tokio runtime. Fails if the address cannot be bound or a
+/// recorder is already installed.
+pub fn serve_prometheus(addr: SocketAddr) -> Result<(), Error> {
+    builder()?
+        .with_http_listener(addr)
+        .install()
+        .map_err(|e| {
+            Error::new(
+                ErrorKind::InvalidConfig,
+                format!("cannot serve metrics on {addr}: {e}"),
+            )
+        })
+}
+
+/// Installs the process-wide Prometheus recorder without a listener and returns a handle whose
+/// `render()` produces the exposition text, for services that already run an HTTP server.
+pub fn install_prometheus_recorder() -> Result<PrometheusHandle, Error> {
+    builder()?.install_recorder().map_err(|e| {
+        Error::new(
+            ErrorKind::InvalidConfig,
+            format!("cannot install the metrics recorder: {e}"),
+        )
+    })
+}

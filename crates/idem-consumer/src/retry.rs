@@ -1,0 +1,127 @@
+//! How long to wait before retrying a message, and how many times.
+
+use std::time::Duration;
+
+use rand::Rng;
+
+/// Exponential backoff with full jitter, bounded attempts.
+///
+/// Attempt `n` (1-based) waits a random time in `[base·2^(n-1)/2, base·2^(n-1)]`, capped at
+/// `max_delay`: the jitter keeps consumers that failed together (a database restart) from
+/// retrying in lockstep. After `max_attempts` the message is dead-lettered with
+/// `retries-exhausted`.
+///
+/// Keep `max_attempts × max_delay` well under the broker's ack deadline (JetStream `AckWait`,
+/// Redis Streams reclaim idle time), or the broker redelivers the message to another consumer
+/// while this one still retries it. That is safe (the claim makes one of them a duplicate) but
+/// wasteful.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryPolicy {
+    max_attempts: u32,
+    base: Duration,
+    max_delay: Duration,
+}
+
+impl Default for RetryPolicy {
+    /// 5 attempts, 100 ms doubling to at most 5 s.
+    fn default() -> Self {
+        Self {
+            max_attempts: 5,
+            base: Duration::from_millis(100),
+            max_delay: Duration::from_secs(5),
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// `max_attempts` attempts in all (at least 1), waiting `base` doubling up to `max_delay`.
+    pub fn exponential(max_attempts: u32, base: Duration, max_delay: Duration) -> Self {
+        Self {
+            max_attempts: max_attempts.max(1),
+            base,
+            max_delay: max_delay.max(base),
+        }
+    }
+
+    /// Attempts in all, the first included.
+    pub fn max_attempts(&self) -> u32 {
+        self.max_attempts
+    }
+
+    /// The wait before attempt `next_attempt` (2 for the first retry).
+    pub fn delay(&self, next_attempt: u32) -> Duration {
+        let exp = next_attempt.saturating_sub(2).min(20);
+        let ceiling = self.base.saturating_mul(1u32 << exp).min(self.max_delay);
+        let floor = ceiling / 2;
+        if ceiling <= floor {
+            return ceiling;
+        }
+        rand::thread_rng().gen_range(floor..=ceiling)
+    }
+}
+
+/// Backoff for reconnecting to a broker: 100 ms doubling to 10 s, with jitter, reset after a
+/// success.
+#[derive(Debug, Clone)]
+pub(crate) struct Reconnect {
+    failures: u32,
+}
+
+impl Reconnect {
+    pub(crate) fn new() -> Self {
+        Self { failures: 0 }
+    }
+
+    pub(crate) fn reset(&mut self) {
+        self.failures = 0;
+    }
+
+    pub(crate) fn next_delay(&mut self) -> Duration {
+        self.failures = self.failures.saturating_add(1);
+        RetryPolicy::exponential(u32::MAX, Duration::from_millis(100), Duration::from_secs(10))
+            .delay(self.failures + 1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn delays_grow_within_jitter_bounds_and_cap() {
+        let p = RetryPolicy::exponential(10, Duration::from_millis(100), Duration::from_secs(1));
+        for _ in 0..100 {
+            let d2 = p.delay(2);
+            assert!(d2 >= Duration::from_millis(50) && d2 <= Duration::from_millis(100), "{d2:?}");
+            let d4 = p.delay(4);
+            assert!(d4 >= Duration::from_millis(200) && d4 <= Duration::from_millis(400), "{d4:?}");
+            let d9 = p.delay(9);
+            assert!(d9 >= Duration::from_millis(500) && d9 <= Duration::from_secs(1), "{d9:?}");
+        }
+    }
+
+    #[test]
+    fn jitter_varies() {
+        let p = RetryPolicy::default();
+        let seen: std::collections::HashSet<_> = (0..50).map(|_| p.delay(3)).collect();
+        assert!(seen.len() > 1);
+    }
+
+    #[test]
+    fn at_least_one_attempt() {
+        assert_eq!(RetryPolicy::exponential(0, Duration::ZERO, Duration::ZERO).max_attempts(), 1);
+    }
+
+    #[test]
+    fn reconnect_backs_off_then_resets() {
+        let mut r = Reconnect::new();
+        let first = r.next_delay();
+        for _ in 0..10 {
+            r.next_delay();
+        }
+        assert!(r.next_delay() > first);
+        assert!(r.next_delay() <= Duration::from_secs(10));
+        r.reset();
+        assert!(r.next_delay() <= Duration::from_millis(100));
+    }
+}

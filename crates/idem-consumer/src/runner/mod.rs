@@ -1,0 +1,291 @@
+//! The consumer runner: fetch → decode → process → settle, with a bounded number in flight.
+//!
+//! One loop fetches from the [`Source`]; each delivery (or batch) runs in its own task holding a
+//! permit, so at most `concurrency` units are in flight. A task settles its deliveries itself:
+//! ack only after commit or on a duplicate, dead-letter poison at once, retry the rest with
+//! backoff. On shutdown the loop stops fetching and waits for the tasks; none acks anything
+//! that did not commit.
+
+mod settle;
+
+use std::sync::{Arc, Mutex};
+
+use idem_core::{ClaimStore, Clock, Error, ErrorKind, Processor, Savepoints, SystemClock};
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::decode::Decode;
+use crate::handler::Handler;
+use crate::id_source::IdSource;
+use crate::metrics::{Instruments, RunStats};
+use crate::retry::{Reconnect, RetryPolicy};
+use crate::source::Source;
+
+/// Most deliveries fetched in one call in per-message mode; bounds memory when concurrency is
+/// large.
+const MAX_FETCH: usize = 256;
+
+/// Runs a [`Processor`] over a broker [`Source`].
+///
+/// ```no_run
+/// # async fn demo<Src: idem_consumer::Source>(source: Src) -> Result<(), idem_core::Error> {
+/// use std::sync::Arc;
+/// use idem_consumer::{Consumer, Handler, Json, shutdown};
+/// use idem_core::{Error, Message, Processor};
+/// use idem_sql::{SqliteStore, Tx};
+///
+/// #[derive(serde::Deserialize)]
+/// struct Payment { account: String, amount_cents: i64 }
+///
+/// struct Charge;
+/// impl Handler<Tx<sqlx::Sqlite>, Payment> for Charge {
+///     type Output = ();
+///     async fn handle(&self, tx: &mut Tx<sqlx::Sqlite>, msg: &Message<Payment>) -> Result<(), Error> {
+///         let p = msg.payload();
+///         sqlx::query("UPDATE accounts SET balance = balance - ? WHERE id = ?")
+///             .bind(p.amount_cents).bind(&p.account)
+///             .execute(&mut **tx).await.map_err(Error::retry)?;
+///         Ok(())
+///     }
+/// }
+///
+/// let store = SqliteStore::open("idem.db").await?;
+/// let processor = Arc::new(Processor::builder(store, "billing").build()?);
+/// let stats = Consumer::new(processor, source)
+///     .concurrency(8)
+///     .run(Json::<Payment>::new(), Charge, shutdown::on_signal())
+///     .await?;
+/// println!("{} processed, {} duplicates", stats.processed, stats.duplicates);
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct Consumer<S, Src, C = SystemClock> {
+    processor: Arc<Processor<S, C>>,
+    source: Src,
+    concurrency: usize,
+    batch_size: usize,
+    retry: RetryPolicy,
+    id_source: Option<IdSource>,
+    instruments: Instruments,
+}
+
+impl<S, Src, C> Consumer<S, Src, C>
+where
+    S: ClaimStore + Savepoints + Send + Sync + 'static,
+    S::Tx: Send,
+    C: Clock + Send + Sync + 'static,
+    Src: Source,
+{
+    /// A runner for `processor` fed by `source`: one message at a time, default retries, the
+    /// adapter's default ID source.
+    pub fn new(processor: Arc<Processor<S, C>>, source: Src) -> Self {
+        let instruments = Instruments::new(processor.consumer().as_str(), source.broker());
+        Self {
+            instruments,
+            processor,
+            source,
+            concurrency: 1,
+            batch_size: 1,
+            retry: RetryPolicy::default(),
+            id_source: None,
+        }
+    }
+
+    /// How many messages (or batches) are processed at once (default 1). Above 1, messages from
+    /// the same partition or stream may commit out of order; keep 1 where order matters.
+    pub fn concurrency(mut self, n: usize) -> Self {
+        self.concurrency = n.max(1);
+        self
+    }
+
+    /// Above 1, fetch up to `n` deliveries at a time and process them in one transaction with a
+    /// savepoint per message ([`Processor::process_batch`]): one commit per batch. A message
+    /// that fails inside a batch is retried on its own.
+    pub fn batch_size(mut self, n: usize) -> Self {
+        self.batch_size = n.max(1);
+        self
+    }
+
+    /// Attempts and backoff for retryable errors.
+    pub fn retry(mut self, policy: RetryPolicy) -> Self {
+        self.retry = policy;
+        self
+    }
+
+    /// Live counts of this consumer's run, readable while it runs (tests, health checks).
+    pub fn observer(&self) -> Observer {
+        Observer(self.instruments.clone())
+    }
+
+    /// Where to read the message ID instead of the adapter's default.
+    pub fn id_source(mut self, source: IdSource) -> Self {
+        self.id_source = Some(source);
+        self
+    }
+
+    /// Consumes until `shutdown` is cancelled (or the source ends), then settles in-flight work
+    /// and closes the source.
+    ///
+    /// Returns what was done, or the error that stopped consumption: a [`Fatal`
+    /// ](idem_core::Disposition::Fatal) processing error such as a misconfiguration. Broker
+    /// errors do not end the run: the runner backs off and fetches again.
+    pub async fn run<D, H>(
+        self,
+        decoder: D,
+        handler: H,
+        shutdown: CancellationToken,
+    ) -> Result<RunStats, Error>
+    where
+        D: Decode,
+        H: Handler<S::Tx, D::Payload>,
+    {
+        let Consumer {
+            processor,
+            mut source,
+            concurrency,
+            batch_size,
+            retry,
+            id_source,
+            instruments,
+        } = self;
+        let broker = source.broker();
+        let consumer = processor.consumer().as_str().to_owned();
+        let stop = shutdown.child_token();
+        let ctx = Arc::new(settle::Ctx {
+            id_source: id_source.unwrap_or_else(|| source.default_id_source()),
+            instruments,
+            consumer,
+            broker,
+            processor,
+            decoder,
+            handler,
+            retry,
+            stop: stop.clone(),
+            fatal: Mutex::new(None),
+        });
+        tracing::info!(consumer = %ctx.consumer, broker, concurrency, batch_size, id_source = %ctx.id_source, "consumer started");
+
+        let permits = Arc::new(Semaphore::new(concurrency));
+        let mut tasks = JoinSet::new();
+        let mut reconnect = Reconnect::new();
+        loop {
+            while let Some(done) = tasks.try_join_next() {
+                report_panic(done);
+            }
+            let first = tokio::select! {
+                biased;
+                _ = stop.cancelled() => break,
+                p = permits.clone().acquire_owned() => match p {
+                    Ok(p) => p,
+                    Err(_) => break, // the semaphore is never closed
+                },
+            };
+            let want = if batch_size > 1 {
+                batch_size
+            } else {
+                (1 + permits.available_permits()).min(MAX_FETCH)
+            };
+            let fetched = tokio::select! {
+                biased;
+                _ = stop.cancelled() => break,
+                r = source.next(want) => r,
+            };
+            let deliveries = match fetched {
+                Ok(d) if d.is_empty() => {
+                    tracing::info!(consumer = %ctx.consumer, broker, "source ended");
+                    break;
+                }
+                Ok(d) => {
+                    reconnect.reset();
+                    d
+                }
+                Err(e) => {
+                    ctx.instruments.broker_error();
+                    let wait = reconnect.next_delay();
+                    tracing::warn!(consumer = %ctx.consumer, broker, error = %e, retry_in = ?wait, "fetch failed; backing off");
+                    drop(first);
+                    tokio::select! {
+                        _ = stop.cancelled() => break,
+                        _ = tokio::time::sleep(wait) => continue,
+                    }
+                }
+            };
+            if batch_size > 1 {
+                let ctx = ctx.clone();
+                tasks.spawn(async move {
+                    ctx.settle_batch(deliveries).await;
+                    drop(first);
+                });
+                continue;
+            }
+            let mut first = Some(first);
+            for delivery in deliveries {
+                // Only this loop acquires permits and `want` never exceeds what was free, so
+                // this succeeds; if it ever did not, wait rather than exceed the bound.
+                let permit = match first.take() {
+                    Some(p) => p,
+                    None => match permits.clone().try_acquire_owned() {
+                        Ok(p) => p,
+                        Err(_) => match permits.clone().acquire_owned().await {
+                            Ok(p) => p,
+                            Err(_) => break,
+                        },
+                    },
+                };
+                let ctx = ctx.clone();
+                tasks.spawn(async move {
+                    ctx.settle_one(delivery).await;
+                    drop(permit);
+                });
+            }
+        }
+
+        let in_flight = tasks.len();
+        if in_flight > 0 {
+            tracing::info!(consumer = %ctx.consumer, broker, in_flight, "stopping: settling in-flight deliveries");
+        }
+        while let Some(done) = tasks.join_next().await {
+            report_panic(done);
+        }
+        if let Err(e) = source.close().await {
+            tracing::warn!(consumer = %ctx.consumer, broker, error = %e, "closing the source failed");
+        }
+        let stats = ctx.instruments.snapshot();
+        tracing::info!(consumer = %ctx.consumer, broker, ?stats, "consumer stopped");
+        let fatal = ctx.fatal.lock().map(|mut f| f.take()).unwrap_or_else(|p| p.into_inner().take());
+        match fatal {
+            Some(e) => Err(e),
+            None => Ok(stats),
+        }
+    }
+}
+
+/// Reads a running consumer's counts; cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Observer(Instruments);
+
+impl Observer {
+    /// The counts so far.
+    pub fn snapshot(&self) -> RunStats {
+        self.0.snapshot()
+    }
+}
+
+/// A handler that panicked left its delivery unsettled (never acked): the broker redelivers it.
+fn report_panic(done: Result<(), tokio::task::JoinError>) {
+    if let Err(e) = done {
+        if e.is_panic() {
+            tracing::error!(error = %e, "a message task panicked; its delivery was not acknowledged and will be redelivered");
+        }
+    }
+}
+
+/// The error that stops a run when a store or handler reports a misconfiguration.
+pub(crate) fn fatal(e: Error) -> Error {
+    if e.kind() == ErrorKind::InvalidConfig {
+        e
+    } else {
+        Error::new(ErrorKind::InvalidConfig, format!("consumer stopped: {e}")).with_source(e)
+    }
+}

@@ -1,0 +1,371 @@
+//! Settling deliveries: the one place that decides ack, retry, dead letter or abandon.
+
+use std::sync::Mutex;
+use std::time::Instant;
+
+use idem_core::{
+    Claim, ClaimStore, Clock, Disposition, Error, ErrorKind, Fingerprint, Message, MessageId, Outcome,
+    Processor, Savepoints,
+};
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use crate::dead_letter::{DeadLetter, DeadLetterReason};
+use crate::decode::Decode;
+use crate::handler::Handler;
+use crate::id_source::IdSource;
+use crate::metrics::Instruments;
+use crate::retry::RetryPolicy;
+use crate::source::Delivery;
+
+/// Everything a message task needs, shared by all tasks of one run.
+pub(crate) struct Ctx<S, C, D, H> {
+    pub(crate) processor: std::sync::Arc<Processor<S, C>>,
+    pub(crate) decoder: D,
+    pub(crate) handler: H,
+    pub(crate) id_source: IdSource,
+    pub(crate) retry: RetryPolicy,
+    pub(crate) consumer: String,
+    pub(crate) broker: &'static str,
+    pub(crate) instruments: Instruments,
+    /// Cancelled on shutdown or after a fatal error: no new fetches, no further retries.
+    pub(crate) stop: CancellationToken,
+    pub(crate) fatal: Mutex<Option<Error>>,
+}
+
+/// Per-message results of a committed batch, and when its last handler returned.
+type BatchResult<T> = Result<(Vec<Result<Outcome<T>, Error>>, Option<Instant>), Error>;
+
+/// What became of one processing attempt.
+enum Step<T> {
+    Done(Outcome<T>),
+    Failed(Error),
+}
+
+impl<S, C, D, H> Ctx<S, C, D, H>
+where
+    S: ClaimStore + Savepoints + Send + Sync + 'static,
+    S::Tx: Send,
+    C: Clock + Send + Sync + 'static,
+    D: Decode,
+    H: Handler<S::Tx, D::Payload>,
+{
+    fn span<Dl: Delivery>(&self, delivery: &Dl) -> tracing::Span {
+        tracing::info_span!(
+            "idem.delivery",
+            consumer = %self.consumer,
+            broker = self.broker,
+            origin = %delivery.origin(),
+            message_id = tracing::field::Empty,
+        )
+    }
+
+    /// Reads the ID and decodes the payload, or says why the message is poison.
+    fn prepare<Dl: Delivery>(&self, delivery: &Dl) -> Result<Message<D::Payload>, DeadLetter> {
+        let raw = self.id_source.extract(delivery)?;
+        // The store's own limit is checked by the processor (InvalidMessageId → invalid-id);
+        // here only emptiness matters, so no limit is imposed twice.
+        let id = MessageId::with_limit(&raw, usize::MAX)
+            .map_err(|e| DeadLetter::new(DeadLetterReason::MissingId, e.to_string()))?;
+        let bytes = delivery.payload();
+        let payload = self.decoder.decode(bytes).map_err(|e| {
+            DeadLetter::new(
+                DeadLetterReason::Undecodable,
+                format!("payload of message {id} does not decode: {e}"),
+            )
+        })?;
+        // The fingerprint covers the bytes as published, so a re-encoded equal value is still
+        // the same message and any byte change is a conflict.
+        Ok(Message::with_fingerprint(id, Fingerprint::of(bytes), payload))
+    }
+
+    /// One delivery, per-message mode.
+    pub(crate) async fn settle_one<Dl: Delivery>(&self, delivery: Dl) {
+        let span = self.span(&delivery);
+        async {
+            match self.prepare(&delivery) {
+                Ok(msg) => {
+                    tracing::Span::current().record("message_id", tracing::field::display(msg.message_id_display()));
+                    let first = delivery.previous_deliveries().saturating_add(1);
+                    self.process_with_retries(delivery, msg, first).await;
+                }
+                Err(dl) => self.dead_letter(delivery, dl, 0).await,
+            }
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Many deliveries, one transaction with a savepoint each; failures retried one by one.
+    pub(crate) async fn settle_batch<Dl: Delivery>(&self, deliveries: Vec<Dl>) {
+        let mut ready = Vec::with_capacity(deliveries.len());
+        let mut msgs = Vec::with_capacity(deliveries.len());
+        for d in deliveries {
+            match self.prepare(&d) {
+                Ok(m) => {
+                    ready.push(d);
+                    msgs.push(m);
+                }
+                Err(dl) => {
+                    let span = self.span(&d);
+                    self.dead_letter(d, dl, 0).instrument(span).await;
+                }
+            }
+        }
+        if msgs.is_empty() {
+            return;
+        }
+        let size = msgs.len();
+        let span = tracing::info_span!("idem.batch", consumer = %self.consumer, broker = self.broker, size);
+        let result = self.run_batch(&msgs).instrument(span.clone()).await;
+        match result {
+            Ok((results, handler_done)) => {
+                if let Some(t) = handler_done {
+                    self.instruments.commit_time(t.elapsed());
+                }
+                for ((d, msg), r) in ready.into_iter().zip(msgs).zip(results) {
+                    let span = self.span(&d);
+                    span.record("message_id", tracing::field::display(msg.message_id_display()));
+                    match r {
+                        Ok(outcome) => self.finish(d, &msg, outcome).instrument(span).await,
+                        Err(e) => {
+                            let attempt = d.previous_deliveries().saturating_add(1);
+                            self.after_failure(d, msg, e, attempt).instrument(span).await
+                        }
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::warn!(parent: &span, error = %e, "batch did not commit; retrying its messages one by one");
+                for (d, msg) in ready.into_iter().zip(msgs) {
+                    let span = self.span(&d);
+                    span.record("message_id", tracing::field::display(msg.message_id_display()));
+                    let attempt = d.previous_deliveries().saturating_add(1);
+                    let err = Error::new(e.kind(), format!("batch failed: {e}"));
+                    self.after_failure(d, msg, err, attempt).instrument(span).await;
+                }
+            }
+        }
+    }
+
+    /// The batch transaction: one commit, a savepoint per message so a failing message rolls
+    /// back only itself.
+    ///
+    /// Written against the processor's low-level claim rather than [`Processor::process_batch`]:
+    /// that one takes an `AsyncFnMut` closure, and rustc cannot yet prove such a closure's
+    /// higher-ranked future `Send`, which `tokio::spawn` requires. The semantics are the same.
+    async fn run_batch(&self, msgs: &[Message<D::Payload>]) -> BatchResult<H::Output> {
+        let store = self.processor.store();
+        let mut results = Vec::with_capacity(msgs.len());
+        let mut handler_done = None;
+        let mut tx = store.begin().await?;
+        for msg in msgs {
+            if let Err(e) = store.savepoint(&mut tx).await {
+                let _ = store.rollback(tx).await;
+                return Err(e);
+            }
+            let claim = match self.processor.claim_in(&mut tx, msg).await {
+                Ok(claim) => claim,
+                Err(e) => {
+                    // An engine that aborted the whole transaction (InnoDB deadlock) took the
+                    // savepoint with it: nothing in the batch can commit.
+                    if store.rollback_to_savepoint(&mut tx).await.is_err() {
+                        let _ = store.rollback(tx).await;
+                        return Err(e);
+                    }
+                    results.push(Err(e));
+                    continue;
+                }
+            };
+            let skipped = match claim {
+                Claim::New => None,
+                Claim::Duplicate => Some(Outcome::Duplicate),
+                Claim::Conflict { stored, received } => Some(Outcome::Conflict { stored, received }),
+            };
+            if let Some(outcome) = skipped {
+                store.release_savepoint(&mut tx).await?;
+                results.push(Ok(outcome));
+                continue;
+            }
+            let started = Instant::now();
+            let r = self.handler.handle(&mut tx, msg).await;
+            self.instruments.handler_time(started.elapsed());
+            handler_done = Some(Instant::now());
+            match r {
+                Ok(value) => {
+                    store.release_savepoint(&mut tx).await?;
+                    results.push(Ok(Outcome::Processed(value)));
+                }
+                Err(e) => {
+                    let err = self.processor.handler_error(e);
+                    if let Err(undo) = store.rollback_to_savepoint(&mut tx).await {
+                        let _ = store.rollback(tx).await;
+                        return Err(if err.is_retryable() { err } else { undo });
+                    }
+                    results.push(Err(err));
+                }
+            }
+        }
+        store.commit(tx).await?;
+        Ok((results, handler_done))
+    }
+
+    async fn attempt(&self, msg: &Message<D::Payload>) -> Step<H::Output> {
+        let mut handler_done = None;
+        let result = self
+            .processor
+            .process(msg, async |tx| {
+                let started = Instant::now();
+                let r = self.handler.handle(tx, msg).await;
+                self.instruments.handler_time(started.elapsed());
+                handler_done = Some(Instant::now());
+                r
+            })
+            .await;
+        match result {
+            Ok(outcome) => {
+                if let (Outcome::Processed(_), Some(t)) = (&outcome, handler_done) {
+                    self.instruments.commit_time(t.elapsed());
+                }
+                Step::Done(outcome)
+            }
+            Err(e) => Step::Failed(e),
+        }
+    }
+
+    async fn process_with_retries<Dl: Delivery>(
+        &self,
+        delivery: Dl,
+        msg: Message<D::Payload>,
+        attempt: u32,
+    ) {
+        match self.attempt(&msg).await {
+            Step::Done(outcome) => self.finish(delivery, &msg, outcome).await,
+            Step::Failed(e) => self.after_failure(delivery, msg, e, attempt).await,
+        }
+    }
+
+    /// Retries `msg` after error `e` on attempt `attempt`, until success, a non-retryable
+    /// error, the last attempt or shutdown.
+    async fn after_failure<Dl: Delivery>(
+        &self,
+        delivery: Dl,
+        msg: Message<D::Payload>,
+        mut e: Error,
+        mut attempt: u32,
+    ) {
+        loop {
+            match e.disposition() {
+                Disposition::Retry => {}
+                Disposition::DeadLetter => {
+                    let dl = DeadLetter::from_error(&e, false);
+                    return self.dead_letter(delivery, dl, attempt).await;
+                }
+                _ => {
+                    tracing::error!(error = %e, "fatal error; stopping the consumer");
+                    self.set_fatal(e);
+                    self.instruments.abandoned();
+                    return delivery.abandon().await;
+                }
+            }
+            if self.stop.is_cancelled() {
+                tracing::info!(error = %e, attempt, "shutting down; leaving the message to redelivery");
+                self.instruments.abandoned();
+                return delivery.abandon().await;
+            }
+            if attempt >= self.retry.max_attempts() {
+                if infrastructure(&e) {
+                    // The database, not the message, is the problem: dead-lettering would
+                    // empty the queue into the dead-letter destination during an outage.
+                    tracing::warn!(error = %e, attempt, "store unavailable after every attempt; leaving the message to redelivery");
+                    self.instruments.abandoned();
+                    return delivery.abandon().await;
+                }
+                let dl = DeadLetter::from_error(&e, true);
+                return self.dead_letter(delivery, dl, attempt).await;
+            }
+            self.instruments.retry();
+            let wait = self.retry.delay(attempt + 1);
+            tracing::warn!(error = %e, attempt, retry_in = ?wait, "processing failed; retrying");
+            tokio::select! {
+                _ = self.stop.cancelled() => continue, // handled at the top of the loop
+                _ = tokio::time::sleep(wait) => {}
+            }
+            attempt += 1;
+            match self.attempt(&msg).await {
+                Step::Done(outcome) => return self.finish(delivery, &msg, outcome).await,
+                Step::Failed(next) => e = next,
+            }
+        }
+    }
+
+    /// Settles a delivery whose processing reached an outcome.
+    async fn finish<Dl: Delivery, T>(&self, delivery: Dl, msg: &Message<D::Payload>, outcome: Outcome<T>) {
+        match outcome {
+            Outcome::Processed(_) => {
+                self.instruments.processed();
+                tracing::info!(outcome = "processed", "committed");
+                self.ack(delivery).await;
+            }
+            Outcome::Duplicate => {
+                self.instruments.duplicate();
+                tracing::info!(outcome = "duplicate", "already processed; acknowledged without running the handler");
+                self.ack(delivery).await;
+            }
+            conflict @ Outcome::Conflict { .. } => {
+                self.instruments.conflict();
+                let dl = DeadLetter::conflict(msg.message_id_ref(), &conflict);
+                self.dead_letter(delivery, dl, 1).await;
+            }
+        }
+    }
+
+    async fn ack<Dl: Delivery>(&self, delivery: Dl) {
+        if let Err(e) = delivery.ack().await {
+            self.instruments.ack_failure();
+            tracing::warn!(error = %e, "acknowledgement failed after commit; the broker will redeliver and the claim makes that a duplicate");
+        }
+    }
+
+    async fn dead_letter<Dl: Delivery>(&self, delivery: Dl, dl: DeadLetter, attempts: u32) {
+        let dl = dl.with_context(&self.consumer, attempts);
+        match delivery.dead_letter(&dl).await {
+            Ok(()) => {
+                self.instruments.dead_lettered(dl.reason());
+                tracing::warn!(outcome = "dead_lettered", reason = %dl.reason(), detail = dl.detail(), "dead-lettered");
+            }
+            Err(e) => {
+                self.instruments.broker_error();
+                tracing::error!(error = %e, reason = %dl.reason(), "dead-lettering failed; the message stays unacknowledged and will be redelivered");
+            }
+        }
+    }
+
+    fn set_fatal(&self, e: Error) {
+        let mut slot = self.fatal.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.is_none() {
+            *slot = Some(super::fatal(e));
+        }
+        self.stop.cancel();
+    }
+}
+
+/// Errors that say the store is out of reach rather than anything about the message.
+fn infrastructure(e: &Error) -> bool {
+    matches!(e.kind(), ErrorKind::Unavailable | ErrorKind::OutcomeUnknown)
+}
+
+/// Small accessors so the code above reads in the pattern's words.
+trait MessageExt {
+    fn message_id_ref(&self) -> &MessageId;
+    fn message_id_display(&self) -> String;
+}
+
+impl<P> MessageExt for Message<P> {
+    fn message_id_ref(&self) -> &MessageId {
+        idem_core::Identified::message_id(self)
+    }
+    fn message_id_display(&self) -> String {
+        self.message_id_ref().to_string()
+    }
+}

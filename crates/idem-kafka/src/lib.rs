@@ -1,0 +1,1 @@
+//! idem adapter (in progress).
