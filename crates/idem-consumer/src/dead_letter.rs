@@ -159,8 +159,11 @@ mod tests {
 
     #[test]
     fn headers_are_single_line_and_bounded() {
-        let dl = DeadLetter::new(DeadLetterReason::Rejected, format!("a\nb{}", "x".repeat(5000)))
-            .with_context("billing", 3);
+        let dl = DeadLetter::new(
+            DeadLetterReason::Rejected,
+            format!("a\nb{}", "x".repeat(5000)),
+        )
+        .with_context("billing", 3);
         let h = dl.headers();
         assert_eq!(h[0], (REASON_HEADER, "rejected".to_owned()));
         assert!(!h[1].1.contains('\n'));

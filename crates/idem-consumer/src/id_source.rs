@@ -56,7 +56,9 @@ impl IdSource {
                     Some(other) => {
                         return Err(DeadLetter::new(
                             DeadLetterReason::MissingId,
-                            format!("JSON pointer {pointer} holds {other}, not a string or integer ID"),
+                            format!(
+                                "JSON pointer {pointer} holds {other}, not a string or integer ID"
+                            ),
                         ));
                     }
                     None => None,

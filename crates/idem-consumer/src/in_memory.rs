@@ -32,6 +32,10 @@ struct Stored {
 #[derive(Debug, Default)]
 struct State {
     queue: VecDeque<Stored>,
+    /// Handed out and not yet settled, by source: a dropped source's are redelivered, as a
+    /// broker does when a consumer's connection closes.
+    in_flight: HashMap<u64, HashMap<u64, Stored>>,
+    next_source: u64,
     settled: Vec<(u64, Vec<u8>, Settled)>,
     next_seq: u64,
     closed: bool,
@@ -61,7 +65,10 @@ impl InMemoryBroker {
         let seq = s.next_seq;
         s.next_seq += 1;
         s.queue.push_back(Stored {
-            headers: headers.iter().map(|(k, v)| ((*k).to_owned(), v.to_vec())).collect(),
+            headers: headers
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), v.to_vec()))
+                .collect(),
             payload: payload.into(),
             deliveries: 0,
             seq,
@@ -88,8 +95,14 @@ impl InMemoryBroker {
 
     /// A source over this broker whose default ID source is the header `message-id`.
     pub fn source(&self) -> InMemorySource {
+        let id = {
+            let mut s = self.lock();
+            s.next_source += 1;
+            s.next_source
+        };
         InMemorySource {
             broker: self.clone(),
+            id,
         }
     }
 }
@@ -98,6 +111,21 @@ impl InMemoryBroker {
 #[derive(Debug)]
 pub struct InMemorySource {
     broker: InMemoryBroker,
+    id: u64,
+}
+
+impl Drop for InMemorySource {
+    fn drop(&mut self) {
+        let mut s = self.broker.lock();
+        if let Some(unsettled) = s.in_flight.remove(&self.id) {
+            for (_, mut m) in unsettled {
+                m.deliveries += 1;
+                s.queue.push_back(m);
+            }
+        }
+        drop(s);
+        self.broker.ready.notify_waiters();
+    }
 }
 
 impl Source for InMemorySource {
@@ -118,11 +146,16 @@ impl Source for InMemorySource {
                 let mut s = self.broker.lock();
                 if !s.queue.is_empty() {
                     let n = max.min(s.queue.len());
-                    return Ok(s
-                        .queue
-                        .drain(..n)
+                    let taken: Vec<Stored> = s.queue.drain(..n).collect();
+                    let mine = s.in_flight.entry(self.id).or_default();
+                    for m in &taken {
+                        mine.insert(m.seq, m.clone());
+                    }
+                    return Ok(taken
+                        .into_iter()
                         .map(|m| InMemoryDelivery {
                             broker: self.broker.clone(),
+                            source: self.id,
                             msg: m,
                         })
                         .collect());
@@ -140,15 +173,28 @@ impl Source for InMemorySource {
 #[derive(Debug)]
 pub struct InMemoryDelivery {
     broker: InMemoryBroker,
+    source: u64,
     msg: Stored,
 }
 
 impl InMemoryDelivery {
-    fn settle(self, how: Settled) {
-        self.broker
-            .lock()
-            .settled
-            .push((self.msg.seq, self.msg.payload, how));
+    /// Settles it unless its source was dropped first (then it is already back in the queue,
+    /// as on a real broker after the connection closed).
+    fn settle(self, how: Settled) -> Result<(), Error> {
+        let mut s = self.broker.lock();
+        let held = s
+            .in_flight
+            .get_mut(&self.source)
+            .and_then(|m| m.remove(&self.msg.seq))
+            .is_some();
+        if !held {
+            return Err(Error::new(
+                idem_core::ErrorKind::Unavailable,
+                "the in-memory source was dropped; the message was redelivered",
+            ));
+        }
+        s.settled.push((self.msg.seq, self.msg.payload, how));
+        Ok(())
     }
 }
 
@@ -158,7 +204,10 @@ impl Delivery for InMemoryDelivery {
     }
 
     fn header(&self, name: &str) -> Option<Cow<'_, [u8]>> {
-        self.msg.headers.get(name).map(|v| Cow::Borrowed(v.as_slice()))
+        self.msg
+            .headers
+            .get(name)
+            .map(|v| Cow::Borrowed(v.as_slice()))
     }
 
     fn previous_deliveries(&self) -> u32 {
@@ -170,19 +219,24 @@ impl Delivery for InMemoryDelivery {
     }
 
     async fn ack(self) -> Result<(), Error> {
-        self.settle(Settled::Acked);
-        Ok(())
+        self.settle(Settled::Acked)
     }
 
     async fn dead_letter(self, reason: &DeadLetter) -> Result<(), Error> {
-        self.settle(Settled::DeadLettered(reason.headers()));
-        Ok(())
+        self.settle(Settled::DeadLettered(reason.headers()))
     }
 
     async fn abandon(self) {
-        let mut msg = self.msg;
-        msg.deliveries += 1;
-        self.broker.lock().queue.push_back(msg);
+        let mut s = self.broker.lock();
+        let held = s
+            .in_flight
+            .get_mut(&self.source)
+            .and_then(|m| m.remove(&self.msg.seq));
+        if let Some(mut msg) = held {
+            msg.deliveries += 1;
+            s.queue.push_back(msg);
+        }
+        drop(s);
         self.broker.ready.notify_waiters();
     }
 }

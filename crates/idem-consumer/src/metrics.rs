@@ -85,12 +85,8 @@ fn bump(c: &AtomicU64) {
 
 impl Instruments {
     pub(crate) fn new(consumer: &str, broker: &'static str) -> Self {
-        let labels = |outcome: &'static str| {
-            counter!("idem_messages_total", "consumer" => consumer.to_owned(), "broker" => broker, "outcome" => outcome)
-        };
-        let plain = |name: &'static str| {
-            counter!(name, "consumer" => consumer.to_owned(), "broker" => broker)
-        };
+        let labels = |outcome: &'static str| counter!("idem_messages_total", "consumer" => consumer.to_owned(), "broker" => broker, "outcome" => outcome);
+        let plain = |name: &'static str| counter!(name, "consumer" => consumer.to_owned(), "broker" => broker);
         Self {
             consumer: consumer.to_owned(),
             broker,
@@ -182,15 +178,12 @@ fn builder() -> Result<PrometheusBuilder, Error> {
 /// Call once at start, inside the tokio runtime. Fails if the address cannot be bound or a
 /// recorder is already installed.
 pub fn serve_prometheus(addr: SocketAddr) -> Result<(), Error> {
-    builder()?
-        .with_http_listener(addr)
-        .install()
-        .map_err(|e| {
-            Error::new(
-                ErrorKind::InvalidConfig,
-                format!("cannot serve metrics on {addr}: {e}"),
-            )
-        })
+    builder()?.with_http_listener(addr).install().map_err(|e| {
+        Error::new(
+            ErrorKind::InvalidConfig,
+            format!("cannot serve metrics on {addr}: {e}"),
+        )
+    })
 }
 
 /// Installs the process-wide Prometheus recorder without a listener and returns a handle whose

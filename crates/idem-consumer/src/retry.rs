@@ -78,8 +78,12 @@ impl Reconnect {
 
     pub(crate) fn next_delay(&mut self) -> Duration {
         self.failures = self.failures.saturating_add(1);
-        RetryPolicy::exponential(u32::MAX, Duration::from_millis(100), Duration::from_secs(10))
-            .delay(self.failures + 1)
+        RetryPolicy::exponential(
+            u32::MAX,
+            Duration::from_millis(100),
+            Duration::from_secs(10),
+        )
+        .delay(self.failures + 1)
     }
 }
 
@@ -92,11 +96,20 @@ mod tests {
         let p = RetryPolicy::exponential(10, Duration::from_millis(100), Duration::from_secs(1));
         for _ in 0..100 {
             let d2 = p.delay(2);
-            assert!(d2 >= Duration::from_millis(50) && d2 <= Duration::from_millis(100), "{d2:?}");
+            assert!(
+                d2 >= Duration::from_millis(50) && d2 <= Duration::from_millis(100),
+                "{d2:?}"
+            );
             let d4 = p.delay(4);
-            assert!(d4 >= Duration::from_millis(200) && d4 <= Duration::from_millis(400), "{d4:?}");
+            assert!(
+                d4 >= Duration::from_millis(200) && d4 <= Duration::from_millis(400),
+                "{d4:?}"
+            );
             let d9 = p.delay(9);
-            assert!(d9 >= Duration::from_millis(500) && d9 <= Duration::from_secs(1), "{d9:?}");
+            assert!(
+                d9 >= Duration::from_millis(500) && d9 <= Duration::from_secs(1),
+                "{d9:?}"
+            );
         }
     }
 
@@ -109,7 +122,10 @@ mod tests {
 
     #[test]
     fn at_least_one_attempt() {
-        assert_eq!(RetryPolicy::exponential(0, Duration::ZERO, Duration::ZERO).max_attempts(), 1);
+        assert_eq!(
+            RetryPolicy::exponential(0, Duration::ZERO, Duration::ZERO).max_attempts(),
+            1
+        );
     }
 
     #[test]

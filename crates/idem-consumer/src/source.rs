@@ -34,7 +34,10 @@ pub trait Source: Send + 'static {
     ///
     /// Must be cancel-safe: the runner drops this future on shutdown. A delivery the adapter
     /// received but did not return must stay unacknowledged, so the broker redelivers it.
-    fn next(&mut self, max: usize) -> impl Future<Output = Result<Vec<Self::Delivery>, Error>> + Send;
+    fn next(
+        &mut self,
+        max: usize,
+    ) -> impl Future<Output = Result<Vec<Self::Delivery>, Error>> + Send;
 
     /// Called once after the runner has settled every in-flight delivery: flush pending
     /// acknowledgements (Kafka offsets) and disconnect cleanly.

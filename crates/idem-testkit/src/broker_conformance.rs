@@ -1,1 +1,560 @@
-//! Broker conformance suite (being written).
+//! The broker conformance suite: the checks every adapter must pass against its real broker.
+//!
+//! Each check gets a fresh [`BrokerFixture`] (its own destination) and a fresh SQLite effects
+//! database, runs the real [`Consumer`] over the adapter's source, and judges by what committed:
+//! one effect row per message ID, never two, never none.
+
+use std::borrow::Cow;
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use idem_consumer::{
+    CancellationToken, Consumer, DeadLetter, Delivery, Json, Observer, RetryPolicy, RunStats,
+    Source,
+};
+use idem_core::{BoxError, Error, Identified, Message, Migrate, Processor};
+use idem_sql::{SqliteOptions, SqliteStore, TableName, Tx};
+use sqlx::Sqlite;
+use tokio::task::JoinHandle;
+
+use crate::broker_fixture::{BrokerFixture, DeadLettered};
+use crate::services::{service_url, unique_name};
+
+/// The payload every check publishes: `{"n": <integer>}`.
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct Order {
+    /// Any number; distinct payloads make distinct fingerprints.
+    pub n: i64,
+}
+
+/// The ID limit the checks configure, small enough that every broker can carry a longer ID.
+pub const MAX_ID_LEN: usize = 64;
+
+/// How every check's handler behaves.
+#[derive(Debug, Default)]
+pub struct Behaviour {
+    /// IDs whose first attempt fails with a retryable error.
+    pub fail_once: Mutex<HashSet<String>>,
+    /// IDs that always fail with a retryable error.
+    pub always_fail: HashSet<String>,
+    /// Time spent inside the transaction per message.
+    pub delay: Duration,
+}
+
+/// The checks' handler: one row per processed message in `effects`.
+#[derive(Debug, Clone)]
+pub struct EffectHandler(pub Arc<Behaviour>);
+
+impl idem_consumer::Handler<Tx<Sqlite>, Order> for EffectHandler {
+    type Output = ();
+
+    async fn handle(&self, tx: &mut Tx<Sqlite>, msg: &Message<Order>) -> Result<(), BoxError> {
+        let id = msg.message_id().to_string();
+        if !self.0.delay.is_zero() {
+            tokio::time::sleep(self.0.delay).await;
+        }
+        if self.0.always_fail.contains(&id) {
+            return Err(Error::retry("this test message always fails").into());
+        }
+        let first_failure = self
+            .0
+            .fail_once
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&id);
+        if first_failure {
+            return Err(Error::retry("this test message fails once").into());
+        }
+        sqlx::query("INSERT INTO effects (message_id, n) VALUES (?, ?)")
+            .bind(&id)
+            .bind(msg.payload().n)
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+}
+
+/// A fresh SQLite effects database and processor for one check.
+#[derive(Debug)]
+pub struct Harness {
+    store: SqliteStore,
+    dir: PathBuf,
+    processor: Arc<Processor<SqliteStore>>,
+}
+
+impl Harness {
+    /// Creates the database in a temporary folder.
+    pub async fn new(test: &str) -> Self {
+        let dir = std::env::temp_dir().join(unique_name("idem_broker", test));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let store = SqliteStore::open(dir.join("effects.db"), SqliteOptions::default())
+            .await
+            .expect("open sqlite")
+            .with_table(TableName::new("claims").expect("valid"))
+            .expect("plain table");
+        store.migrate().await.expect("migrate");
+        sqlx::query("CREATE TABLE effects (message_id TEXT NOT NULL, n INTEGER NOT NULL)")
+            .execute(store.pool())
+            .await
+            .expect("effects table");
+        let processor = Processor::builder(store.clone(), "conformance")
+            .max_message_id_len(MAX_ID_LEN)
+            .build()
+            .expect("processor");
+        Self {
+            store,
+            dir,
+            processor: Arc::new(processor),
+        }
+    }
+
+    /// Effect rows for `id`.
+    pub async fn effects(&self, id: &str) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM effects WHERE message_id = ?")
+            .bind(id)
+            .fetch_one(self.store.pool())
+            .await
+            .expect("count effects")
+    }
+
+    /// Effect rows in all.
+    pub async fn total_effects(&self) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM effects")
+            .fetch_one(self.store.pool())
+            .await
+            .expect("count effects")
+    }
+
+    /// IDs with more than one effect row: must always be empty.
+    pub async fn doubled(&self) -> Vec<(String, i64)> {
+        sqlx::query_as(
+            "SELECT message_id, count(*) FROM effects GROUP BY message_id HAVING count(*) > 1",
+        )
+        .fetch_all(self.store.pool())
+        .await
+        .expect("doubles")
+    }
+
+    /// Starts a consumer on `source` with 4 in flight and quick retries.
+    pub fn spawn<S: Source>(&self, source: S, handler: EffectHandler) -> Running {
+        self.spawn_with(source, handler, |c| c)
+    }
+
+    /// Starts a consumer on `source`, configured further by `configure`.
+    pub fn spawn_with<S: Source>(
+        &self,
+        source: S,
+        handler: EffectHandler,
+        configure: impl FnOnce(Consumer<SqliteStore, S>) -> Consumer<SqliteStore, S>,
+    ) -> Running {
+        let consumer = Consumer::new(self.processor.clone(), source)
+            .concurrency(4)
+            .retry(RetryPolicy::exponential(
+                3,
+                Duration::from_millis(20),
+                Duration::from_millis(100),
+            ));
+        let consumer = configure(consumer);
+        let observer = consumer.observer();
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(consumer.run(Json::<Order>::new(), handler, stop.clone()));
+        Running {
+            observer,
+            stop,
+            task,
+        }
+    }
+
+    /// Closes and deletes the database.
+    pub async fn teardown(self) {
+        self.store.pool().close().await;
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A consumer running in a task.
+#[derive(Debug)]
+pub struct Running {
+    /// Its live counts.
+    pub observer: Observer,
+    stop: CancellationToken,
+    task: JoinHandle<Result<RunStats, Error>>,
+}
+
+impl Running {
+    /// Requests a graceful stop and waits (at most 60 s) for the run's final counts.
+    pub async fn stop(self) -> RunStats {
+        self.stop.cancel();
+        tokio::time::timeout(Duration::from_secs(60), self.task)
+            .await
+            .expect("the consumer stops within 60 s of shutdown")
+            .expect("the consumer task does not panic")
+            .expect("the consumer run ends without a fatal error")
+    }
+}
+
+/// Polls `cond` every 50 ms until it holds or `timeout` passes; returns whether it held.
+pub async fn eventually<F, Fut>(timeout: Duration, mut cond: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if cond().await {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Generous wait for work the broker hands out promptly.
+const PROMPT: Duration = Duration::from_secs(30);
+
+fn order(n: i64) -> Vec<u8> {
+    format!("{{\"n\":{n}}}").into_bytes()
+}
+
+async fn setup<F: BrokerFixture>(test: &str) -> Option<(F, Harness)> {
+    let url = if F::URL_VAR.is_empty() {
+        String::new()
+    } else {
+        service_url(F::URL_VAR, test)?
+    };
+    let fixture = F::setup(url, unique_name("idem", test)).await;
+    Some((fixture, Harness::new(test).await))
+}
+
+/// The same message published twice commits one effect; the second is acked as a duplicate.
+pub async fn duplicate_publish_is_one_effect_and_one_duplicate<F: BrokerFixture>(test: &str) {
+    let Some((fx, h)) = setup::<F>(test).await else {
+        return;
+    };
+    fx.publish(Some("dup-a"), &order(1)).await;
+    fx.publish(Some("dup-a"), &order(1)).await;
+    fx.publish(Some("dup-b"), &order(2)).await;
+
+    let run = h.spawn(fx.source().await, EffectHandler(Arc::default()));
+    let obs = run.observer.clone();
+    let settled = eventually(PROMPT, || {
+        let s = obs.snapshot();
+        async move { s.processed == 2 && s.duplicates == 1 }
+    })
+    .await;
+    let stats = run.stop().await;
+    assert!(settled, "expected 2 processed + 1 duplicate, got {stats:?}");
+    assert_eq!(h.effects("dup-a").await, 1);
+    assert_eq!(h.effects("dup-b").await, 1);
+    assert_eq!(stats.dead_lettered, 0, "{stats:?}");
+    h.teardown().await;
+    fx.teardown().await;
+}
+
+/// A source whose deliveries are never acknowledged and which vanishes without closing: a
+/// consumer process killed after its commit, before its ack.
+#[derive(Debug)]
+pub struct KilledBeforeAck<S> {
+    inner: Option<S>,
+    swallowed: Arc<AtomicU64>,
+}
+
+/// A delivery of [`KilledBeforeAck`].
+#[derive(Debug)]
+pub struct UnackedDelivery<D> {
+    inner: D,
+    swallowed: Arc<AtomicU64>,
+}
+
+impl<S: Source> Source for KilledBeforeAck<S> {
+    type Delivery = UnackedDelivery<S::Delivery>;
+
+    fn broker(&self) -> &'static str {
+        self.inner.as_ref().map_or("killed", |s| s.broker())
+    }
+
+    fn default_id_source(&self) -> idem_consumer::IdSource {
+        self.inner
+            .as_ref()
+            .map_or(idem_consumer::IdSource::BrokerId, |s| s.default_id_source())
+    }
+
+    async fn next(&mut self, max: usize) -> Result<Vec<Self::Delivery>, Error> {
+        let Some(inner) = self.inner.as_mut() else {
+            return Ok(Vec::new());
+        };
+        Ok(inner
+            .next(max)
+            .await?
+            .into_iter()
+            .map(|d| UnackedDelivery {
+                inner: d,
+                swallowed: self.swallowed.clone(),
+            })
+            .collect())
+    }
+
+    async fn close(mut self) -> Result<(), Error> {
+        // A killed process flushes nothing: drop the connection without the adapter's close.
+        drop(self.inner.take());
+        Ok(())
+    }
+}
+
+impl<D: Delivery> Delivery for UnackedDelivery<D> {
+    fn payload(&self) -> &[u8] {
+        self.inner.payload()
+    }
+    fn header(&self, name: &str) -> Option<Cow<'_, [u8]>> {
+        self.inner.header(name)
+    }
+    fn broker_id(&self) -> Option<Cow<'_, [u8]>> {
+        self.inner.broker_id()
+    }
+    fn previous_deliveries(&self) -> u32 {
+        self.inner.previous_deliveries()
+    }
+    fn origin(&self) -> String {
+        self.inner.origin()
+    }
+    async fn ack(self) -> Result<(), Error> {
+        // Committed, then killed before the ack left the process.
+        self.swallowed.fetch_add(1, Ordering::SeqCst);
+        std::mem::forget(self.inner);
+        Ok(())
+    }
+    async fn dead_letter(self, reason: &DeadLetter) -> Result<(), Error> {
+        self.inner.dead_letter(reason).await
+    }
+    async fn abandon(self) {
+        self.inner.abandon().await
+    }
+}
+
+/// Committed but not acknowledged, then the consumer dies: the broker redelivers to a new
+/// consumer, which finds the claim and acks a duplicate. Still one effect.
+pub async fn killed_after_commit_before_ack_redelivers_as_duplicate<F: BrokerFixture>(test: &str) {
+    let Some((fx, h)) = setup::<F>(test).await else {
+        return;
+    };
+    fx.publish(Some("crash-1"), &order(7)).await;
+
+    let swallowed = Arc::new(AtomicU64::new(0));
+    let killed = KilledBeforeAck {
+        inner: Some(fx.source().await),
+        swallowed: swallowed.clone(),
+    };
+    let first = h.spawn(killed, EffectHandler(Arc::default()));
+    let committed = eventually(PROMPT, || {
+        let n = swallowed.load(Ordering::SeqCst);
+        async move { n == 1 }
+    })
+    .await;
+    let first_stats = first.stop().await;
+    assert!(committed, "the first consumer commits: {first_stats:?}");
+    assert_eq!(h.effects("crash-1").await, 1);
+
+    let second = h.spawn(fx.source().await, EffectHandler(Arc::default()));
+    let obs = second.observer.clone();
+    let redelivered = eventually(fx.redelivery_timeout() + PROMPT, || {
+        let s = obs.snapshot();
+        async move { s.duplicates >= 1 }
+    })
+    .await;
+    let stats = second.stop().await;
+    assert!(
+        redelivered,
+        "the unacknowledged message is redelivered to the new consumer as a duplicate: {stats:?}"
+    );
+    assert_eq!(stats.processed, 0, "{stats:?}");
+    assert_eq!(h.effects("crash-1").await, 1);
+    h.teardown().await;
+    fx.teardown().await;
+}
+
+/// Two consumers on one destination, every message published twice: one effect per message.
+pub async fn two_consumers_with_overlapping_redeliveries_commit_each_message_once<
+    F: BrokerFixture,
+>(
+    test: &str,
+) {
+    let Some((fx, h)) = setup::<F>(test).await else {
+        return;
+    };
+    const N: i64 = 20;
+    let a = h.spawn(fx.source().await, EffectHandler(Arc::default()));
+    let b = h.spawn(fx.source().await, EffectHandler(Arc::default()));
+    for round in 0..2 {
+        for i in 0..N {
+            fx.publish(Some(&format!("pair-{i}")), &order(i)).await;
+        }
+        if round == 0 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    let (oa, ob) = (a.observer.clone(), b.observer.clone());
+    let settled = eventually(PROMPT, || {
+        let (x, y) = (oa.snapshot(), ob.snapshot());
+        async move { x.processed + y.processed + x.duplicates + y.duplicates >= 2 * N as u64 }
+    })
+    .await;
+    let (sa, sb) = (a.stop().await, b.stop().await);
+    assert!(settled, "all 40 deliveries settled: {sa:?} {sb:?}");
+    assert_eq!(sa.processed + sb.processed, N as u64, "{sa:?} {sb:?}");
+    assert_eq!(h.total_effects().await, N);
+    assert!(h.doubled().await.is_empty(), "{:?}", h.doubled().await);
+    h.teardown().await;
+    fx.teardown().await;
+}
+
+fn by_reason(letters: &[DeadLettered]) -> HashMap<String, &DeadLettered> {
+    letters
+        .iter()
+        .filter_map(|d| {
+            d.headers
+                .get(idem_consumer::REASON_HEADER)
+                .map(|r| (r.clone(), d))
+        })
+        .collect()
+}
+
+/// No ID, an oversized ID, an undecodable payload and a conflicting payload each land in the
+/// dead-letter destination with their reason and the original payload; nothing else happens.
+pub async fn poison_messages_are_dead_lettered_with_reason_and_intact_payload<F: BrokerFixture>(
+    test: &str,
+) {
+    let Some((fx, h)) = setup::<F>(test).await else {
+        return;
+    };
+    let run = h.spawn(fx.source().await, EffectHandler(Arc::default()));
+    // The conflict needs the original committed first.
+    fx.publish(Some("poison-c"), &order(3)).await;
+    let original = eventually(PROMPT, || async { h.effects("poison-c").await == 1 }).await;
+    assert!(original, "the original of the conflicting ID commits");
+
+    let oversized = "x".repeat(MAX_ID_LEN + 36);
+    fx.publish(None, &order(1)).await;
+    fx.publish(Some(&oversized), &order(5)).await;
+    fx.publish(Some("poison-bad-json"), b"not json {").await;
+    fx.publish(Some("poison-c"), &order(4)).await;
+
+    let letters = fx.dead_letters(4, PROMPT).await;
+    let stats = run.stop().await;
+    let reasons = by_reason(&letters);
+    let expect = [
+        ("missing-id", order(1)),
+        ("invalid-id", order(5)),
+        ("undecodable", b"not json {".to_vec()),
+        ("conflict", order(4)),
+    ];
+    for (reason, payload) in &expect {
+        let Some(dl) = reasons.get(*reason) else {
+            panic!("no dead letter with reason {reason}: got {letters:?}, stats {stats:?}");
+        };
+        assert_eq!(&dl.payload, payload, "{reason}: payload intact");
+        let detail = dl.headers.get(idem_consumer::DETAIL_HEADER);
+        assert!(
+            detail.is_some_and(|d| !d.is_empty()),
+            "{reason}: detail attached: {dl:?}"
+        );
+    }
+    assert_eq!(letters.len(), 4, "{letters:?}");
+    assert_eq!(stats.conflicts, 1, "{stats:?}");
+    assert_eq!(
+        h.total_effects().await,
+        1,
+        "poison never reaches the handler"
+    );
+    h.teardown().await;
+    fx.teardown().await;
+}
+
+/// Shutdown while slow messages are in flight: what committed is acked, the rest is
+/// redelivered to the next consumer. Every message ends with exactly one effect.
+pub async fn graceful_shutdown_in_flight_loses_nothing_and_doubles_nothing<F: BrokerFixture>(
+    test: &str,
+) {
+    let Some((fx, h)) = setup::<F>(test).await else {
+        return;
+    };
+    const N: i64 = 12;
+    for i in 0..N {
+        fx.publish(Some(&format!("inflight-{i}")), &order(i)).await;
+    }
+    let slow = EffectHandler(Arc::new(Behaviour {
+        delay: Duration::from_millis(300),
+        ..Behaviour::default()
+    }));
+    let first = h.spawn(fx.source().await, slow);
+    let started = eventually(PROMPT, || async { h.total_effects().await >= 1 }).await;
+    assert!(started, "the first consumer commits something");
+    let first_stats = first.stop().await;
+    let after_first = h.total_effects().await;
+    assert_eq!(first_stats.processed as i64, after_first, "{first_stats:?}");
+    assert_eq!(first_stats.ack_failures, 0, "{first_stats:?}");
+    assert!(
+        after_first < N,
+        "shutdown happened mid-stream: {first_stats:?}"
+    );
+
+    let second = h.spawn(fx.source().await, EffectHandler(Arc::default()));
+    let rest = eventually(fx.redelivery_timeout() + PROMPT, || async {
+        h.total_effects().await >= N
+    })
+    .await;
+    // Give stray redeliveries a moment to show up as doubles if anything was wrong.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let second_stats = second.stop().await;
+    assert!(
+        rest,
+        "every message committed in the end: {first_stats:?} {second_stats:?}"
+    );
+    assert_eq!(
+        second_stats.duplicates, 0,
+        "the first consumer acknowledged everything it committed before it stopped: {first_stats:?} {second_stats:?}"
+    );
+    assert_eq!(h.total_effects().await, N);
+    assert!(h.doubled().await.is_empty(), "{:?}", h.doubled().await);
+    h.teardown().await;
+    fx.teardown().await;
+}
+
+/// A message that fails once is retried and commits; one that always fails is dead-lettered
+/// as `retries-exhausted` with its payload.
+pub async fn retries_then_dead_letter_when_exhausted<F: BrokerFixture>(test: &str) {
+    let Some((fx, h)) = setup::<F>(test).await else {
+        return;
+    };
+    let behaviour = Behaviour {
+        fail_once: Mutex::new(HashSet::from(["retry-flaky".to_owned()])),
+        always_fail: HashSet::from(["retry-doomed".to_owned()]),
+        ..Behaviour::default()
+    };
+    fx.publish(Some("retry-flaky"), &order(1)).await;
+    fx.publish(Some("retry-doomed"), &order(2)).await;
+    let run = h.spawn(fx.source().await, EffectHandler(Arc::new(behaviour)));
+    let letters = fx.dead_letters(1, PROMPT).await;
+    let flaky = eventually(PROMPT, || async { h.effects("retry-flaky").await == 1 }).await;
+    let stats = run.stop().await;
+    assert!(flaky, "the flaky message commits after a retry: {stats:?}");
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    let dl = &letters[0];
+    assert_eq!(
+        dl.headers
+            .get(idem_consumer::REASON_HEADER)
+            .map(String::as_str),
+        Some("retries-exhausted"),
+        "{dl:?}"
+    );
+    assert_eq!(dl.payload, order(2));
+    assert_eq!(h.effects("retry-doomed").await, 0);
+    // flaky: 1 retry; doomed: 3 attempts = 2 retries.
+    assert!(stats.retries >= 3, "{stats:?}");
+    h.teardown().await;
+    fx.teardown().await;
+}

@@ -23,7 +23,9 @@ pub trait BrokerFixture: Sized + Send + Sync + 'static {
     /// The adapter's source type.
     type Source: Source;
 
-    /// The `IDEM_TEST_*` variable holding this broker's URL (see [`crate::services`]).
+    /// The `IDEM_TEST_*` variable holding this broker's URL (see [`crate::services`]); empty
+    /// for brokers that need no server (in-process fakes, librdkafka's mock cluster), whose
+    /// `setup` then receives an empty URL.
     const URL_VAR: &'static str;
 
     /// Creates the destination named `name` (unique per test) on the broker at `url`.

@@ -21,6 +21,30 @@ pub use broker_fixture::{BrokerFixture, DeadLettered};
 pub use fixture::{StoreFixture, TxOf};
 pub use services::{service_url, unique_name};
 
+/// Expands to one `#[tokio::test]` per broker conformance check for a [`BrokerFixture`], each
+/// on its own destination and effects database.
+#[macro_export]
+macro_rules! broker_conformance_tests {
+    ($fixture:ty) => {
+        $crate::broker_conformance_tests!(@tests $fixture;
+            duplicate_publish_is_one_effect_and_one_duplicate,
+            killed_after_commit_before_ack_redelivers_as_duplicate,
+            two_consumers_with_overlapping_redeliveries_commit_each_message_once,
+            poison_messages_are_dead_lettered_with_reason_and_intact_payload,
+            graceful_shutdown_in_flight_loses_nothing_and_doubles_nothing,
+            retries_then_dead_letter_when_exhausted,
+        );
+    };
+    (@tests $fixture:ty; $($name:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $name() {
+                $crate::broker_conformance::$name::<$fixture>(stringify!($name)).await;
+            }
+        )*
+    };
+}
+
 /// Expands to one `#[tokio::test]` per conformance check, each running against a fresh fixture
 /// (its own tables), so the checks run in parallel and fail independently.
 #[macro_export]

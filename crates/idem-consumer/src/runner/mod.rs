@@ -253,7 +253,11 @@ where
         }
         let stats = ctx.instruments.snapshot();
         tracing::info!(consumer = %ctx.consumer, broker, ?stats, "consumer stopped");
-        let fatal = ctx.fatal.lock().map(|mut f| f.take()).unwrap_or_else(|p| p.into_inner().take());
+        let fatal = ctx
+            .fatal
+            .lock()
+            .map(|mut f| f.take())
+            .unwrap_or_else(|p| p.into_inner().take());
         match fatal {
             Some(e) => Err(e),
             None => Ok(stats),

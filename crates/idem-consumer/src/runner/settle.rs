@@ -4,8 +4,8 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use idem_core::{
-    Claim, ClaimStore, Clock, Disposition, Error, ErrorKind, Fingerprint, Message, MessageId, Outcome,
-    Processor, Savepoints,
+    Claim, ClaimStore, Clock, Disposition, Error, ErrorKind, Fingerprint, Message, MessageId,
+    Outcome, Processor, Savepoints,
 };
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -76,7 +76,11 @@ where
         })?;
         // The fingerprint covers the bytes as published, so a re-encoded equal value is still
         // the same message and any byte change is a conflict.
-        Ok(Message::with_fingerprint(id, Fingerprint::of(bytes), payload))
+        Ok(Message::with_fingerprint(
+            id,
+            Fingerprint::of(bytes),
+            payload,
+        ))
     }
 
     /// One delivery, per-message mode.
@@ -85,7 +89,10 @@ where
         async {
             match self.prepare(&delivery) {
                 Ok(msg) => {
-                    tracing::Span::current().record("message_id", tracing::field::display(msg.message_id_display()));
+                    tracing::Span::current().record(
+                        "message_id",
+                        tracing::field::display(msg.message_id_display()),
+                    );
                     let first = delivery.previous_deliveries().saturating_add(1);
                     self.process_with_retries(delivery, msg, first).await;
                 }
@@ -125,12 +132,17 @@ where
                 }
                 for ((d, msg), r) in ready.into_iter().zip(msgs).zip(results) {
                     let span = self.span(&d);
-                    span.record("message_id", tracing::field::display(msg.message_id_display()));
+                    span.record(
+                        "message_id",
+                        tracing::field::display(msg.message_id_display()),
+                    );
                     match r {
                         Ok(outcome) => self.finish(d, &msg, outcome).instrument(span).await,
                         Err(e) => {
                             let attempt = d.previous_deliveries().saturating_add(1);
-                            self.after_failure(d, msg, e, attempt).instrument(span).await
+                            self.after_failure(d, msg, e, attempt)
+                                .instrument(span)
+                                .await
                         }
                     }
                 }
@@ -139,10 +151,15 @@ where
                 tracing::warn!(parent: &span, error = %e, "batch did not commit; retrying its messages one by one");
                 for (d, msg) in ready.into_iter().zip(msgs) {
                     let span = self.span(&d);
-                    span.record("message_id", tracing::field::display(msg.message_id_display()));
+                    span.record(
+                        "message_id",
+                        tracing::field::display(msg.message_id_display()),
+                    );
                     let attempt = d.previous_deliveries().saturating_add(1);
                     let err = Error::new(e.kind(), format!("batch failed: {e}"));
-                    self.after_failure(d, msg, err, attempt).instrument(span).await;
+                    self.after_failure(d, msg, err, attempt)
+                        .instrument(span)
+                        .await;
                 }
             }
         }
@@ -180,7 +197,9 @@ where
             let skipped = match claim {
                 Claim::New => None,
                 Claim::Duplicate => Some(Outcome::Duplicate),
-                Claim::Conflict { stored, received } => Some(Outcome::Conflict { stored, received }),
+                Claim::Conflict { stored, received } => {
+                    Some(Outcome::Conflict { stored, received })
+                }
             };
             if let Some(outcome) = skipped {
                 store.release_savepoint(&mut tx).await?;
@@ -300,7 +319,12 @@ where
     }
 
     /// Settles a delivery whose processing reached an outcome.
-    async fn finish<Dl: Delivery, T>(&self, delivery: Dl, msg: &Message<D::Payload>, outcome: Outcome<T>) {
+    async fn finish<Dl: Delivery, T>(
+        &self,
+        delivery: Dl,
+        msg: &Message<D::Payload>,
+        outcome: Outcome<T>,
+    ) {
         match outcome {
             Outcome::Processed(_) => {
                 self.instruments.processed();
@@ -309,7 +333,10 @@ where
             }
             Outcome::Duplicate => {
                 self.instruments.duplicate();
-                tracing::info!(outcome = "duplicate", "already processed; acknowledged without running the handler");
+                tracing::info!(
+                    outcome = "duplicate",
+                    "already processed; acknowledged without running the handler"
+                );
                 self.ack(delivery).await;
             }
             conflict @ Outcome::Conflict { .. } => {
