@@ -138,9 +138,15 @@ impl Harness {
         .expect("doubles")
     }
 
-    /// Starts a consumer on `source` with 4 in flight and quick retries.
-    pub fn spawn<S: Source>(&self, source: S, handler: EffectHandler) -> Running {
-        self.spawn_with(source, handler, |c| c)
+    /// Starts a consumer on `source` with 4 in flight, `batch_size` per transaction and quick
+    /// retries.
+    pub fn spawn<S: Source>(
+        &self,
+        source: S,
+        handler: EffectHandler,
+        batch_size: usize,
+    ) -> Running {
+        self.spawn_with(source, handler, |c| c.batch_size(batch_size))
     }
 
     /// Starts a consumer on `source`, configured further by `configure`.
@@ -240,7 +246,11 @@ pub async fn duplicate_publish_is_one_effect_and_one_duplicate<F: BrokerFixture>
     fx.publish(Some("dup-a"), &order(1)).await;
     fx.publish(Some("dup-b"), &order(2)).await;
 
-    let run = h.spawn(fx.source().await, EffectHandler(Arc::default()));
+    let run = h.spawn(
+        fx.source().await,
+        EffectHandler(Arc::default()),
+        F::BATCH_SIZE,
+    );
     let obs = run.observer.clone();
     let settled = eventually(PROMPT, || {
         let s = obs.snapshot();
@@ -349,7 +359,7 @@ pub async fn killed_after_commit_before_ack_redelivers_as_duplicate<F: BrokerFix
         inner: Some(fx.source().await),
         swallowed: swallowed.clone(),
     };
-    let first = h.spawn(killed, EffectHandler(Arc::default()));
+    let first = h.spawn(killed, EffectHandler(Arc::default()), F::BATCH_SIZE);
     let committed = eventually(PROMPT, || {
         let n = swallowed.load(Ordering::SeqCst);
         async move { n == 1 }
@@ -359,7 +369,11 @@ pub async fn killed_after_commit_before_ack_redelivers_as_duplicate<F: BrokerFix
     assert!(committed, "the first consumer commits: {first_stats:?}");
     assert_eq!(h.effects("crash-1").await, 1);
 
-    let second = h.spawn(fx.source().await, EffectHandler(Arc::default()));
+    let second = h.spawn(
+        fx.source().await,
+        EffectHandler(Arc::default()),
+        F::BATCH_SIZE,
+    );
     let obs = second.observer.clone();
     let redelivered = eventually(fx.redelivery_timeout() + PROMPT, || {
         let s = obs.snapshot();
@@ -387,8 +401,16 @@ pub async fn two_consumers_with_overlapping_redeliveries_commit_each_message_onc
         return;
     };
     const N: i64 = 20;
-    let a = h.spawn(fx.source().await, EffectHandler(Arc::default()));
-    let b = h.spawn(fx.source().await, EffectHandler(Arc::default()));
+    let a = h.spawn(
+        fx.source().await,
+        EffectHandler(Arc::default()),
+        F::BATCH_SIZE,
+    );
+    let b = h.spawn(
+        fx.source().await,
+        EffectHandler(Arc::default()),
+        F::BATCH_SIZE,
+    );
     for round in 0..2 {
         for i in 0..N {
             fx.publish(Some(&format!("pair-{i}")), &order(i)).await;
@@ -431,7 +453,11 @@ pub async fn poison_messages_are_dead_lettered_with_reason_and_intact_payload<F:
     let Some((fx, h)) = setup::<F>(test).await else {
         return;
     };
-    let run = h.spawn(fx.source().await, EffectHandler(Arc::default()));
+    let run = h.spawn(
+        fx.source().await,
+        EffectHandler(Arc::default()),
+        F::BATCH_SIZE,
+    );
     // The conflict needs the original committed first.
     fx.publish(Some("poison-c"), &order(3)).await;
     let original = eventually(PROMPT, || async { h.effects("poison-c").await == 1 }).await;
@@ -482,15 +508,16 @@ pub async fn graceful_shutdown_in_flight_loses_nothing_and_doubles_nothing<F: Br
     let Some((fx, h)) = setup::<F>(test).await else {
         return;
     };
-    const N: i64 = 12;
-    for i in 0..N {
+    // Many more than can be in flight (4 units of BATCH_SIZE), so shutdown lands mid-stream.
+    let n = 40 * F::BATCH_SIZE as i64;
+    for i in 0..n {
         fx.publish(Some(&format!("inflight-{i}")), &order(i)).await;
     }
     let slow = EffectHandler(Arc::new(Behaviour {
-        delay: Duration::from_millis(300),
+        delay: Duration::from_millis(50),
         ..Behaviour::default()
     }));
-    let first = h.spawn(fx.source().await, slow);
+    let first = h.spawn(fx.source().await, slow, F::BATCH_SIZE);
     let started = eventually(PROMPT, || async { h.total_effects().await >= 1 }).await;
     assert!(started, "the first consumer commits something");
     let first_stats = first.stop().await;
@@ -498,13 +525,17 @@ pub async fn graceful_shutdown_in_flight_loses_nothing_and_doubles_nothing<F: Br
     assert_eq!(first_stats.processed as i64, after_first, "{first_stats:?}");
     assert_eq!(first_stats.ack_failures, 0, "{first_stats:?}");
     assert!(
-        after_first < N,
+        after_first < n,
         "shutdown happened mid-stream: {first_stats:?}"
     );
 
-    let second = h.spawn(fx.source().await, EffectHandler(Arc::default()));
+    let second = h.spawn(
+        fx.source().await,
+        EffectHandler(Arc::default()),
+        F::BATCH_SIZE,
+    );
     let rest = eventually(fx.redelivery_timeout() + PROMPT, || async {
-        h.total_effects().await >= N
+        h.total_effects().await >= n
     })
     .await;
     // Give stray redeliveries a moment to show up as doubles if anything was wrong.
@@ -518,7 +549,7 @@ pub async fn graceful_shutdown_in_flight_loses_nothing_and_doubles_nothing<F: Br
         second_stats.duplicates, 0,
         "the first consumer acknowledged everything it committed before it stopped: {first_stats:?} {second_stats:?}"
     );
-    assert_eq!(h.total_effects().await, N);
+    assert_eq!(h.total_effects().await, n);
     assert!(h.doubled().await.is_empty(), "{:?}", h.doubled().await);
     h.teardown().await;
     fx.teardown().await;
@@ -537,7 +568,11 @@ pub async fn retries_then_dead_letter_when_exhausted<F: BrokerFixture>(test: &st
     };
     fx.publish(Some("retry-flaky"), &order(1)).await;
     fx.publish(Some("retry-doomed"), &order(2)).await;
-    let run = h.spawn(fx.source().await, EffectHandler(Arc::new(behaviour)));
+    let run = h.spawn(
+        fx.source().await,
+        EffectHandler(Arc::new(behaviour)),
+        F::BATCH_SIZE,
+    );
     let letters = fx.dead_letters(1, PROMPT).await;
     let flaky = eventually(PROMPT, || async { h.effects("retry-flaky").await == 1 }).await;
     let stats = run.stop().await;

@@ -28,6 +28,11 @@ pub trait BrokerFixture: Sized + Send + Sync + 'static {
     /// `setup` then receives an empty URL.
     const URL_VAR: &'static str;
 
+    /// Deliveries per transaction the suite's consumers use ([`Consumer::batch_size`
+    /// ](idem_consumer::Consumer::batch_size)); brokers that hand out batches (Kafka, JetStream,
+    /// Redis Streams) run the suite a second time with a fixture that sets this above 1.
+    const BATCH_SIZE: usize = 1;
+
     /// Creates the destination named `name` (unique per test) on the broker at `url`.
     fn setup(url: String, name: String) -> impl Future<Output = Self> + Send;
 
