@@ -32,8 +32,8 @@ const MAX_FETCH: usize = 256;
 /// # async fn demo<Src: idem_consumer::Source>(source: Src) -> Result<(), idem_core::Error> {
 /// use std::sync::Arc;
 /// use idem_consumer::{Consumer, Handler, Json, shutdown};
-/// use idem_core::{Error, Message, Processor};
-/// use idem_sql::{SqliteStore, Tx};
+/// use idem_core::{BoxError, Message, Processor};
+/// use idem_sql::{SqliteOptions, SqliteStore, Tx};
 ///
 /// #[derive(serde::Deserialize)]
 /// struct Payment { account: String, amount_cents: i64 }
@@ -41,16 +41,17 @@ const MAX_FETCH: usize = 256;
 /// struct Charge;
 /// impl Handler<Tx<sqlx::Sqlite>, Payment> for Charge {
 ///     type Output = ();
-///     async fn handle(&self, tx: &mut Tx<sqlx::Sqlite>, msg: &Message<Payment>) -> Result<(), Error> {
+///     async fn handle(&self, tx: &mut Tx<sqlx::Sqlite>, msg: &Message<Payment>) -> Result<(), BoxError> {
 ///         let p = msg.payload();
+///         // `?` on database errors: the store classifies deadlocks as retryable.
 ///         sqlx::query("UPDATE accounts SET balance = balance - ? WHERE id = ?")
 ///             .bind(p.amount_cents).bind(&p.account)
-///             .execute(&mut **tx).await.map_err(Error::retry)?;
+///             .execute(&mut **tx).await?;
 ///         Ok(())
 ///     }
 /// }
 ///
-/// let store = SqliteStore::open("idem.db").await?;
+/// let store = SqliteStore::open("idem.db", SqliteOptions::default()).await?;
 /// let processor = Arc::new(Processor::builder(store, "billing").build()?);
 /// let stats = Consumer::new(processor, source)
 ///     .concurrency(8)
