@@ -1,0 +1,170 @@
+//! Publishing entries the way [`RedisStreamSource`](crate::RedisStreamSource) reads them: the
+//! message ID and the payload in their own fields.
+
+use std::borrow::Cow;
+use std::time::Duration;
+
+use idem_core::{DerivedKey, Error, ErrorKind, MessageId};
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+
+use crate::delivery::unavailable;
+use crate::options::{DEFAULT_ID_FIELD, DEFAULT_PAYLOAD_FIELD};
+
+/// Anything usable as the producer-set message ID of a published entry.
+///
+/// A [`DerivedKey`] is written as its UUID form ([`DerivedKey::to_message_id`]), so a
+/// reprocessed message republishes under the same ID and downstream consumers see a duplicate.
+pub trait AsMessageId {
+    /// The ID bytes to write.
+    fn message_id_bytes(&self) -> Cow<'_, [u8]>;
+}
+
+impl AsMessageId for MessageId {
+    fn message_id_bytes(&self) -> Cow<'_, [u8]> {
+        Cow::Borrowed(self.as_bytes())
+    }
+}
+
+impl AsMessageId for DerivedKey {
+    fn message_id_bytes(&self) -> Cow<'_, [u8]> {
+        Cow::Owned(self.to_uuid_string().into_bytes())
+    }
+}
+
+impl AsMessageId for str {
+    fn message_id_bytes(&self) -> Cow<'_, [u8]> {
+        Cow::Borrowed(self.as_bytes())
+    }
+}
+
+impl AsMessageId for String {
+    fn message_id_bytes(&self) -> Cow<'_, [u8]> {
+        Cow::Borrowed(self.as_bytes())
+    }
+}
+
+impl AsMessageId for [u8] {
+    fn message_id_bytes(&self) -> Cow<'_, [u8]> {
+        Cow::Borrowed(self)
+    }
+}
+
+impl<T: AsMessageId + ?Sized> AsMessageId for &T {
+    fn message_id_bytes(&self) -> Cow<'_, [u8]> {
+        (**self).message_id_bytes()
+    }
+}
+
+/// Appends entries to one stream with `XADD`, stamping the message ID.
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), idem_core::Error> {
+/// use idem_redis_streams::RedisStreamProducer;
+///
+/// let producer = RedisStreamProducer::connect("redis://127.0.0.1:6379", "orders")
+///     .await?
+///     .max_len(1_000_000);
+/// let entry = producer.publish("order-42/created", br#"{"order":42}"#).await?;
+/// producer
+///     .publish_with_fields("order-43/created", b"{}", &[("tenant", b"acme")])
+///     .await?;
+/// # let _ = entry; Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct RedisStreamProducer {
+    conn: ConnectionManager,
+    stream: String,
+    id_field: String,
+    payload_field: String,
+    max_len: Option<usize>,
+}
+
+impl RedisStreamProducer {
+    /// Connects to the Redis server at `url`, publishing to `stream`.
+    pub async fn connect(url: &str, stream: impl Into<String>) -> Result<Self, Error> {
+        let client = redis::Client::open(url).map_err(|e| {
+            Error::new(ErrorKind::InvalidConfig, format!("invalid redis URL: {e}")).with_source(e)
+        })?;
+        let config = ConnectionManagerConfig::new()
+            .set_response_timeout(Some(Duration::from_secs(5)))
+            .set_connection_timeout(Some(Duration::from_secs(5)));
+        let conn = ConnectionManager::new_with_config(client, config)
+            .await
+            .map_err(|e| unavailable("connect", e))?;
+        Ok(Self::with_connection(conn, stream))
+    }
+
+    /// Publishes to `stream` over an existing connection.
+    pub fn with_connection(conn: ConnectionManager, stream: impl Into<String>) -> Self {
+        Self {
+            conn,
+            stream: stream.into(),
+            id_field: DEFAULT_ID_FIELD.to_owned(),
+            payload_field: DEFAULT_PAYLOAD_FIELD.to_owned(),
+            max_len: None,
+        }
+    }
+
+    /// The field the ID is written to (default `message_id`).
+    pub fn id_field(mut self, field: impl Into<String>) -> Self {
+        self.id_field = field.into();
+        self
+    }
+
+    /// The field the payload is written to (default `payload`).
+    pub fn payload_field(mut self, field: impl Into<String>) -> Self {
+        self.payload_field = field.into();
+        self
+    }
+
+    /// Trims the stream to about `n` entries on every publish (`MAXLEN ~ n`). Trimming
+    /// drops old entries even if a group has not read them yet: size it well above the
+    /// backlog consumers may build up.
+    pub fn max_len(mut self, n: usize) -> Self {
+        self.max_len = Some(n);
+        self
+    }
+
+    /// The stream published to.
+    pub fn stream(&self) -> &str {
+        &self.stream
+    }
+
+    /// Appends an entry with the ID and payload fields; returns the entry ID once Redis has
+    /// accepted it.
+    pub async fn publish(&self, id: impl AsMessageId, payload: &[u8]) -> Result<String, Error> {
+        self.publish_with_fields(id, payload, &[]).await
+    }
+
+    /// Like [`publish`](Self::publish), with extra fields (readable as headers).
+    pub async fn publish_with_fields(
+        &self,
+        id: impl AsMessageId,
+        payload: &[u8],
+        fields: &[(&str, &[u8])],
+    ) -> Result<String, Error> {
+        let id = id.message_id_bytes();
+        if id.is_empty() {
+            return Err(Error::new(
+                ErrorKind::InvalidMessageId,
+                "message ID is empty; the producer must set a stable ID",
+            ));
+        }
+        let mut cmd = redis::cmd("XADD");
+        cmd.arg(&self.stream);
+        if let Some(n) = self.max_len {
+            cmd.arg("MAXLEN").arg("~").arg(n);
+        }
+        cmd.arg("*")
+            .arg(&self.id_field)
+            .arg(id.as_ref())
+            .arg(&self.payload_field)
+            .arg(payload);
+        for (k, v) in fields {
+            cmd.arg(*k).arg(*v);
+        }
+        cmd.query_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| unavailable("XADD", e))
+    }
+}

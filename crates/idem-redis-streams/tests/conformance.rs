@@ -1,0 +1,125 @@
+//! The shared broker conformance suite against a real Redis (`IDEM_TEST_REDIS_URL`).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use idem_redis_streams::{RedisStreamOptions, RedisStreamProducer, RedisStreamSource};
+use idem_testkit::{BrokerFixture, DeadLettered};
+use redis::aio::ConnectionManager;
+
+/// Short enough that the redelivery checks finish quickly, long enough that a slow test
+/// handler (300 ms) is never reclaimed while it runs.
+const MIN_IDLE: Duration = Duration::from_millis(1500);
+const BLOCK: Duration = Duration::from_millis(200);
+
+struct RedisFixture {
+    url: String,
+    stream: String,
+    conn: ConnectionManager,
+    producer: RedisStreamProducer,
+    sources: AtomicU32,
+}
+
+impl RedisFixture {
+    fn options(&self, consumer: String) -> RedisStreamOptions {
+        RedisStreamOptions::new(&self.stream, "conformance", consumer)
+            .min_idle(MIN_IDLE)
+            .block(BLOCK)
+    }
+
+    fn dead_letter_stream(&self) -> String {
+        self.options("any".into()).dead_letter_stream_key()
+    }
+}
+
+impl BrokerFixture for RedisFixture {
+    type Source = RedisStreamSource;
+    const URL_VAR: &'static str = idem_testkit::services::REDIS;
+
+    async fn setup(url: String, name: String) -> Self {
+        let client = redis::Client::open(url.as_str()).expect("redis URL");
+        let conn = ConnectionManager::new(client)
+            .await
+            .expect("connect to redis");
+        let producer = RedisStreamProducer::with_connection(conn.clone(), &name);
+        Self {
+            url,
+            stream: name,
+            conn,
+            producer,
+            sources: AtomicU32::new(0),
+        }
+    }
+
+    async fn publish(&self, id: Option<&str>, payload: &[u8]) {
+        match id {
+            Some(id) => {
+                self.producer.publish(id, payload).await.expect("XADD");
+            }
+            None => {
+                let _: String = redis::cmd("XADD")
+                    .arg(&self.stream)
+                    .arg("*")
+                    .arg("payload")
+                    .arg(payload)
+                    .query_async(&mut self.conn.clone())
+                    .await
+                    .expect("XADD without ID");
+            }
+        }
+    }
+
+    async fn source(&self) -> RedisStreamSource {
+        // Each source is a distinct group member, as separate processes would be.
+        let n = self.sources.fetch_add(1, Ordering::Relaxed);
+        RedisStreamSource::connect(&self.url, self.options(format!("member-{n}")))
+            .await
+            .expect("source connects")
+    }
+
+    async fn dead_letters(&self, n: usize, timeout: Duration) -> Vec<DeadLettered> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let entries: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+                .arg(self.dead_letter_stream())
+                .arg("-")
+                .arg("+")
+                .query_async(&mut self.conn.clone())
+                .await
+                .expect("XRANGE dead letters");
+            if entries.ids.len() >= n || Instant::now() >= deadline {
+                return entries.ids.into_iter().map(to_dead_lettered).collect();
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    fn redelivery_timeout(&self) -> Duration {
+        MIN_IDLE + BLOCK + Duration::from_secs(2)
+    }
+
+    async fn teardown(self) {
+        let _: () = redis::cmd("DEL")
+            .arg(&self.stream)
+            .arg(self.dead_letter_stream())
+            .query_async(&mut self.conn.clone())
+            .await
+            .expect("DEL");
+    }
+}
+
+fn to_dead_lettered(entry: redis::streams::StreamId) -> DeadLettered {
+    let mut headers = HashMap::new();
+    let mut payload = Vec::new();
+    for (k, v) in entry.map {
+        let bytes: Vec<u8> = redis::from_redis_value(v).expect("field bytes");
+        if k == "payload" {
+            payload = bytes.clone();
+        }
+        headers.insert(k, String::from_utf8_lossy(&bytes).into_owned());
+    }
+    DeadLettered { payload, headers }
+}
+
+idem_testkit::broker_conformance_tests!(RedisFixture);
