@@ -1,0 +1,74 @@
+//! Helpers shared by the MQTT tests: configs with short session expiry, session cleanup, and a
+//! dead-letter reader.
+#![allow(dead_code, unreachable_pub)]
+
+use std::time::Duration;
+
+use idem_consumer::{Delivery, Source};
+use idem_mqtt::rumqttc::v5;
+use idem_mqtt::{MqttConfig, MqttDelivery, MqttSource};
+
+/// The env var and, when set, its URL.
+pub fn url(test: &str) -> Option<String> {
+    idem_testkit::service_url(idem_testkit::services::MQTT, test)
+}
+
+/// A consumer config whose session outlives the test only briefly if teardown fails.
+pub fn config(url: &str, client_id: &str, filter: &str) -> MqttConfig {
+    MqttConfig::new(url, client_id, filter).session_expiry(Duration::from_secs(600))
+}
+
+/// Deletes the brokers' sessions for `ids`: connecting with clean start discards a session,
+/// and with no expiry interval the new one ends with the connection.
+pub async fn purge_sessions(url: &str, ids: &[String]) {
+    let hostport = url
+        .trim_start_matches("mqtt://")
+        .trim_start_matches("tcp://");
+    let (host, port) = hostport.rsplit_once(':').unwrap_or((hostport, "1883"));
+    let port: u16 = port.trim_end_matches('/').parse().unwrap_or(1883);
+    for id in ids {
+        let mut opts = v5::MqttOptions::new(id.clone(), host, port);
+        opts.set_clean_start(true);
+        let (client, mut el) = v5::AsyncClient::new(opts, 4);
+        let done = tokio::time::timeout(Duration::from_secs(5), async {
+            loop {
+                match el.poll().await {
+                    Ok(v5::Event::Incoming(v5::mqttbytes::v5::Packet::ConnAck(_))) => {
+                        let _ = client.try_disconnect();
+                    }
+                    Ok(v5::Event::Outgoing(idem_mqtt::rumqttc::Outgoing::Disconnect)) | Err(_) => {
+                        break;
+                    }
+                    Ok(_) => {}
+                }
+            }
+        })
+        .await;
+        if done.is_err() {
+            eprintln!("could not purge MQTT session {id}");
+        }
+    }
+}
+
+/// Waits up to `timeout` for `n` deliveries from `source`, acknowledging each.
+pub async fn take(source: &mut MqttSource, n: usize, timeout: Duration) -> Vec<MqttDelivery> {
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(timeout, async {
+        while out.len() < n {
+            match source.next(n - out.len()).await {
+                Ok(batch) if batch.is_empty() => break,
+                Ok(batch) => out.extend(batch),
+                Err(e) => eprintln!("next failed: {e}"),
+            }
+        }
+    })
+    .await;
+    out
+}
+
+/// Acknowledges every delivery.
+pub async fn ack_all(deliveries: Vec<MqttDelivery>) {
+    for d in deliveries {
+        d.ack().await.expect("ack");
+    }
+}

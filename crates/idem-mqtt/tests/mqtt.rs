@@ -1,0 +1,399 @@
+//! Adapter behaviour against the real Mosquitto: IDs, acks, persistent-session redelivery,
+//! dead letters, abandon, and MQTT 3.1.1.
+
+mod common;
+
+use std::time::Duration;
+
+use idem_consumer::{DeadLetter, DeadLetterReason, Delivery, IdSource, Source};
+use idem_core::ErrorKind;
+use idem_mqtt::{DeadLetterEnvelope, MqttProducer, MqttSource, Protocol};
+use idem_testkit::unique_name;
+
+const WAIT: Duration = Duration::from_secs(10);
+const QUIET: Duration = Duration::from_millis(700);
+
+#[tokio::test]
+async fn round_trip_reads_the_id_property_and_acks() {
+    let Some(url) = common::url("round_trip_reads_the_id_property_and_acks") else {
+        return;
+    };
+    let topic = unique_name("mqtt", "round_trip");
+    let id = format!("{topic}-c");
+    let mut source = MqttSource::connect(common::config(&url, &id, &topic))
+        .await
+        .unwrap();
+    assert_eq!(source.default_id_source(), IdSource::header("message-id"));
+    assert_eq!(source.dead_letter_topic(), format!("{topic}/dead-letter"));
+    let producer = MqttProducer::connect(&url, format!("{topic}-p"), Protocol::V5)
+        .await
+        .unwrap();
+    producer
+        .publish(&topic, Some("order-1"), b"\x00binary\xff")
+        .await
+        .unwrap();
+
+    let got = common::take(&mut source, 1, WAIT).await;
+    assert_eq!(got.len(), 1);
+    let d = &got[0];
+    assert_eq!(d.payload(), b"\x00binary\xff");
+    assert_eq!(d.header("message-id").as_deref(), Some(&b"order-1"[..]));
+    assert_eq!(
+        IdSource::header("message-id").extract(d).unwrap().as_ref(),
+        b"order-1"
+    );
+    assert_eq!(d.previous_deliveries(), 0);
+    assert!(
+        d.origin().starts_with(&format!("topic {topic} pkid ")),
+        "{}",
+        d.origin()
+    );
+    common::ack_all(got).await;
+    source.close().await.unwrap();
+
+    // Acked: the resumed session has nothing to redeliver.
+    let mut again = MqttSource::connect(common::config(&url, &id, &topic))
+        .await
+        .unwrap();
+    assert!(common::take(&mut again, 1, QUIET).await.is_empty());
+    again.close().await.unwrap();
+    common::purge_sessions(&url, &[id]).await;
+}
+
+#[tokio::test]
+async fn unacked_message_is_redelivered_when_the_session_reconnects() {
+    let Some(url) = common::url("unacked_message_is_redelivered_when_the_session_reconnects")
+    else {
+        return;
+    };
+    let topic = unique_name("mqtt", "redeliver");
+    let id = format!("{topic}-c");
+    let mut first = MqttSource::connect(common::config(&url, &id, &topic))
+        .await
+        .unwrap();
+    let producer = MqttProducer::connect(&url, format!("{topic}-p"), Protocol::V5)
+        .await
+        .unwrap();
+    producer.publish(&topic, Some("m-1"), b"one").await.unwrap();
+    let got = common::take(&mut first, 1, WAIT).await;
+    assert_eq!(got.len(), 1);
+    // Killed: no ack, no DISCONNECT.
+    drop(got);
+    drop(first);
+
+    let mut second = MqttSource::connect(common::config(&url, &id, &topic))
+        .await
+        .unwrap();
+    let again = common::take(&mut second, 1, WAIT).await;
+    assert_eq!(
+        again.len(),
+        1,
+        "the unacknowledged message comes back to the same client ID"
+    );
+    assert_eq!(again[0].payload(), b"one");
+    assert_eq!(again[0].header("message-id").as_deref(), Some(&b"m-1"[..]));
+    assert_eq!(
+        again[0].previous_deliveries(),
+        1,
+        "DUP flag set on redelivery"
+    );
+    common::ack_all(again).await;
+    second.close().await.unwrap();
+
+    let mut third = MqttSource::connect(common::config(&url, &id, &topic))
+        .await
+        .unwrap();
+    assert!(
+        common::take(&mut third, 1, QUIET).await.is_empty(),
+        "acked for good"
+    );
+    third.close().await.unwrap();
+    common::purge_sessions(&url, &[id]).await;
+}
+
+#[tokio::test]
+async fn messages_published_while_the_consumer_is_down_wait_in_its_session() {
+    let Some(url) =
+        common::url("messages_published_while_the_consumer_is_down_wait_in_its_session")
+    else {
+        return;
+    };
+    let topic = unique_name("mqtt", "offline");
+    let id = format!("{topic}-c");
+    MqttSource::connect(common::config(&url, &id, &topic))
+        .await
+        .unwrap()
+        .close()
+        .await
+        .unwrap();
+    let producer = MqttProducer::connect(&url, format!("{topic}-p"), Protocol::V5)
+        .await
+        .unwrap();
+    for i in 0..5 {
+        producer
+            .publish(&topic, Some(&format!("m-{i}")), b"{}")
+            .await
+            .unwrap();
+    }
+    let mut source = MqttSource::connect(common::config(&url, &id, &topic))
+        .await
+        .unwrap();
+    let got = common::take(&mut source, 5, WAIT).await;
+    assert_eq!(got.len(), 5);
+    common::ack_all(got).await;
+    source.close().await.unwrap();
+    common::purge_sessions(&url, &[id]).await;
+}
+
+#[tokio::test]
+async fn dead_letter_keeps_payload_and_properties_and_adds_the_reason() {
+    let Some(url) = common::url("dead_letter_keeps_payload_and_properties_and_adds_the_reason")
+    else {
+        return;
+    };
+    let topic = unique_name("mqtt", "dead_letter");
+    let (id, dlq_id) = (format!("{topic}-c"), format!("{topic}-d"));
+    let dl_topic = format!("{topic}/dead-letter");
+    let mut reader = MqttSource::connect(
+        common::config(&url, &dlq_id, &dl_topic).dead_letter_topic(format!("{topic}/dl-of-dl")),
+    )
+    .await
+    .unwrap();
+    let mut source = MqttSource::connect(common::config(&url, &id, &topic))
+        .await
+        .unwrap();
+    let producer = MqttProducer::connect(&url, format!("{topic}-p"), Protocol::V5)
+        .await
+        .unwrap();
+    producer
+        .publish(&topic, Some("bad-1"), b"\xffpoison")
+        .await
+        .unwrap();
+
+    let mut got = common::take(&mut source, 1, WAIT).await;
+    let d = got.pop().expect("delivered");
+    let reason =
+        DeadLetter::new(DeadLetterReason::Rejected, "no such account").with_context("billing", 3);
+    d.dead_letter(&reason).await.unwrap();
+
+    let letters = common::take(&mut reader, 1, WAIT).await;
+    assert_eq!(letters.len(), 1);
+    let dl = &letters[0];
+    assert_eq!(dl.payload(), b"\xffpoison");
+    assert_eq!(dl.topic(), dl_topic);
+    let h = |k: &str| {
+        dl.header(k)
+            .map(|v| String::from_utf8_lossy(&v).into_owned())
+    };
+    assert_eq!(
+        h("message-id").as_deref(),
+        Some("bad-1"),
+        "original properties kept"
+    );
+    assert_eq!(h(idem_consumer::REASON_HEADER).as_deref(), Some("rejected"));
+    assert_eq!(
+        h(idem_consumer::DETAIL_HEADER).as_deref(),
+        Some("no such account")
+    );
+    assert_eq!(
+        h(idem_consumer::CONSUMER_HEADER).as_deref(),
+        Some("billing")
+    );
+    assert_eq!(h(idem_consumer::ATTEMPTS_HEADER).as_deref(), Some("3"));
+    assert_eq!(h(idem_mqtt::ORIGINAL_TOPIC_PROPERTY), Some(topic.clone()));
+    common::ack_all(letters).await;
+
+    // The original was acked after the dead letter was accepted.
+    source.close().await.unwrap();
+    let mut again = MqttSource::connect(common::config(&url, &id, &topic))
+        .await
+        .unwrap();
+    assert!(common::take(&mut again, 1, QUIET).await.is_empty());
+    again.close().await.unwrap();
+    reader.close().await.unwrap();
+    common::purge_sessions(&url, &[id, dlq_id]).await;
+}
+
+#[tokio::test]
+async fn dead_letter_to_a_topic_nobody_reads_fails_and_keeps_the_original() {
+    let Some(url) = common::url("dead_letter_to_a_topic_nobody_reads_fails_and_keeps_the_original")
+    else {
+        return;
+    };
+    let topic = unique_name("mqtt", "dl_nobody");
+    let id = format!("{topic}-c");
+    let mut source = MqttSource::connect(common::config(&url, &id, &topic))
+        .await
+        .unwrap();
+    let producer = MqttProducer::connect(&url, format!("{topic}-p"), Protocol::V5)
+        .await
+        .unwrap();
+    producer.publish(&topic, Some("x-1"), b"x").await.unwrap();
+    let d = common::take(&mut source, 1, WAIT)
+        .await
+        .pop()
+        .expect("delivered");
+    let err = d
+        .dead_letter(&DeadLetter::new(DeadLetterReason::Rejected, "nope"))
+        .await
+        .expect_err("nobody subscribes to the dead-letter topic");
+    assert_eq!(err.kind(), ErrorKind::Unavailable);
+    assert!(err.to_string().contains("no client subscribes"), "{err}");
+    drop(source);
+
+    let mut again = MqttSource::connect(common::config(&url, &id, &topic))
+        .await
+        .unwrap();
+    let back = common::take(&mut again, 1, WAIT).await;
+    assert_eq!(back.len(), 1, "not acked, so redelivered");
+    common::ack_all(back).await;
+    again.close().await.unwrap();
+    common::purge_sessions(&url, &[id]).await;
+}
+
+#[tokio::test]
+async fn abandoned_message_comes_back_without_a_restart() {
+    let Some(url) = common::url("abandoned_message_comes_back_without_a_restart") else {
+        return;
+    };
+    let topic = unique_name("mqtt", "abandon");
+    let id = format!("{topic}-c");
+    let mut source = MqttSource::connect(common::config(&url, &id, &topic))
+        .await
+        .unwrap();
+    let producer = MqttProducer::connect(&url, format!("{topic}-p"), Protocol::V5)
+        .await
+        .unwrap();
+    producer.publish(&topic, Some("a-1"), b"a").await.unwrap();
+    producer.publish(&topic, Some("a-2"), b"b").await.unwrap();
+    let mut got = common::take(&mut source, 2, WAIT).await;
+    assert_eq!(got.len(), 2);
+    let kept = got.remove(1);
+    got.remove(0).abandon().await;
+
+    // The reconnect redelivers both unacknowledged messages; the one still held must not be
+    // acked on the new connection with its old packet ID.
+    let back = common::take(&mut source, 2, WAIT).await;
+    let mut ids: Vec<String> = back
+        .iter()
+        .map(|d| String::from_utf8_lossy(&d.header("message-id").unwrap_or_default()).into_owned())
+        .collect();
+    ids.sort();
+    assert_eq!(ids, ["a-1", "a-2"]);
+    assert!(back.iter().all(|d| d.previous_deliveries() == 1));
+    kept.ack().await.unwrap(); // stale: skipped
+    common::ack_all(back).await;
+    source.close().await.unwrap();
+
+    let mut again = MqttSource::connect(common::config(&url, &id, &topic))
+        .await
+        .unwrap();
+    assert!(common::take(&mut again, 1, QUIET).await.is_empty());
+    again.close().await.unwrap();
+    common::purge_sessions(&url, &[id]).await;
+}
+
+#[tokio::test]
+async fn mqtt_311_reads_the_id_from_json_and_dead_letters_an_envelope() {
+    let Some(url) = common::url("mqtt_311_reads_the_id_from_json_and_dead_letters_an_envelope")
+    else {
+        return;
+    };
+    let topic = unique_name("mqtt", "v311");
+    let (id, dlq_id) = (format!("{topic}-c"), format!("{topic}-d"));
+    let dl_topic = format!("{topic}/dead-letter");
+    let v311 =
+        |client: &str, filter: &str| common::config(&url, client, filter).protocol(Protocol::V311);
+    let mut reader =
+        MqttSource::connect(v311(&dlq_id, &dl_topic).dead_letter_topic(format!("{topic}/x")))
+            .await
+            .unwrap();
+    let mut source = MqttSource::connect(v311(&id, &topic)).await.unwrap();
+    assert_eq!(
+        source.default_id_source(),
+        IdSource::json_pointer("/message_id")
+    );
+    let producer = MqttProducer::connect(&url, format!("{topic}-p"), Protocol::V311)
+        .await
+        .unwrap();
+    producer
+        .publish(&topic, Some("j-1"), br#"{"n":1}"#)
+        .await
+        .unwrap();
+    let err = producer
+        .publish(&topic, Some("j-2"), b"[1]")
+        .await
+        .expect_err("not an object");
+    assert_eq!(err.kind(), ErrorKind::InvalidConfig);
+    producer.publish(&topic, None, b"raw bytes").await.unwrap();
+
+    let got = common::take(&mut source, 2, WAIT).await;
+    assert_eq!(got.len(), 2);
+    let pointer = source.default_id_source();
+    assert_eq!(pointer.extract(&got[0]).unwrap().as_ref(), b"j-1");
+    assert!(
+        got[0].header("message-id").is_none(),
+        "3.1.1 has no properties"
+    );
+    assert!(pointer.extract(&got[1]).is_err());
+    let mut got = got.into_iter();
+    got.next().unwrap().ack().await.unwrap();
+    got.next()
+        .unwrap()
+        .dead_letter(&DeadLetter::new(DeadLetterReason::MissingId, "no id"))
+        .await
+        .unwrap();
+
+    let letters = common::take(&mut reader, 1, WAIT).await;
+    assert_eq!(letters.len(), 1);
+    let envelope = DeadLetterEnvelope::from_json(letters[0].payload()).unwrap();
+    assert_eq!(envelope.payload, b"raw bytes");
+    assert_eq!(
+        envelope
+            .headers
+            .get(idem_consumer::REASON_HEADER)
+            .map(String::as_str),
+        Some("missing-id")
+    );
+    assert_eq!(
+        envelope.headers.get(idem_mqtt::ORIGINAL_TOPIC_PROPERTY),
+        Some(&topic)
+    );
+    common::ack_all(letters).await;
+
+    source.close().await.unwrap();
+    let mut again = MqttSource::connect(v311(&id, &topic)).await.unwrap();
+    assert!(common::take(&mut again, 1, QUIET).await.is_empty());
+    again.close().await.unwrap();
+    reader.close().await.unwrap();
+    common::purge_sessions(&url, &[id, dlq_id]).await;
+}
+
+#[tokio::test]
+async fn bad_configuration_is_refused_before_connecting() {
+    let err = MqttSource::connect(idem_mqtt::MqttConfig::new("mqtt://127.0.0.1:1883", "", "t"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidConfig);
+    let err = MqttSource::connect(idem_mqtt::MqttConfig::new(
+        "mqtt://127.0.0.1:1883",
+        "c",
+        "orders/#",
+    ))
+    .await
+    .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidConfig, "{err}");
+    let err = MqttSource::connect(idem_mqtt::MqttConfig::new("amqp://x", "c", "t"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidConfig);
+}
+
+#[tokio::test]
+async fn unreachable_broker_is_unavailable() {
+    // Port 1 on localhost refuses connections.
+    let err = MqttSource::connect(idem_mqtt::MqttConfig::new("mqtt://127.0.0.1:1", "c", "t"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+}
