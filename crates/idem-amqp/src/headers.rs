@@ -1,0 +1,122 @@
+//! Reading AMQP header-table values as ID bytes and counts, and stamping dead-letter headers.
+
+use std::borrow::Cow;
+
+use lapin::BasicProperties;
+use lapin::types::{AMQPValue, LongString, ShortString};
+
+/// The bytes of a header value usable as an ID: strings and byte arrays as they are, integers
+/// and booleans in decimal / `true`/`false`. Floats, decimals, timestamps, arrays, tables and
+/// void have no canonical text form, so they read as absent rather than as a guess.
+pub(crate) fn value_bytes(value: &AMQPValue) -> Option<Cow<'_, [u8]>> {
+    let text = match value {
+        AMQPValue::LongString(s) => return Some(Cow::Borrowed(s.as_bytes())),
+        AMQPValue::ShortString(s) => return Some(Cow::Borrowed(s.as_str().as_bytes())),
+        AMQPValue::ByteArray(b) => return Some(Cow::Borrowed(b.as_slice())),
+        AMQPValue::Boolean(b) => b.to_string(),
+        AMQPValue::ShortShortInt(i) => i.to_string(),
+        AMQPValue::ShortShortUInt(i) => i.to_string(),
+        AMQPValue::ShortInt(i) => i.to_string(),
+        AMQPValue::ShortUInt(i) => i.to_string(),
+        AMQPValue::LongInt(i) => i.to_string(),
+        AMQPValue::LongUInt(i) => i.to_string(),
+        AMQPValue::LongLongInt(i) => i.to_string(),
+        _ => return None,
+    };
+    Some(Cow::Owned(text.into_bytes()))
+}
+
+/// A non-negative integer header (`x-delivery-count`), whatever width the broker chose.
+pub(crate) fn value_u64(value: &AMQPValue) -> Option<u64> {
+    match value {
+        AMQPValue::ShortShortInt(i) => u64::try_from(*i).ok(),
+        AMQPValue::ShortShortUInt(i) => Some(u64::from(*i)),
+        AMQPValue::ShortInt(i) => u64::try_from(*i).ok(),
+        AMQPValue::ShortUInt(i) => Some(u64::from(*i)),
+        AMQPValue::LongInt(i) => u64::try_from(*i).ok(),
+        AMQPValue::LongUInt(i) => Some(u64::from(*i)),
+        AMQPValue::LongLongInt(i) => u64::try_from(*i).ok(),
+        AMQPValue::Timestamp(i) => Some(*i),
+        _ => None,
+    }
+}
+
+/// Looks up `name` in the properties' header table.
+pub(crate) fn get<'a>(props: &'a BasicProperties, name: &str) -> Option<&'a AMQPValue> {
+    props.headers().as_ref()?.inner().get(name)
+}
+
+/// The original properties with `extra` added to (or replacing same-named entries in) the
+/// header table, and persistent delivery so a dead letter survives a broker restart.
+pub(crate) fn with_extra_headers(
+    props: &BasicProperties,
+    extra: &[(&'static str, String)],
+) -> BasicProperties {
+    let mut table = props.headers().clone().unwrap_or_default();
+    for (name, value) in extra {
+        // idem's header names are short constants; `From<&str>` cannot fail for them.
+        table.insert(
+            ShortString::from(*name),
+            AMQPValue::LongString(LongString::from(value.as_bytes())),
+        );
+    }
+    props.clone().with_headers(table).with_delivery_mode(2)
+}
+
+/// Every header as lossy UTF-8 text.
+#[cfg(test)]
+fn to_strings(table: &lapin::types::FieldTable) -> impl Iterator<Item = (String, String)> + '_ {
+    table.inner().iter().map(|(k, v)| {
+        let text = match value_bytes(v) {
+            Some(b) => String::from_utf8_lossy(&b).into_owned(),
+            None => format!("{v:?}"),
+        };
+        (k.as_str().to_owned(), text)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lapin::types::FieldTable;
+
+    #[test]
+    fn strings_bytes_and_integers_read_as_id_bytes() {
+        assert_eq!(
+            value_bytes(&AMQPValue::LongString("a-1".into())).as_deref(),
+            Some(&b"a-1"[..])
+        );
+        assert_eq!(
+            value_bytes(&AMQPValue::LongLongInt(-42)).as_deref(),
+            Some(&b"-42"[..])
+        );
+        assert_eq!(
+            value_bytes(&AMQPValue::ByteArray(vec![0xff, 0].into())).as_deref(),
+            Some(&[0xff, 0][..])
+        );
+        assert_eq!(value_bytes(&AMQPValue::Double(1.5)), None);
+        assert_eq!(value_bytes(&AMQPValue::Void), None);
+    }
+
+    #[test]
+    fn counts_reject_negative_values() {
+        assert_eq!(value_u64(&AMQPValue::LongLongInt(3)), Some(3));
+        assert_eq!(value_u64(&AMQPValue::LongInt(-1)), None);
+        assert_eq!(value_u64(&AMQPValue::LongString("3".into())), None);
+    }
+
+    #[test]
+    fn extra_headers_keep_the_originals_and_make_it_persistent() {
+        let mut t = FieldTable::default();
+        t.insert("tenant".into(), AMQPValue::LongString("acme".into()));
+        let props = BasicProperties::default()
+            .with_message_id("m-1".into())
+            .with_headers(t);
+        let out = with_extra_headers(&props, &[("idem-dead-letter-reason", "conflict".into())]);
+        assert_eq!(out.message_id().as_ref().map(|s| s.as_str()), Some("m-1"));
+        assert_eq!(*out.delivery_mode(), Some(2));
+        let h: Vec<_> = out.headers().iter().flat_map(to_strings).collect();
+        assert!(h.contains(&("tenant".into(), "acme".into())));
+        assert!(h.contains(&("idem-dead-letter-reason".into(), "conflict".into())));
+    }
+}
