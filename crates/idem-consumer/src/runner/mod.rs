@@ -277,11 +277,12 @@ impl Observer {
     }
 }
 
-/// A handler that panicked left its delivery unsettled (never acked): the broker redelivers it.
+/// Handler panics are caught and settled as failures; a panic elsewhere in a task leaves its
+/// delivery unsettled (never acked), which the broker redelivers after the connection closes.
 fn report_panic(done: Result<(), tokio::task::JoinError>) {
     if let Err(e) = done {
         if e.is_panic() {
-            tracing::error!(error = %e, "a message task panicked; its delivery was not acknowledged and will be redelivered");
+            tracing::error!(error = %e, "a message task panicked; its delivery was not acknowledged");
         }
     }
 }

@@ -1,8 +1,10 @@
 //! Settling deliveries: the one place that decides ack, retry, dead letter or abandon.
 
+use std::panic::AssertUnwindSafe;
 use std::sync::Mutex;
 use std::time::Instant;
 
+use futures_util::FutureExt;
 use idem_core::{
     Claim, ClaimStore, Clock, Disposition, Error, ErrorKind, Fingerprint, Message, MessageId,
     Outcome, Processor, Savepoints,
@@ -207,7 +209,7 @@ where
                 continue;
             }
             let started = Instant::now();
-            let r = self.handler.handle(&mut tx, msg).await;
+            let r = self.call_handler(&mut tx, msg).await;
             self.instruments.handler_time(started.elapsed());
             handler_done = Some(Instant::now());
             match r {
@@ -229,13 +231,37 @@ where
         Ok((results, handler_done))
     }
 
+    /// Runs the handler, turning a panic into a retryable error: the transaction then rolls
+    /// back and the delivery is settled like any failure (retried, then dead-lettered), instead
+    /// of being dropped unsettled where it would hold a prefetch slot until a reconnect.
+    async fn call_handler(
+        &self,
+        tx: &mut S::Tx,
+        msg: &Message<D::Payload>,
+    ) -> Result<H::Output, idem_core::BoxError> {
+        match AssertUnwindSafe(self.handler.handle(tx, msg))
+            .catch_unwind()
+            .await
+        {
+            Ok(r) => r,
+            Err(panic) => {
+                let what = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_owned())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "non-string panic payload".to_owned());
+                Err(Error::retry(format!("handler panicked: {what}")).into())
+            }
+        }
+    }
+
     async fn attempt(&self, msg: &Message<D::Payload>) -> Step<H::Output> {
         let mut handler_done = None;
         let result = self
             .processor
             .process(msg, async |tx| {
                 let started = Instant::now();
-                let r = self.handler.handle(tx, msg).await;
+                let r = self.call_handler(tx, msg).await;
                 self.instruments.handler_time(started.elapsed());
                 handler_done = Some(Instant::now());
                 r
