@@ -62,8 +62,8 @@ pub(crate) fn store_error(what: &str, err: sqlx::Error) -> Error {
 /// A failed COMMIT: a broken connection leaves the outcome unknown; an error the server
 /// returned means it rolled back.
 pub(crate) fn commit_error(err: sqlx::Error) -> Error {
-    if let sqlx::Error::Database(db) = &err {
-        if db.code().as_deref() == Some("25P02") {
+    if let sqlx::Error::Database(db) = &err
+        && db.code().as_deref() == Some("25P02") {
             return Error::new(
                 ErrorKind::Handler,
                 "nothing was committed: a statement in the handler failed and the handler went \
@@ -72,7 +72,6 @@ pub(crate) fn commit_error(err: sqlx::Error) -> Error {
             )
             .with_source(err);
         }
-    }
     let kind = match kind_of(&err) {
         ErrorKind::Unavailable => ErrorKind::OutcomeUnknown,
         other => other,

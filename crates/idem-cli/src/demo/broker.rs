@@ -289,12 +289,11 @@ impl State {
         self.unsettled -= 1;
         // Its other outstanding deliveries (after a timeout) must not come back once more.
         self.in_flight.retain(|_, f| f.copy != copy);
-        if let Some(done) = self.message_settled.get_mut(number) {
-            if !*done {
+        if let Some(done) = self.message_settled.get_mut(number)
+            && !*done {
                 *done = true;
                 self.stats.messages_settled += 1;
             }
-        }
     }
 }
 

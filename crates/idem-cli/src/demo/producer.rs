@@ -104,7 +104,7 @@ pub(crate) async fn publish_all(
             published += 1;
         }
         // Let the workers start on the queue while it fills, as with a live producer.
-        if published % 16 == 0 {
+        if published.is_multiple_of(16) {
             tokio::task::yield_now().await;
         }
     }
