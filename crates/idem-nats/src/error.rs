@@ -1,0 +1,83 @@
+//! Turning async-nats errors into idem's error kinds.
+
+use std::fmt::{Debug, Display};
+
+use async_nats::jetstream::context::{CreateStreamErrorKind, GetStreamErrorKind, PublishErrorKind};
+use async_nats::jetstream::stream::ConsumerErrorKind;
+use idem_core::{Error, ErrorKind};
+
+/// The broker is out of reach or did not answer in time: the runner backs off and retries.
+pub(crate) fn unavailable<E>(what: &str, err: E) -> Error
+where
+    E: Into<async_nats::Error>,
+{
+    let err = err.into();
+    Error::new(ErrorKind::Unavailable, format!("NATS: {what}: {err}")).with_source(err)
+}
+
+/// An error kind that can say "the server understood and refused", as opposed to "the server
+/// could not be reached".
+pub(crate) trait Refusal {
+    /// Retrying the same request cannot succeed: a missing stream, a rejected config.
+    fn refused(&self) -> bool;
+}
+
+impl Refusal for ConsumerErrorKind {
+    fn refused(&self) -> bool {
+        matches!(
+            self,
+            ConsumerErrorKind::JetStream(_)
+                | ConsumerErrorKind::InvalidName
+                | ConsumerErrorKind::InvalidConsumerType
+        )
+    }
+}
+
+impl Refusal for GetStreamErrorKind {
+    fn refused(&self) -> bool {
+        !matches!(self, GetStreamErrorKind::Request)
+    }
+}
+
+impl Refusal for CreateStreamErrorKind {
+    fn refused(&self) -> bool {
+        !matches!(
+            self,
+            CreateStreamErrorKind::JetStreamUnavailable
+                | CreateStreamErrorKind::TimedOut
+                | CreateStreamErrorKind::Response
+                | CreateStreamErrorKind::ResponseParse
+        )
+    }
+}
+
+impl Refusal for PublishErrorKind {
+    fn refused(&self) -> bool {
+        matches!(
+            self,
+            PublishErrorKind::StreamNotFound
+                | PublishErrorKind::MaxPayloadExceeded
+                | PublishErrorKind::WrongLastMessageId
+                | PublishErrorKind::WrongLastSequence
+        )
+    }
+}
+
+/// A JetStream API error: [`ErrorKind::InvalidConfig`] when the server refused, otherwise
+/// [`ErrorKind::Unavailable`].
+pub(crate) fn api<K>(what: &str, err: async_nats::error::Error<K>) -> Error
+where
+    K: Refusal + Clone + Debug + Display + PartialEq + Send + Sync + 'static,
+{
+    let kind = if err.kind().refused() {
+        ErrorKind::InvalidConfig
+    } else {
+        ErrorKind::Unavailable
+    };
+    Error::new(kind, format!("NATS: {what}: {err}")).with_source(err)
+}
+
+/// A value idem refuses before it reaches the broker.
+pub(crate) fn invalid_config(message: String) -> Error {
+    Error::new(ErrorKind::InvalidConfig, message)
+}

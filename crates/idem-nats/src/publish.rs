@@ -1,0 +1,106 @@
+//! The producer side: publishing with a stable `Nats-Msg-Id`.
+
+use async_nats::HeaderMap;
+use async_nats::header::{HeaderValue, NATS_MESSAGE_ID};
+use async_nats::jetstream::Context;
+use async_nats::jetstream::publish::PublishAck;
+use async_nats::subject::ToSubject;
+use bytes::Bytes;
+use idem_core::{Error, ErrorKind};
+
+use crate::error;
+
+/// Publishes `payload` to `subject` with `id` in the `Nats-Msg-Id` header and waits until the
+/// stream has stored it (the PubAck).
+///
+/// `id` is anything that is bytes: a `&str`, a [`MessageId`](idem_core::MessageId), or, for a
+/// message a handler publishes as a side effect, a derived key's
+/// [`to_message_id`](idem_core::DerivedKey::to_message_id), so that reprocessing publishes the
+/// same ID again and the downstream consumer sees a duplicate:
+///
+/// ```no_run
+/// # async fn demo(js: async_nats::jetstream::Context, consumer: idem_core::ConsumerName, id: idem_core::MessageId) -> Result<(), idem_core::Error> {
+/// use idem_core::DerivedKey;
+///
+/// let key = DerivedKey::new(&consumer, &id, "publish:PaymentCompleted");
+/// let ack = idem_nats::publish(&js, "payments.completed", &key.to_message_id(), "{}").await?;
+/// if ack.duplicate {
+///     // JetStream's duplicate window caught a re-publish; nothing new was stored.
+/// }
+/// # Ok(()) }
+/// ```
+///
+/// `ack.duplicate` is JetStream's own publish-time de-duplication: it only covers the stream's
+/// duplicate window (two minutes by default) and says nothing about whether a consumer already
+/// processed the message. That is what the consumer's claim is for.
+///
+/// # Errors
+/// [`ErrorKind::InvalidMessageId`] when `id` is empty, not UTF-8, contains control characters
+/// or starts or ends with whitespace (NATS headers cannot carry it unchanged);
+/// [`ErrorKind::InvalidConfig`] when no stream captures `subject`; otherwise
+/// [`ErrorKind::Unavailable`].
+pub async fn publish(
+    js: &Context,
+    subject: impl ToSubject,
+    id: impl AsRef<[u8]>,
+    payload: impl Into<Bytes>,
+) -> Result<PublishAck, Error> {
+    publish_with_headers(js, subject, id, HeaderMap::new(), payload).await
+}
+
+/// [`publish`] with extra headers; `Nats-Msg-Id` in `headers` is replaced by `id`.
+///
+/// # Errors
+/// As [`publish`].
+pub async fn publish_with_headers(
+    js: &Context,
+    subject: impl ToSubject,
+    id: impl AsRef<[u8]>,
+    mut headers: HeaderMap,
+    payload: impl Into<Bytes>,
+) -> Result<PublishAck, Error> {
+    headers.insert(NATS_MESSAGE_ID, id_header_value(id.as_ref())?);
+    let pending = js
+        .publish_with_headers(subject, headers, payload.into())
+        .await
+        .map_err(|e| error::api("publishing", e))?;
+    pending
+        .await
+        .map_err(|e| error::api("waiting for the publish acknowledgement", e))
+}
+
+/// The ID as a header value that reaches the consumer byte for byte.
+pub(crate) fn id_header_value(id: &[u8]) -> Result<HeaderValue, Error> {
+    let invalid = |why: &str| {
+        Error::new(
+            ErrorKind::InvalidMessageId,
+            format!("a Nats-Msg-Id must be {why}"),
+        )
+    };
+    let s = std::str::from_utf8(id).map_err(|_| invalid("valid UTF-8"))?;
+    if s.is_empty() {
+        return Err(invalid("non-empty"));
+    }
+    if s.chars().any(char::is_control) {
+        return Err(invalid("free of control characters"));
+    }
+    // The header parser trims values, so surrounding whitespace would not survive the trip.
+    if s.trim() != s {
+        return Err(invalid("free of leading and trailing whitespace"));
+    }
+    s.parse().map_err(|_| invalid("a valid NATS header value"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_that_would_not_survive_a_header_are_refused() {
+        for bad in [&b""[..], b"a\r\nb", b"\xff\xfe", b" padded", b"tab\t"] {
+            let err = id_header_value(bad).unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::InvalidMessageId, "{bad:?}");
+        }
+        assert_eq!(id_header_value(b"order-42").unwrap().as_str(), "order-42");
+    }
+}
