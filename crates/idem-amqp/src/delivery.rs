@@ -100,13 +100,13 @@ impl AmqpDelivery {
             self.settings.confirm_timeout,
         )
         .await;
-        if published.is_err() && channel.status().connected() {
-            if let Err(e) = channel
+        if published.is_err()
+            && channel.status().connected()
+            && let Err(e) = channel
                 .close(200, "idem: dead-lettering failed".into())
                 .await
-            {
-                tracing::debug!(error = %e, "closing the channel after a failed dead letter");
-            }
+        {
+            tracing::debug!(error = %e, "closing the channel after a failed dead letter");
         }
         published
     }

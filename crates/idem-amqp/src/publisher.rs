@@ -181,13 +181,13 @@ impl AmqpPublisher {
                 .await
                 .map_err(|e| unavailable("channel.close", e))?;
         }
-        if let Some(connection) = self.connection {
-            if connection.status().connected() {
-                connection
-                    .close(200, "OK".into())
-                    .await
-                    .map_err(|e| unavailable("connection.close", e))?;
-            }
+        if let Some(connection) = self.connection
+            && connection.status().connected()
+        {
+            connection
+                .close(200, "OK".into())
+                .await
+                .map_err(|e| unavailable("connection.close", e))?;
         }
         Ok(())
     }

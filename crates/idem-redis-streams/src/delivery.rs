@@ -82,7 +82,7 @@ impl Shared {
             .invoke_async(&mut self.conn.clone())
             .await
             .map_err(|e| unavailable("dead-letter XADD + XACK", e))?;
-        tracing::warn!(stream = %self.stream, id, dead_letter_stream = %self.dead_letter_stream, %dead_letter_id, %reason, "entry dead-lettered");
+        tracing::debug!(stream = %self.stream, id, dead_letter_stream = %self.dead_letter_stream, %dead_letter_id, %reason, "entry dead-lettered");
         Ok(())
     }
 }

@@ -1,0 +1,178 @@
+//! `payments bench`: broker-to-committed-effect throughput, next to the same broker's own
+//! consume-and-ack rate, measured in one run on one backlog size.
+//!
+//! Both legs consume a pre-published backlog of `--messages` messages through the same adapter
+//! source, so the difference is exactly what idem and the database add: decode, claim, charge
+//! row, balance update and commit per message. Publishing is not timed.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use idem_consumer::{CancellationToken, Consumer, Delivery, Handler, Json, Source};
+use idem_core::{ClaimStore, Processor, Savepoints};
+
+use crate::brokers::{self, BrokerUrl, WithSource};
+use crate::ledger::{Charge, PaymentRequested};
+use crate::{Database, Settings};
+
+/// What one bench run measured.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Rates {
+    pub(crate) raw: f64,
+    pub(crate) idem: f64,
+}
+
+fn backlog(prefix: &str, n: usize) -> Vec<(String, Vec<u8>)> {
+    (0..n)
+        .map(|i| {
+            (
+                format!("{prefix}-{i}"),
+                format!(
+                    r#"{{"account":"acct-{}","amount_cents":{}}}"#,
+                    i % 1000,
+                    100 + i % 50
+                )
+                .into_bytes(),
+            )
+        })
+        .collect()
+}
+
+/// Drains `n` deliveries and acknowledges each, no processing: the broker's own rate.
+struct DrainAndAck {
+    n: usize,
+}
+
+impl WithSource for DrainAndAck {
+    type Output = Duration;
+
+    async fn run<Src: Source>(self, mut src: Src) -> Result<Duration> {
+        let started = Instant::now();
+        let mut acked = 0;
+        while acked < self.n {
+            let batch = tokio::time::timeout(Duration::from_secs(30), src.next(256))
+                .await
+                .context("the raw leg stalled for 30 s")??;
+            if batch.is_empty() {
+                anyhow::bail!("the source ended after {acked} of {} messages", self.n);
+            }
+            acked += batch.len();
+            // Acks in flight together, as the runner's concurrent tasks would send them.
+            for r in futures_util::future::join_all(batch.into_iter().map(|d| d.ack())).await {
+                r?;
+            }
+        }
+        let elapsed = started.elapsed();
+        src.close().await?;
+        Ok(elapsed)
+    }
+}
+
+/// Runs idem's consumer with the real `Charge` handler until `n` messages committed.
+struct Idem<'a> {
+    db: Database,
+    settings: &'a Settings,
+    n: u64,
+}
+
+impl WithSource for Idem<'_> {
+    type Output = Duration;
+
+    async fn run<Src: Source>(self, src: Src) -> Result<Duration> {
+        match self.db {
+            Database::Sqlite(s) => timed(s, src, self.settings, self.n).await,
+            Database::Postgres(s) => timed(s, src, self.settings, self.n).await,
+            Database::MySql(s) => timed(s, src, self.settings, self.n).await,
+        }
+    }
+}
+
+async fn timed<S, Src>(store: S, src: Src, settings: &Settings, n: u64) -> Result<Duration>
+where
+    S: ClaimStore + Savepoints + Send + Sync + 'static,
+    S::Tx: Send,
+    Src: Source,
+    Charge: Handler<S::Tx, PaymentRequested>,
+{
+    let processor = Arc::new(Processor::builder(store, settings.consumer.as_str()).build()?);
+    let consumer = Consumer::new(processor, src)
+        .concurrency(settings.concurrency)
+        .batch_size(settings.batch);
+    let observer = consumer.observer();
+    let stop = CancellationToken::new();
+    let started = Instant::now();
+    let run = tokio::spawn(consumer.run(Json::<PaymentRequested>::new(), Charge, stop.clone()));
+    let mut last = (0, Instant::now());
+    loop {
+        let s = observer.snapshot();
+        if s.processed >= n {
+            break;
+        }
+        if s.processed + s.duplicates + s.dead_lettered != last.0 {
+            last = (s.processed + s.duplicates + s.dead_lettered, Instant::now());
+        } else if last.1.elapsed() > Duration::from_secs(30) {
+            stop.cancel();
+            anyhow::bail!("the idem leg stalled at {s:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let elapsed = started.elapsed();
+    stop.cancel();
+    let stats = run.await.context("consumer task")??;
+    anyhow::ensure!(
+        stats.dead_lettered == 0,
+        "bench messages were dead-lettered: {stats:?}"
+    );
+    Ok(elapsed)
+}
+
+/// Publishes two backlogs of `n` messages and measures both legs.
+pub(crate) async fn run(
+    broker: &BrokerUrl,
+    settings: &Settings,
+    database: &str,
+    n: usize,
+) -> Result<Rates> {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    let tag = format!("{}-{nanos}", std::process::id());
+    let raw_source = format!("{}-raw-{tag}", settings.source);
+    let idem_source = format!("{}-idem-{tag}", settings.source);
+
+    eprintln!(
+        "bench: publishing 2 × {n} messages to {}",
+        broker.redacted()
+    );
+    brokers::publish_many(broker, &raw_source, &backlog("raw", n)).await?;
+    brokers::publish_many(broker, &idem_source, &backlog("idem", n)).await?;
+
+    let raw_settings = Settings {
+        source: raw_source,
+        ..settings.clone()
+    };
+    let raw = brokers::with_source(broker, &raw_settings, DrainAndAck { n }).await?;
+
+    let idem_settings = Settings {
+        source: idem_source,
+        ..settings.clone()
+    };
+    let db = Database::open(database).await?;
+    let idem = brokers::with_source(
+        broker,
+        &idem_settings,
+        Idem {
+            db,
+            settings: &idem_settings,
+            n: n as u64,
+        },
+    )
+    .await?;
+    let rates = Rates {
+        raw: n as f64 / raw.as_secs_f64(),
+        idem: n as f64 / idem.as_secs_f64(),
+    };
+    Ok(rates)
+}

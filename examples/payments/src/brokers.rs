@@ -1,0 +1,319 @@
+//! Broker URL → adapter: the only place that knows the five brokers apart. `--source NAME`
+//! names the stream, queue or topic; everything the service needs on the broker side is
+//! created here, idempotently, before consuming or publishing.
+
+use std::future::Future;
+
+use anyhow::{Context, Result, bail};
+use futures_util::{TryStreamExt, stream};
+use idem_consumer::{RunStats, Source};
+
+use crate::{Database, Settings};
+
+/// How many publishes are in flight at once in `publish_many` (bench backlogs).
+const PUBLISH_CONCURRENCY: usize = 64;
+
+/// A parsed `--broker` URL.
+#[derive(Debug, Clone)]
+pub(crate) enum BrokerUrl {
+    Nats(String),
+    Amqp(String),
+    /// `host:port[,host:port…]`, from `kafka://host:port[,…]`.
+    Kafka(String),
+    Redis(String),
+    Mqtt(String),
+}
+
+impl BrokerUrl {
+    pub(crate) fn parse(url: Option<&str>) -> Result<Self> {
+        let Some(url) = url else {
+            bail!("--broker is required: nats://, amqp://, kafka://host:port, redis:// or mqtt://");
+        };
+        let scheme = url
+            .split("://")
+            .next()
+            .unwrap_or_default()
+            .to_ascii_lowercase();
+        Ok(match scheme.as_str() {
+            "nats" => BrokerUrl::Nats(url.to_owned()),
+            "amqp" | "amqps" => BrokerUrl::Amqp(url.to_owned()),
+            "kafka" => {
+                let hosts = url
+                    .split_once("://")
+                    .map(|(_, h)| h.trim_end_matches('/'))
+                    .unwrap_or("");
+                if hosts.is_empty() {
+                    bail!("kafka URL needs host:port, e.g. kafka://127.0.0.1:9092");
+                }
+                BrokerUrl::Kafka(hosts.to_owned())
+            }
+            "redis" | "rediss" => BrokerUrl::Redis(url.to_owned()),
+            "mqtt" | "tcp" => BrokerUrl::Mqtt(url.to_owned()),
+            _ => bail!(
+                "unsupported broker URL {:?}: expected nats://, amqp://, kafka://host:port, redis:// or mqtt://",
+                idem_sql::redact_url(url)
+            ),
+        })
+    }
+
+    /// The URL without its password, for logs.
+    pub(crate) fn redacted(&self) -> String {
+        match self {
+            BrokerUrl::Kafka(hosts) => format!("kafka://{hosts}"),
+            BrokerUrl::Nats(u) | BrokerUrl::Amqp(u) | BrokerUrl::Redis(u) | BrokerUrl::Mqtt(u) => {
+                idem_sql::redact_url(u)
+            }
+        }
+    }
+}
+
+/// Something to do with a source, whatever the broker: the service's consume loop, the bench's
+/// legs. (`Source` is generic, not object-safe, so the broker match calls back into this.)
+pub(crate) trait WithSource {
+    type Output;
+    fn run<Src: Source>(self, source: Src) -> impl Future<Output = Result<Self::Output>>;
+}
+
+/// The service: consume into the database until shutdown.
+struct Serve<'a> {
+    db: Database,
+    settings: &'a Settings,
+}
+
+impl WithSource for Serve<'_> {
+    type Output = RunStats;
+    async fn run<Src: Source>(self, source: Src) -> Result<RunStats> {
+        self.db.consume(source, self.settings).await
+    }
+}
+
+pub(crate) async fn serve(
+    broker: &BrokerUrl,
+    settings: &Settings,
+    db: Database,
+) -> Result<RunStats> {
+    with_source(broker, settings, Serve { db, settings }).await
+}
+
+fn nats_dead_letter_subject(source: &str) -> String {
+    format!("{source}.dead-letter")
+}
+
+/// The JetStream streams: `NAME` captures subject `NAME`; `NAME-dead-letter` keeps dead letters.
+async fn nats_topology(
+    url: &str,
+    source: &str,
+) -> Result<(
+    idem_nats::async_nats::Client,
+    idem_nats::async_nats::jetstream::Context,
+)> {
+    let client = idem_nats::async_nats::connect(url)
+        .await
+        .with_context(|| format!("connecting to NATS at {}", idem_sql::redact_url(url)))?;
+    let js = idem_nats::async_nats::jetstream::new(client.clone());
+    idem_nats::ensure_stream(&js, source, &[source]).await?;
+    let dead = nats_dead_letter_subject(source);
+    idem_nats::ensure_stream(&js, &format!("{source}-dead-letter"), &[&dead]).await?;
+    Ok((client, js))
+}
+
+async fn amqp_topology(
+    url: &str,
+    source: &str,
+) -> Result<(idem_amqp::AmqpPublisher, idem_amqp::Topology)> {
+    let publisher = idem_amqp::AmqpPublisher::connect(url).await?;
+    let topology = idem_amqp::Topology::new(source);
+    topology.declare(publisher.channel()).await?;
+    Ok((publisher, topology))
+}
+
+fn kafka_dead_letter_topic(source: &str) -> String {
+    format!("{source}.dead-letter")
+}
+
+/// Creates the topic and its dead-letter topic if missing (one partition each: the example
+/// favours order; raise it for throughput).
+async fn kafka_topology(brokers: &str, source: &str) -> Result<()> {
+    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+    use rdkafka::client::DefaultClientContext;
+    use rdkafka::types::RDKafkaErrorCode;
+
+    let admin: AdminClient<DefaultClientContext> = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create()
+        .context("Kafka admin client")?;
+    let dead = kafka_dead_letter_topic(source);
+    let topics = [
+        NewTopic::new(source, 1, TopicReplication::Fixed(1)),
+        NewTopic::new(&dead, 1, TopicReplication::Fixed(1)),
+    ];
+    let opts = AdminOptions::new().operation_timeout(Some(std::time::Duration::from_secs(10)));
+    let results = admin
+        .create_topics(&topics, &opts)
+        .await
+        .with_context(|| format!("creating Kafka topics on {brokers}"))?;
+    for r in results {
+        match r {
+            Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+            Err((topic, code)) => bail!("creating Kafka topic {topic}: {code}"),
+        }
+    }
+    Ok(())
+}
+
+fn mqtt_dead_letter_topic(source: &str) -> String {
+    format!("{source}/dead-letter")
+}
+
+/// An MQTT broker keeps nothing for a topic nobody subscribes to: a persistent session
+/// subscribed to the dead-letter topic holds dead letters until an operator collects them
+/// (client ID `<consumer>-dead-letters`).
+async fn mqtt_topology(url: &str, settings: &Settings) -> Result<()> {
+    let dead = mqtt_dead_letter_topic(&settings.source);
+    let keeper = idem_mqtt::MqttConfig::new(
+        url,
+        format!("{}-dead-letters", settings.consumer),
+        dead.clone(),
+    )
+    .dead_letter_topic(format!("{dead}/unreadable"))
+    .require_dead_letter_subscriber(false);
+    let keeper = idem_mqtt::MqttSource::connect(keeper).await?;
+    keeper.close().await?;
+    Ok(())
+}
+
+/// Creates what the service needs on `broker` and hands `job` a source for `settings.source`.
+pub(crate) async fn with_source<J: WithSource>(
+    broker: &BrokerUrl,
+    settings: &Settings,
+    job: J,
+) -> Result<J::Output> {
+    let name = settings.source.as_str();
+    match broker {
+        BrokerUrl::Nats(url) => {
+            let (client, _) = nats_topology(url, name).await?;
+            let source = idem_nats::JetStreamSource::builder(name, settings.consumer.as_str())
+                .dead_letter_subject(nats_dead_letter_subject(name))
+                .build(client)
+                .await?;
+            job.run(source).await
+        }
+        BrokerUrl::Amqp(url) => {
+            let (publisher, topology) = amqp_topology(url, name).await?;
+            publisher.close().await?;
+            let source = topology.source(url.as_str()).connect().await?;
+            job.run(source).await
+        }
+        BrokerUrl::Kafka(brokers) => {
+            kafka_topology(brokers, name).await?;
+            let source =
+                idem_kafka::KafkaSource::builder(brokers.as_str(), settings.consumer.as_str())
+                    .topic(name)
+                    .dead_letter_topic(kafka_dead_letter_topic(name))
+                    .build()?;
+            job.run(source).await
+        }
+        BrokerUrl::Redis(url) => {
+            let options = idem_redis_streams::RedisStreamOptions::new(
+                name,
+                settings.consumer.as_str(),
+                settings.instance.as_str(),
+            );
+            let source = idem_redis_streams::RedisStreamSource::connect(url, options).await?;
+            job.run(source).await
+        }
+        BrokerUrl::Mqtt(url) => {
+            mqtt_topology(url, settings).await?;
+            let filter = format!("$share/{}/{name}", settings.consumer);
+            let config = idem_mqtt::MqttConfig::new(url, settings.instance.as_str(), filter)
+                .dead_letter_topic(mqtt_dead_letter_topic(name));
+            let source = idem_mqtt::MqttSource::connect(config).await?;
+            job.run(source).await
+        }
+    }
+}
+
+/// Publishes one message with `id` in the broker's ID slot. Returns a note when the broker
+/// itself dropped it: JetStream discards a repeated `Nats-Msg-Id` inside the stream's
+/// duplicate window (two minutes by default), before any consumer sees it.
+pub(crate) async fn publish(
+    broker: &BrokerUrl,
+    source: &str,
+    id: &str,
+    payload: &[u8],
+) -> Result<Option<&'static str>> {
+    if let BrokerUrl::Nats(url) = broker {
+        let (_, js) = nats_topology(url, source).await?;
+        let ack =
+            idem_nats::publish(&js, source.to_owned(), id.as_bytes(), payload.to_vec()).await?;
+        return Ok(ack.duplicate.then_some(
+            "JetStream dropped it: the same Nats-Msg-Id was published within the stream's duplicate window",
+        ));
+    }
+    publish_many(broker, source, &[(id.to_owned(), payload.to_vec())]).await?;
+    Ok(None)
+}
+
+/// Publishes many messages over one connection, each confirmed by the broker.
+pub(crate) async fn publish_many(
+    broker: &BrokerUrl,
+    source: &str,
+    msgs: &[(String, Vec<u8>)],
+) -> Result<()> {
+    let all = stream::iter(msgs.iter().map(Ok::<_, anyhow::Error>));
+    match broker {
+        BrokerUrl::Nats(url) => {
+            let (_, js) = nats_topology(url, source).await?;
+            all.try_for_each_concurrent(PUBLISH_CONCURRENCY, |(id, payload)| {
+                let js = js.clone();
+                async move {
+                    idem_nats::publish(&js, source.to_owned(), id.as_bytes(), payload.clone())
+                        .await?;
+                    Ok(())
+                }
+            })
+            .await
+        }
+        BrokerUrl::Amqp(url) => {
+            let (publisher, _) = amqp_topology(url, source).await?;
+            let publisher = &publisher;
+            all.try_for_each_concurrent(PUBLISH_CONCURRENCY, |(id, payload)| async move {
+                publisher
+                    .publish("", source, id.as_bytes(), payload)
+                    .await?;
+                Ok(())
+            })
+            .await?;
+            Ok(())
+        }
+        BrokerUrl::Kafka(brokers) => {
+            kafka_topology(brokers, source).await?;
+            let producer = idem_kafka::producer(brokers)?;
+            let producer = &producer;
+            all.try_for_each_concurrent(PUBLISH_CONCURRENCY, |(id, payload)| async move {
+                idem_kafka::publish(producer, source, Some(id.as_bytes()), id, payload).await?;
+                Ok(())
+            })
+            .await
+        }
+        BrokerUrl::Redis(url) => {
+            let producer = idem_redis_streams::RedisStreamProducer::connect(url, source).await?;
+            let producer = &producer;
+            all.try_for_each_concurrent(PUBLISH_CONCURRENCY, |(id, payload)| async move {
+                producer.publish(id.as_str(), payload).await?;
+                Ok(())
+            })
+            .await
+        }
+        BrokerUrl::Mqtt(url) => {
+            let client_id = format!("payments-publisher-{}", std::process::id());
+            let producer =
+                idem_mqtt::MqttProducer::connect(url, client_id, idem_mqtt::Protocol::V5).await?;
+            // One at a time: the producer waits for each PUBACK on its connection.
+            for (id, payload) in msgs {
+                producer.publish(source, Some(id), payload).await?;
+            }
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,333 @@
+//! `payments`: charges accounts from `PaymentRequested` messages, exactly once per message, on
+//! any broker idem supports and any of its SQL databases. A service to copy.
+//!
+//! ```text
+//! payments --broker nats://127.0.0.1:4222 --source payments --database sqlite:payments.db --metrics 127.0.0.1:9464
+//! payments publish --broker nats://127.0.0.1:4222 --source payments --id pay-1 '{"account":"alice","amount_cents":1250}'
+//! ```
+//!
+//! Each message `{"account": "...", "amount_cents": N}` carries a producer-set ID in the
+//! broker's ID slot; the charge row, the balance update and the claim commit together. A
+//! redelivery is acknowledged as a duplicate; a conflicting, undecodable or ID-less message goes
+//! to the dead-letter destination with its reason. SIGTERM stops gracefully.
+
+mod bench;
+mod brokers;
+mod ledger;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use clap::{Args, Parser, Subcommand};
+use idem_consumer::{CancellationToken, Consumer, Handler, Json, RunStats, Source};
+use idem_core::{ClaimStore, Migrate, Processor, Savepoints};
+use idem_sql::{MySqlStore, PostgresStore, SqliteOptions, SqliteStore};
+
+use crate::brokers::BrokerUrl;
+use crate::ledger::{Charge, PaymentRequested};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "payments",
+    version,
+    about,
+    args_conflicts_with_subcommands = true
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    serve: ServeArgs,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Publish one PaymentRequested message with a stable ID (for trying the service out).
+    Publish(PublishArgs),
+    /// Measure broker-to-committed-effect throughput next to the broker's own consume-and-ack
+    /// rate, in one run.
+    Bench(BenchArgs),
+}
+
+#[derive(Debug, Args)]
+struct BenchArgs {
+    #[command(flatten)]
+    endpoint: Endpoint,
+    /// Database URL for the idem leg.
+    #[arg(long, value_name = "URL", default_value = "sqlite:payments-bench.db")]
+    database: String,
+    /// Backlog size per leg.
+    #[arg(long, default_value_t = 20_000)]
+    messages: usize,
+    /// Messages processed at once in the idem leg.
+    #[arg(long, default_value_t = 8)]
+    concurrency: usize,
+    /// Messages per transaction in the idem leg.
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
+    /// Print one Markdown table row.
+    #[arg(long)]
+    markdown: bool,
+}
+
+#[derive(Debug, Args)]
+struct Endpoint {
+    /// Broker URL: nats://, amqp://, kafka://host:port, redis://, mqtt://
+    #[arg(long, value_name = "URL")]
+    broker: Option<String>,
+    /// Stream (NATS, Redis), queue (RabbitMQ) or topic (Kafka, MQTT) to consume from.
+    #[arg(long, value_name = "NAME", default_value = "payments")]
+    source: String,
+}
+
+#[derive(Debug, Args)]
+struct ServeArgs {
+    #[command(flatten)]
+    endpoint: Endpoint,
+    /// Database URL: sqlite:PATH, postgres://…, mysql://…
+    #[arg(long, value_name = "URL", default_value = "sqlite:payments.db")]
+    database: String,
+    /// Serve Prometheus metrics at http://ADDR/metrics.
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<SocketAddr>,
+    /// Consumer name: the claim namespace, consumer group and durable name.
+    #[arg(long, default_value = "payments")]
+    consumer: String,
+    /// This instance's name, where the broker needs one per process (Redis Streams consumer,
+    /// MQTT client ID). Must stay the same across restarts of the same instance.
+    #[arg(long, default_value = "payments-1")]
+    instance: String,
+    /// Messages processed at once.
+    #[arg(long, default_value_t = 4)]
+    concurrency: usize,
+    /// Messages per transaction, where the broker hands out batches (1 = one per transaction).
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
+}
+
+#[derive(Debug, Args)]
+struct PublishArgs {
+    #[command(flatten)]
+    endpoint: Endpoint,
+    /// The message ID. Publishing the same ID twice is a redelivery, not a second charge.
+    #[arg(long)]
+    id: String,
+    /// The JSON body, e.g. '{"account":"alice","amount_cents":1250}'.
+    payload: String,
+}
+
+/// What a serve run needs besides the broker and the store.
+#[derive(Debug, Clone)]
+pub(crate) struct Settings {
+    pub(crate) source: String,
+    pub(crate) consumer: String,
+    pub(crate) instance: String,
+    concurrency: usize,
+    batch: usize,
+    shutdown: CancellationToken,
+}
+
+fn main() {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+                "info,sqlx=warn,lapin=warn,async_nats=warn,rdkafka=warn".into()
+            }),
+        )
+        .with_target(false)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .compact()
+        .init();
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => exit_with(anyhow::Error::from(e).context("cannot start the async runtime")),
+    };
+    if let Err(e) = runtime.block_on(run(cli)) {
+        exit_with(e);
+    }
+}
+
+fn exit_with(e: anyhow::Error) -> ! {
+    // Drivers often repeat their cause inside their own message; print each cause once.
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if !line.contains(&text) {
+            if !line.is_empty() {
+                line.push_str(": ");
+            }
+            line.push_str(&text);
+        }
+    }
+    eprintln!("error: {line}");
+    std::process::exit(2);
+}
+
+async fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Some(Command::Publish(p)) => {
+            let broker = BrokerUrl::parse(p.endpoint.broker.as_deref())?;
+            let note =
+                brokers::publish(&broker, &p.endpoint.source, &p.id, p.payload.as_bytes()).await?;
+            println!(
+                "published {} to {} {}",
+                p.id,
+                broker.redacted(),
+                p.endpoint.source
+            );
+            if let Some(note) = note {
+                println!("note: {note}");
+            }
+            Ok(())
+        }
+        Some(Command::Bench(b)) => {
+            let broker = BrokerUrl::parse(b.endpoint.broker.as_deref())?;
+            let settings = Settings {
+                source: b.endpoint.source,
+                consumer: "payments-bench".to_owned(),
+                instance: format!("bench-{}", std::process::id()),
+                concurrency: b.concurrency,
+                batch: b.batch,
+                shutdown: CancellationToken::new(),
+            };
+            let r = bench::run(&broker, &settings, &b.database, b.messages).await?;
+            let scheme = broker.redacted();
+            let scheme = scheme.split("://").next().unwrap_or_default();
+            let db = b.database.split(':').next().unwrap_or_default();
+            if b.markdown {
+                println!(
+                    "| {scheme} | {db} | {} | {} | {} | {:.0} | {:.0} | {:.2} |",
+                    b.messages,
+                    b.concurrency,
+                    b.batch,
+                    r.raw,
+                    r.idem,
+                    r.idem / r.raw
+                );
+            } else {
+                println!(
+                    "{scheme}: broker consume+ack {:.0} msg/s, idem + {db} {:.0} msg/s ({:.2}×), {} messages, concurrency {}, batch {}",
+                    r.raw,
+                    r.idem,
+                    r.idem / r.raw,
+                    b.messages,
+                    b.concurrency,
+                    b.batch
+                );
+            }
+            Ok(())
+        }
+        None => serve(cli.serve).await,
+    }
+}
+
+async fn serve(args: ServeArgs) -> Result<()> {
+    let broker = BrokerUrl::parse(args.endpoint.broker.as_deref())?;
+    if let Some(addr) = args.metrics {
+        idem_consumer::metrics::serve_prometheus(addr)?;
+        tracing::info!(%addr, "serving Prometheus metrics at /metrics");
+    }
+    let settings = Settings {
+        source: args.endpoint.source,
+        consumer: args.consumer,
+        instance: args.instance,
+        concurrency: args.concurrency,
+        batch: args.batch,
+        shutdown: idem_consumer::shutdown::on_signal(),
+    };
+    let db = Database::open(&args.database).await?;
+    tracing::info!(broker = %broker.redacted(), source = %settings.source, database = %idem_sql::redact_url(&args.database), "starting");
+    let stats = brokers::serve(&broker, &settings, db).await?;
+    tracing::info!(
+        processed = stats.processed,
+        duplicates = stats.duplicates,
+        dead_lettered = stats.dead_lettered,
+        "stopped"
+    );
+    Ok(())
+}
+
+/// The database, opened and migrated: claims table plus the service's own tables.
+#[derive(Debug)]
+pub(crate) enum Database {
+    Sqlite(SqliteStore),
+    Postgres(PostgresStore),
+    MySql(MySqlStore),
+}
+
+impl Database {
+    async fn open(url: &str) -> Result<Self> {
+        let shown = idem_sql::redact_url(url);
+        let scheme = url
+            .split(':')
+            .next()
+            .unwrap_or_default()
+            .to_ascii_lowercase();
+        let db = match scheme.as_str() {
+            "sqlite" => {
+                let store = SqliteStore::connect(url, SqliteOptions::default()).await?;
+                store.migrate().await?;
+                ledger::create_sqlite(store.pool())
+                    .await
+                    .context("creating tables")?;
+                Database::Sqlite(store)
+            }
+            "postgres" | "postgresql" => {
+                let store = PostgresStore::connect(url).await?;
+                store.migrate().await?;
+                ledger::create_postgres(store.pool())
+                    .await
+                    .context("creating tables")?;
+                Database::Postgres(store)
+            }
+            "mysql" | "mariadb" => {
+                let store = MySqlStore::connect(&url.replacen("mariadb:", "mysql:", 1)).await?;
+                store.migrate().await?;
+                ledger::create_mysql(store.pool())
+                    .await
+                    .context("creating tables")?;
+                Database::MySql(store)
+            }
+            _ => anyhow::bail!(
+                "unsupported database URL {shown:?}: expected sqlite:PATH, postgres://… or mysql://…"
+            ),
+        };
+        Ok(db)
+    }
+
+    /// Consumes `source` into this database until shutdown.
+    pub(crate) async fn consume<Src: Source>(
+        self,
+        source: Src,
+        settings: &Settings,
+    ) -> Result<RunStats> {
+        match self {
+            Database::Sqlite(store) => consume(store, source, settings).await,
+            Database::Postgres(store) => consume(store, source, settings).await,
+            Database::MySql(store) => consume(store, source, settings).await,
+        }
+    }
+}
+
+async fn consume<S, Src>(store: S, source: Src, settings: &Settings) -> Result<RunStats>
+where
+    S: ClaimStore + Savepoints + Send + Sync + 'static,
+    S::Tx: Send,
+    Src: Source,
+    Charge: Handler<S::Tx, PaymentRequested>,
+{
+    let processor = Processor::builder(store, settings.consumer.as_str()).build()?;
+    let stats = Consumer::new(Arc::new(processor), source)
+        .concurrency(settings.concurrency)
+        .batch_size(settings.batch)
+        .run(
+            Json::<PaymentRequested>::new(),
+            Charge,
+            settings.shutdown.clone(),
+        )
+        .await?;
+    Ok(stats)
+}
