@@ -1,0 +1,260 @@
+//! The payments service as its README runs it: the real binary against each real broker and a
+//! SQLite file, messages published with its own `publish` command, stopped with SIGTERM.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use idem_testkit::{service_url, services, unique_name};
+
+const BIN: &str = env!("CARGO_BIN_EXE_payments");
+
+struct Service {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    log: Vec<String>,
+}
+
+impl Service {
+    fn start(args: &[&str]) -> Self {
+        let mut child = Command::new(BIN)
+            .args(args)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start payments");
+        let stderr = child.stderr.take().expect("stderr");
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Self {
+            child,
+            lines,
+            log: Vec::new(),
+        }
+    }
+
+    /// Waits until `count` log lines contain `needle`.
+    fn wait_for(&mut self, needle: &str, count: usize, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if self.log.iter().filter(|l| l.contains(needle)).count() >= count {
+                return true;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self
+                .lines
+                .recv_timeout(left.min(Duration::from_millis(200)))
+            {
+                Ok(line) => self.log.push(line),
+                Err(mpsc::RecvTimeoutError::Timeout) if Instant::now() < deadline => {}
+                Err(_) => return false,
+            }
+        }
+    }
+
+    /// SIGTERM, then the exit status and the whole log.
+    fn terminate(mut self) -> (std::process::ExitStatus, Vec<String>) {
+        let pid = self.child.id().to_string();
+        let sent = Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .expect("kill");
+        assert!(sent.success());
+        let status = self.child.wait().expect("wait");
+        while let Ok(line) = self.lines.recv_timeout(Duration::from_millis(500)) {
+            self.log.push(line);
+        }
+        (status, self.log)
+    }
+}
+
+fn publish(broker: &str, source: &str, id: &str, payload: &str) -> String {
+    let out = Command::new(BIN)
+        .args([
+            "publish", "--broker", broker, "--source", source, "--id", id, payload,
+        ])
+        .output()
+        .expect("run publish");
+    assert!(
+        out.status.success(),
+        "publish failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Rows of a two-column query as `a|b` lines, read straight from the service's SQLite file.
+fn query(db: &std::path::Path, sql: &str) -> String {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(async {
+        let url = format!("sqlite:{}", db.display());
+        let pool = sqlx::SqlitePool::connect(&url)
+            .await
+            .expect("open the service's database");
+        let rows: Vec<(String, i64)> = sqlx::query_as(sql).fetch_all(&pool).await.expect("query");
+        pool.close().await;
+        rows.iter()
+            .map(|(a, b)| format!("{a}|{b}"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    })
+}
+
+/// Charges once per ID; a redelivery is a duplicate; a conflicting payload, undecodable JSON
+/// and an invalid amount are dead-lettered; SIGTERM exits 0 after the in-flight work.
+fn charges_exactly_once(test: &str, var: &str, to_url: impl Fn(String) -> String) {
+    let Some(url) = service_url(var, test) else {
+        return;
+    };
+    let broker = to_url(url);
+    let source = unique_name("pay", test).replace('_', "-");
+    let dir = std::env::temp_dir().join(&source);
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let db = dir.join("payments.db");
+    let database = format!("sqlite:{}", db.display());
+    let instance = format!("{source}-1");
+
+    let mut svc = Service::start(&[
+        "--broker",
+        &broker,
+        "--source",
+        &source,
+        "--database",
+        &database,
+        "--instance",
+        &instance,
+    ]);
+    assert!(
+        svc.wait_for("consumer started", 1, Duration::from_secs(30)),
+        "service starts: {:?}",
+        svc.log
+    );
+
+    publish(
+        &broker,
+        &source,
+        "pay-1",
+        r#"{"account":"alice","amount_cents":1250}"#,
+    );
+    let second = publish(
+        &broker,
+        &source,
+        "pay-1",
+        r#"{"account":"alice","amount_cents":1250}"#,
+    );
+    let conflict = publish(
+        &broker,
+        &source,
+        "pay-1",
+        r#"{"account":"alice","amount_cents":999}"#,
+    );
+    publish(&broker, &source, "pay-2", "not json");
+    publish(
+        &broker,
+        &source,
+        "pay-3",
+        r#"{"account":"bob","amount_cents":-5}"#,
+    );
+    publish(
+        &broker,
+        &source,
+        "pay-4",
+        r#"{"account":"bob","amount_cents":300}"#,
+    );
+
+    // JetStream drops a repeated Nats-Msg-Id at publish time (its duplicate window), so on NATS
+    // the repeat and the conflict never reach the consumer; everywhere else they must.
+    let dropped_at_publish = second.contains("note:") && conflict.contains("note:");
+    let (outcomes, dead) = if dropped_at_publish { (4, 2) } else { (6, 3) };
+    let settled = svc.wait_for("outcome=", outcomes, Duration::from_secs(60));
+    let (status, log) = svc.terminate();
+    assert!(settled, "all messages settled: {log:#?}");
+    assert!(status.success(), "exits 0 on SIGTERM: {status:?} {log:#?}");
+    let count = |needle: &str| log.iter().filter(|l| l.contains(needle)).count();
+    assert_eq!(count(r#"outcome="processed""#), 2, "{log:#?}");
+    assert_eq!(count(r#"outcome="dead_lettered""#), dead, "{log:#?}");
+    if !dropped_at_publish {
+        assert_eq!(count(r#"outcome="duplicate""#), 1, "{log:#?}");
+        assert_eq!(count("reason=conflict"), 1, "{log:#?}");
+    }
+    assert_eq!(count("reason=undecodable"), 1, "{log:#?}");
+    assert_eq!(count("reason=rejected"), 1, "{log:#?}");
+    assert!(
+        log.iter().any(|l| l.contains("consumer stopped")),
+        "{log:#?}"
+    );
+
+    assert_eq!(
+        query(
+            &db,
+            "SELECT message_id, amount_cents FROM charges ORDER BY message_id"
+        ),
+        "pay-1|1250\npay-4|300"
+    );
+    assert_eq!(
+        query(
+            &db,
+            "SELECT account, balance_cents FROM accounts ORDER BY account"
+        ),
+        "alice|1250\nbob|300"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn nats_jetstream() {
+    charges_exactly_once("nats_jetstream", services::NATS, |u| u);
+}
+
+#[test]
+fn rabbitmq() {
+    charges_exactly_once("rabbitmq", services::AMQP, |u| u);
+}
+
+#[test]
+fn kafka() {
+    charges_exactly_once("kafka", services::KAFKA, |hosts| format!("kafka://{hosts}"));
+}
+
+#[test]
+fn redis_streams() {
+    charges_exactly_once("redis_streams", services::REDIS, |u| u);
+}
+
+#[test]
+fn mqtt() {
+    charges_exactly_once("mqtt", services::MQTT, |u| u);
+}
+
+#[test]
+fn bad_broker_and_database_urls_are_one_line_errors() {
+    for args in [
+        &["--broker", "foo://x"][..],
+        &["--broker", "kafka://"][..],
+        &[
+            "--broker",
+            "redis://127.0.0.1:6379",
+            "--database",
+            "oracle://x",
+        ][..],
+    ] {
+        let out = Command::new(BIN).args(args).output().expect("run");
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.starts_with("error: ") && err.trim().lines().count() == 1,
+            "{args:?}: {err}"
+        );
+    }
+}
