@@ -1,0 +1,139 @@
+//! The shared broker conformance suite, twice: against librdkafka's in-process mock cluster
+//! (always runs) and against the real brokers in `IDEM_TEST_KAFKA_BROKERS` (skipped when unset).
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Cluster, MockBroker, fast_group, read_topic};
+use idem_kafka::KafkaSource;
+use idem_kafka::rdkafka::producer::{FutureProducer, FutureRecord};
+use idem_testkit::{BrokerFixture, DeadLettered};
+
+/// Partitions per test topic: more than one, so two consumers of the group share the work.
+const PARTITIONS: i32 = 3;
+
+/// One test topic, its dead-letter topic, and a consumer group shared by every source of the
+/// fixture. `REAL` picks the real brokers over the mock cluster.
+struct KafkaFixture<const REAL: bool> {
+    cluster: Cluster,
+    topic: String,
+    dead_letter_topic: String,
+    group: String,
+    producer: FutureProducer,
+}
+
+impl<const REAL: bool> std::fmt::Debug for KafkaFixture<REAL> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaFixture")
+            .field("cluster", &self.cluster)
+            .field("topic", &self.topic)
+            .field("group", &self.group)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<const REAL: bool> BrokerFixture for KafkaFixture<REAL> {
+    type Source = KafkaSource;
+
+    const URL_VAR: &'static str = if REAL {
+        idem_testkit::services::KAFKA
+    } else {
+        ""
+    };
+
+    async fn setup(url: String, name: String) -> Self {
+        let cluster = if REAL {
+            Cluster::Real(url)
+        } else {
+            Cluster::Mock(MockBroker::start())
+        };
+        let topic = name.clone();
+        let dead_letter_topic = format!("{name}.dead-letter");
+        cluster
+            .create_topics(&[&topic, &dead_letter_topic], PARTITIONS)
+            .await;
+        let producer = idem_kafka::producer(cluster.brokers()).expect("producer");
+        KafkaFixture {
+            cluster,
+            topic,
+            dead_letter_topic,
+            group: format!("{name}-group"),
+            producer,
+        }
+    }
+
+    async fn publish(&self, id: Option<&str>, payload: &[u8]) {
+        match id {
+            // No key: copies of one ID may land on different partitions and reach different
+            // members of the group, the harder case.
+            Some(id) => {
+                idem_kafka::publish(&self.producer, &self.topic, None, id, payload)
+                    .await
+                    .expect("publish");
+            }
+            None => {
+                self.producer
+                    .send(
+                        FutureRecord::<[u8], [u8]>::to(&self.topic).payload(payload),
+                        Duration::from_secs(10),
+                    )
+                    .await
+                    .map_err(|(e, _)| e)
+                    .expect("publish without ID");
+            }
+        }
+    }
+
+    async fn source(&self) -> KafkaSource {
+        fast_group(KafkaSource::builder(self.cluster.brokers(), &self.group).topic(&self.topic))
+            .build()
+            .expect("source")
+    }
+
+    async fn dead_letters(&self, n: usize, timeout: Duration) -> Vec<DeadLettered> {
+        read_topic(
+            self.cluster.brokers(),
+            &self.dead_letter_topic,
+            PARTITIONS,
+            n,
+            timeout,
+        )
+        .await
+        .into_iter()
+        .map(|r| DeadLettered {
+            payload: r.payload.clone().unwrap_or_default(),
+            headers: r
+                .headers
+                .iter()
+                .map(|(k, v)| {
+                    (
+                        k.clone(),
+                        String::from_utf8_lossy(v.as_deref().unwrap_or(&[])).into_owned(),
+                    )
+                })
+                .collect(),
+        })
+        .collect()
+    }
+
+    fn redelivery_timeout(&self) -> Duration {
+        // A member that vanished without leaving is evicted after session.timeout.ms (6 s);
+        // then the group rebalances.
+        Duration::from_secs(15)
+    }
+
+    async fn teardown(self) {
+        self.cluster
+            .delete_topics(&[&self.topic, &self.dead_letter_topic])
+            .await;
+    }
+}
+
+mod mock_cluster {
+    idem_testkit::broker_conformance_tests!(super::KafkaFixture<false>);
+}
+
+mod real_brokers {
+    idem_testkit::broker_conformance_tests!(super::KafkaFixture<true>);
+}
