@@ -63,15 +63,16 @@ pub(crate) fn store_error(what: &str, err: sqlx::Error) -> Error {
 /// returned means it rolled back.
 pub(crate) fn commit_error(err: sqlx::Error) -> Error {
     if let sqlx::Error::Database(db) = &err
-        && db.code().as_deref() == Some("25P02") {
-            return Error::new(
-                ErrorKind::Handler,
-                "nothing was committed: a statement in the handler failed and the handler went \
+        && db.code().as_deref() == Some("25P02")
+    {
+        return Error::new(
+            ErrorKind::Handler,
+            "nothing was committed: a statement in the handler failed and the handler went \
                  on without returning the error, so PostgreSQL aborted the transaction \
                  (claim included); handlers must propagate database errors",
-            )
-            .with_source(err);
-        }
+        )
+        .with_source(err);
+    }
     let kind = match kind_of(&err) {
         ErrorKind::Unavailable => ErrorKind::OutcomeUnknown,
         other => other,

@@ -239,9 +239,10 @@ impl Group {
                 }
                 Target::Compare { of, to } => {
                     if let (Some(a), Some(b)) = (self.median(of), self.median(to))
-                        && b > 0.0 {
-                            out.push(format!("{of} / {to} = {:.2}", a / b));
-                        }
+                        && b > 0.0
+                    {
+                        out.push(format!("{of} / {to} = {:.2}", a / b));
+                    }
                 }
                 Target::Rate { of, at_least } => {
                     let Some(a) = self.median(of) else { continue };

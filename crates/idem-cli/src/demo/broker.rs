@@ -290,10 +290,11 @@ impl State {
         // Its other outstanding deliveries (after a timeout) must not come back once more.
         self.in_flight.retain(|_, f| f.copy != copy);
         if let Some(done) = self.message_settled.get_mut(number)
-            && !*done {
-                *done = true;
-                self.stats.messages_settled += 1;
-            }
+            && !*done
+        {
+            *done = true;
+            self.stats.messages_settled += 1;
+        }
     }
 }
 

@@ -281,9 +281,10 @@ impl Observer {
 /// delivery unsettled (never acked), which the broker redelivers after the connection closes.
 fn report_panic(done: Result<(), tokio::task::JoinError>) {
     if let Err(e) = done
-        && e.is_panic() {
-            tracing::error!(error = %e, "a message task panicked; its delivery was not acknowledged");
-        }
+        && e.is_panic()
+    {
+        tracing::error!(error = %e, "a message task panicked; its delivery was not acknowledged");
+    }
 }
 
 /// The error that stops a run when a store or handler reports a misconfiguration.
