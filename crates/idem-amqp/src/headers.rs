@@ -47,7 +47,9 @@ pub(crate) fn get<'a>(props: &'a BasicProperties, name: &str) -> Option<&'a AMQP
 }
 
 /// The original properties with `extra` added to (or replacing same-named entries in) the
-/// header table, and persistent delivery so a dead letter survives a broker restart.
+/// header table, and persistent delivery so a dead letter survives a broker restart. The
+/// per-message TTL (`expiration`) is not carried over: a dead letter must stay until an
+/// operator looks at it, not expire silently in the dead-letter queue.
 pub(crate) fn with_extra_headers(
     props: &BasicProperties,
     extra: &[(&'static str, String)],
@@ -60,7 +62,48 @@ pub(crate) fn with_extra_headers(
             AMQPValue::LongString(LongString::from(value.as_bytes())),
         );
     }
-    props.clone().with_headers(table).with_delivery_mode(2)
+    without_expiration(props)
+        .with_headers(table)
+        .with_delivery_mode(2)
+}
+
+/// A copy of `props` without `expiration` (lapin's builder can set a field but not clear it).
+fn without_expiration(props: &BasicProperties) -> BasicProperties {
+    let mut out = BasicProperties::default();
+    if let Some(v) = props.content_type() {
+        out = out.with_content_type(v.clone());
+    }
+    if let Some(v) = props.content_encoding() {
+        out = out.with_content_encoding(v.clone());
+    }
+    if let Some(v) = props.priority() {
+        out = out.with_priority(*v);
+    }
+    if let Some(v) = props.correlation_id() {
+        out = out.with_correlation_id(v.clone());
+    }
+    if let Some(v) = props.reply_to() {
+        out = out.with_reply_to(v.clone());
+    }
+    if let Some(v) = props.message_id() {
+        out = out.with_message_id(v.clone());
+    }
+    if let Some(v) = props.timestamp() {
+        out = out.with_timestamp(*v);
+    }
+    if let Some(v) = props.kind() {
+        out = out.with_type(v.clone());
+    }
+    if let Some(v) = props.user_id() {
+        out = out.with_user_id(v.clone());
+    }
+    if let Some(v) = props.app_id() {
+        out = out.with_app_id(v.clone());
+    }
+    if let Some(v) = props.cluster_id() {
+        out = out.with_cluster_id(v.clone());
+    }
+    out
 }
 
 /// Every header as lossy UTF-8 text.
@@ -103,6 +146,37 @@ mod tests {
         assert_eq!(value_u64(&AMQPValue::LongLongInt(3)), Some(3));
         assert_eq!(value_u64(&AMQPValue::LongInt(-1)), None);
         assert_eq!(value_u64(&AMQPValue::LongString("3".into())), None);
+    }
+
+    #[test]
+    fn dead_letter_properties_drop_the_ttl_and_keep_the_rest() {
+        let props = BasicProperties::default()
+            .with_message_id("m-1".into())
+            .with_expiration("60000".into())
+            .with_content_type("application/json".into())
+            .with_correlation_id("c-9".into())
+            .with_type("PaymentRequested".into())
+            .with_priority(5)
+            .with_timestamp(1_700_000_000);
+        let out = with_extra_headers(&props, &[]);
+        assert_eq!(*out.expiration(), None);
+        assert_eq!(out.message_id().as_ref().map(|s| s.as_str()), Some("m-1"));
+        assert_eq!(
+            out.content_type().as_ref().map(|s| s.as_str()),
+            Some("application/json")
+        );
+        assert_eq!(
+            out.correlation_id().as_ref().map(|s| s.as_str()),
+            Some("c-9")
+        );
+        assert_eq!(
+            out.kind().as_ref().map(|s| s.as_str()),
+            Some("PaymentRequested")
+        );
+        assert_eq!(
+            (*out.priority(), *out.timestamp()),
+            (Some(5), Some(1_700_000_000))
+        );
     }
 
     #[test]

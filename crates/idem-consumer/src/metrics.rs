@@ -2,7 +2,9 @@
 //! endpoint services can expose.
 //!
 //! Names (all labelled `consumer` and `broker`):
-//! - `idem_messages_total{outcome}`: `processed`, `duplicate`, `conflict`, `dead_lettered`
+//! - `idem_messages_total{outcome}`: `processed`, `duplicate`, `conflict`, `dead_lettered`;
+//!   the outcomes do not overlap (a conflict's dead letter counts only as `conflict`), so their
+//!   sum is the number of settled deliveries
 //! - `idem_dead_letters_total{reason}`: per [`DeadLetterReason`](crate::DeadLetterReason) code
 //! - `idem_retries_total`: processing attempts after the first
 //! - `idem_abandoned_total`: deliveries left to broker redelivery (shutdown, database down)
@@ -118,7 +120,9 @@ impl Instruments {
     }
     pub(crate) fn dead_lettered(&self, reason: DeadLetterReason) {
         bump(&self.counts.dead_lettered);
-        self.dead_lettered.increment(1);
+        if reason != DeadLetterReason::Conflict {
+            self.dead_lettered.increment(1);
+        }
         counter!("idem_dead_letters_total", "consumer" => self.consumer.clone(), "broker" => self.broker, "reason" => reason.code())
             .increment(1);
     }

@@ -109,7 +109,7 @@ async fn a_panicking_handler_rolls_back_and_is_dead_lettered_after_its_retries()
 }
 
 #[tokio::test]
-async fn a_store_outage_leaves_messages_to_redelivery_instead_of_dead_letters() {
+async fn a_store_outage_is_retried_in_place_with_backoff_never_dead_lettered() {
     let dir = tempfile::tempdir().expect("temp dir");
     let store = store(&dir).await;
     let processor = Arc::new(
@@ -121,21 +121,87 @@ async fn a_store_outage_leaves_messages_to_redelivery_instead_of_dead_letters() 
     let broker = InMemoryBroker::new();
     broker.publish(&[("message-id", b"m-1")], br#"{"n":1}"#.to_vec());
     let stop = CancellationToken::new();
-    let consumer = Consumer::new(processor, broker.source()).retry(quick());
+    let consumer = Consumer::new(processor, broker.source()).retry(RetryPolicy::exponential(
+        3,
+        Duration::from_millis(20),
+        Duration::from_millis(100),
+    ));
     let observer = consumer.observer();
     let run = tokio::spawn(consumer.run(Json::<Ping>::new(), PanicsOnBoom, stop.clone()));
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while observer.snapshot().abandoned < 2 && tokio::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let during = observer.snapshot();
     stop.cancel();
     let stats = run.await.expect("task").expect("run");
-    assert!(stats.abandoned >= 2, "{stats:?}");
+    // Well past the 3 attempts a message gets, yet still retrying, and at the capped backoff
+    // (≥ 50 ms apart once capped), not in a hot loop.
+    assert!(during.retries >= 5, "{during:?}");
+    assert!(
+        during.retries <= 40,
+        "backoff applies during an outage: {during:?}"
+    );
+    assert_eq!(during.abandoned, 0, "{during:?}");
     assert_eq!(stats.dead_lettered, 0, "{stats:?}");
+    assert_eq!(stats.abandoned, 1, "given back at shutdown: {stats:?}");
     assert!(broker.settled().is_empty());
     assert_eq!(
         broker.pending(),
         1,
         "the message waits for the database to come back"
+    );
+}
+
+struct FailsFirstTime(std::sync::Mutex<bool>);
+
+impl Handler<Tx<sqlx::Sqlite>, Ping> for FailsFirstTime {
+    type Output = ();
+    async fn handle(&self, tx: &mut Tx<sqlx::Sqlite>, msg: &Message<Ping>) -> Result<(), BoxError> {
+        if msg.message_id().as_bytes() == b"flaky" {
+            let mut first = self.0.lock().unwrap_or_else(|p| p.into_inner());
+            if *first {
+                *first = false;
+                return Err(idem_core::Error::retry("first attempt fails").into());
+            }
+        }
+        sqlx::query("INSERT INTO pings (n) VALUES (?)")
+            .bind(msg.payload().n)
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn a_batch_acks_what_committed_before_retrying_a_failed_neighbour() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let store = store(&dir).await;
+    let processor = Arc::new(
+        Processor::builder(store.clone(), "batch")
+            .build()
+            .expect("p"),
+    );
+    let broker = InMemoryBroker::new();
+    broker.publish(&[("message-id", b"flaky")], br#"{"n":1}"#.to_vec());
+    broker.publish(&[("message-id", b"steady")], br#"{"n":2}"#.to_vec());
+    broker.close();
+    let stats = Consumer::new(processor, broker.source())
+        .batch_size(8)
+        .retry(RetryPolicy::exponential(
+            3,
+            Duration::from_millis(300),
+            Duration::from_millis(300),
+        ))
+        .run(
+            Json::<Ping>::new(),
+            FailsFirstTime(std::sync::Mutex::new(true)),
+            CancellationToken::new(),
+        )
+        .await
+        .expect("run");
+    assert_eq!((stats.processed, stats.retries), (2, 1), "{stats:?}");
+    let order: Vec<Vec<u8>> = broker.settled().into_iter().map(|(_, p, _)| p).collect();
+    assert_eq!(
+        order,
+        vec![br#"{"n":2}"#.to_vec(), br#"{"n":1}"#.to_vec()],
+        "the committed neighbour is acked before the failed message's retry"
     );
 }

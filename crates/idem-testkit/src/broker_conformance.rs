@@ -391,7 +391,9 @@ pub async fn killed_after_commit_before_ack_redelivers_as_duplicate<F: BrokerFix
     fx.teardown().await;
 }
 
-/// Two consumers on one destination, every message published twice: one effect per message.
+/// Two consumers on one destination, every message published twice, and one of them killed
+/// after committing without acking: its messages are redelivered to the others while they
+/// run. One effect per message.
 pub async fn two_consumers_with_overlapping_redeliveries_commit_each_message_once<
     F: BrokerFixture,
 >(
@@ -401,37 +403,74 @@ pub async fn two_consumers_with_overlapping_redeliveries_commit_each_message_onc
         return;
     };
     const N: i64 = 20;
-    let a = h.spawn(
-        fx.source().await,
-        EffectHandler(Arc::default()),
-        F::BATCH_SIZE,
-    );
+    let swallowed = Arc::new(AtomicU64::new(0));
+    let killed = KilledBeforeAck {
+        inner: Some(fx.source().await),
+        swallowed: swallowed.clone(),
+    };
+    let a = h.spawn(killed, EffectHandler(Arc::default()), F::BATCH_SIZE);
     let b = h.spawn(
         fx.source().await,
         EffectHandler(Arc::default()),
         F::BATCH_SIZE,
     );
-    for round in 0..2 {
-        for i in 0..N {
-            fx.publish(Some(&format!("pair-{i}")), &order(i)).await;
-        }
-        if round == 0 {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+    for i in 0..N {
+        fx.publish(Some(&format!("pair-{i}")), &order(i)).await;
+        fx.publish(Some(&format!("pair-{i}")), &order(i)).await;
     }
-    let (oa, ob) = (a.observer.clone(), b.observer.clone());
-    let settled = eventually(PROMPT, || {
-        let (x, y) = (oa.snapshot(), ob.snapshot());
+    let all = eventually(PROMPT, || async { h.total_effects().await >= N }).await;
+    let sa = a.stop().await;
+    assert!(
+        all,
+        "every message committed once: {sa:?} {:?}",
+        b.observer.snapshot()
+    );
+    // A replacement for the killed consumer (on MQTT it resumes the dead session).
+    let c = h.spawn(
+        fx.source().await,
+        EffectHandler(Arc::default()),
+        F::BATCH_SIZE,
+    );
+    let (ob, oc) = (b.observer.clone(), c.observer.clone());
+    // Everything the killed consumer handled comes back: B and C settle all 2N deliveries.
+    let settled = eventually(fx.redelivery_timeout() + PROMPT, || {
+        let (x, y) = (ob.snapshot(), oc.snapshot());
         async move { x.processed + y.processed + x.duplicates + y.duplicates >= 2 * N as u64 }
     })
     .await;
-    let (sa, sb) = (a.stop().await, b.stop().await);
-    assert!(settled, "all 40 deliveries settled: {sa:?} {sb:?}");
-    assert_eq!(sa.processed + sb.processed, N as u64, "{sa:?} {sb:?}");
+    let (sb, sc) = (b.stop().await, c.stop().await);
+    assert!(
+        settled,
+        "the killed consumer's {} unacknowledged deliveries were redelivered and settled: {sa:?} {sb:?} {sc:?}",
+        swallowed.load(Ordering::SeqCst)
+    );
+    assert_eq!(
+        sa.processed + sb.processed + sc.processed,
+        N as u64,
+        "{sa:?} {sb:?} {sc:?}"
+    );
     assert_eq!(h.total_effects().await, N);
     assert!(h.doubled().await.is_empty(), "{:?}", h.doubled().await);
     h.teardown().await;
     fx.teardown().await;
+}
+
+/// After dead-lettering, the originals must have been acknowledged: a fresh consumer running
+/// for the redelivery timeout receives nothing (a redelivered original would be processed,
+/// found a duplicate, or dead-lettered again).
+async fn assert_nothing_comes_back<F: BrokerFixture>(fx: &F, h: &Harness) {
+    let fresh = h.spawn(
+        fx.source().await,
+        EffectHandler(Arc::default()),
+        F::BATCH_SIZE,
+    );
+    tokio::time::sleep(fx.redelivery_timeout()).await;
+    let stats = fresh.stop().await;
+    assert_eq!(
+        stats.processed + stats.duplicates + stats.dead_lettered,
+        0,
+        "dead-lettered originals were acknowledged, not redelivered: {stats:?}"
+    );
 }
 
 fn by_reason(letters: &[DeadLettered]) -> HashMap<String, &DeadLettered> {
@@ -538,8 +577,9 @@ pub async fn graceful_shutdown_in_flight_loses_nothing_and_doubles_nothing<F: Br
         h.total_effects().await >= n
     })
     .await;
-    // Give stray redeliveries a moment to show up as doubles if anything was wrong.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // A committed message the first consumer failed to acknowledge would come back only
+    // after the broker's redelivery timeout: wait that long before judging.
+    tokio::time::sleep(fx.redelivery_timeout()).await;
     let second_stats = second.stop().await;
     assert!(
         rest,
@@ -590,6 +630,7 @@ pub async fn retries_then_dead_letter_when_exhausted<F: BrokerFixture>(test: &st
     assert_eq!(h.effects("retry-doomed").await, 0);
     // flaky: 1 retry; doomed: 3 attempts = 2 retries.
     assert!(stats.retries >= 3, "{stats:?}");
+    assert_nothing_comes_back(&fx, &h).await;
     h.teardown().await;
     fx.teardown().await;
 }

@@ -131,8 +131,8 @@ fn kafka_dead_letter_topic(source: &str) -> String {
     format!("{source}.dead-letter")
 }
 
-/// Creates the topic and its dead-letter topic if missing (one partition each: the example
-/// favours order; raise it for throughput).
+/// Creates the topic and its dead-letter topic if missing, one partition each (create your
+/// own with more for throughput; per-partition order then holds only with `--concurrency 1`).
 async fn kafka_topology(brokers: &str, source: &str) -> Result<()> {
     use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
     use rdkafka::client::DefaultClientContext;

@@ -8,8 +8,9 @@ use serde::Deserialize;
 use sqlx::{MySql, Sqlite};
 
 /// The message this service consumes.
+/// Unknown fields are ignored, so producers can add fields without every consumer
+/// dead-lettering their messages first.
 #[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub(crate) struct PaymentRequested {
     pub(crate) account: String,
     pub(crate) amount_cents: i64,

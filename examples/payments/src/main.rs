@@ -95,9 +95,16 @@ struct ServeArgs {
     #[arg(long, default_value = "payments")]
     consumer: String,
     /// This instance's name, where the broker needs one per process (Redis Streams consumer,
-    /// MQTT client ID). Must stay the same across restarts of the same instance.
-    #[arg(long, default_value = "payments-1")]
-    instance: String,
+    /// MQTT client ID): unique per replica, the same across restarts of one replica (a
+    /// StatefulSet pod name, say). Defaults to the host name.
+    #[arg(long)]
+    instance: Option<String>,
+    /// Keep claims this long (e.g. 7d, 36h); must outlast the broker's redelivery window.
+    #[arg(long, value_name = "DURATION", default_value = "7d", value_parser = parse_duration)]
+    keep_claims_for: std::time::Duration,
+    /// The broker's longest redelivery window: how late a redelivery can arrive.
+    #[arg(long, value_name = "DURATION", default_value = "7d", value_parser = parse_duration)]
+    redelivery_window: std::time::Duration,
     /// Messages processed at once.
     #[arg(long, default_value_t = 4)]
     concurrency: usize,
@@ -117,6 +124,23 @@ struct PublishArgs {
     payload: String,
 }
 
+fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    idem_core::parse_duration(s).map_err(|e| e.to_string())
+}
+
+/// The host name, the default instance name.
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "payments-1".to_owned())
+}
+
+/// How often the service prunes claims older than the retention.
+const PRUNE_EVERY: std::time::Duration = std::time::Duration::from_secs(3600);
+
 /// What a serve run needs besides the broker and the store.
 #[derive(Debug, Clone)]
 pub(crate) struct Settings {
@@ -125,6 +149,8 @@ pub(crate) struct Settings {
     pub(crate) instance: String,
     concurrency: usize,
     batch: usize,
+    keep_claims_for: std::time::Duration,
+    redelivery_window: std::time::Duration,
     shutdown: CancellationToken,
 }
 
@@ -191,6 +217,8 @@ async fn run(cli: Cli) -> Result<()> {
                 instance: format!("bench-{}", std::process::id()),
                 concurrency: b.concurrency,
                 batch: b.batch,
+                keep_claims_for: std::time::Duration::from_secs(7 * 86_400),
+                redelivery_window: std::time::Duration::from_secs(7 * 86_400),
                 shutdown: CancellationToken::new(),
             };
             let r = bench::run(&broker, &settings, &b.database, b.messages).await?;
@@ -233,9 +261,11 @@ async fn serve(args: ServeArgs) -> Result<()> {
     let settings = Settings {
         source: args.endpoint.source,
         consumer: args.consumer,
-        instance: args.instance,
+        instance: args.instance.unwrap_or_else(host_name),
         concurrency: args.concurrency,
         batch: args.batch,
+        keep_claims_for: args.keep_claims_for,
+        redelivery_window: args.redelivery_window,
         shutdown: idem_consumer::shutdown::on_signal(),
     };
     let db = Database::open(&args.database).await?;
@@ -314,13 +344,21 @@ impl Database {
 
 async fn consume<S, Src>(store: S, source: Src, settings: &Settings) -> Result<RunStats>
 where
-    S: ClaimStore + Savepoints + Send + Sync + 'static,
+    S: ClaimStore + Savepoints + idem_core::Prune + Send + Sync + 'static,
     S::Tx: Send,
     Src: Source,
     Charge: Handler<S::Tx, PaymentRequested>,
 {
-    let processor = Processor::builder(store, settings.consumer.as_str()).build()?;
-    let stats = Consumer::new(Arc::new(processor), source)
+    let processor = Processor::builder(store, settings.consumer.as_str())
+        .keep_claims_for(settings.keep_claims_for)
+        .redelivery_window(settings.redelivery_window)
+        .build()?;
+    let processor = Arc::new(processor);
+    let pruner = tokio::spawn(prune_periodically(
+        processor.clone(),
+        settings.shutdown.clone(),
+    ));
+    let stats = Consumer::new(processor, source)
         .concurrency(settings.concurrency)
         .batch_size(settings.batch)
         .run(
@@ -328,6 +366,25 @@ where
             Charge,
             settings.shutdown.clone(),
         )
-        .await?;
-    Ok(stats)
+        .await;
+    pruner.abort();
+    Ok(stats?)
+}
+
+/// Deletes claims older than the retention, at start and then hourly, in bounded batches.
+async fn prune_periodically<S>(processor: Arc<Processor<S>>, shutdown: CancellationToken)
+where
+    S: ClaimStore + idem_core::Prune + Send + Sync + 'static,
+{
+    loop {
+        match processor.prune().await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(pruned = n, "pruned expired claims"),
+            Err(e) => tracing::warn!(error = %e, "pruning claims failed; retrying next round"),
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(PRUNE_EVERY) => {}
+        }
+    }
 }

@@ -5,6 +5,7 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use futures_util::FutureExt;
+use futures_util::future::join_all;
 use idem_core::{
     Claim, ClaimStore, Clock, Disposition, Error, ErrorKind, Fingerprint, Message, MessageId,
     Outcome, Processor, Savepoints,
@@ -132,6 +133,9 @@ where
                 if let Some(t) = handler_done {
                     self.instruments.commit_time(t.elapsed());
                 }
+                // Settle what committed first: a failing neighbour's retries must not delay
+                // those acks past the broker's ack deadline. Then retry the failures together.
+                let mut failed = Vec::new();
                 for ((d, msg), r) in ready.into_iter().zip(msgs).zip(results) {
                     let span = self.span(&d);
                     span.record(
@@ -140,29 +144,30 @@ where
                     );
                     match r {
                         Ok(outcome) => self.finish(d, &msg, outcome).instrument(span).await,
-                        Err(e) => {
-                            let attempt = d.previous_deliveries().saturating_add(1);
-                            self.after_failure(d, msg, e, attempt)
-                                .instrument(span)
-                                .await
-                        }
+                        Err(e) => failed.push((d, msg, e, span)),
                     }
                 }
+                join_all(failed.into_iter().map(|(d, msg, e, span)| {
+                    let attempt = d.previous_deliveries().saturating_add(1);
+                    self.after_failure(d, msg, e, attempt).instrument(span)
+                }))
+                .await;
             }
             Err(e) => {
-                tracing::warn!(parent: &span, error = %e, "batch did not commit; retrying its messages one by one");
-                for (d, msg) in ready.into_iter().zip(msgs) {
+                // Nothing committed. The batch's failure says nothing about any one message
+                // (often a deadlock or a lost connection), so it costs none of them an attempt:
+                // each is processed again on its own, concurrently.
+                tracing::warn!(parent: &span, error = %e, "batch did not commit; processing its messages one by one");
+                join_all(ready.into_iter().zip(msgs).map(|(d, msg)| {
                     let span = self.span(&d);
                     span.record(
                         "message_id",
                         tracing::field::display(msg.message_id_display()),
                     );
                     let attempt = d.previous_deliveries().saturating_add(1);
-                    let err = Error::new(e.kind(), format!("batch failed: {e}"));
-                    self.after_failure(d, msg, err, attempt)
-                        .instrument(span)
-                        .await;
-                }
+                    self.process_with_retries(d, msg, attempt).instrument(span)
+                }))
+                .await;
             }
         }
     }
@@ -299,6 +304,7 @@ where
         mut e: Error,
         mut attempt: u32,
     ) {
+        let mut outage_waits = 0u32;
         loop {
             match e.disposition() {
                 Disposition::Retry => {}
@@ -318,25 +324,31 @@ where
                 self.instruments.abandoned();
                 return delivery.abandon().await;
             }
-            if attempt >= self.retry.max_attempts() {
-                if infrastructure(&e) {
-                    // The database, not the message, is the problem: dead-lettering would
-                    // empty the queue into the dead-letter destination during an outage.
-                    tracing::warn!(error = %e, attempt, "store unavailable after every attempt; leaving the message to redelivery");
-                    self.instruments.abandoned();
-                    return delivery.abandon().await;
-                }
+            // The database, not the message, is the problem: retry in place for as long as
+            // the outage lasts (capped backoff), without spending the message's attempts.
+            // Dead-lettering would empty the queue into the dead letters, and giving the
+            // message back would have brokers that redeliver at once spin on it.
+            let outage = infrastructure(&e);
+            if outage {
+                outage_waits = outage_waits.saturating_add(1);
+            } else if attempt >= self.retry.max_attempts() {
                 let dl = DeadLetter::from_error(&e, true);
                 return self.dead_letter(delivery, dl, attempt).await;
             }
             self.instruments.retry();
-            let wait = self.retry.delay(attempt + 1);
+            let wait = if outage {
+                self.retry.delay(outage_waits.saturating_add(1))
+            } else {
+                self.retry.delay(attempt + 1)
+            };
             tracing::warn!(error = %e, attempt, retry_in = ?wait, "processing failed; retrying");
             tokio::select! {
                 _ = self.stop.cancelled() => continue, // handled at the top of the loop
                 _ = tokio::time::sleep(wait) => {}
             }
-            attempt += 1;
+            if !outage {
+                attempt += 1;
+            }
             match self.attempt(&msg).await {
                 Step::Done(outcome) => return self.finish(delivery, &msg, outcome).await,
                 Step::Failed(next) => e = next,
@@ -389,7 +401,7 @@ where
             }
             Err(e) => {
                 self.instruments.broker_error();
-                tracing::error!(error = %e, reason = %dl.reason(), "dead-lettering failed; the message stays unacknowledged and will be redelivered");
+                tracing::error!(error = %e, reason = %dl.reason(), "dead-lettering failed; the message stays unacknowledged for the broker to redeliver");
             }
         }
     }
