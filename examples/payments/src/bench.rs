@@ -19,8 +19,13 @@ use crate::{Database, Settings};
 /// What one bench run measured.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Rates {
+    /// The broker's own consume-and-ack rate through the adapter, nothing else.
     pub(crate) raw: f64,
+    /// Broker to committed effect through idem.
     pub(crate) idem: f64,
+    /// The same consumer over the in-memory fake broker: what the database allows when the
+    /// broker costs nothing.
+    pub(crate) ceiling: f64,
 }
 
 fn backlog(prefix: &str, n: usize) -> Vec<(String, Vec<u8>)> {
@@ -37,6 +42,19 @@ fn backlog(prefix: &str, n: usize) -> Vec<(String, Vec<u8>)> {
             )
         })
         .collect()
+}
+
+/// Opens the source once and closes it, so the subscription exists before the backlog is
+/// published (an MQTT broker keeps nothing for a topic nobody subscribes to).
+struct Subscribe;
+
+impl WithSource for Subscribe {
+    type Output = ();
+
+    async fn run<Src: Source>(self, src: Src) -> Result<()> {
+        src.close().await?;
+        Ok(())
+    }
 }
 
 /// Drains `n` deliveries and acknowledges each, no processing: the broker's own rate.
@@ -142,23 +160,30 @@ pub(crate) async fn run(
     let raw_source = format!("{}-raw-{tag}", settings.source);
     let idem_source = format!("{}-idem-{tag}", settings.source);
 
+    // One instance name per leg: on MQTT the name is the client ID, hence the session.
+    let raw_settings = Settings {
+        source: raw_source.clone(),
+        instance: format!("{}-raw", settings.instance),
+        ..settings.clone()
+    };
+    let idem_settings = Settings {
+        source: idem_source.clone(),
+        instance: format!("{}-idem", settings.instance),
+        ..settings.clone()
+    };
+    brokers::with_source(broker, &raw_settings, Subscribe).await?;
+    brokers::with_source(broker, &idem_settings, Subscribe).await?;
+
     eprintln!(
         "bench: publishing 2 × {n} messages to {}",
         broker.redacted()
     );
-    brokers::publish_many(broker, &raw_source, &backlog("raw", n)).await?;
-    brokers::publish_many(broker, &idem_source, &backlog("idem", n)).await?;
+    // IDs unique to this run: claims from an earlier run must not turn these into duplicates.
+    brokers::publish_many(broker, &raw_source, &backlog(&format!("raw-{tag}"), n)).await?;
+    brokers::publish_many(broker, &idem_source, &backlog(&format!("idem-{tag}"), n)).await?;
 
-    let raw_settings = Settings {
-        source: raw_source,
-        ..settings.clone()
-    };
     let raw = brokers::with_source(broker, &raw_settings, DrainAndAck { n }).await?;
 
-    let idem_settings = Settings {
-        source: idem_source,
-        ..settings.clone()
-    };
     let db = Database::open(database).await?;
     let idem = brokers::with_source(
         broker,
@@ -170,9 +195,24 @@ pub(crate) async fn run(
         },
     )
     .await?;
+
+    let fake = idem_consumer::InMemoryBroker::new();
+    for (id, payload) in backlog(&format!("ceiling-{tag}"), n) {
+        fake.publish(&[("message-id", id.as_bytes())], payload);
+    }
+    let db = Database::open(database).await?;
+    let ceiling = Idem {
+        db,
+        settings: &idem_settings,
+        n: n as u64,
+    }
+    .run(fake.source())
+    .await?;
+
     let rates = Rates {
         raw: n as f64 / raw.as_secs_f64(),
         idem: n as f64 / idem.as_secs_f64(),
+        ceiling: n as f64 / ceiling.as_secs_f64(),
     };
     Ok(rates)
 }

@@ -309,6 +309,9 @@ pub(crate) async fn publish_many(
             let client_id = format!("payments-publisher-{}", std::process::id());
             let producer =
                 idem_mqtt::MqttProducer::connect(url, client_id, idem_mqtt::Protocol::V5).await?;
+            // Refuse to publish into the void: with no subscriber (the service has not started
+            // yet, so its session does not exist) the broker would drop the message.
+            let producer = producer.require_subscriber(true);
             // One at a time: the producer waits for each PUBACK on its connection.
             for (id, payload) in msgs {
                 producer.publish(source, Some(id), payload).await?;
