@@ -7,10 +7,10 @@ use std::time::Duration;
 use idem_core::{Error, ErrorKind};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::ShortString;
-use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
+use lapin::{BasicProperties, Channel, Confirmation, Connection};
 
 use crate::error::{broker, short_string, unavailable};
-use crate::source::parse_url;
+use crate::source::{connect_channel, parse_url};
 
 const DEFAULT_CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -85,15 +85,7 @@ impl fmt::Debug for AmqpPublisher {
 impl AmqpPublisher {
     /// Opens its own connection and a channel in confirm mode.
     pub async fn connect(url: &str) -> Result<Self, Error> {
-        let uri = parse_url(url)?;
-        let props = ConnectionProperties::default().with_connection_name("idem publisher".into());
-        let connection = Connection::connect_uri(uri, props)
-            .await
-            .map_err(|e| unavailable("connect", e))?;
-        let channel = connection
-            .create_channel()
-            .await
-            .map_err(|e| unavailable("channel.open", e))?;
+        let (connection, channel) = connect_channel(parse_url(url)?, "idem publisher").await?;
         let mut publisher = Self::on_channel(channel).await?;
         publisher.connection = Some(connection);
         Ok(publisher)

@@ -182,15 +182,8 @@ struct Session {
 impl Session {
     async fn open(settings: &Settings) -> Result<Session, Error> {
         let open = async {
-            let props = ConnectionProperties::default()
-                .with_connection_name(settings.connection_name.as_str().into());
-            let connection = Connection::connect_uri(settings.uri.clone(), props)
-                .await
-                .map_err(|e| unavailable("connect", e))?;
-            let channel = connection
-                .create_channel()
-                .await
-                .map_err(|e| unavailable("channel.open", e))?;
+            let (connection, channel) =
+                connect_channel(settings.uri.clone(), &settings.connection_name).await?;
             channel
                 .basic_qos(settings.prefetch, BasicQosOptions::default())
                 .await
@@ -351,4 +344,20 @@ impl Source for AmqpSource {
             .await
             .map_err(|e| unavailable("connection.close", e))
     }
+}
+
+/// Opens a connection named `name` (shown in the management UI) and one channel on it.
+pub(crate) async fn connect_channel(
+    uri: AMQPUri,
+    name: &str,
+) -> Result<(Connection, Channel), Error> {
+    let props = ConnectionProperties::default().with_connection_name(name.into());
+    let connection = Connection::connect_uri(uri, props)
+        .await
+        .map_err(|e| unavailable("connect", e))?;
+    let channel = connection
+        .create_channel()
+        .await
+        .map_err(|e| unavailable("channel.open", e))?;
+    Ok((connection, channel))
 }
