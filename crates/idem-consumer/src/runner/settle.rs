@@ -135,6 +135,7 @@ where
                 }
                 // Settle what committed first: a failing neighbour's retries must not delay
                 // those acks past the broker's ack deadline. Then retry the failures together.
+                let mut done = Vec::new();
                 let mut failed = Vec::new();
                 for ((d, msg), r) in ready.into_iter().zip(msgs).zip(results) {
                     let span = self.span(&d);
@@ -143,10 +144,16 @@ where
                         tracing::field::display(msg.message_id_display()),
                     );
                     match r {
-                        Ok(outcome) => self.finish(d, &msg, outcome).instrument(span).await,
+                        Ok(outcome) => done.push((d, msg, outcome, span)),
                         Err(e) => failed.push((d, msg, e, span)),
                     }
                 }
+                // Acks in flight together: on brokers whose ack is a round trip (a NATS double
+                // ack) a batch would otherwise wait for them one by one.
+                join_all(done.into_iter().map(|(d, msg, outcome, span)| async move {
+                    self.finish(d, &msg, outcome).instrument(span).await
+                }))
+                .await;
                 join_all(failed.into_iter().map(|(d, msg, e, span)| {
                     let attempt = d.previous_deliveries().saturating_add(1);
                     self.after_failure(d, msg, e, attempt).instrument(span)
