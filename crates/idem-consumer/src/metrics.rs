@@ -5,7 +5,7 @@
 //! - `idem_messages_total{outcome}`: `processed`, `duplicate`, `conflict`, `dead_lettered`;
 //!   the outcomes do not overlap (a conflict's dead letter counts only as `conflict`), so their
 //!   sum is the number of settled deliveries
-//! - `idem_dead_letters_total{reason}`: per [`DeadLetterReason`](crate::DeadLetterReason) code
+//! - `idem_dead_letters_total{reason}`: per [`DeadLetterReason`] code
 //! - `idem_retries_total`: processing attempts after the first
 //! - `idem_abandoned_total`: deliveries left to broker redelivery (shutdown, database down)
 //! - `idem_ack_failures_total`: acknowledgements that failed after a commit (the broker will
