@@ -37,7 +37,9 @@ pub(crate) struct Target {
 /// A message fetched by a [`JetStreamSource`](crate::JetStreamSource).
 ///
 /// Acknowledgements are double acks: [`Delivery::ack`] returns only once the server confirmed
-/// it, so an `Ok` means the message will not come back.
+/// it, so an `Ok` means the message will not come back — unless the server crashes before it
+/// persisted the consumer's ack state (nats-server writes it asynchronously), in which case
+/// the redelivery is a duplicate for the claim.
 #[derive(Debug)]
 pub struct JetStreamDelivery {
     msg: jetstream::Message,

@@ -24,6 +24,10 @@ pub const DEFAULT_PULL_EXPIRES: Duration = Duration::from_secs(10);
 /// connection closed under it); going straight back would spin.
 const MIN_PULL: Duration = Duration::from_millis(50);
 
+/// How often a waiting `next` checks whether the client reconnected (and the server therefore
+/// forgot the open pull request).
+const RECONNECT_CHECK: Duration = Duration::from_millis(250);
+
 /// Configures a [`JetStreamSource`]; created by [`JetStreamSource::builder`].
 #[derive(Debug, Clone)]
 pub struct JetStreamSourceBuilder {
@@ -76,8 +80,8 @@ impl JetStreamSourceBuilder {
     }
 
     /// How long one pull request waits on the server for messages before it is renewed
-    /// (default 10 s). Shorter recovers faster from a pull request lost in a reconnect;
-    /// longer sends fewer requests to an idle stream.
+    /// (default 10 s); longer sends fewer requests to an idle stream. A request the server
+    /// lost in a restart is re-sent as soon as the client has reconnected, whatever this is.
     pub fn pull_expires(mut self, expires: Duration) -> Self {
         self.pull_expires = expires;
         self
@@ -196,6 +200,9 @@ struct Pull {
     batch: Batch,
     opened: Instant,
     received: usize,
+    /// The client's connection count when the request was sent: a reconnect since then means
+    /// the server has forgotten the request.
+    connects: u64,
 }
 
 impl std::fmt::Debug for JetStreamSource {
@@ -258,8 +265,8 @@ impl JetStreamSource {
         };
         // No idle heartbeat: async-nats 0.51's `Batch` returns `Pending` after consuming one
         // without registering for the next message, which would stall delivery until the
-        // request's timer fires. A pull request lost in a reconnect is instead bounded by
-        // `pull_expires` (plus the client's 5 s grace).
+        // request's timer fires. A pull request lost in a reconnect is detected instead by
+        // watching the client's connection count (`next_or_reconnected`).
         let batch = consumer
             .batch()
             .max_messages(max)
@@ -271,7 +278,38 @@ impl JetStreamSource {
             batch,
             opened: Instant::now(),
             received: 0,
+            connects: self.connects(),
         })
+    }
+
+    fn connects(&self) -> u64 {
+        self.js
+            .client()
+            .statistics()
+            .connects
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Waits for the next item of the open pull request, or `None` after a reconnect: a pull
+    /// request lives on the server, so one sent before a server restart is gone, and waiting
+    /// for its client-side timer would stall delivery for `pull_expires` + 5 s.
+    async fn next_or_reconnected(
+        &mut self,
+    ) -> Option<Option<Result<jetstream::Message, async_nats::Error>>> {
+        let before = self.pull.as_ref().map(|p| p.connects)?;
+        let mut check = tokio::time::interval(RECONNECT_CHECK);
+        check.tick().await;
+        loop {
+            let pull = self.pull.as_mut()?;
+            tokio::select! {
+                item = pull.batch.next() => return Some(item),
+                _ = check.tick() => {
+                    if self.connects() != before {
+                        return None;
+                    }
+                }
+            }
+        }
     }
 
     /// Forgets the pull request and the consumer handle after an error.
@@ -301,14 +339,23 @@ impl Source for JetStreamSource {
     async fn next(&mut self, max: usize) -> Result<Vec<JetStreamDelivery>, Error> {
         let max = max.max(1);
         loop {
-            let pull = match &mut self.pull {
-                Some(pull) => pull,
-                None => {
-                    let pull = self.open_pull(max).await?;
-                    self.pull.insert(pull)
-                }
+            if self.pull.is_none() {
+                let pull = self.open_pull(max).await?;
+                self.pull = Some(pull);
+            }
+            let Some(item) = self.next_or_reconnected().await else {
+                // Reconnected: the server lost the request. Tell the runner (one broker error,
+                // logged and counted) and send a fresh request on the next call.
+                self.pull = None;
+                return Err(Error::new(
+                    ErrorKind::Unavailable,
+                    "NATS: reconnected to the server; re-sending the pull request",
+                ));
             };
-            match pull.batch.next().await {
+            let Some(pull) = self.pull.as_mut() else {
+                continue;
+            };
+            match item {
                 Some(Ok(first)) => {
                     pull.received += 1;
                     let mut out = Vec::with_capacity(max.min(16));
