@@ -209,6 +209,9 @@ pub(crate) async fn run(
     .run(fake.source())
     .await?;
 
+    brokers::teardown(broker, &raw_settings).await?;
+    brokers::teardown(broker, &idem_settings).await?;
+
     let rates = Rates {
         raw: n as f64 / raw.as_secs_f64(),
         idem: n as f64 / idem.as_secs_f64(),

@@ -320,3 +320,89 @@ pub(crate) async fn publish_many(
         }
     }
 }
+
+/// Removes what `with_source` created for `settings.source`: streams, queues, topics, the
+/// consumer's sessions and their messages, dead letters included. For tests and benches on
+/// shared brokers (`payments teardown`), never part of a service's life.
+pub(crate) async fn teardown(broker: &BrokerUrl, settings: &Settings) -> Result<()> {
+    let name = settings.source.as_str();
+    match broker {
+        BrokerUrl::Nats(url) => {
+            let client = idem_nats::async_nats::connect(url.as_str()).await?;
+            let js = idem_nats::async_nats::jetstream::new(client);
+            for stream in [name.to_owned(), format!("{name}-dead-letter")] {
+                // A stream that is already gone is fine.
+                let _ = js.delete_stream(&stream).await;
+            }
+        }
+        BrokerUrl::Amqp(url) => {
+            let publisher = idem_amqp::AmqpPublisher::connect(url).await?;
+            idem_amqp::Topology::new(name)
+                .delete(publisher.channel())
+                .await?;
+            publisher.close().await?;
+        }
+        BrokerUrl::Kafka(brokers) => {
+            use rdkafka::admin::{AdminClient, AdminOptions};
+            use rdkafka::client::DefaultClientContext;
+            let admin: AdminClient<DefaultClientContext> = rdkafka::ClientConfig::new()
+                .set("bootstrap.servers", brokers)
+                .create()
+                .context("Kafka admin client")?;
+            let dead = kafka_dead_letter_topic(name);
+            admin
+                .delete_topics(&[name, dead.as_str()], &AdminOptions::new())
+                .await
+                .context("deleting Kafka topics")?;
+        }
+        BrokerUrl::Redis(url) => {
+            let client = redis::Client::open(url.as_str())?;
+            let mut conn = client.get_multiplexed_async_connection().await?;
+            let _: i64 = redis::cmd("DEL")
+                .arg(name)
+                .arg(format!("{name}:dead-letter"))
+                .query_async(&mut conn)
+                .await?;
+        }
+        BrokerUrl::Mqtt(url) => {
+            for id in [
+                settings.instance.clone(),
+                format!("{}-dead-letters", settings.consumer),
+            ] {
+                end_mqtt_session(url, &id).await?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Connecting with clean start discards a persistent session and its queued messages.
+async fn end_mqtt_session(url: &str, client_id: &str) -> Result<()> {
+    use idem_mqtt::rumqttc::v5::{self, mqttbytes::v5::Packet};
+    let hostport = url
+        .split_once("://")
+        .map_or(url, |(_, rest)| rest)
+        .trim_end_matches('/');
+    let hostport = hostport.rsplit_once('@').map_or(hostport, |(_, h)| h);
+    let (host, port) = hostport.rsplit_once(':').unwrap_or((hostport, "1883"));
+    let port: u16 = port
+        .parse()
+        .with_context(|| format!("MQTT port in {url}"))?;
+    let mut opts = v5::MqttOptions::new(client_id, host, port);
+    opts.set_clean_start(true);
+    let (client, mut events) = v5::AsyncClient::new(opts, 4);
+    tokio::time::timeout(std::time::Duration::from_secs(5), async {
+        loop {
+            match events.poll().await {
+                Ok(v5::Event::Incoming(Packet::ConnAck(_))) => {
+                    let _ = client.try_disconnect();
+                }
+                Ok(v5::Event::Outgoing(idem_mqtt::rumqttc::Outgoing::Disconnect)) => return Ok(()),
+                Ok(_) => {}
+                Err(e) => return Err(anyhow::anyhow!("ending MQTT session {client_id}: {e}")),
+            }
+        }
+    })
+    .await
+    .with_context(|| format!("ending MQTT session {client_id}: timed out"))?
+}

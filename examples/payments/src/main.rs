@@ -45,9 +45,23 @@ struct Cli {
 enum Command {
     /// Publish one PaymentRequested message with a stable ID (for trying the service out).
     Publish(PublishArgs),
+    /// Delete the broker-side objects for --source (streams, queues, topics, sessions): for
+    /// tests and benches on shared brokers.
+    #[command(hide = true)]
+    Teardown(TeardownArgs),
     /// Measure broker-to-committed-effect throughput next to the broker's own consume-and-ack
     /// rate, in one run.
     Bench(BenchArgs),
+}
+
+#[derive(Debug, Args)]
+struct TeardownArgs {
+    #[command(flatten)]
+    endpoint: Endpoint,
+    #[arg(long, default_value = "payments")]
+    consumer: String,
+    #[arg(long)]
+    instance: Option<String>,
 }
 
 #[derive(Debug, Args)]
@@ -213,6 +227,20 @@ async fn run(cli: Cli) -> Result<()> {
                 println!("note: {note}");
             }
             Ok(())
+        }
+        Some(Command::Teardown(t)) => {
+            let broker = BrokerUrl::parse(t.endpoint.broker.as_deref())?;
+            let settings = Settings {
+                source: t.endpoint.source,
+                consumer: t.consumer,
+                instance: t.instance.unwrap_or_else(host_name),
+                concurrency: 1,
+                batch: 1,
+                keep_claims_for: std::time::Duration::from_secs(7 * 86_400),
+                redelivery_window: std::time::Duration::from_secs(7 * 86_400),
+                shutdown: CancellationToken::new(),
+            };
+            brokers::teardown(&broker, &settings).await
         }
         Some(Command::Bench(b)) => {
             let broker = BrokerUrl::parse(b.endpoint.broker.as_deref())?;

@@ -147,6 +147,13 @@ fn charges_exactly_once(test: &str, var: &str, to_url: impl Fn(String) -> String
         "pay-1",
         r#"{"account":"alice","amount_cents":1250}"#,
     );
+    // The service runs 4 messages at once: let the original commit first, or the conflicting
+    // copy may win the claim (correctly, but not what this test describes).
+    assert!(
+        svc.wait_for("outcome=", 1, Duration::from_secs(60)),
+        "first message settles: {:?}",
+        svc.log
+    );
     let second = publish(
         &broker,
         &source,
