@@ -81,8 +81,10 @@ impl Claim {
         }
     }
 
-    /// The outcome for a message whose handler did not run.
-    pub(crate) fn skipped<T>(self) -> Option<Outcome<T>> {
+    /// The outcome for a message whose handler must not run (`Duplicate`, `Conflict`), or
+    /// `None` for a new claim: for callers driving the transaction with `claim_in` who report
+    /// [`Outcome`]s like the processor does.
+    pub fn skipped<T>(self) -> Option<Outcome<T>> {
         match self {
             Claim::New => None,
             Claim::Duplicate => Some(Outcome::Duplicate),

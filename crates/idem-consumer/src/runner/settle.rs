@@ -7,7 +7,7 @@ use std::time::Instant;
 use futures_util::FutureExt;
 use futures_util::future::join_all;
 use idem_core::{
-    Claim, ClaimStore, Clock, Disposition, Error, ErrorKind, Fingerprint, Message, MessageId,
+    ClaimStore, Clock, Disposition, Error, ErrorKind, Fingerprint, Identified, Message, MessageId,
     Outcome, Processor, Savepoints,
 };
 use tokio_util::sync::CancellationToken;
@@ -92,10 +92,8 @@ where
         async {
             match self.prepare(&delivery) {
                 Ok(msg) => {
-                    tracing::Span::current().record(
-                        "message_id",
-                        tracing::field::display(msg.message_id_display()),
-                    );
+                    tracing::Span::current()
+                        .record("message_id", tracing::field::display(msg.message_id()));
                     let first = delivery.previous_deliveries().saturating_add(1);
                     self.process_with_retries(delivery, msg, first).await;
                 }
@@ -139,10 +137,7 @@ where
                 let mut failed = Vec::new();
                 for ((d, msg), r) in ready.into_iter().zip(msgs).zip(results) {
                     let span = self.span(&d);
-                    span.record(
-                        "message_id",
-                        tracing::field::display(msg.message_id_display()),
-                    );
+                    span.record("message_id", tracing::field::display(msg.message_id()));
                     match r {
                         Ok(outcome) => done.push((d, msg, outcome, span)),
                         Err(e) => failed.push((d, msg, e, span)),
@@ -167,10 +162,7 @@ where
                 tracing::warn!(parent: &span, error = %e, "batch did not commit; processing its messages one by one");
                 join_all(ready.into_iter().zip(msgs).map(|(d, msg)| {
                     let span = self.span(&d);
-                    span.record(
-                        "message_id",
-                        tracing::field::display(msg.message_id_display()),
-                    );
+                    span.record("message_id", tracing::field::display(msg.message_id()));
                     let attempt = d.previous_deliveries().saturating_add(1);
                     self.process_with_retries(d, msg, attempt).instrument(span)
                 }))
@@ -208,14 +200,7 @@ where
                     continue;
                 }
             };
-            let skipped = match claim {
-                Claim::New => None,
-                Claim::Duplicate => Some(Outcome::Duplicate),
-                Claim::Conflict { stored, received } => {
-                    Some(Outcome::Conflict { stored, received })
-                }
-            };
-            if let Some(outcome) = skipped {
+            if let Some(outcome) = claim.skipped() {
                 store.release_savepoint(&mut tx).await?;
                 results.push(Ok(outcome));
                 continue;
@@ -386,7 +371,7 @@ where
             }
             conflict @ Outcome::Conflict { .. } => {
                 self.instruments.conflict();
-                let dl = DeadLetter::conflict(msg.message_id_ref(), &conflict);
+                let dl = DeadLetter::conflict(msg.message_id(), &conflict);
                 self.dead_letter(delivery, dl, 1).await;
             }
         }
@@ -425,19 +410,4 @@ where
 /// Errors that say the store is out of reach rather than anything about the message.
 fn infrastructure(e: &Error) -> bool {
     matches!(e.kind(), ErrorKind::Unavailable | ErrorKind::OutcomeUnknown)
-}
-
-/// Small accessors so the code above reads in the pattern's words.
-trait MessageExt {
-    fn message_id_ref(&self) -> &MessageId;
-    fn message_id_display(&self) -> String;
-}
-
-impl<P> MessageExt for Message<P> {
-    fn message_id_ref(&self) -> &MessageId {
-        idem_core::Identified::message_id(self)
-    }
-    fn message_id_display(&self) -> String {
-        self.message_id_ref().to_string()
-    }
 }
