@@ -51,11 +51,13 @@
 
 mod config;
 mod publisher;
+mod session;
 mod source;
 mod wire;
 
 pub use config::{MqttConfig, Protocol};
 pub use publisher::{DeadLetterEnvelope, MqttProducer};
+pub use session::end_session;
 pub use source::{MqttDelivery, MqttSource};
 
 /// Re-export of the MQTT client this adapter is built on.

@@ -369,40 +369,9 @@ pub(crate) async fn teardown(broker: &BrokerUrl, settings: &Settings) -> Result<
                 settings.instance.clone(),
                 format!("{}-dead-letters", settings.consumer),
             ] {
-                end_mqtt_session(url, &id).await?;
+                idem_mqtt::end_session(url, &id).await?;
             }
         }
     }
     Ok(())
-}
-
-/// Connecting with clean start discards a persistent session and its queued messages.
-async fn end_mqtt_session(url: &str, client_id: &str) -> Result<()> {
-    use idem_mqtt::rumqttc::v5::{self, mqttbytes::v5::Packet};
-    let hostport = url
-        .split_once("://")
-        .map_or(url, |(_, rest)| rest)
-        .trim_end_matches('/');
-    let hostport = hostport.rsplit_once('@').map_or(hostport, |(_, h)| h);
-    let (host, port) = hostport.rsplit_once(':').unwrap_or((hostport, "1883"));
-    let port: u16 = port
-        .parse()
-        .with_context(|| format!("MQTT port in {url}"))?;
-    let mut opts = v5::MqttOptions::new(client_id, host, port);
-    opts.set_clean_start(true);
-    let (client, mut events) = v5::AsyncClient::new(opts, 4);
-    tokio::time::timeout(std::time::Duration::from_secs(5), async {
-        loop {
-            match events.poll().await {
-                Ok(v5::Event::Incoming(Packet::ConnAck(_))) => {
-                    let _ = client.try_disconnect();
-                }
-                Ok(v5::Event::Outgoing(idem_mqtt::rumqttc::Outgoing::Disconnect)) => return Ok(()),
-                Ok(_) => {}
-                Err(e) => return Err(anyhow::anyhow!("ending MQTT session {client_id}: {e}")),
-            }
-        }
-    })
-    .await
-    .with_context(|| format!("ending MQTT session {client_id}: timed out"))?
 }

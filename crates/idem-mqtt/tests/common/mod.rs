@@ -5,7 +5,6 @@
 use std::time::Duration;
 
 use idem_consumer::{Delivery, Source};
-use idem_mqtt::rumqttc::v5;
 use idem_mqtt::{MqttConfig, MqttDelivery, MqttSource};
 
 /// The env var and, when set, its URL.
@@ -21,31 +20,9 @@ pub fn config(url: &str, client_id: &str, filter: &str) -> MqttConfig {
 /// Deletes the brokers' sessions for `ids`: connecting with clean start discards a session,
 /// and with no expiry interval the new one ends with the connection.
 pub async fn purge_sessions(url: &str, ids: &[String]) {
-    let hostport = url
-        .trim_start_matches("mqtt://")
-        .trim_start_matches("tcp://");
-    let (host, port) = hostport.rsplit_once(':').unwrap_or((hostport, "1883"));
-    let port: u16 = port.trim_end_matches('/').parse().unwrap_or(1883);
     for id in ids {
-        let mut opts = v5::MqttOptions::new(id.clone(), host, port);
-        opts.set_clean_start(true);
-        let (client, mut el) = v5::AsyncClient::new(opts, 4);
-        let done = tokio::time::timeout(Duration::from_secs(5), async {
-            loop {
-                match el.poll().await {
-                    Ok(v5::Event::Incoming(v5::mqttbytes::v5::Packet::ConnAck(_))) => {
-                        let _ = client.try_disconnect();
-                    }
-                    Ok(v5::Event::Outgoing(idem_mqtt::rumqttc::Outgoing::Disconnect)) | Err(_) => {
-                        break;
-                    }
-                    Ok(_) => {}
-                }
-            }
-        })
-        .await;
-        if done.is_err() {
-            eprintln!("could not purge MQTT session {id}");
+        if let Err(e) = idem_mqtt::end_session(url, id).await {
+            eprintln!("could not purge MQTT session {id}: {e}");
         }
     }
 }
