@@ -163,8 +163,8 @@ pub(crate) struct Settings {
     pub(crate) instance: String,
     concurrency: usize,
     batch: usize,
-    keep_claims_for: std::time::Duration,
-    redelivery_window: std::time::Duration,
+    /// How long claims are kept, checked against the redelivery window.
+    retention: idem_core::Retention,
     shutdown: CancellationToken,
 }
 
@@ -236,8 +236,7 @@ async fn run(cli: Cli) -> Result<()> {
                 instance: t.instance.unwrap_or_else(host_name),
                 concurrency: 1,
                 batch: 1,
-                keep_claims_for: std::time::Duration::from_secs(7 * 86_400),
-                redelivery_window: std::time::Duration::from_secs(7 * 86_400),
+                retention: idem_core::Retention::default(),
                 shutdown: CancellationToken::new(),
             };
             brokers::teardown(&broker, &settings).await
@@ -250,8 +249,7 @@ async fn run(cli: Cli) -> Result<()> {
                 instance: format!("bench-{}", std::process::id()),
                 concurrency: b.concurrency,
                 batch: b.batch,
-                keep_claims_for: std::time::Duration::from_secs(7 * 86_400),
-                redelivery_window: std::time::Duration::from_secs(7 * 86_400),
+                retention: idem_core::Retention::default(),
                 shutdown: CancellationToken::new(),
             };
             let r = bench::run(&broker, &settings, &b.database, b.messages).await?;
@@ -301,8 +299,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         instance: args.instance.unwrap_or_else(host_name),
         concurrency: args.concurrency,
         batch: args.batch,
-        keep_claims_for: args.keep_claims_for,
-        redelivery_window: args.redelivery_window,
+        retention: idem_core::Retention::new(args.keep_claims_for, args.redelivery_window)?,
         shutdown: idem_consumer::shutdown::on_signal(),
     };
     let db = Database::open(&args.database).await?;
@@ -387,8 +384,8 @@ where
     Charge: Handler<S::Tx, PaymentRequested>,
 {
     let processor = Processor::builder(store, settings.consumer.as_str())
-        .keep_claims_for(settings.keep_claims_for)
-        .redelivery_window(settings.redelivery_window)
+        .keep_claims_for(settings.retention.keep_for())
+        .redelivery_window(settings.retention.redelivery_window())
         .build()?;
     let processor = Arc::new(processor);
     let pruner = tokio::spawn(prune_periodically(
