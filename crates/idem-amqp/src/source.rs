@@ -23,6 +23,8 @@ const DEFAULT_CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
 /// What a source and its deliveries share: validated names and timeouts.
 pub(crate) struct Settings {
     pub(crate) uri: AMQPUri,
+    /// The URL as logs and errors show it, without its secrets.
+    pub(crate) broker: String,
     pub(crate) queue: ShortString,
     pub(crate) prefetch: u16,
     pub(crate) dead_letter_exchange: ShortString,
@@ -32,11 +34,11 @@ pub(crate) struct Settings {
     pub(crate) connection_name: String,
 }
 
-/// The URI holds the password; logs get the host and vhost only.
+/// The URI holds the password; logs get the redacted URL.
 impl fmt::Debug for Settings {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Settings")
-            .field("broker", &redacted(&self.uri))
+            .field("broker", &self.broker)
             .field("queue", &self.queue.as_str())
             .field("prefetch", &self.prefetch)
             .field("dead_letter_exchange", &self.dead_letter_exchange.as_str())
@@ -48,13 +50,6 @@ impl fmt::Debug for Settings {
             .field("confirm_timeout", &self.confirm_timeout)
             .finish()
     }
-}
-
-pub(crate) fn redacted(uri: &AMQPUri) -> String {
-    format!(
-        "{}://{}:{}/{}",
-        uri.scheme, uri.authority.host, uri.authority.port, uri.vhost
-    )
 }
 
 pub(crate) fn parse_url(url: &str) -> Result<AMQPUri, Error> {
@@ -81,6 +76,7 @@ pub struct AmqpSourceBuilder {
 impl fmt::Debug for AmqpSourceBuilder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("AmqpSourceBuilder")
+            .field("broker", &idem_core::redact_url(&self.url))
             .field("queue", &self.queue)
             .field("prefetch", &self.prefetch)
             .field("dead_letter_exchange", &self.dead_letter_exchange)
@@ -149,6 +145,7 @@ impl AmqpSourceBuilder {
         Ok(AmqpSource {
             settings: Arc::new(Settings {
                 uri,
+                broker: idem_core::redact_url(&self.url),
                 queue,
                 prefetch: self.prefetch,
                 dead_letter_exchange,
@@ -217,11 +214,10 @@ impl Session {
             .map_err(|_| {
                 broker(format!(
                     "AMQP connect to {} timed out after {:?}",
-                    redacted(&settings.uri),
-                    settings.connect_timeout
+                    settings.broker, settings.connect_timeout
                 ))
             })??;
-        tracing::info!(broker = %redacted(&settings.uri), queue = %settings.queue, prefetch = settings.prefetch, "AMQP consumer started");
+        tracing::info!(broker = %settings.broker, queue = %settings.queue, prefetch = settings.prefetch, "AMQP consumer started");
         Ok(session)
     }
 }

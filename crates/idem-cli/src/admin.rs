@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use anyhow::Context;
-use idem_core::{Clock, ConsumerName, SystemClock, format_duration, parse_duration};
+use idem_core::{ConsumerName, Retention, format_duration, parse_duration};
 use idem_sql::{AnyStore, TableName};
 
 /// Where the claims live.
@@ -44,9 +44,14 @@ pub(crate) struct PruneArgs {
     /// Delete claims processed longer ago than this (7d, 36h, 90m).
     #[arg(long, value_name = "DURATION", value_parser = parse_arg_duration)]
     older_than: Duration,
-    /// The broker's longest redelivery window; pruning closer to now than this is refused.
+    /// The broker's longest redelivery window. Defaults to the processor's (7d); an
+    /// --older-than inside it is refused, and no claim younger than the window plus
+    /// --clock-margin is ever deleted.
     #[arg(long, value_name = "DURATION", value_parser = parse_arg_duration)]
     redelivery_window: Option<Duration>,
+    /// Kept beyond the redelivery window, against clocks that disagree.
+    #[arg(long, value_name = "DURATION", value_parser = parse_arg_duration, default_value = "1h")]
+    clock_margin: Duration,
     /// Only this consumer's claims.
     #[arg(long)]
     consumer: Option<String>,
@@ -77,23 +82,29 @@ pub(crate) async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
 }
 
 pub(crate) async fn prune(args: PruneArgs) -> anyhow::Result<()> {
-    if let Some(window) = args.redelivery_window {
-        idem_core::Retention::new(args.older_than, window)?;
-    }
+    // Without a declared window, assume the processor's default rather than none: a claim
+    // pruned inside the window turns its redelivery into a second effect.
+    let window = args
+        .redelivery_window
+        .unwrap_or_else(|| Retention::default().redelivery_window());
+    let retention = Retention::new(args.older_than, window)?.with_clock_margin(args.clock_margin);
     let consumer = args
         .consumer
         .as_deref()
         .map(ConsumerName::new)
         .transpose()?;
     let store = args.store.connect(false).await?;
-    let before = SystemClock.now().saturating_sub(args.older_than);
     let deleted = store
-        .prune(consumer.as_ref(), before, args.batch)
+        .prune(consumer.as_ref(), retention, args.batch)
         .await
         .context("pruning")?;
     println!(
-        "deleted {deleted} claims processed more than {} ago (before {before})",
-        format_duration(args.older_than)
+        "deleted {deleted} claims processed more than {} ago by the store's clock \
+         (--older-than {}, redelivery window {} + clock margin {})",
+        format_duration(retention.prune_age()),
+        format_duration(args.older_than),
+        format_duration(window),
+        format_duration(args.clock_margin)
     );
     Ok(())
 }

@@ -142,6 +142,8 @@ async fn round_trip(url: &str, table: &str) {
     assert_eq!(stats[0]["claims"], 4);
     assert_eq!(stats[0]["oldest"], "2020-09-13T12:26:40.000000Z");
 
+    // No declared window: the processor's default (7d) applies, so a cut at 1ms is refused
+    // instead of deleting the claim made a moment ago.
     let o = idem(&[
         "prune",
         "--store",
@@ -149,7 +151,27 @@ async fn round_trip(url: &str, table: &str) {
         "--table",
         table,
         "--older-than",
-        "7d",
+        "1ms",
+    ]);
+    assert_clear_error(
+        &o,
+        "retention of 1ms is shorter than the broker's redelivery window of 7d",
+    );
+    let o = idem(&["stats", "--store", url, "--table", table, "--json"]);
+    let stats: serde_json::Value = serde_json::from_str(stdout(&o).trim()).expect("json");
+    assert_eq!(stats[0]["claims"], 4, "a refused prune deleted claims");
+    // A declared 1ms window still keeps the clock margin (1h by default) on top: the 2020
+    // claims go, the fresh one stays.
+    let o = idem(&[
+        "prune",
+        "--store",
+        url,
+        "--table",
+        table,
+        "--older-than",
+        "1ms",
+        "--redelivery-window",
+        "1ms",
         "--batch",
         "2",
     ]);
@@ -162,10 +184,9 @@ async fn round_trip(url: &str, table: &str) {
 
 async fn insert_claims(store: &idem_sql::AnyStore) {
     use idem_core::{
-        ClaimRequest, ClaimStore, Clock, ConsumerName, Fingerprint, MessageId, SystemClock,
-        Timestamp,
+        ClaimRequest, ClaimStore, ConsumerName, Fingerprint, MessageId, Stamp, Timestamp,
     };
-    async fn put<S: ClaimStore>(s: &S, at: Timestamp, n: u8) {
+    async fn put<S: ClaimStore>(s: &S, at: Stamp, n: u8) {
         let consumer = ConsumerName::new("billing").expect("valid");
         let mut tx = s.begin().await.expect("begin");
         let id = MessageId::new(format!("m-{n}")).expect("valid");
@@ -182,9 +203,9 @@ async fn insert_claims(store: &idem_sql::AnyStore) {
     let old = 1_600_000_000_000_000i64;
     for n in 0..4u8 {
         let at = if n < 3 {
-            Timestamp::from_micros(old + i64::from(n))
+            Stamp::At(Timestamp::from_micros(old + i64::from(n)))
         } else {
-            SystemClock.now()
+            Stamp::StoreClock
         };
         match store {
             idem_sql::AnyStore::Sqlite(s) => put(s, at, n).await,

@@ -11,6 +11,9 @@
 //! - `idem_ack_failures_total`: acknowledgements that failed after a commit (the broker will
 //!   redeliver; the claim turns that into a duplicate)
 //! - `idem_broker_errors_total`: failed fetches and failed dead-letter publishes
+//! - `idem_store_unavailable` (gauge): 1 while messages wait out a store outage (unreachable,
+//!   read-only, disk full, out of connections), 0 otherwise
+//! - `idem_store_outages_total`: how many such outages began
 //! - `idem_handler_seconds`: handler latency, inside the transaction
 //! - `idem_commit_seconds`: from the handler's return to the commit's return
 //!
@@ -23,8 +26,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use idem_core::{Error, ErrorKind};
-use metrics::{Counter, Histogram, counter, histogram};
-use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use metrics::{Counter, Gauge, Histogram, counter, gauge, histogram};
+/// What [`install_prometheus_recorder`] returns: `render()` gives the exposition text.
+pub use metrics_exporter_prometheus::PrometheusHandle;
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 
 use crate::dead_letter::DeadLetterReason;
 
@@ -48,6 +53,8 @@ pub struct RunStats {
     pub ack_failures: u64,
     /// Fetch and dead-letter publish failures.
     pub broker_errors: u64,
+    /// Store outages waited out (each began when a first message met one while none was).
+    pub store_outages: u64,
 }
 
 #[derive(Debug, Default)]
@@ -60,6 +67,9 @@ struct Counts {
     abandoned: AtomicU64,
     ack_failures: AtomicU64,
     broker_errors: AtomicU64,
+    store_outages: AtomicU64,
+    /// Messages waiting out a store outage right now.
+    waiting_on_store: AtomicU64,
 }
 
 /// The runner's instruments: `metrics` handles registered once per run, and the plain counts
@@ -77,6 +87,8 @@ pub(crate) struct Instruments {
     abandoned: Counter,
     ack_failures: Counter,
     broker_errors: Counter,
+    store_outages: Counter,
+    store_unavailable: Gauge,
     handler: Histogram,
     commit: Histogram,
 }
@@ -101,6 +113,8 @@ impl Instruments {
             abandoned: plain("idem_abandoned_total"),
             ack_failures: plain("idem_ack_failures_total"),
             broker_errors: plain("idem_broker_errors_total"),
+            store_outages: plain("idem_store_outages_total"),
+            store_unavailable: gauge!("idem_store_unavailable", "consumer" => consumer.to_owned(), "broker" => broker),
             handler: histogram!("idem_handler_seconds", "consumer" => consumer.to_owned(), "broker" => broker),
             commit: histogram!("idem_commit_seconds", "consumer" => consumer.to_owned(), "broker" => broker),
         }
@@ -142,6 +156,25 @@ impl Instruments {
         bump(&self.counts.broker_errors);
         self.broker_errors.increment(1);
     }
+    /// A message met a store outage. The first one waiting raises the gauge and says so loudly;
+    /// the others are counted silently.
+    pub(crate) fn outage_began(&self, error: &Error) {
+        if self.counts.waiting_on_store.fetch_add(1, Ordering::SeqCst) == 0 {
+            bump(&self.counts.store_outages);
+            self.store_outages.increment(1);
+            self.store_unavailable.set(1.0);
+            tracing::error!(consumer = %self.consumer, broker = self.broker, %error, "store unavailable: messages wait in place, spending none of their attempts, until it recovers");
+        }
+    }
+
+    /// A message that waited on the store got past the outage (or gave up at shutdown).
+    pub(crate) fn outage_ended(&self) {
+        if self.counts.waiting_on_store.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.store_unavailable.set(0.0);
+            tracing::info!(consumer = %self.consumer, broker = self.broker, "store available again");
+        }
+    }
+
     pub(crate) fn handler_time(&self, d: Duration) {
         self.handler.record(d.as_secs_f64());
     }
@@ -161,6 +194,7 @@ impl Instruments {
             abandoned: get(&c.abandoned),
             ack_failures: get(&c.ack_failures),
             broker_errors: get(&c.broker_errors),
+            store_outages: get(&c.store_outages),
         }
     }
 }

@@ -77,13 +77,49 @@ fn civil_from_days(z: i64) -> (i64, u32, u32) {
     (y, m, d)
 }
 
-/// A source of the current time.
-pub trait Clock: Send + Sync + 'static {
-    /// Now.
-    fn now(&self) -> Timestamp;
+/// Which clock stamps a claim's `processed_at`, and which one a prune cutoff is measured on.
+///
+/// Both must be the same clock. Stamped by each consumer host and pruned by another, a host
+/// whose clock runs behind would record claims that already look old and lose them early.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stamp {
+    /// The store's own clock: the database server's where there is one (PostgreSQL, MySQL),
+    /// this host's for an embedded store (SQLite), so every host agrees on it.
+    StoreClock,
+    /// An explicit time from an injected [`Clock`] (tests, or an application that keeps its
+    /// own synchronised clock).
+    At(Timestamp),
 }
 
-/// The wall clock.
+/// A source of the current time.
+pub trait Clock: Send + Sync + 'static {
+    /// Now, by this clock.
+    fn now(&self) -> Timestamp;
+
+    /// What claims are stamped with and prune cutoffs measured on: by default this clock's
+    /// [`now`](Clock::now).
+    fn stamp(&self) -> Stamp {
+        Stamp::At(self.now())
+    }
+}
+
+/// The default: claims are stamped, and prune cutoffs measured, by the store's clock
+/// ([`Stamp::StoreClock`]); [`now`](Clock::now) is this host's wall clock.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StoreClock;
+
+impl Clock for StoreClock {
+    fn now(&self) -> Timestamp {
+        SystemTime::now().into()
+    }
+
+    fn stamp(&self) -> Stamp {
+        Stamp::StoreClock
+    }
+}
+
+/// This host's wall clock, for stamps too. Prefer [`StoreClock`] (the default) unless every
+/// host that writes or prunes claims keeps a synchronised clock.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct SystemClock;
 
@@ -120,6 +156,10 @@ impl<C: Clock> Clock for std::sync::Arc<C> {
     fn now(&self) -> Timestamp {
         (**self).now()
     }
+
+    fn stamp(&self) -> Stamp {
+        (**self).stamp()
+    }
 }
 
 #[cfg(test)]
@@ -137,6 +177,14 @@ mod tests {
             Timestamp::from_micros(1_709_210_096_000_007).to_string(),
             "2024-02-29T12:34:56.000007Z"
         );
+    }
+
+    #[test]
+    fn the_default_clock_defers_stamps_to_the_store() {
+        assert_eq!(StoreClock.stamp(), Stamp::StoreClock);
+        assert!(matches!(SystemClock.stamp(), Stamp::At(_)));
+        let manual = std::sync::Arc::new(ManualClock::new(Timestamp::from_micros(7)));
+        assert_eq!(manual.stamp(), Stamp::At(Timestamp::from_micros(7)));
     }
 
     #[test]

@@ -16,8 +16,15 @@ pub enum ErrorKind {
     /// A configuration the library refuses to run with (bad table name, retention shorter
     /// than the redelivery window, unknown store URL scheme).
     InvalidConfig,
-    /// The store could not be reached or the connection broke before anything committed.
+    /// The store is out of reach, or up but refusing work for now: the connection broke before
+    /// anything committed, the database is read-only (a failover onto a standby), its disk is
+    /// full, or it has no connection to spare. Says nothing about the message: a consumer waits
+    /// it out in place, without spending the message's attempts.
     Unavailable,
+    /// The store refuses the statement for a reason only an operator can fix: a missing table
+    /// (its migration never ran), missing privileges, a schema that does not match the SQL,
+    /// a damaged database file. Every message would fail the same way, so a consumer stops.
+    Misconfigured,
     /// A deadlock, serialization failure or lock timeout; the whole unit rolled back and can
     /// simply be retried.
     Transient,
@@ -29,7 +36,8 @@ pub enum ErrorKind {
     Handler,
     /// The handler rejected the message as permanently unprocessable (see [`Error::reject`]).
     Rejected,
-    /// Any other error reported by the store (missing table, constraint, disk full).
+    /// Any other error reported by the store (a constraint the handler's write violates, a
+    /// value out of range): retried like a handler failure.
     Store,
 }
 
@@ -50,7 +58,7 @@ impl ErrorKind {
     pub const fn disposition(self) -> Disposition {
         match self {
             ErrorKind::InvalidMessageId | ErrorKind::Rejected => Disposition::DeadLetter,
-            ErrorKind::InvalidConfig => Disposition::Fatal,
+            ErrorKind::InvalidConfig | ErrorKind::Misconfigured => Disposition::Fatal,
             ErrorKind::Unavailable
             | ErrorKind::Transient
             | ErrorKind::OutcomeUnknown
@@ -152,6 +160,8 @@ mod tests {
         assert_eq!(Error::retry("503").disposition(), Disposition::Retry);
         assert!(Error::new(ErrorKind::OutcomeUnknown, "x").is_retryable());
         assert_eq!(ErrorKind::InvalidConfig.disposition(), Disposition::Fatal);
+        assert_eq!(ErrorKind::Misconfigured.disposition(), Disposition::Fatal);
+        assert_eq!(ErrorKind::Unavailable.disposition(), Disposition::Retry);
     }
 
     #[test]

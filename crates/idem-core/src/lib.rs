@@ -37,10 +37,11 @@ mod id;
 mod message;
 mod outcome;
 mod processor;
+mod redact;
 mod retention;
 pub mod store;
 
-pub use clock::{Clock, ManualClock, SystemClock, Timestamp};
+pub use clock::{Clock, ManualClock, Stamp, StoreClock, SystemClock, Timestamp};
 pub use derived::DerivedKey;
 pub use error::{BoxError, Disposition, Error, ErrorKind};
 pub use fingerprint::{Fingerprint, FingerprintHasher};
@@ -48,6 +49,7 @@ pub use id::{ConsumerName, DEFAULT_MAX_ID_LEN, MAX_CONSUMER_NAME_LEN, MessageId}
 pub use message::{Identified, Message};
 pub use outcome::{Claim, Outcome};
 pub use processor::{Processor, ProcessorBuilder, SetBatch};
+pub use redact::redact_url;
 pub use retention::{Retention, format_duration, parse_duration};
 pub use store::{
     BatchClaimStore, ClaimRequest, ClaimStore, ConsumerStats, Migrate, Prune, Savepoints, Stats,

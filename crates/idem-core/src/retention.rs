@@ -2,7 +2,9 @@
 //!
 //! A claim pruned while the broker may still redeliver its message turns that redelivery into a
 //! second effect. So the configuration declares the broker's longest redelivery window and
-//! [`Retention::new`] refuses anything shorter.
+//! [`Retention::new`] refuses anything shorter. Pruning also keeps a clock margin on top of the
+//! window ([`Retention::DEFAULT_CLOCK_MARGIN`], one hour): the window is measured on the broker's
+//! clock and claims on the store's, and the two never agree exactly.
 
 use std::time::Duration;
 
@@ -13,9 +15,14 @@ use crate::error::{Error, ErrorKind};
 pub struct Retention {
     keep_for: Duration,
     redelivery_window: Duration,
+    clock_margin: Duration,
 }
 
 impl Retention {
+    /// What pruning keeps beyond the redelivery window unless told otherwise: one hour, far
+    /// more than NTP-synchronised clocks drift apart and less than any window worth declaring.
+    pub const DEFAULT_CLOCK_MARGIN: Duration = Duration::from_secs(3600);
+
     /// Keeps claims for `keep_for`; refuses when that is shorter than `redelivery_window`, the
     /// longest time after first delivery that the broker may still deliver the same message
     /// (Kafka topic retention, JetStream `max_age`, a DLQ replay policy…).
@@ -34,7 +41,14 @@ impl Retention {
         Ok(Self {
             keep_for,
             redelivery_window,
+            clock_margin: Self::DEFAULT_CLOCK_MARGIN,
         })
+    }
+
+    /// Replaces the clock margin pruning keeps beyond the redelivery window.
+    pub fn with_clock_margin(mut self, margin: Duration) -> Self {
+        self.clock_margin = margin;
+        self
     }
 
     /// How long claims are kept.
@@ -46,6 +60,18 @@ impl Retention {
     pub fn redelivery_window(&self) -> Duration {
         self.redelivery_window
     }
+
+    /// The margin pruning keeps beyond the redelivery window.
+    pub fn clock_margin(&self) -> Duration {
+        self.clock_margin
+    }
+
+    /// The age past which a claim may be pruned: the retention, and never less than the
+    /// redelivery window plus the clock margin.
+    pub fn prune_age(&self) -> Duration {
+        self.keep_for
+            .max(self.redelivery_window.saturating_add(self.clock_margin))
+    }
 }
 
 impl Default for Retention {
@@ -56,6 +82,7 @@ impl Default for Retention {
         Self {
             keep_for: week,
             redelivery_window: week,
+            clock_margin: Self::DEFAULT_CLOCK_MARGIN,
         }
     }
 }
@@ -158,5 +185,19 @@ mod tests {
             )
             .is_ok()
         );
+    }
+
+    #[test]
+    fn pruning_keeps_the_clock_margin_beyond_the_window() {
+        let day = Duration::from_secs(86_400);
+        // The default retention equals its window: the margin is what protects it.
+        let d = Retention::default();
+        assert_eq!(d.prune_age(), 7 * day + Retention::DEFAULT_CLOCK_MARGIN);
+        let long = Retention::new(14 * day, 7 * day).unwrap();
+        assert_eq!(long.prune_age(), 14 * day);
+        let tight = Retention::new(7 * day, 7 * day)
+            .unwrap()
+            .with_clock_margin(Duration::from_secs(60));
+        assert_eq!(tight.prune_age(), 7 * day + Duration::from_secs(60));
     }
 }

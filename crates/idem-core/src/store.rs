@@ -16,7 +16,9 @@
 
 use std::future::Future;
 
-use crate::clock::Timestamp;
+use std::time::Duration;
+
+use crate::clock::{Stamp, Timestamp};
 use crate::error::{Error, ErrorKind};
 use crate::fingerprint::Fingerprint;
 use crate::id::{ConsumerName, MessageId};
@@ -30,8 +32,8 @@ pub struct ClaimRequest<'a> {
     pub id: &'a MessageId,
     /// Digest of this delivery's payload.
     pub fingerprint: &'a Fingerprint,
-    /// When it is processed; what retention is measured from.
-    pub at: Timestamp,
+    /// When it is processed, by which clock; what retention is measured from.
+    pub at: Stamp,
 }
 
 /// A store that runs transactions on the database where the handler's effects live.
@@ -84,7 +86,7 @@ pub trait BatchClaimStore: ClaimStore {
         tx: &mut Self::Tx,
         consumer: &ConsumerName,
         items: &[(&MessageId, Fingerprint)],
-        at: Timestamp,
+        at: Stamp,
     ) -> impl Future<Output = Result<Vec<Option<Fingerprint>>, Error>> + Send;
 }
 
@@ -112,12 +114,16 @@ pub trait Migrate: Send + Sync {
 
 /// Deletes old claims in bounded batches.
 pub trait Prune: Send + Sync {
-    /// Deletes at most `limit` claims processed before `before` (of `consumer`, or of every
-    /// consumer), in its own short transaction. Returns how many were deleted.
+    /// Deletes at most `limit` claims (of `consumer`, or of every consumer) processed more than
+    /// `older_than` before `now`, in its own short transaction. Returns how many were deleted.
+    ///
+    /// `now` is read on the same clock claims are stamped with: [`Stamp::StoreClock`] is the
+    /// database server's clock where there is one, so the pruner's own clock never matters.
     fn prune_batch(
         &self,
         consumer: Option<&ConsumerName>,
-        before: Timestamp,
+        now: Stamp,
+        older_than: Duration,
         limit: u32,
     ) -> impl Future<Output = Result<u64, Error>> + Send;
 }
@@ -141,18 +147,19 @@ pub trait Stats: Send + Sync {
     fn stats(&self) -> impl Future<Output = Result<Vec<ConsumerStats>, Error>> + Send;
 }
 
-/// Deletes every claim processed before `before`, `batch` rows at a time, so that pruning a
-/// large table never holds long locks or bloats one transaction.
+/// Deletes every claim processed more than `older_than` before `now`, `batch` rows at a time,
+/// so that pruning a large table never holds long locks or bloats one transaction.
 pub async fn prune_all<S: Prune + ?Sized>(
     store: &S,
     consumer: Option<&ConsumerName>,
-    before: Timestamp,
+    now: Stamp,
+    older_than: Duration,
     batch: u32,
 ) -> Result<u64, Error> {
     let batch = batch.max(1);
     let mut total = 0;
     loop {
-        let n = store.prune_batch(consumer, before, batch).await?;
+        let n = store.prune_batch(consumer, now, older_than, batch).await?;
         total += n;
         if n < u64::from(batch) {
             return Ok(total);

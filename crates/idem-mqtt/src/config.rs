@@ -227,11 +227,13 @@ impl Default for Endpoint {
 
 impl Endpoint {
     pub(crate) fn parse(url: &str) -> Result<Self, String> {
+        // Errors quote the URL, which may hold the password.
+        let shown = || idem_core::redact_url(url);
         let rest = url
             .strip_prefix("mqtt://")
             .or_else(|| url.strip_prefix("tcp://"))
             .ok_or_else(|| {
-                format!("unsupported MQTT URL {url:?}: expected mqtt://[user[:password]@]host[:port] (TLS, mqtts://, is not supported yet)")
+                format!("unsupported MQTT URL {:?}: expected mqtt://[user[:password]@]host[:port] (TLS, mqtts://, is not supported yet)", shown())
             })?;
         let rest = rest.trim_end_matches('/');
         let (credentials, hostport) = match rest.rsplit_once('@') {
@@ -246,7 +248,7 @@ impl Endpoint {
             Some(v6) => {
                 let (h, after) = v6
                     .split_once(']')
-                    .ok_or_else(|| format!("unclosed [ in MQTT URL {url:?}"))?;
+                    .ok_or_else(|| format!("unclosed [ in MQTT URL {:?}", shown()))?;
                 (h, after.strip_prefix(':'))
             }
             None => match hostport.rsplit_once(':') {
@@ -257,11 +259,11 @@ impl Endpoint {
         let port = match port {
             Some(p) => p
                 .parse::<u16>()
-                .map_err(|_| format!("invalid port {p:?} in MQTT URL {url:?}"))?,
+                .map_err(|_| format!("invalid port in MQTT URL {:?}", shown()))?,
             None => 1883,
         };
         if host.is_empty() {
-            return Err(format!("no host in MQTT URL {url:?}"));
+            return Err(format!("no host in MQTT URL {:?}", shown()));
         }
         Ok(Self {
             host: host.to_owned(),

@@ -93,9 +93,9 @@ impl JetStreamSourceBuilder {
     /// # Errors
     /// See [`JetStreamSourceBuilder::build_with_context`].
     pub async fn connect(self, url: &str) -> Result<JetStreamSource, Error> {
-        let client = async_nats::connect(url)
-            .await
-            .map_err(|e| error::unavailable(&format!("connecting to {url}"), e))?;
+        let client = async_nats::connect(url).await.map_err(|e| {
+            error::unavailable(&format!("connecting to {}", idem_core::redact_url(url)), e)
+        })?;
         self.build(client).await
     }
 

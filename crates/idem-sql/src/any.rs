@@ -3,7 +3,7 @@
 //! Processing code should name its concrete store type; this enum only forwards the
 //! administrative capabilities.
 
-use idem_core::{ConsumerName, ConsumerStats, Error, ErrorKind, Migrate, Stats, Timestamp};
+use idem_core::{ConsumerName, ConsumerStats, Error, ErrorKind, Migrate, Retention, Stamp, Stats};
 
 use crate::table::TableName;
 
@@ -55,7 +55,7 @@ impl AnyStore {
                 ErrorKind::InvalidConfig,
                 format!(
                     "unsupported store URL {:?}: expected one of {SCHEMES}",
-                    crate::common::redact_url(url)
+                    idem_core::redact_url(url)
                 ),
             )),
         }
@@ -86,20 +86,23 @@ impl AnyStore {
         }
     }
 
-    /// Deletes claims processed before `before`, `batch` rows per transaction.
+    /// Deletes claims older than `retention`'s [prune age](Retention::prune_age) — never less
+    /// than its redelivery window plus clock margin — on the store's clock, `batch` rows per
+    /// transaction.
     pub async fn prune(
         &self,
         consumer: Option<&ConsumerName>,
-        before: Timestamp,
+        retention: Retention,
         batch: u32,
     ) -> Result<u64, Error> {
+        let (now, age) = (Stamp::StoreClock, retention.prune_age());
         match self {
             #[cfg(feature = "sqlite")]
-            Self::Sqlite(s) => idem_core::store::prune_all(s, consumer, before, batch).await,
+            Self::Sqlite(s) => idem_core::store::prune_all(s, consumer, now, age, batch).await,
             #[cfg(feature = "postgres")]
-            Self::Postgres(s) => idem_core::store::prune_all(s, consumer, before, batch).await,
+            Self::Postgres(s) => idem_core::store::prune_all(s, consumer, now, age, batch).await,
             #[cfg(feature = "mysql")]
-            Self::MySql(s) => idem_core::store::prune_all(s, consumer, before, batch).await,
+            Self::MySql(s) => idem_core::store::prune_all(s, consumer, now, age, batch).await,
         }
     }
 

@@ -5,9 +5,11 @@
 /// Implements the low-level `claim_on` and `TransactionalStore`, `ClaimStore`, `Savepoints`,
 /// `Prune` and `Stats` for a store struct with fields `pool` and `sql` (with `claim`,
 /// `read_fingerprint`, `prune_all`, `prune_consumer`, `stats`; prune parameters are bound in the
-/// order before, [consumer,] limit) and an inherent `begin_tx()`.
+/// order now, older-than, [consumer,] limit) and an inherent `begin_tx()`. `$stamp` turns a
+/// [`Stamp`](idem_core::Stamp) into the bound `processed_at` / prune `now`: `None` makes the
+/// statement read the server's clock.
 macro_rules! impl_sql_capabilities {
-    ($store:ty, $db:ty, $tx:ty, $max_id_len:expr) => {
+    ($store:ty, $db:ty, $tx:ty, $max_id_len:expr, $stamp:path) => {
         impl $store {
             /// The claim on a connection inside a transaction the caller began (see
             /// `begin_tx`). `None`: inserted now; `Some(fp)`: already claimed with
@@ -24,7 +26,7 @@ macro_rules! impl_sql_capabilities {
                     .bind(claim.consumer.as_str())
                     .bind(claim.id.as_bytes())
                     .bind(&claim.fingerprint.as_bytes()[..])
-                    .bind(claim.at.as_micros())
+                    .bind($stamp(claim.at))
                     .execute(&mut *conn)
                     .await
                     .map_err(|e| $crate::errors::store_error("claim", e))?
@@ -106,16 +108,20 @@ macro_rules! impl_sql_capabilities {
             async fn prune_batch(
                 &self,
                 consumer: Option<&idem_core::ConsumerName>,
-                before: idem_core::Timestamp,
+                now: idem_core::Stamp,
+                older_than: std::time::Duration,
                 limit: u32,
             ) -> Result<u64, idem_core::Error> {
                 let limit = i64::from(limit);
+                let (now, older_than) = ($stamp(now), $crate::common::micros(older_than));
                 let q = match consumer {
                     None => sqlx::query(&self.sql.prune_all)
-                        .bind(before.as_micros())
+                        .bind(now)
+                        .bind(older_than)
                         .bind(limit),
                     Some(c) => sqlx::query(&self.sql.prune_consumer)
-                        .bind(before.as_micros())
+                        .bind(now)
+                        .bind(older_than)
                         .bind(c.as_str())
                         .bind(limit),
                 };

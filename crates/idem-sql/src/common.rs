@@ -1,6 +1,8 @@
 //! Small helpers every SQL store shares.
 
-use idem_core::{ConsumerStats, Error, ErrorKind, Fingerprint, Timestamp};
+use idem_core::{
+    Clock, ConsumerStats, Error, ErrorKind, Fingerprint, Stamp, SystemClock, Timestamp,
+};
 use sqlx::Row;
 
 /// Turns the stored column into a fingerprint; a missing row means the claim vanished between
@@ -20,18 +22,28 @@ pub(crate) fn stored_fingerprint(bytes: Option<Vec<u8>>) -> Result<Option<Finger
     }
 }
 
-/// A connection URL with its password replaced by `***`, for logs and error messages.
-pub fn redact_url(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s => {
-            let userinfo = &url[s + 3..at];
-            match userinfo.split_once(':') {
-                Some((user, _)) => format!("{}{user}:***{}", &url[..s + 3], &url[at..]),
-                None => url.to_string(),
-            }
-        }
-        _ => url.to_string(),
+/// `processed_at` for a store whose statements read the database server's clock when given
+/// NULL (`COALESCE(?, <server now>)`): every host then stamps and prunes on one clock.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) fn server_stamp(stamp: Stamp) -> Option<i64> {
+    match stamp {
+        Stamp::StoreClock => None,
+        Stamp::At(t) => Some(t.as_micros()),
     }
+}
+
+/// `processed_at` for an embedded store: its clock is this host's, the only host writing it.
+#[cfg(feature = "sqlite")]
+pub(crate) fn host_stamp(stamp: Stamp) -> Option<i64> {
+    match stamp {
+        Stamp::StoreClock => Some(SystemClock.now().as_micros()),
+        Stamp::At(t) => Some(t.as_micros()),
+    }
+}
+
+/// A duration in microseconds, saturating, as prune statements bind it.
+pub(crate) fn micros(d: std::time::Duration) -> i64 {
+    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
 }
 
 /// Reads one `(consumer, count, oldest, newest)` row of a stats query.
@@ -69,11 +81,11 @@ pub(crate) async fn connect_pool<DB: sqlx::Database>(
     use sqlx::Connection;
     type Opts<DB> = <<DB as sqlx::Database>::Connection as Connection>::Options;
 
-    let place = format!("{what} at {}", redact_url(url));
+    let place = format!("{what} at {}", idem_core::redact_url(url));
     let options: Opts<DB> = url.parse().map_err(|e: sqlx::Error| {
         Error::new(
             ErrorKind::InvalidConfig,
-            format!("invalid {what} URL {}: {e}", redact_url(url)),
+            format!("invalid {what} URL {}: {e}", idem_core::redact_url(url)),
         )
         .with_source(e)
     })?;
@@ -103,17 +115,4 @@ pub(crate) async fn connect_pool<DB: sqlx::Database>(
         .connect_with(options)
         .await
         .map_err(|e| crate::errors::store_error(&format!("connecting to {place}"), e))
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn redacts_passwords_only() {
-        assert_eq!(
-            super::redact_url("postgres://u:secret@h/db"),
-            "postgres://u:***@h/db"
-        );
-        assert_eq!(super::redact_url("postgres://u@h/db"), "postgres://u@h/db");
-        assert_eq!(super::redact_url("postgres://h/db"), "postgres://h/db");
-    }
 }

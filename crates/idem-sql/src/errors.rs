@@ -20,35 +20,100 @@ pub(crate) fn kind_of(err: &sqlx::Error) -> ErrorKind {
 fn database_kind(db: &dyn sqlx::error::DatabaseError) -> ErrorKind {
     #[cfg(feature = "mysql")]
     if let Some(my) = db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
-        // 1213 deadlock, 1205 lock wait timeout, 1020 record changed (snapshot conflict),
-        // 1927/2006/2013 connection killed or lost mid-statement.
-        return match my.number() {
-            1213 | 1205 | 1020 => ErrorKind::Transient,
-            1927 | 2006 | 2013 => ErrorKind::Unavailable,
-            _ => ErrorKind::Store,
-        };
+        return mysql_kind(my.number());
     }
     #[cfg(feature = "sqlite")]
     if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() {
-        // Primary codes SQLITE_BUSY (5) and SQLITE_LOCKED (6), with their extended variants
-        // (extended code & 0xff is the primary code).
-        let busy = db
-            .code()
-            .and_then(|c| c.parse::<u32>().ok())
-            .is_some_and(|n| matches!(n & 0xff, 5 | 6));
-        return if busy {
-            ErrorKind::Transient
-        } else {
-            ErrorKind::Store
-        };
+        let code = db.code().and_then(|c| c.parse::<u32>().ok()).unwrap_or(1);
+        return sqlite_kind(code, db.message());
     }
-    let code = db.code();
-    match code.as_deref() {
-        // PostgreSQL: serialization_failure, deadlock_detected, lock_not_available.
-        Some("40001" | "40P01" | "55P03") => ErrorKind::Transient,
-        // PostgreSQL: admin_shutdown, crash_shutdown, cannot_connect_now, class 08 connection.
-        Some("57P01" | "57P02" | "57P03") => ErrorKind::Unavailable,
-        Some(c) if c.starts_with("08") => ErrorKind::Unavailable,
+    postgres_kind(db.code().as_deref().unwrap_or(""))
+}
+
+/// PostgreSQL SQLSTATEs (appendix A of its manual). What a database in trouble answers is an
+/// outage to wait out, not a verdict on the message; what a wrong deployment answers stops the
+/// consumer, because every message would fail the same way.
+pub(crate) fn postgres_kind(code: &str) -> ErrorKind {
+    match code {
+        // serialization_failure, deadlock_detected, lock_not_available, query_canceled
+        // (statement_timeout): the unit rolled back and a retry can succeed.
+        "40001" | "40P01" | "55P03" | "57014" => ErrorKind::Transient,
+        // read_only_sql_transaction: a failover onto a standby, or a primary demoted.
+        "25006" => ErrorKind::Unavailable,
+        // admin_shutdown, crash_shutdown, cannot_connect_now.
+        "57P01" | "57P02" | "57P03" => ErrorKind::Unavailable,
+        // invalid_catalog_name, invalid_schema_name.
+        "3D000" | "3F000" => ErrorKind::Misconfigured,
+        // Class 08 connection exception; 53 insufficient resources (disk_full, out_of_memory,
+        // too_many_connections); 58 system error (io_error).
+        c if c.starts_with("08") || c.starts_with("53") || c.starts_with("58") => {
+            ErrorKind::Unavailable
+        }
+        // Class 28 invalid authorization; 42 syntax error or access rule violation
+        // (insufficient_privilege 42501, undefined_table 42P01, undefined_column 42703…): the
+        // SQL does not fit the database it runs on.
+        c if c.starts_with("28") || c.starts_with("42") => ErrorKind::Misconfigured,
+        _ => ErrorKind::Store,
+    }
+}
+
+/// MySQL / MariaDB server error numbers.
+#[cfg(feature = "mysql")]
+pub(crate) fn mysql_kind(number: u16) -> ErrorKind {
+    match number {
+        // 1213 deadlock, 1205 lock wait timeout, 1020 record changed (snapshot conflict),
+        // 3024 / 1969 statement time limit (MySQL / MariaDB).
+        1213 | 1205 | 1020 | 3024 | 1969 => ErrorKind::Transient,
+        // 1290 running with --read-only, 1792 read-only transaction, 1836 read-only mode;
+        // 1021 disk full, 1114 table full; 1040 too many connections, 1203 / 1226 per-user
+        // connection limits; 1037 / 1038 / 1041 out of memory; 1053 server shutdown;
+        // 1927 connection killed, 2006 server gone away, 2013 lost connection mid-query,
+        // 1158–1161 network read/write errors.
+        1290
+        | 1792
+        | 1836
+        | 1021
+        | 1114
+        | 1040
+        | 1203
+        | 1226
+        | 1037
+        | 1038
+        | 1041
+        | 1053
+        | 1927
+        | 2006
+        | 2013
+        | 1158..=1161 => ErrorKind::Unavailable,
+        // 1044 / 1045 / 1142 / 1143 / 1227 / 1370 access denied; 1046 no database selected,
+        // 1049 unknown database, 1054 unknown column, 1064 SQL syntax, 1109 unknown table,
+        // 1146 no such table, 1305 no such function or procedure.
+        1044 | 1045 | 1142 | 1143 | 1227 | 1370 | 1046 | 1049 | 1054 | 1064 | 1109 | 1146
+        | 1305 => ErrorKind::Misconfigured,
+        _ => ErrorKind::Store,
+    }
+}
+
+/// SQLite result codes (extended codes carry the primary code in their low byte).
+#[cfg(feature = "sqlite")]
+pub(crate) fn sqlite_kind(code: u32, message: &str) -> ErrorKind {
+    match code & 0xff {
+        // SQLITE_BUSY, SQLITE_LOCKED: another writer holds the lock.
+        5 | 6 => ErrorKind::Transient,
+        // SQLITE_READONLY (a read-only file or mount), SQLITE_IOERR, SQLITE_FULL (disk or
+        // max_page_count), SQLITE_CANTOPEN: the database cannot take writes now.
+        8 | 10 | 13 | 14 => ErrorKind::Unavailable,
+        // SQLITE_PERM, SQLITE_AUTH; SQLITE_CORRUPT, SQLITE_NOTADB: a damaged file is for an
+        // operator, not for retries.
+        3 | 23 | 11 | 26 => ErrorKind::Misconfigured,
+        // SQLITE_ERROR is every SQL error at once; SQLite has no separate code for a missing
+        // table or column, so the prefix of its message is the only signal there is.
+        1 if message.starts_with("no such table")
+            || message.starts_with("no such column")
+            || message.starts_with("no such function") =>
+        {
+            ErrorKind::Misconfigured
+        }
         _ => ErrorKind::Store,
     }
 }

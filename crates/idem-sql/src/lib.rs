@@ -57,7 +57,8 @@ mod table;
 mod tx;
 
 pub use any::{AnyStore, SCHEMES};
-pub use common::redact_url;
+/// Kept for callers of `idem_sql::redact_url`; the one implementation is idem-core's.
+pub use idem_core::redact_url;
 #[cfg(feature = "mysql")]
 pub use mysql::{MAX_MESSAGE_ID_LEN as MYSQL_MAX_MESSAGE_ID_LEN, MySqlStore};
 #[cfg(feature = "postgres")]

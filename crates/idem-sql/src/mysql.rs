@@ -9,13 +9,17 @@
 //! A concurrent duplicate waits on the first transaction's record lock; the increment then locks
 //! the existing row and makes it visible to the fingerprint read that follows.
 
-use idem_core::{BatchClaimStore, ConsumerName, Error, Fingerprint, MessageId, Migrate, Timestamp};
+use idem_core::{BatchClaimStore, ConsumerName, Error, Fingerprint, MessageId, Migrate, Stamp};
 use sqlx::QueryBuilder;
 use sqlx::mysql::{MySql, MySqlPool};
 
-use crate::common::stored_fingerprint;
+use crate::common::{server_stamp, stored_fingerprint};
 use crate::errors::store_error;
 use crate::table::TableName;
+
+/// The server's clock in `processed_at` units: microseconds since the Unix epoch, computed on
+/// UTC so the session's time zone (and its daylight-saving jumps) cannot shift it.
+const SERVER_NOW: &str = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))";
 
 /// Longest message ID the `VARBINARY(1024)` column holds.
 pub const MAX_MESSAGE_ID_LEN: usize = 1024;
@@ -47,14 +51,18 @@ impl Statements {
             table: t.to_string(),
             claim: format!(
                 "INSERT INTO {t} (consumer, message_id, fingerprint, processed_at) \
-                 VALUES (?, ?, ?, ?) ON DUPLICATE KEY UPDATE duplicates = duplicates + 1"
+                 VALUES (?, ?, ?, COALESCE(?, {SERVER_NOW})) \
+                 ON DUPLICATE KEY UPDATE duplicates = duplicates + 1"
             ),
             read_fingerprint: format!(
                 "SELECT fingerprint FROM {t} WHERE consumer = ? AND message_id = ?"
             ),
-            prune_all: format!("DELETE FROM {t} WHERE processed_at < ? LIMIT ?"),
+            prune_all: format!(
+                "DELETE FROM {t} WHERE processed_at < COALESCE(?, {SERVER_NOW}) - ? LIMIT ?"
+            ),
             prune_consumer: format!(
-                "DELETE FROM {t} WHERE processed_at < ? AND consumer = ? LIMIT ?"
+                "DELETE FROM {t} WHERE processed_at < COALESCE(?, {SERVER_NOW}) - ? \
+                 AND consumer = ? LIMIT ?"
             ),
             stats: format!(
                 "SELECT CAST(consumer AS CHAR), CAST(count(*) AS SIGNED), min(processed_at), max(processed_at) \
@@ -114,8 +122,9 @@ impl BatchClaimStore for MySqlStore {
         tx: &mut Self::Tx,
         consumer: &ConsumerName,
         items: &[(&MessageId, Fingerprint)],
-        at: Timestamp,
+        at: Stamp,
     ) -> Result<Vec<Option<Fingerprint>>, Error> {
+        let at = server_stamp(at);
         let t = &self.sql.table;
         let mut affected = 0;
         for chunk in items.chunks(CHUNK) {
@@ -125,8 +134,11 @@ impl BatchClaimStore for MySqlStore {
             q.push_values(chunk, |mut row, (id, fp)| {
                 row.push_bind(consumer.as_str())
                     .push_bind(id.as_bytes())
-                    .push_bind(&fp.as_bytes()[..])
-                    .push_bind(at.as_micros());
+                    .push_bind(&fp.as_bytes()[..]);
+                match at {
+                    Some(micros) => row.push_bind(micros),
+                    None => row.push(SERVER_NOW),
+                };
             });
             q.push(" ON DUPLICATE KEY UPDATE duplicates = duplicates + 1");
             affected += q
@@ -174,7 +186,8 @@ crate::capabilities::impl_sql_capabilities!(
     MySqlStore,
     MySql,
     crate::Tx<MySql>,
-    MAX_MESSAGE_ID_LEN
+    MAX_MESSAGE_ID_LEN,
+    server_stamp
 );
 
 impl Migrate for MySqlStore {

@@ -7,13 +7,17 @@
 //! READ COMMITTED sees the row whose commit the insert waited for. The `processed_at` index is BRIN: claims arrive in time order, so a BRIN
 //! index costs almost nothing per insert and still lets pruning find old rows.
 
-use idem_core::{BatchClaimStore, ConsumerName, Error, Fingerprint, MessageId, Migrate, Timestamp};
+use idem_core::{BatchClaimStore, ConsumerName, Error, Fingerprint, MessageId, Migrate, Stamp};
 use sqlx::Postgres;
 use sqlx::postgres::PgPool;
 
-use crate::common::stored_fingerprint;
+use crate::common::{server_stamp, stored_fingerprint};
 use crate::errors::{commit_error, store_error};
 use crate::table::TableName;
+
+/// The server's clock in `processed_at` units: the transaction's start, in microseconds since
+/// the Unix epoch (`now()` is fixed for the whole transaction, so a batch shares one stamp).
+const SERVER_NOW: &str = "(extract(epoch from now()) * 1000000)::bigint";
 
 /// Longest message ID this schema holds: well inside the btree tuple limit.
 pub const MAX_MESSAGE_ID_LEN: usize = 1024;
@@ -42,14 +46,16 @@ impl Statements {
         Self {
             claim: format!(
                 "INSERT INTO {t} (consumer, message_id, fingerprint, processed_at) \
-                 VALUES ($1, $2, $3, $4) ON CONFLICT (consumer, message_id) DO NOTHING"
+                 VALUES ($1, $2, $3, COALESCE($4, {SERVER_NOW})) \
+                 ON CONFLICT (consumer, message_id) DO NOTHING"
             ),
             read_fingerprint: format!(
                 "SELECT fingerprint FROM {t} WHERE consumer = $1 AND message_id = $2"
             ),
             claim_many: format!(
                 "INSERT INTO {t} (consumer, message_id, fingerprint, processed_at) \
-                 SELECT $1, m, f, $4 FROM unnest($2::bytea[], $3::bytea[]) AS u(m, f) \
+                 SELECT $1, m, f, COALESCE($4::bigint, {SERVER_NOW}) \
+                 FROM unnest($2::bytea[], $3::bytea[]) AS u(m, f) \
                  ON CONFLICT (consumer, message_id) DO NOTHING RETURNING message_id"
             ),
             read_fingerprints: format!(
@@ -59,11 +65,13 @@ impl Statements {
             // `ctid = ANY(ARRAY(…))` plans as a TID scan; `ctid IN (…)` may scan the table.
             prune_all: format!(
                 "DELETE FROM {t} WHERE ctid = ANY(ARRAY( \
-                 SELECT ctid FROM {t} WHERE processed_at < $1 LIMIT $2))"
+                 SELECT ctid FROM {t} WHERE processed_at < COALESCE($1, {SERVER_NOW}) - $2 \
+                 LIMIT $3))"
             ),
             prune_consumer: format!(
                 "DELETE FROM {t} WHERE ctid = ANY(ARRAY( \
-                 SELECT ctid FROM {t} WHERE processed_at < $1 AND consumer = $2 LIMIT $3))"
+                 SELECT ctid FROM {t} WHERE processed_at < COALESCE($1, {SERVER_NOW}) - $2 \
+                 AND consumer = $3 LIMIT $4))"
             ),
             stats: format!(
                 "SELECT consumer, count(*)::bigint, min(processed_at), max(processed_at) \
@@ -121,7 +129,7 @@ impl BatchClaimStore for PostgresStore {
         tx: &mut Self::Tx,
         consumer: &ConsumerName,
         items: &[(&MessageId, Fingerprint)],
-        at: Timestamp,
+        at: Stamp,
     ) -> Result<Vec<Option<Fingerprint>>, Error> {
         let ids: Vec<&[u8]> = items.iter().map(|(id, _)| id.as_bytes()).collect();
         let fps: Vec<&[u8]> = items.iter().map(|(_, fp)| &fp.as_bytes()[..]).collect();
@@ -129,7 +137,7 @@ impl BatchClaimStore for PostgresStore {
             .bind(consumer.as_str())
             .bind(&ids)
             .bind(&fps)
-            .bind(at.as_micros())
+            .bind(server_stamp(at))
             .fetch_all(&mut **tx)
             .await
             .map_err(|e| store_error("batch claim", e))?;
@@ -165,7 +173,8 @@ crate::capabilities::impl_sql_capabilities!(
     PostgresStore,
     Postgres,
     crate::PgTx,
-    MAX_MESSAGE_ID_LEN
+    MAX_MESSAGE_ID_LEN,
+    server_stamp
 );
 
 impl Migrate for PostgresStore {

@@ -11,14 +11,14 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use idem_core::{
-    BatchClaimStore, ConsumerName, Error, ErrorKind, Fingerprint, MessageId, Migrate, Timestamp,
+    BatchClaimStore, ConsumerName, Error, ErrorKind, Fingerprint, MessageId, Migrate, Stamp,
 };
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
 use sqlx::{QueryBuilder, Sqlite};
 
-use crate::common::stored_fingerprint;
+use crate::common::{host_stamp, stored_fingerprint};
 use crate::errors::{commit_error, store_error};
 use crate::table::TableName;
 
@@ -59,11 +59,11 @@ impl Statements {
             ),
             prune_all: format!(
                 "DELETE FROM {t} WHERE rowid IN \
-                 (SELECT rowid FROM {t} WHERE processed_at < ?1 LIMIT ?2)"
+                 (SELECT rowid FROM {t} WHERE processed_at < ?1 - ?2 LIMIT ?3)"
             ),
             prune_consumer: format!(
                 "DELETE FROM {t} WHERE rowid IN \
-                 (SELECT rowid FROM {t} WHERE processed_at < ?1 AND consumer = ?2 LIMIT ?3)"
+                 (SELECT rowid FROM {t} WHERE processed_at < ?1 - ?2 AND consumer = ?3 LIMIT ?4)"
             ),
             stats: format!(
                 "SELECT consumer, count(*), min(processed_at), max(processed_at) \
@@ -142,7 +142,7 @@ impl SqliteStore {
         let connect = SqliteConnectOptions::from_str(url).map_err(|e| {
             Error::new(
                 ErrorKind::InvalidConfig,
-                format!("invalid SQLite URL {url:?}: {e}"),
+                format!("invalid SQLite URL {:?}: {e}", idem_core::redact_url(url)),
             )
             .with_source(e)
         })?;
@@ -224,8 +224,9 @@ impl BatchClaimStore for SqliteStore {
         tx: &mut Self::Tx,
         consumer: &ConsumerName,
         items: &[(&MessageId, Fingerprint)],
-        at: Timestamp,
+        at: Stamp,
     ) -> Result<Vec<Option<Fingerprint>>, Error> {
+        let at = host_stamp(at);
         let t = &self.sql.table;
         let mut inserted = std::collections::HashSet::new();
         for chunk in items.chunks(CHUNK) {
@@ -236,7 +237,7 @@ impl BatchClaimStore for SqliteStore {
                 row.push_bind(consumer.as_str())
                     .push_bind(id.as_bytes())
                     .push_bind(&fp.as_bytes()[..])
-                    .push_bind(at.as_micros());
+                    .push_bind(at);
             });
             q.push(" ON CONFLICT (consumer, message_id) DO NOTHING RETURNING message_id");
             let rows: Vec<Vec<u8>> = q
@@ -268,7 +269,8 @@ crate::capabilities::impl_sql_capabilities!(
     SqliteStore,
     Sqlite,
     crate::Tx<Sqlite>,
-    MAX_MESSAGE_ID_LEN
+    MAX_MESSAGE_ID_LEN,
+    host_stamp
 );
 
 impl Migrate for SqliteStore {

@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use idem_core::{
     BoxError, ConsumerName, Disposition, Error, ErrorKind, Fingerprint, Identified, ManualClock,
-    Message, MessageId, Migrate, Outcome, Processor, Prune, Stats, Timestamp, TransactionalStore,
+    Message, MessageId, Migrate, Outcome, Processor, Prune, Stamp, Stats, Timestamp,
+    TransactionalStore,
 };
 
 use crate::fixture::StoreFixture;
@@ -602,11 +603,10 @@ pub async fn prune_deletes_only_expired_claims_in_bounded_batches<F: StoreFixtur
     assert_eq!(p.prune().await.expect("prune"), 0);
     clock.advance(3 * day);
     // Day 8: the 25 old claims are past 7 days. One bounded batch deletes at most its limit.
-    let before = clock_now(&clock).saturating_sub(7 * day);
     let consumer = ConsumerName::new("billing").expect("valid");
     assert_eq!(
         fx.store()
-            .prune_batch(Some(&consumer), before, 10)
+            .prune_batch(Some(&consumer), Stamp::At(clock_now(&clock)), 7 * day, 10)
             .await
             .expect("batch"),
         10

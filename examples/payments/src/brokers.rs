@@ -14,7 +14,7 @@ use crate::{Database, Settings};
 const PUBLISH_CONCURRENCY: usize = 64;
 
 /// A parsed `--broker` URL.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub(crate) enum BrokerUrl {
     Nats(String),
     Amqp(String),
@@ -51,19 +51,26 @@ impl BrokerUrl {
             "mqtt" | "tcp" => BrokerUrl::Mqtt(url.to_owned()),
             _ => bail!(
                 "unsupported broker URL {:?}: expected nats://, amqp://, kafka://host:port, redis:// or mqtt://",
-                idem_sql::redact_url(url)
+                idem_core::redact_url(url)
             ),
         })
     }
 
-    /// The URL without its password, for logs.
+    /// The URL without its secrets, for logs.
     pub(crate) fn redacted(&self) -> String {
         match self {
-            BrokerUrl::Kafka(hosts) => format!("kafka://{hosts}"),
+            BrokerUrl::Kafka(hosts) => idem_core::redact_url(&format!("kafka://{hosts}")),
             BrokerUrl::Nats(u) | BrokerUrl::Amqp(u) | BrokerUrl::Redis(u) | BrokerUrl::Mqtt(u) => {
-                idem_sql::redact_url(u)
+                idem_core::redact_url(u)
             }
         }
+    }
+}
+
+/// The URLs may hold passwords: `Debug` shows them redacted.
+impl std::fmt::Debug for BrokerUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("BrokerUrl").field(&self.redacted()).finish()
     }
 }
 
@@ -109,7 +116,7 @@ async fn nats_topology(
 )> {
     let client = idem_nats::async_nats::connect(url)
         .await
-        .with_context(|| format!("connecting to NATS at {}", idem_sql::redact_url(url)))?;
+        .with_context(|| format!("connecting to NATS at {}", idem_core::redact_url(url)))?;
     let js = idem_nats::async_nats::jetstream::new(client.clone());
     idem_nats::ensure_stream(&js, source, &[source]).await?;
     let dead = nats_dead_letter_subject(source);
@@ -148,10 +155,12 @@ async fn kafka_topology(brokers: &str, source: &str) -> Result<()> {
         NewTopic::new(&dead, 1, TopicReplication::Fixed(1)),
     ];
     let opts = AdminOptions::new().operation_timeout(Some(std::time::Duration::from_secs(10)));
-    let results = admin
-        .create_topics(&topics, &opts)
-        .await
-        .with_context(|| format!("creating Kafka topics on {brokers}"))?;
+    let results = admin.create_topics(&topics, &opts).await.with_context(|| {
+        format!(
+            "creating Kafka topics on {}",
+            idem_core::redact_url(brokers)
+        )
+    })?;
     for r in results {
         match r {
             Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}

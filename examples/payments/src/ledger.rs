@@ -62,16 +62,22 @@ const POSTGRES_SCHEMA: &[&str] = &[
         balance_cents BIGINT NOT NULL)",
 ];
 
+/// Identifiers are `VARBINARY`, compared byte for byte as SQLite's and PostgreSQL's `TEXT`
+/// are: under the server's default collation (`utf8mb4_general_ci`, `utf8mb4_0900_ai_ci`)
+/// `"ALICE "` would be the same key as `"alice"` and be credited to it, and even `utf8mb4_bin`
+/// pads trailing spaces. `CREATE TABLE IF NOT EXISTS` leaves tables made by an earlier version
+/// as they are; convert them with `ALTER TABLE accounts MODIFY account VARBINARY(255) NOT NULL`
+/// and `ALTER TABLE charges MODIFY account VARBINARY(255) NOT NULL`.
 const MYSQL_SCHEMA: &[&str] = &[
     "CREATE TABLE IF NOT EXISTS charges (
         id BIGINT AUTO_INCREMENT PRIMARY KEY,
         message_id VARBINARY(255) NOT NULL,
-        account VARCHAR(255) NOT NULL,
+        account VARBINARY(255) NOT NULL,
         amount_cents BIGINT NOT NULL,
         charged_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
         INDEX charges_message_id (message_id))",
     "CREATE TABLE IF NOT EXISTS accounts (
-        account VARCHAR(255) PRIMARY KEY,
+        account VARBINARY(255) PRIMARY KEY,
         balance_cents BIGINT NOT NULL)",
 ];
 
@@ -162,9 +168,10 @@ impl Handler<Tx<MySql>, PaymentRequested> for Charge {
     ) -> Result<(), BoxError> {
         let p = msg.payload();
         p.validate()?;
+        // Bytes for the VARBINARY columns: no charset conversion between the message and the key.
         sqlx::query("INSERT INTO charges (message_id, account, amount_cents) VALUES (?, ?, ?)")
             .bind(msg.message_id().as_bytes())
-            .bind(&p.account)
+            .bind(p.account.as_bytes())
             .bind(p.amount_cents)
             .execute(&mut **tx)
             .await?;
@@ -172,10 +179,165 @@ impl Handler<Tx<MySql>, PaymentRequested> for Charge {
             "INSERT INTO accounts (account, balance_cents) VALUES (?, ?)
              ON DUPLICATE KEY UPDATE balance_cents = balance_cents + VALUES(balance_cents)",
         )
-        .bind(&p.account)
+        .bind(p.account.as_bytes())
         .bind(p.amount_cents)
         .execute(&mut **tx)
         .await?;
         Ok(())
+    }
+}
+
+/// The service's consume path (decode, claim, `Charge`, commit) over the in-memory broker, on
+/// each real database: accounts are kept apart exactly as producers spell them.
+#[cfg(test)]
+mod tests {
+    use idem_consumer::{CancellationToken, InMemoryBroker};
+    use idem_testkit::{service_url, services, unique_name};
+
+    use crate::{Database, Settings};
+
+    /// Account names a case- or pad-insensitive key would merge, with what each is charged.
+    const PAYMENTS: &[(&str, i64)] = &[
+        ("alice", 100),
+        ("ALICE", 200),
+        ("alice ", 400),
+        ("alice", 1000),
+    ];
+    const EXPECTED: &[(&str, i64)] = &[("ALICE", 200), ("alice", 1100), ("alice ", 400)];
+
+    /// Consumes `PAYMENTS` into the database at `url`, then checks the balances and charges
+    /// that `read` returns.
+    async fn accounts_stay_distinct<F, Fut>(url: &str, read: F)
+    where
+        F: Fn(&'static str) -> Fut,
+        Fut: std::future::Future<Output = Vec<(String, i64)>>,
+    {
+        let db = Database::open(url).await.expect("open the database");
+        let broker = InMemoryBroker::new();
+        for (i, (account, amount)) in PAYMENTS.iter().enumerate() {
+            let payload = serde_json::json!({ "account": account, "amount_cents": amount });
+            let id = format!("pay-{i}");
+            broker.publish(&[("message-id", id.as_bytes())], payload.to_string());
+        }
+        broker.close();
+        let settings = Settings {
+            source: "payments".to_owned(),
+            consumer: "payments".to_owned(),
+            instance: "test".to_owned(),
+            concurrency: 1,
+            batch: 1,
+            retention: idem_core::Retention::default(),
+            shutdown: CancellationToken::new(),
+        };
+        let stats = db
+            .consume(broker.source(), &settings)
+            .await
+            .expect("consume");
+        assert_eq!(stats.processed, 4, "{stats:?}");
+
+        let sorted = |mut rows: Vec<(String, i64)>| {
+            rows.sort();
+            rows
+        };
+        let expected: Vec<(String, i64)> = EXPECTED
+            .iter()
+            .map(|(a, n)| ((*a).to_owned(), *n))
+            .collect();
+        assert_eq!(
+            sorted(read("SELECT account, balance_cents FROM accounts").await),
+            expected,
+            "balances on {}",
+            idem_core::redact_url(url)
+        );
+        let sent: Vec<(String, i64)> = PAYMENTS
+            .iter()
+            .map(|(a, n)| ((*a).to_owned(), *n))
+            .collect();
+        assert_eq!(
+            sorted(read("SELECT account, amount_cents FROM charges").await),
+            sorted(sent),
+            "charges keep the account as sent"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sqlite_accounts_differing_in_case_or_trailing_space_are_distinct() {
+        let dir = std::env::temp_dir().join(unique_name("payments", "ledger_sqlite"));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let url = format!("sqlite:{}", dir.join("payments.db").display());
+        let pool = sqlx::SqlitePool::connect_lazy(&url).expect("pool");
+        accounts_stay_distinct(&url, |sql| {
+            let pool = pool.clone();
+            async move { sqlx::query_as(sql).fetch_all(&pool).await.expect(sql) }
+        })
+        .await;
+        pool.close().await;
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_accounts_differing_in_case_or_trailing_space_are_distinct() {
+        let test = "postgres_accounts_differing_in_case_or_trailing_space_are_distinct";
+        let Some(base) = service_url(services::POSTGRES, test) else {
+            return;
+        };
+        // Its own schema: the example's tables have fixed names.
+        let schema = unique_name("payments", "ledger");
+        let admin = sqlx::PgPool::connect(&base).await.expect("connect");
+        sqlx::query(&format!("CREATE SCHEMA {schema}"))
+            .execute(&admin)
+            .await
+            .expect("create schema");
+        let mut url = url::Url::parse(&base).expect("IDEM_TEST_POSTGRES_URL is a URL");
+        url.query_pairs_mut()
+            .append_pair("options", &format!("-c search_path={schema}"));
+        let pool = sqlx::PgPool::connect(url.as_str()).await.expect("connect");
+        accounts_stay_distinct(url.as_str(), |sql| {
+            let pool = pool.clone();
+            async move { sqlx::query_as(sql).fetch_all(&pool).await.expect(sql) }
+        })
+        .await;
+        pool.close().await;
+        sqlx::query(&format!("DROP SCHEMA {schema} CASCADE"))
+            .execute(&admin)
+            .await
+            .expect("drop schema");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn mysql_accounts_differing_in_case_or_trailing_space_are_distinct() {
+        let test = "mysql_accounts_differing_in_case_or_trailing_space_are_distinct";
+        let Some(base) = service_url(services::MYSQL, test) else {
+            return;
+        };
+        // Its own database: the example's tables have fixed names.
+        let name = unique_name("payments", "ledger");
+        let admin = sqlx::MySqlPool::connect(&base).await.expect("connect");
+        sqlx::query(&format!("CREATE DATABASE {name}"))
+            .execute(&admin)
+            .await
+            .expect("create database");
+        let mut url = url::Url::parse(&base).expect("IDEM_TEST_MYSQL_URL is a URL");
+        url.set_path(&name);
+        let pool = sqlx::MySqlPool::connect(url.as_str())
+            .await
+            .expect("connect");
+        accounts_stay_distinct(url.as_str(), |sql| {
+            let pool = pool.clone();
+            async move {
+                // VARBINARY columns read as bytes.
+                let rows: Vec<(Vec<u8>, i64)> =
+                    sqlx::query_as(sql).fetch_all(&pool).await.expect(sql);
+                rows.into_iter()
+                    .map(|(a, n)| (String::from_utf8(a).expect("UTF-8 account"), n))
+                    .collect()
+            }
+        })
+        .await;
+        pool.close().await;
+        sqlx::query(&format!("DROP DATABASE {name}"))
+            .execute(&admin)
+            .await
+            .expect("drop database");
     }
 }

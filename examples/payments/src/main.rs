@@ -303,7 +303,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         shutdown: idem_consumer::shutdown::on_signal(),
     };
     let db = Database::open(&args.database).await?;
-    tracing::info!(broker = %broker.redacted(), source = %settings.source, database = %idem_sql::redact_url(&args.database), "starting");
+    tracing::info!(broker = %broker.redacted(), source = %settings.source, database = %idem_core::redact_url(&args.database), "starting");
     let stats = brokers::serve(&broker, &settings, db).await?;
     tracing::info!(
         processed = stats.processed,
@@ -324,7 +324,7 @@ pub(crate) enum Database {
 
 impl Database {
     async fn open(url: &str) -> Result<Self> {
-        let shown = idem_sql::redact_url(url);
+        let shown = idem_core::redact_url(url);
         let scheme = url
             .split(':')
             .next()

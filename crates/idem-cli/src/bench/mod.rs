@@ -382,7 +382,7 @@ pub(crate) async fn run(args: BenchArgs) -> anyhow::Result<()> {
             Err(e) => {
                 let line = format!(
                     "P1/P2 skipped: PostgreSQL at {} is unreachable ({e:#})",
-                    idem_sql::redact_url(&url)
+                    idem_core::redact_url(&url)
                 );
                 eprintln!("{line}");
                 skipped.push(line);

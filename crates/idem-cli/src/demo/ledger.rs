@@ -8,10 +8,11 @@
 
 use anyhow::Context;
 use idem_core::store::prune_all;
-use idem_core::{BoxError, ConsumerName, Error, Timestamp};
+use idem_core::{BoxError, ConsumerName, Error, Stamp, Timestamp};
 use idem_sql::SqliteStore;
 use sqlx::SqliteConnection;
 use sqlx::sqlite::SqlitePool;
+use std::time::Duration;
 
 use super::producer::{ACCOUNTS, Envelope, PaymentRequested, account_name};
 
@@ -77,7 +78,8 @@ pub(crate) async fn reset(store: &SqliteStore, consumer: &ConsumerName) -> anyho
     prune_all(
         store,
         Some(consumer),
-        Timestamp::from_micros(i64::MAX),
+        Stamp::At(Timestamp::from_micros(i64::MAX)),
+        Duration::ZERO,
         10_000,
     )
     .await

@@ -10,7 +10,7 @@ mod settle;
 
 use std::sync::{Arc, Mutex};
 
-use idem_core::{ClaimStore, Clock, Error, ErrorKind, Processor, Savepoints, SystemClock};
+use idem_core::{ClaimStore, Clock, Error, ErrorKind, Processor, Savepoints, StoreClock};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -61,7 +61,7 @@ const MAX_FETCH: usize = 256;
 /// # Ok(()) }
 /// ```
 #[derive(Debug)]
-pub struct Consumer<S, Src, C = SystemClock> {
+pub struct Consumer<S, Src, C = StoreClock> {
     processor: Arc<Processor<S, C>>,
     source: Src,
     concurrency: usize,
@@ -289,7 +289,10 @@ fn report_panic(done: Result<(), tokio::task::JoinError>) {
 
 /// The error that stops a run when a store or handler reports a misconfiguration.
 pub(crate) fn fatal(e: Error) -> Error {
-    if e.kind() == ErrorKind::InvalidConfig {
+    if matches!(
+        e.kind(),
+        ErrorKind::InvalidConfig | ErrorKind::Misconfigured
+    ) {
         e
     } else {
         Error::new(ErrorKind::InvalidConfig, format!("consumer stopped: {e}")).with_source(e)

@@ -297,14 +297,19 @@ where
         mut attempt: u32,
     ) {
         let mut outage_waits = 0u32;
+        // Held while this message waits out a store outage: the gauge stays raised until the
+        // last waiting message gets past it.
+        let mut waiting: Option<OutageWait<'_>> = None;
         loop {
             match e.disposition() {
                 Disposition::Retry => {}
                 Disposition::DeadLetter => {
+                    drop(waiting.take());
                     let dl = DeadLetter::from_error(&e, false);
                     return self.dead_letter(delivery, dl, attempt).await;
                 }
                 _ => {
+                    drop(waiting.take());
                     tracing::error!(error = %e, "fatal error; stopping the consumer");
                     self.set_fatal(e);
                     self.instruments.abandoned();
@@ -312,7 +317,8 @@ where
                 }
             }
             if self.stop.is_cancelled() {
-                tracing::info!(error = %e, attempt, "shutting down; leaving the message to redelivery");
+                drop(waiting.take());
+                tracing::debug!(error = %e, attempt, "shutting down; leaving the message to redelivery");
                 self.instruments.abandoned();
                 return delivery.abandon().await;
             }
@@ -323,9 +329,16 @@ where
             let outage = infrastructure(&e);
             if outage {
                 outage_waits = outage_waits.saturating_add(1);
-            } else if attempt >= self.retry.max_attempts() {
-                let dl = DeadLetter::from_error(&e, true);
-                return self.dead_letter(delivery, dl, attempt).await;
+                if waiting.is_none() {
+                    waiting = Some(OutageWait::begin(&self.instruments, &e));
+                }
+            } else {
+                drop(waiting.take());
+                outage_waits = 0;
+                if attempt >= self.retry.max_attempts() {
+                    let dl = DeadLetter::from_error(&e, true);
+                    return self.dead_letter(delivery, dl, attempt).await;
+                }
             }
             self.instruments.retry();
             let wait = if outage {
@@ -333,7 +346,12 @@ where
             } else {
                 self.retry.delay(attempt + 1)
             };
-            tracing::warn!(error = %e, attempt, retry_in = ?wait, "processing failed; retrying");
+            if outage {
+                // The outage itself was reported once, loudly; per message it is detail.
+                tracing::debug!(error = %e, attempt, retry_in = ?wait, "store unavailable; waiting in place");
+            } else {
+                tracing::warn!(error = %e, attempt, retry_in = ?wait, "processing failed; retrying");
+            }
             tokio::select! {
                 _ = self.stop.cancelled() => continue, // handled at the top of the loop
                 _ = tokio::time::sleep(wait) => {}
@@ -342,7 +360,10 @@ where
                 attempt += 1;
             }
             match self.attempt(&msg).await {
-                Step::Done(outcome) => return self.finish(delivery, &msg, outcome).await,
+                Step::Done(outcome) => {
+                    drop(waiting.take());
+                    return self.finish(delivery, &msg, outcome).await;
+                }
                 Step::Failed(next) => e = next,
             }
         }
@@ -358,12 +379,12 @@ where
         match outcome {
             Outcome::Processed(_) => {
                 self.instruments.processed();
-                tracing::info!(outcome = "processed", "committed");
+                tracing::debug!(outcome = "processed", "committed");
                 self.ack(delivery).await;
             }
             Outcome::Duplicate => {
                 self.instruments.duplicate();
-                tracing::info!(
+                tracing::debug!(
                     outcome = "duplicate",
                     "already processed; acknowledged without running the handler"
                 );
@@ -407,7 +428,24 @@ where
     }
 }
 
-/// Errors that say the store is out of reach rather than anything about the message.
+/// One message's share in a store outage; ends it (for this message) when dropped.
+struct OutageWait<'a>(&'a Instruments);
+
+impl<'a> OutageWait<'a> {
+    fn begin(instruments: &'a Instruments, e: &Error) -> Self {
+        instruments.outage_began(e);
+        Self(instruments)
+    }
+}
+
+impl Drop for OutageWait<'_> {
+    fn drop(&mut self) {
+        self.0.outage_ended();
+    }
+}
+
+/// Errors that say the store is out of reach or refusing work for now (read-only, disk full,
+/// out of connections) rather than anything about the message.
 fn infrastructure(e: &Error) -> bool {
     matches!(e.kind(), ErrorKind::Unavailable | ErrorKind::OutcomeUnknown)
 }

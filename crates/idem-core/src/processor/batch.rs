@@ -154,7 +154,7 @@ impl<S: ClaimStore, C: Clock> Processor<S, C> {
                 .collect();
             let found = match self
                 .store
-                .claim_many(&mut tx, &self.consumer, &items, self.clock.now())
+                .claim_many(&mut tx, &self.consumer, &items, self.clock.stamp())
                 .await
             {
                 Ok(found) => found,

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use crate::clock::{Clock, SystemClock};
+use crate::clock::{Clock, StoreClock};
 use crate::error::{Error, ErrorKind};
 use crate::id::{ConsumerName, DEFAULT_MAX_ID_LEN};
 use crate::retention::Retention;
@@ -12,7 +12,7 @@ use super::{ClaimMode, Processor};
 
 /// Builds a [`Processor`]; [`build`](Self::build) refuses unsafe configurations.
 #[derive(Debug)]
-pub struct ProcessorBuilder<S, C = SystemClock> {
+pub struct ProcessorBuilder<S, C = StoreClock> {
     store: S,
     consumer: String,
     keep_for: Option<Duration>,
@@ -21,9 +21,10 @@ pub struct ProcessorBuilder<S, C = SystemClock> {
     mode: ClaimMode,
     prune_batch: u32,
     clock: C,
+    clock_margin: Option<Duration>,
 }
 
-impl<S: ClaimStore> ProcessorBuilder<S, SystemClock> {
+impl<S: ClaimStore> ProcessorBuilder<S, StoreClock> {
     pub(super) fn new(store: S, consumer: impl Into<String>) -> Self {
         Self {
             store,
@@ -33,7 +34,8 @@ impl<S: ClaimStore> ProcessorBuilder<S, SystemClock> {
             max_id_len: DEFAULT_MAX_ID_LEN,
             mode: ClaimMode::Claim,
             prune_batch: 10_000,
-            clock: SystemClock,
+            clock: StoreClock,
+            clock_margin: None,
         }
     }
 }
@@ -73,7 +75,15 @@ impl<S: ClaimStore, C: Clock> ProcessorBuilder<S, C> {
         self
     }
 
-    /// Replaces the wall clock (tests of retention).
+    /// What pruning keeps beyond the redelivery window (default
+    /// [`Retention::DEFAULT_CLOCK_MARGIN`], one hour), against clocks that disagree.
+    pub fn clock_margin(mut self, margin: Duration) -> Self {
+        self.clock_margin = Some(margin);
+        self
+    }
+
+    /// Replaces the store's clock with an injected one (tests of retention): claims are then
+    /// stamped, and prune cutoffs measured, by `clock` instead of the database server's.
     pub fn clock<C2: Clock>(self, clock: C2) -> ProcessorBuilder<S, C2> {
         ProcessorBuilder {
             store: self.store,
@@ -84,6 +94,7 @@ impl<S: ClaimStore, C: Clock> ProcessorBuilder<S, C> {
             mode: self.mode,
             prune_batch: self.prune_batch,
             clock,
+            clock_margin: self.clock_margin,
         }
     }
 
@@ -102,6 +113,10 @@ impl<S: ClaimStore, C: Clock> ProcessorBuilder<S, C> {
             }
             (None, Some(window)) => Retention::new(default.keep_for().max(window), window)?,
             (Some(keep), Some(window)) => Retention::new(keep, window)?,
+        };
+        let retention = match self.clock_margin {
+            Some(margin) => retention.with_clock_margin(margin),
+            None => retention,
         };
         if self.max_id_len == 0 || self.max_id_len > self.store.max_message_id_len() {
             return Err(Error::new(

@@ -6,7 +6,7 @@
 mod batch;
 mod builder;
 
-use crate::clock::{Clock, SystemClock};
+use crate::clock::{Clock, StoreClock};
 use crate::derived::DerivedKey;
 use crate::error::{BoxError, Error, ErrorKind};
 use crate::id::{ConsumerName, MessageId};
@@ -46,7 +46,7 @@ enum ClaimMode {
 /// # Ok(()) }
 /// ```
 #[derive(Debug)]
-pub struct Processor<S, C = SystemClock> {
+pub struct Processor<S, C = StoreClock> {
     store: S,
     consumer: ConsumerName,
     retention: Retention,
@@ -56,9 +56,9 @@ pub struct Processor<S, C = SystemClock> {
     clock: C,
 }
 
-impl<S: ClaimStore> Processor<S, SystemClock> {
+impl<S: ClaimStore> Processor<S, StoreClock> {
     /// Starts configuring a processor for `consumer` on `store`.
-    pub fn builder(store: S, consumer: impl Into<String>) -> ProcessorBuilder<S, SystemClock> {
+    pub fn builder(store: S, consumer: impl Into<String>) -> ProcessorBuilder<S, StoreClock> {
         ProcessorBuilder::new(store, consumer)
     }
 }
@@ -152,20 +152,28 @@ impl<S: ClaimStore, C: Clock> Processor<S, C> {
                     consumer: &self.consumer,
                     id: msg.message_id(),
                     fingerprint: &fingerprint,
-                    at: self.clock.now(),
+                    at: self.clock.stamp(),
                 },
             )
             .await?;
         Ok(Claim::from_stored(stored, fingerprint))
     }
 
-    /// Deletes this consumer's claims older than the retention, in bounded batches.
+    /// Deletes this consumer's claims older than [`Retention::prune_age`] (the retention, and
+    /// never less than the redelivery window plus the clock margin), in bounded batches, on the
+    /// clock claims are stamped with.
     pub async fn prune(&self) -> Result<u64, Error>
     where
         S: Prune,
     {
-        let before = self.clock.now().saturating_sub(self.retention.keep_for());
-        prune_all(&self.store, Some(&self.consumer), before, self.prune_batch).await
+        prune_all(
+            &self.store,
+            Some(&self.consumer),
+            self.clock.stamp(),
+            self.retention.prune_age(),
+            self.prune_batch,
+        )
+        .await
     }
 
     fn check_id(&self, id: &MessageId) -> Result<(), Error> {

@@ -2,11 +2,10 @@
 //! experimental variants that take the per-message cost apart.
 
 use std::sync::Arc;
-use std::time::SystemTime;
 
 use anyhow::{Context, bail};
 use idem_core::store::ClaimRequest;
-use idem_core::{ConsumerName, Identified, Processor, Timestamp};
+use idem_core::{ConsumerName, Identified, Processor, Stamp};
 use idem_sql::PostgresStore;
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnection, PgPool};
@@ -231,7 +230,7 @@ async fn held_conn(
                     consumer: &ctx.consumer,
                     id: &d.id,
                     fingerprint: &fp,
-                    at: Timestamp::from(SystemTime::now()),
+                    at: Stamp::StoreClock,
                 },
             )
             .await?;

@@ -1,0 +1,289 @@
+//! A store that is up but refusing: an outage (read-only, as after a failover) is waited out in
+//! place — loudly, without spending attempts, never dead-lettered — and a misconfiguration (the
+//! claims table missing) stops the consumer with a clear error. In-memory fake broker; real
+//! SQLite files and, for the failover, the real PostgreSQL server in `IDEM_TEST_POSTGRES_URL`.
+//! Its own test binary: the metrics recorder is process-wide.
+
+use std::str::FromStr;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use idem_consumer::metrics::PrometheusHandle;
+use idem_consumer::{
+    CancellationToken, Consumer, Handler, InMemoryBroker, Json, RetryPolicy, RunStats, metrics,
+};
+use idem_core::{BoxError, ErrorKind, Message, Migrate, Processor};
+use idem_sql::{PgTx, PostgresStore, SqliteOptions, SqliteStore, TableName, Tx};
+use idem_testkit::{service_url, services, unique_name};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
+
+#[derive(Debug, serde::Deserialize)]
+struct Ping {
+    n: i64,
+}
+
+/// Writes one `pings` row per message.
+struct Record;
+
+impl Handler<Tx<sqlx::Sqlite>, Ping> for Record {
+    type Output = ();
+    async fn handle(&self, tx: &mut Tx<sqlx::Sqlite>, msg: &Message<Ping>) -> Result<(), BoxError> {
+        sqlx::query("INSERT INTO pings (n) VALUES (?)")
+            .bind(msg.payload().n)
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+}
+
+impl Handler<PgTx, Ping> for Record {
+    type Output = ();
+    async fn handle(&self, tx: &mut PgTx, msg: &Message<Ping>) -> Result<(), BoxError> {
+        sqlx::query("INSERT INTO pings (n) VALUES ($1)")
+            .bind(msg.payload().n)
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+}
+
+/// Three attempts a message, quickly: an outage lasting longer would exhaust them many times.
+fn quick() -> RetryPolicy {
+    RetryPolicy::exponential(3, Duration::from_millis(5), Duration::from_millis(50))
+}
+
+fn recorder() -> &'static PrometheusHandle {
+    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+    HANDLE.get_or_init(|| metrics::install_prometheus_recorder().expect("recorder"))
+}
+
+/// The `idem_store_unavailable` gauge of `consumer`.
+fn unavailable_gauge(consumer: &str) -> String {
+    let text = recorder().render();
+    let needle = format!(r#"consumer="{consumer}""#);
+    text.lines()
+        .find(|l| l.starts_with("idem_store_unavailable{") && l.contains(&needle))
+        .map(|l| l.rsplit(' ').next().unwrap_or_default().to_owned())
+        .unwrap_or_else(|| panic!("no idem_store_unavailable for {consumer} in\n{text}"))
+}
+
+fn publish(broker: &InMemoryBroker, n: i64) {
+    for i in 0..n {
+        let id = format!("m-{i}");
+        broker.publish(&[("message-id", id.as_bytes())], format!(r#"{{"n":{i}}}"#));
+    }
+}
+
+async fn sqlite_store(path: &std::path::Path) -> SqliteStore {
+    let store = SqliteStore::open(path, SqliteOptions::default())
+        .await
+        .expect("open");
+    store.migrate().await.expect("migrate");
+    sqlx::query("CREATE TABLE IF NOT EXISTS pings (n INTEGER NOT NULL)")
+        .execute(store.pool())
+        .await
+        .expect("table");
+    store
+}
+
+async fn wait_for(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !done() {
+        assert!(start.elapsed() < limit, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_read_only_database_waits_in_place_then_processes_everything_once() {
+    recorder();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("ro.db");
+    sqlite_store(&path).await.pool().close().await;
+    let read_only = SqlitePoolOptions::new()
+        .max_connections(2)
+        .connect_with(SqliteConnectOptions::new().filename(&path).read_only(true))
+        .await
+        .expect("open read-only");
+    let consumer_name = "read-only-sqlite";
+    let processor = Arc::new(
+        Processor::builder(SqliteStore::from_pool(read_only), consumer_name)
+            .build()
+            .expect("p"),
+    );
+    let broker = InMemoryBroker::new();
+    publish(&broker, 5);
+    let stop = CancellationToken::new();
+    let consumer = Consumer::new(processor, broker.source())
+        .concurrency(4)
+        .retry(quick());
+    let observer = consumer.observer();
+    let run = tokio::spawn(consumer.run(Json::<Ping>::new(), Record, stop.clone()));
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let during = observer.snapshot();
+    assert_eq!(
+        unavailable_gauge(consumer_name),
+        "1",
+        "gauge during the outage"
+    );
+    stop.cancel();
+    let stats = run.await.expect("task").expect("an outage is not fatal");
+    assert_eq!(
+        during.store_outages, 1,
+        "one outage, reported once: {during:?}"
+    );
+    assert!(
+        during.retries > 3 * 5,
+        "the messages outlived their 3 attempts each: {during:?}"
+    );
+    assert_eq!(stats.dead_lettered, 0, "{stats:?}");
+    assert_eq!(stats.processed, 0, "{stats:?}");
+    assert!(broker.settled().is_empty(), "{:?}", broker.settled());
+    assert_eq!(broker.pending(), 5, "every message waits for the database");
+    assert_eq!(unavailable_gauge(consumer_name), "0", "gauge after the run");
+
+    // Writable again: every waiting message is processed, once.
+    let store = sqlite_store(&path).await;
+    let processor = Arc::new(
+        Processor::builder(store.clone(), consumer_name)
+            .build()
+            .expect("p"),
+    );
+    broker.close();
+    let stats = Consumer::new(processor, broker.source())
+        .retry(quick())
+        .run(Json::<Ping>::new(), Record, CancellationToken::new())
+        .await
+        .expect("run");
+    assert_eq!((stats.processed, stats.dead_lettered), (5, 0), "{stats:?}");
+    let rows: i64 = sqlx::query_scalar("SELECT count(DISTINCT n) FROM pings")
+        .fetch_one(store.pool())
+        .await
+        .expect("rows");
+    assert_eq!(rows, 5);
+}
+
+#[tokio::test]
+async fn a_missing_claims_table_stops_the_consumer_without_dead_letters() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let store = sqlite_store(&dir.path().join("m.db"))
+        .await
+        .with_table(TableName::new("claims_never_migrated").expect("name"))
+        .expect("plain name");
+    let processor = Arc::new(Processor::builder(store, "unmigrated").build().expect("p"));
+    let broker = InMemoryBroker::new();
+    publish(&broker, 3);
+    let err = Consumer::new(processor, broker.source())
+        .retry(quick())
+        .run(Json::<Ping>::new(), Record, CancellationToken::new())
+        .await
+        .expect_err("a consumer on a missing table must stop");
+    assert_eq!(err.kind(), ErrorKind::Misconfigured, "{err}");
+    assert!(err.to_string().contains("claims_never_migrated"), "{err}");
+    assert!(broker.settled().is_empty(), "{:?}", broker.settled());
+    assert_eq!(broker.pending(), 3, "nothing was lost or dead-lettered");
+}
+
+/// A failover as the consumer sees it: its role's sessions turn read-only (SQLSTATE 25006, a
+/// standby), then the sessions are cut and new ones are writable (the promoted primary).
+#[tokio::test]
+async fn a_postgres_failover_loses_nothing_and_dead_letters_nothing() {
+    let test = "a_postgres_failover_loses_nothing_and_dead_letters_nothing";
+    let Some(url) = service_url(services::POSTGRES, test) else {
+        return;
+    };
+    recorder();
+    let schema = unique_name("fo", test);
+    let role = unique_name("fo", "role");
+    let admin = PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&url)
+        .await
+        .expect("connect to IDEM_TEST_POSTGRES_URL");
+    for sql in [
+        format!("CREATE SCHEMA {schema}"),
+        format!("CREATE TABLE {schema}.pings (n bigint NOT NULL)"),
+        format!("CREATE ROLE {role} LOGIN SUPERUSER"),
+        format!("ALTER ROLE {role} SET default_transaction_read_only = on"),
+    ] {
+        sqlx::query(&sql).execute(&admin).await.expect("setup");
+    }
+    let options = PgConnectOptions::from_str(&url)
+        .expect("url")
+        .options([("search_path", schema.as_str())]);
+    let owner = PostgresStore::from_pool(
+        PgPoolOptions::new()
+            .max_connections(1)
+            .connect_with(options.clone())
+            .await
+            .expect("connect"),
+    );
+    owner.migrate().await.expect("migrate");
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(options.username(&role))
+        .await
+        .expect("connect as the consumer's role");
+    let processor = Arc::new(
+        Processor::builder(PostgresStore::from_pool(pool), test)
+            .build()
+            .expect("p"),
+    );
+    let broker = InMemoryBroker::new();
+    publish(&broker, 20);
+    let stop = CancellationToken::new();
+    let consumer = Consumer::new(processor, broker.source())
+        .concurrency(4)
+        .retry(quick());
+    let observer = consumer.observer();
+    let run = tokio::spawn(consumer.run(Json::<Ping>::new(), Record, stop.clone()));
+
+    // Before the fix every message was dead-lettered within 3 s.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let during: RunStats = observer.snapshot();
+    assert_eq!(
+        (during.processed, during.dead_lettered),
+        (0, 0),
+        "{during:?}"
+    );
+    assert!(during.store_outages >= 1, "{during:?}");
+    assert_eq!(unavailable_gauge(test), "1");
+
+    for sql in [
+        format!("ALTER ROLE {role} RESET default_transaction_read_only"),
+        format!("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'"),
+    ] {
+        sqlx::query(&sql).execute(&admin).await.expect("promote");
+    }
+    wait_for(
+        "every message after the failover",
+        Duration::from_secs(30),
+        || observer.snapshot().processed == 20,
+    )
+    .await;
+    stop.cancel();
+    let stats = run.await.expect("task").expect("run");
+    assert_eq!((stats.processed, stats.dead_lettered), (20, 0), "{stats:?}");
+    let (rows, distinct): (i64, i64) = sqlx::query_as(&format!(
+        "SELECT count(*), count(DISTINCT n) FROM {schema}.pings"
+    ))
+    .fetch_one(&admin)
+    .await
+    .expect("rows");
+    assert_eq!((rows, distinct), (20, 20), "one effect per message");
+    assert_eq!(unavailable_gauge(test), "0");
+
+    owner.pool().close().await;
+    let _ = sqlx::query(&format!(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'"
+    ))
+    .execute(&admin)
+    .await;
+    let _ = sqlx::query(&format!("DROP SCHEMA {schema} CASCADE"))
+        .execute(&admin)
+        .await;
+    let _ = sqlx::query(&format!("DROP ROLE {role}"))
+        .execute(&admin)
+        .await;
+}
