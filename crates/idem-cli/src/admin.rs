@@ -1,4 +1,5 @@
-//! `idem migrate`, `idem prune`, `idem stats`: operators' commands on any SQL store.
+//! `idem migrate`, `idem prune`, `idem stats`, `idem reap-requests`: operators' commands on
+//! any SQL store.
 
 use std::time::Duration;
 
@@ -34,6 +35,23 @@ impl StoreArgs {
 pub(crate) struct MigrateArgs {
     #[command(flatten)]
     store: StoreArgs,
+    /// Idempotent-request records table name.
+    #[arg(long, value_name = "NAME", default_value = idem_sql::DEFAULT_REQUESTS_TABLE)]
+    requests_table: String,
+}
+
+/// Options of `idem reap-requests`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct ReapRequestsArgs {
+    /// Store URL: sqlite:PATH, postgres://…, mysql://…
+    #[arg(long, value_name = "URL")]
+    store: String,
+    /// Idempotent-request records table name.
+    #[arg(long, value_name = "NAME", default_value = idem_sql::DEFAULT_REQUESTS_TABLE)]
+    table: String,
+    /// Rows deleted per statement.
+    #[arg(long, value_name = "N", default_value_t = 10_000)]
+    batch: u32,
 }
 
 /// Options of `idem prune`.
@@ -75,9 +93,36 @@ fn parse_arg_duration(s: &str) -> Result<Duration, String> {
 }
 
 pub(crate) async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
-    let store = args.store.connect(true).await?;
+    let requests = TableName::new(&args.requests_table)?;
+    let store = args
+        .store
+        .connect(true)
+        .await?
+        .with_requests_table(requests)?;
     store.migrate().await?;
-    println!("claims table {} is ready", args.store.table);
+    println!(
+        "claims table {} and requests table {} are ready",
+        args.store.table, args.requests_table
+    );
+    Ok(())
+}
+
+pub(crate) async fn reap_requests(args: ReapRequestsArgs) -> anyhow::Result<()> {
+    if args.batch == 0 {
+        anyhow::bail!("--batch must be at least 1");
+    }
+    let table = TableName::new(&args.table)?;
+    let store = AnyStore::connect(&args.store, TableName::default())
+        .await?
+        .with_requests_table(table)?;
+    let deleted = store
+        .reap_requests(args.batch)
+        .await
+        .context("reaping expired requests")?;
+    println!(
+        "deleted {deleted} expired request records from {} by the store's clock",
+        args.table
+    );
     Ok(())
 }
 

@@ -1,7 +1,8 @@
 //! The `idem` command: a thin binary over the idem libraries.
 //!
 //! `idem demo` runs the payments scenario on the embedded SQLite store; `migrate`, `prune` and
-//! `stats` administer a claims table on any SQL store; `bench` measures the claim's overhead.
+//! `stats` administer a claims table on any SQL store, `reap-requests` removes expired
+//! idempotent-request records; `bench` measures the claim's overhead.
 
 mod admin;
 mod bench;
@@ -24,12 +25,14 @@ struct Cli {
 enum Command {
     /// Run the payments demo on an embedded SQLite ledger, through a simulated at-least-once broker.
     Demo(demo::DemoArgs),
-    /// Create the claims table (idempotent).
+    /// Create the claims table and the requests table (idempotent).
     Migrate(admin::MigrateArgs),
     /// Delete claims older than a duration, in bounded batches.
     Prune(admin::PruneArgs),
     /// Show claims per consumer, oldest and newest.
     Stats(admin::StatsArgs),
+    /// Delete expired idempotent-request records, in bounded batches.
+    ReapRequests(admin::ReapRequestsArgs),
     /// Measure the claim's overhead against the same handler without it.
     Bench(bench::BenchArgs),
 }
@@ -52,6 +55,7 @@ fn main() -> ExitCode {
             Command::Migrate(args) => admin::migrate(args).await,
             Command::Prune(args) => admin::prune(args).await,
             Command::Stats(args) => admin::stats(args).await,
+            Command::ReapRequests(args) => admin::reap_requests(args).await,
             Command::Bench(args) => bench::run(args).await,
         }
     });

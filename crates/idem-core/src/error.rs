@@ -36,6 +36,16 @@ pub enum ErrorKind {
     Handler,
     /// The handler rejected the message as permanently unprocessable (see [`Error::reject`]).
     Rejected,
+    /// An idempotency key that is empty, too long or not visible ASCII. A client error.
+    InvalidKey,
+    /// An execution with this idempotency key is still running elsewhere; ask again after
+    /// [`Error::retry_after`].
+    InProgress,
+    /// The idempotency key was already used for a different request (another fingerprint).
+    KeyReused,
+    /// This executor's lease on a request record was taken over after it ran out; its
+    /// completion was refused and its writes rolled back.
+    LeaseLost,
     /// Any other error reported by the store (a constraint the handler's write violates, a
     /// value out of range): retried like a handler failure.
     Store,
@@ -57,12 +67,17 @@ impl ErrorKind {
     /// The default action for this kind of error.
     pub const fn disposition(self) -> Disposition {
         match self {
-            ErrorKind::InvalidMessageId | ErrorKind::Rejected => Disposition::DeadLetter,
+            ErrorKind::InvalidMessageId
+            | ErrorKind::Rejected
+            | ErrorKind::InvalidKey
+            | ErrorKind::KeyReused => Disposition::DeadLetter,
             ErrorKind::InvalidConfig | ErrorKind::Misconfigured => Disposition::Fatal,
             ErrorKind::Unavailable
             | ErrorKind::Transient
             | ErrorKind::OutcomeUnknown
             | ErrorKind::Handler
+            | ErrorKind::InProgress
+            | ErrorKind::LeaseLost
             | ErrorKind::Store => Disposition::Retry,
         }
     }
@@ -73,6 +88,7 @@ pub struct Error {
     kind: ErrorKind,
     message: Cow<'static, str>,
     source: Option<BoxError>,
+    retry_after: Option<std::time::Duration>,
 }
 
 impl Error {
@@ -82,7 +98,19 @@ impl Error {
             kind,
             message: message.into(),
             source: None,
+            retry_after: None,
         }
+    }
+
+    /// Says when retrying may succeed (an execution in progress ends its lease by then).
+    pub fn with_retry_after(mut self, after: std::time::Duration) -> Self {
+        self.retry_after = Some(after);
+        self
+    }
+
+    /// When retrying may succeed, if the error knows.
+    pub fn retry_after(&self) -> Option<std::time::Duration> {
+        self.retry_after
     }
 
     /// Attaches the underlying cause.

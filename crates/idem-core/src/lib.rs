@@ -38,6 +38,7 @@ mod message;
 mod outcome;
 mod processor;
 mod redact;
+mod request;
 mod retention;
 pub mod store;
 
@@ -50,6 +51,9 @@ pub use message::{Identified, Message};
 pub use outcome::{Claim, Outcome};
 pub use processor::{Processor, ProcessorBuilder, SetBatch};
 pub use redact::redact_url;
+pub use request::{
+    Begin, Fence, IdempotencyKey, MAX_IDEMPOTENCY_KEY_LEN, RequestKey, RequestScope, retry_after,
+};
 pub use retention::{Retention, format_duration, parse_duration};
 pub use store::{
     BatchClaimStore, ClaimRequest, ClaimStore, ConsumerStats, Migrate, Prune, Savepoints, Stats,

@@ -7,8 +7,8 @@
 //! | [`Savepoints`] | roll back one message inside a batch | [`Processor::process_batch`] |
 //! | [`BatchClaimStore`] | many claims in one statement | [`Processor::process_batch_set`] |
 //! | [`Migrate`], [`Prune`], [`Stats`] | schema, retention, inspection | operators and `idem` CLI |
-//!
-//! Later capabilities (stored HTTP responses, leases) are added as new traits beside these.
+//! | [`RequestStore`] | idempotent-request records: lease with fencing, stored result | `idem-request`, `idem-http` |
+//! | [`ReapRequests`] | expired request records removed in bounded batches | operators and `idem` CLI |
 //!
 //! [`Processor::process`]: crate::Processor::process
 //! [`Processor::process_batch`]: crate::Processor::process_batch
@@ -22,6 +22,8 @@ use crate::clock::{Stamp, Timestamp};
 use crate::error::{Error, ErrorKind};
 use crate::fingerprint::Fingerprint;
 use crate::id::{ConsumerName, MessageId};
+
+pub use crate::request::store::{ReapRequests, RequestStore, reap_all};
 
 /// One claim to record: (consumer, message ID) is the unique key.
 #[derive(Debug, Clone, Copy)]

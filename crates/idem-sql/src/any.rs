@@ -1,4 +1,5 @@
-//! A store chosen at run time from a URL, for operators' tools (`idem migrate/prune/stats`).
+//! A store chosen at run time from a URL, for operators' tools (`idem migrate/prune/stats/
+//! reap-requests`).
 //!
 //! Processing code should name its concrete store type; this enum only forwards the
 //! administrative capabilities.
@@ -74,7 +75,19 @@ impl AnyStore {
         Self::connect(url, table).await
     }
 
-    /// Creates the claims table.
+    /// Keeps idempotent-request records in `table` instead of `idem_requests`.
+    pub fn with_requests_table(self, table: TableName) -> Result<Self, Error> {
+        Ok(match self {
+            #[cfg(feature = "sqlite")]
+            Self::Sqlite(s) => Self::Sqlite(s.with_requests_table(table)?),
+            #[cfg(feature = "postgres")]
+            Self::Postgres(s) => Self::Postgres(s.with_requests_table(table)),
+            #[cfg(feature = "mysql")]
+            Self::MySql(s) => Self::MySql(s.with_requests_table(table)),
+        })
+    }
+
+    /// Creates the claims table and the requests table (both idempotent).
     pub async fn migrate(&self) -> Result<(), Error> {
         match self {
             #[cfg(feature = "sqlite")]
@@ -103,6 +116,20 @@ impl AnyStore {
             Self::Postgres(s) => idem_core::store::prune_all(s, consumer, now, age, batch).await,
             #[cfg(feature = "mysql")]
             Self::MySql(s) => idem_core::store::prune_all(s, consumer, now, age, batch).await,
+        }
+    }
+
+    /// Deletes expired idempotent-request records (completed ones past their TTL, in-progress
+    /// ones past both their TTL and their lease) on the store's clock, `batch` rows per
+    /// statement. Returns how many.
+    pub async fn reap_requests(&self, batch: u32) -> Result<u64, Error> {
+        match self {
+            #[cfg(feature = "sqlite")]
+            Self::Sqlite(s) => idem_core::store::reap_all(s, batch).await,
+            #[cfg(feature = "postgres")]
+            Self::Postgres(s) => idem_core::store::reap_all(s, batch).await,
+            #[cfg(feature = "mysql")]
+            Self::MySql(s) => idem_core::store::reap_all(s, batch).await,
         }
     }
 

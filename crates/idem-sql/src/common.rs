@@ -1,8 +1,6 @@
 //! Small helpers every SQL store shares.
 
-use idem_core::{
-    Clock, ConsumerStats, Error, ErrorKind, Fingerprint, Stamp, SystemClock, Timestamp,
-};
+use idem_core::{ConsumerStats, Error, ErrorKind, Fingerprint, Stamp, Timestamp};
 use sqlx::Row;
 
 /// Turns the stored column into a fingerprint; a missing row means the claim vanished between
@@ -35,6 +33,7 @@ pub(crate) fn server_stamp(stamp: Stamp) -> Option<i64> {
 /// `processed_at` for an embedded store: its clock is this host's, the only host writing it.
 #[cfg(feature = "sqlite")]
 pub(crate) fn host_stamp(stamp: Stamp) -> Option<i64> {
+    use idem_core::{Clock, SystemClock};
     match stamp {
         Stamp::StoreClock => Some(SystemClock.now().as_micros()),
         Stamp::At(t) => Some(t.as_micros()),

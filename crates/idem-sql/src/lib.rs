@@ -5,6 +5,15 @@
 //! your data, so a claim and the handler's writes commit in one transaction. Handlers receive
 //! the `sqlx::Transaction` and run their queries on `&mut **tx`.
 //!
+//! The same stores keep idempotent-request records ([`RequestStore`], [`ReapRequests`]) for
+//! `idem-request` and `idem-http`, in their own table (`idem_requests`, see
+//! `with_requests_table`) created by the same `migrate`: a request's stored result completes in
+//! the transaction carrying the operation's writes. Leases and expiry run on the database
+//! server's clock (SQLite: this host's); a lookup never waits for a running operation.
+//!
+//! [`RequestStore`]: idem_core::store::RequestStore
+//! [`ReapRequests`]: idem_core::store::ReapRequests
+//!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
@@ -50,6 +59,7 @@ mod mysql;
 mod pg_tx;
 #[cfg(feature = "postgres")]
 mod postgres;
+mod requests;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 mod table;
@@ -65,9 +75,10 @@ pub use mysql::{MAX_MESSAGE_ID_LEN as MYSQL_MAX_MESSAGE_ID_LEN, MySqlStore};
 pub use pg_tx::PgTx;
 #[cfg(feature = "postgres")]
 pub use postgres::{MAX_MESSAGE_ID_LEN as POSTGRES_MAX_MESSAGE_ID_LEN, PostgresStore};
+pub use requests::MAX_REQUEST_KEY_LEN;
 #[cfg(feature = "sqlite")]
 pub use sqlite::{MAX_MESSAGE_ID_LEN as SQLITE_MAX_MESSAGE_ID_LEN, SqliteOptions, SqliteStore};
-pub use table::{DEFAULT_TABLE, TableName};
+pub use table::{DEFAULT_REQUESTS_TABLE, DEFAULT_TABLE, TableName};
 #[cfg(any(feature = "sqlite", feature = "mysql"))]
 pub use tx::Tx;
 

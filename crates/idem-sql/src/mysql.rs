@@ -8,6 +8,16 @@
 //! duplicate commits; a lone duplicate rolls back, so the column is not a redelivery count.)
 //! A concurrent duplicate waits on the first transaction's record lock; the increment then locks
 //! the existing row and makes it visible to the fingerprint read that follows.
+//!
+//! Request records (see [`crate::requests`]) live in their own table, all binary columns
+//! (`BINARY`/`VARBINARY`/`LONGBLOB`, never a collated text column, whose comparison would fold
+//! case). A lookup's `SELECT` is a consistent non-locking read, so it never waits for the row
+//! lock a completing executor holds. Their insert is a plain `INSERT` whose duplicate-key
+//! error means a lost race (no `ON DUPLICATE KEY UPDATE` no-op: under `CLIENT_FOUND_ROWS` it
+//! reports one row, like an insert). Every guarded `UPDATE` counts matched rows under
+//! `CLIENT_FOUND_ROWS` and changes a column anyway (the state, the fence or the lease), so its
+//! count is right under either flag. A stored result is bounded by the server's
+//! `max_allowed_packet` (16 MiB by default on MariaDB, 64 MiB on MySQL 8).
 
 use idem_core::{BatchClaimStore, ConsumerName, Error, Fingerprint, MessageId, Migrate, Stamp};
 use sqlx::QueryBuilder;
@@ -15,6 +25,7 @@ use sqlx::mysql::{MySql, MySqlPool};
 
 use crate::common::{server_stamp, stored_fingerprint};
 use crate::errors::store_error;
+use crate::requests::{MAX_REQUEST_KEY_LEN, RequestStatements};
 use crate::table::TableName;
 
 /// The server's clock in `processed_at` units: microseconds since the Unix epoch, computed on
@@ -33,6 +44,8 @@ pub struct MySqlStore {
     pool: MySqlPool,
     table: TableName,
     sql: Statements,
+    requests: TableName,
+    rsql: RequestStatements,
 }
 
 #[derive(Debug, Clone)]
@@ -72,6 +85,50 @@ impl Statements {
     }
 }
 
+/// The request statements, on the server's clock (`UTC_TIMESTAMP(6)` is fixed for the whole
+/// statement). MySQL binds `?` in the order they appear, which is the order listed on
+/// [`RequestStatements`].
+fn request_statements(t: &TableName) -> RequestStatements {
+    let now = SERVER_NOW;
+    RequestStatements {
+        read: format!(
+            "SELECT r.fingerprint, r.state, r.fence, r.lease_until, r.expires_at, n.now, \
+             CASE WHEN r.fingerprint = ? AND r.state = 1 THEN r.result END \
+             FROM (SELECT {now} AS now) n LEFT JOIN {t} r ON r.scope = ? AND r.idem_key = ?"
+        ),
+        insert: format!(
+            "INSERT INTO {t} (scope, idem_key, fingerprint, state, fence, lease_until, expires_at) \
+             VALUES (?, ?, ?, 0, ?, {now} + ?, {now} + ?)"
+        ),
+        reset: format!(
+            "UPDATE {t} SET fingerprint = ?, state = 0, fence = fence + 1, \
+             lease_until = {now} + ?, expires_at = {now} + ?, result = NULL \
+             WHERE scope = ? AND idem_key = ? AND fence = ? \
+             AND expires_at <= {now} AND (state = 1 OR lease_until <= {now})"
+        ),
+        take_over: format!(
+            "UPDATE {t} SET fence = fence + 1, lease_until = {now} + ? \
+             WHERE scope = ? AND idem_key = ? AND fence = ? AND state = 0 \
+             AND lease_until <= {now}"
+        ),
+        complete: format!(
+            "UPDATE {t} SET state = 1, result = ?, expires_at = {now} + ? \
+             WHERE scope = ? AND idem_key = ? AND fence = ? AND state = 0"
+        ),
+        release: format!(
+            "DELETE FROM {t} WHERE scope = ? AND idem_key = ? AND fence = ? AND state = 0"
+        ),
+        extend: format!(
+            "UPDATE {t} SET lease_until = {now} + ? \
+             WHERE scope = ? AND idem_key = ? AND fence = ? AND state = 0"
+        ),
+        reap: format!(
+            "DELETE FROM {t} WHERE expires_at < {now} AND (state = 1 OR lease_until < {now}) \
+             LIMIT ?"
+        ),
+    }
+}
+
 impl MySqlStore {
     /// Connects a pool to `url` (`mysql://user:pass@host/db`) with the default table.
     pub async fn connect(url: &str) -> Result<Self, Error> {
@@ -81,12 +138,22 @@ impl MySqlStore {
 
     /// Uses an existing pool.
     pub fn from_pool(pool: MySqlPool) -> Self {
-        let table = TableName::default();
+        let (table, requests) = (TableName::default(), TableName::default_requests());
         Self {
             sql: Statements::new(&table),
+            rsql: request_statements(&requests),
             pool,
             table,
+            requests,
         }
+    }
+
+    /// Stores idempotent-request records in `table` instead of `idem_requests` (`db.table`
+    /// selects a database).
+    pub fn with_requests_table(mut self, table: TableName) -> Self {
+        self.rsql = request_statements(&table);
+        self.requests = table;
+        self
     }
 
     /// Stores claims in `table` instead of `idem_processed` (`db.table` selects a database).
@@ -104,6 +171,11 @@ impl MySqlStore {
     /// The claims table.
     pub fn table(&self) -> &TableName {
         &self.table
+    }
+
+    /// The idempotent-request records table.
+    pub fn requests_table(&self) -> &TableName {
+        &self.requests
     }
 
     /// Begins a transaction for a caller that claims with [`claim_on`](Self::claim_on).
@@ -190,10 +262,14 @@ crate::capabilities::impl_sql_capabilities!(
     server_stamp
 );
 
+crate::requests::impl_request_capabilities!(MySqlStore, MySql, MAX_REQUEST_KEY_LEN, server_stamp);
+
 impl Migrate for MySqlStore {
     async fn migrate(&self) -> Result<(), Error> {
         let t = &self.table;
         let name = t.table();
+        let (r, rname) = (&self.requests, self.requests.table());
+        crate::requests::check_distinct(t, r)?;
         // MySQL DDL commits implicitly, so there is no transaction to hold; CREATE … IF NOT
         // EXISTS is atomic per statement, which is enough for concurrent starts.
         let sql = format!(
@@ -207,10 +283,26 @@ impl Migrate for MySqlStore {
                 KEY {name}_processed_at (processed_at)
             ) ENGINE = InnoDB"
         );
-        sqlx::query(&sql)
-            .execute(&self.pool)
-            .await
-            .map(drop)
-            .map_err(|e| store_error("migrate", e))
+        let requests = format!(
+            "CREATE TABLE IF NOT EXISTS {r} (
+                scope       BINARY(32) NOT NULL,
+                idem_key    VARBINARY({MAX_REQUEST_KEY_LEN}) NOT NULL,
+                fingerprint BINARY(32) NOT NULL,
+                state       SMALLINT   NOT NULL COMMENT '0 in progress, 1 completed',
+                fence       BIGINT     NOT NULL,
+                lease_until BIGINT     NOT NULL COMMENT 'microseconds since the Unix epoch',
+                expires_at  BIGINT     NOT NULL COMMENT 'microseconds since the Unix epoch',
+                result      LONGBLOB   NULL,
+                PRIMARY KEY (scope, idem_key),
+                KEY {rname}_expires_at (expires_at)
+            ) ENGINE = InnoDB"
+        );
+        for sql in [sql, requests] {
+            sqlx::query(&sql)
+                .execute(&self.pool)
+                .await
+                .map_err(|e| store_error("migrate", e))?;
+        }
+        Ok(())
     }
 }

@@ -6,6 +6,10 @@
 //! insert proceeds. The duplicate's fingerprint is then read by a new statement, which under
 //! READ COMMITTED sees the row whose commit the insert waited for. The `processed_at` index is BRIN: claims arrive in time order, so a BRIN
 //! index costs almost nothing per insert and still lets pruning find old rows.
+//!
+//! Request records (see [`crate::requests`]) live in their own table, `result` a `bytea`. A
+//! lookup's `SELECT` is an MVCC read that never waits for the row lock a completing executor
+//! holds; their `expires_at` index is a btree, as completion moves a row's expiry.
 
 use idem_core::{BatchClaimStore, ConsumerName, Error, Fingerprint, MessageId, Migrate, Stamp};
 use sqlx::Postgres;
@@ -13,11 +17,17 @@ use sqlx::postgres::PgPool;
 
 use crate::common::{server_stamp, stored_fingerprint};
 use crate::errors::{commit_error, store_error};
+use crate::requests::{MAX_REQUEST_KEY_LEN, RequestStatements};
 use crate::table::TableName;
 
 /// The server's clock in `processed_at` units: the transaction's start, in microseconds since
 /// the Unix epoch (`now()` is fixed for the whole transaction, so a batch shares one stamp).
 const SERVER_NOW: &str = "(extract(epoch from now()) * 1000000)::bigint";
+
+/// The server's clock for request records: the start of the current statement, so that a
+/// completion inside a long transaction expires a TTL after it completed, not after the
+/// transaction began.
+const STATEMENT_NOW: &str = "(extract(epoch from statement_timestamp()) * 1000000)::bigint";
 
 /// Longest message ID this schema holds: well inside the btree tuple limit.
 pub const MAX_MESSAGE_ID_LEN: usize = 1024;
@@ -28,6 +38,8 @@ pub struct PostgresStore {
     pool: PgPool,
     table: TableName,
     sql: Statements,
+    requests: TableName,
+    rsql: RequestStatements,
 }
 
 #[derive(Debug, Clone)]
@@ -81,6 +93,51 @@ impl Statements {
     }
 }
 
+/// The request statements, on the server's clock.
+fn request_statements(t: &TableName) -> RequestStatements {
+    let now = STATEMENT_NOW;
+    RequestStatements {
+        read: format!(
+            "SELECT r.fingerprint, r.state, r.fence, r.lease_until, r.expires_at, n.now, \
+             CASE WHEN r.fingerprint = $1 AND r.state = 1 THEN r.result END \
+             FROM (SELECT {now} AS now) n LEFT JOIN {t} r ON r.scope = $2 AND r.idem_key = $3"
+        ),
+        insert: format!(
+            "INSERT INTO {t} (scope, idem_key, fingerprint, state, fence, lease_until, expires_at) \
+             VALUES ($1, $2, $3, 0, $4, {now} + $5, {now} + $6) \
+             ON CONFLICT (scope, idem_key) DO NOTHING"
+        ),
+        reset: format!(
+            "UPDATE {t} SET fingerprint = $1, state = 0, fence = fence + 1, \
+             lease_until = {now} + $2, expires_at = {now} + $3, result = NULL \
+             WHERE scope = $4 AND idem_key = $5 AND fence = $6 \
+             AND expires_at <= {now} AND (state = 1 OR lease_until <= {now})"
+        ),
+        take_over: format!(
+            "UPDATE {t} SET fence = fence + 1, lease_until = {now} + $1 \
+             WHERE scope = $2 AND idem_key = $3 AND fence = $4 AND state = 0 \
+             AND lease_until <= {now}"
+        ),
+        complete: format!(
+            "UPDATE {t} SET state = 1, result = $1, expires_at = {now} + $2 \
+             WHERE scope = $3 AND idem_key = $4 AND fence = $5 AND state = 0"
+        ),
+        release: format!(
+            "DELETE FROM {t} WHERE scope = $1 AND idem_key = $2 AND fence = $3 AND state = 0"
+        ),
+        extend: format!(
+            "UPDATE {t} SET lease_until = {now} + $1 \
+             WHERE scope = $2 AND idem_key = $3 AND fence = $4 AND state = 0"
+        ),
+        // The outer condition is checked again on a row a lookup restarted meanwhile.
+        reap: format!(
+            "DELETE FROM {t} WHERE ctid = ANY(ARRAY( \
+             SELECT ctid FROM {t} WHERE expires_at < {now} AND (state = 1 OR lease_until < {now}) \
+             LIMIT $1)) AND expires_at < {now} AND (state = 1 OR lease_until < {now})"
+        ),
+    }
+}
+
 impl PostgresStore {
     /// Connects a pool to `url` (`postgres://user@host/db`) with the default table.
     pub async fn connect(url: &str) -> Result<Self, Error> {
@@ -90,12 +147,21 @@ impl PostgresStore {
 
     /// Uses an existing pool: claims then share connections with the application's own queries.
     pub fn from_pool(pool: PgPool) -> Self {
-        let table = TableName::default();
+        let (table, requests) = (TableName::default(), TableName::default_requests());
         Self {
             sql: Statements::new(&table),
+            rsql: request_statements(&requests),
             pool,
             table,
+            requests,
         }
+    }
+
+    /// Stores idempotent-request records in `table` instead of `idem_requests`.
+    pub fn with_requests_table(mut self, table: TableName) -> Self {
+        self.rsql = request_statements(&table);
+        self.requests = table;
+        self
     }
 
     /// Stores claims in `table` instead of `idem_processed`.
@@ -113,6 +179,11 @@ impl PostgresStore {
     /// The claims table.
     pub fn table(&self) -> &TableName {
         &self.table
+    }
+
+    /// The idempotent-request records table.
+    pub fn requests_table(&self) -> &TableName {
+        &self.requests
     }
 
     /// Begins a transaction for a caller that claims with [`claim_on`](Self::claim_on).
@@ -177,10 +248,19 @@ crate::capabilities::impl_sql_capabilities!(
     server_stamp
 );
 
+crate::requests::impl_request_capabilities!(
+    PostgresStore,
+    Postgres,
+    MAX_REQUEST_KEY_LEN,
+    server_stamp
+);
+
 impl Migrate for PostgresStore {
     async fn migrate(&self) -> Result<(), Error> {
         let t = &self.table;
         let name = t.table();
+        let (r, rname) = (&self.requests, self.requests.table());
+        crate::requests::check_distinct(t, r)?;
         let mut tx = self
             .pool
             .begin()
@@ -192,7 +272,7 @@ impl Migrate for PostgresStore {
             .execute(&mut *tx)
             .await
             .map_err(|e| store_error("migrate lock", e))?;
-        if let Some(schema) = t.schema() {
+        for schema in t.schema().into_iter().chain(r.schema()) {
             let sql = format!("CREATE SCHEMA IF NOT EXISTS {schema}");
             sqlx::query(&sql)
                 .execute(&mut *tx)
@@ -215,6 +295,25 @@ impl Migrate for PostgresStore {
             format!(
                 "COMMENT ON TABLE {t} IS 'idem claims: one row per (consumer, message_id) \
                  processed; processed_at in microseconds since the Unix epoch'"
+            ),
+            format!(
+                "CREATE TABLE IF NOT EXISTS {r} (
+                    scope       bytea    NOT NULL,
+                    idem_key    bytea    NOT NULL,
+                    fingerprint bytea    NOT NULL,
+                    state       smallint NOT NULL,
+                    fence       bigint   NOT NULL,
+                    lease_until bigint   NOT NULL,
+                    expires_at  bigint   NOT NULL,
+                    result      bytea,
+                    PRIMARY KEY (scope, idem_key)
+                )"
+            ),
+            format!("CREATE INDEX IF NOT EXISTS {rname}_expires_at ON {r} (expires_at)"),
+            format!(
+                "COMMENT ON TABLE {r} IS 'idem idempotent requests: one row per (scope, idem_key); \
+                 state 0 in progress, 1 completed; lease_until and expires_at in microseconds \
+                 since the Unix epoch'"
             ),
         ] {
             sqlx::query(&sql)

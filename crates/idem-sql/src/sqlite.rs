@@ -5,6 +5,14 @@
 //! for the first transaction to finish and then finds its committed claim — the same guarantee
 //! the row lock gives on PostgreSQL. A deferred `BEGIN` would instead fail with SQLITE_BUSY when
 //! it tries to upgrade a read lock. The journal is WAL, so readers never block the writer.
+//!
+//! Request records (see [`crate::requests`]) follow from the same lock: a running operation's
+//! transaction holds the write lock until it completes, so a retry is answered from a WAL read
+//! alone, and the lease cannot be renewed meanwhile (the heartbeat's write waits for that
+//! lock). A lease that ran out is therefore taken over only when the write lock is free at once;
+//! while a transaction holds it, the old executor may still be running, and the retry is told
+//! the record is in progress instead of waiting. Times are this host's clock, the only host
+//! writing the file.
 
 use std::path::Path;
 use std::str::FromStr;
@@ -20,6 +28,7 @@ use sqlx::{QueryBuilder, Sqlite};
 
 use crate::common::{host_stamp, stored_fingerprint};
 use crate::errors::{commit_error, store_error};
+use crate::requests::{MAX_REQUEST_KEY_LEN, RequestStatements};
 use crate::table::TableName;
 
 /// SQLite has no practical limit; this bound keeps rows and the index reasonable.
@@ -34,6 +43,8 @@ pub struct SqliteStore {
     pool: SqlitePool,
     table: TableName,
     sql: Statements,
+    requests: TableName,
+    rsql: RequestStatements,
 }
 
 #[derive(Debug, Clone)]
@@ -70,6 +81,46 @@ impl Statements {
                  FROM {t} GROUP BY consumer ORDER BY consumer"
             ),
         }
+    }
+}
+
+/// The request statements; `now` (host microseconds) is the last parameter.
+fn request_statements(t: &TableName) -> RequestStatements {
+    RequestStatements {
+        read: format!(
+            "SELECT r.fingerprint, r.state, r.fence, r.lease_until, r.expires_at, n.now, \
+             CASE WHEN r.fingerprint = ?1 AND r.state = 1 THEN r.result END \
+             FROM (SELECT ?4 AS now) n LEFT JOIN {t} r ON r.scope = ?2 AND r.idem_key = ?3"
+        ),
+        insert: format!(
+            "INSERT INTO {t} (scope, idem_key, fingerprint, state, fence, lease_until, expires_at) \
+             VALUES (?1, ?2, ?3, 0, ?4, ?7 + ?5, ?7 + ?6) ON CONFLICT (scope, idem_key) DO NOTHING"
+        ),
+        reset: format!(
+            "UPDATE {t} SET fingerprint = ?1, state = 0, fence = fence + 1, lease_until = ?7 + ?2, \
+             expires_at = ?7 + ?3, result = NULL \
+             WHERE scope = ?4 AND idem_key = ?5 AND fence = ?6 \
+             AND expires_at <= ?7 AND (state = 1 OR lease_until <= ?7)"
+        ),
+        take_over: format!(
+            "UPDATE {t} SET fence = fence + 1, lease_until = ?5 + ?1 \
+             WHERE scope = ?2 AND idem_key = ?3 AND fence = ?4 AND state = 0 AND lease_until <= ?5"
+        ),
+        complete: format!(
+            "UPDATE {t} SET state = 1, result = ?1, expires_at = ?6 + ?2 \
+             WHERE scope = ?3 AND idem_key = ?4 AND fence = ?5 AND state = 0"
+        ),
+        release: format!(
+            "DELETE FROM {t} WHERE scope = ?1 AND idem_key = ?2 AND fence = ?3 AND state = 0"
+        ),
+        extend: format!(
+            "UPDATE {t} SET lease_until = ?5 + ?1 \
+             WHERE scope = ?2 AND idem_key = ?3 AND fence = ?4 AND state = 0"
+        ),
+        reap: format!(
+            "DELETE FROM {t} WHERE rowid IN (SELECT rowid FROM {t} \
+             WHERE expires_at < ?2 AND (state = 1 OR lease_until < ?2) LIMIT ?1)"
+        ),
     }
 }
 
@@ -171,24 +222,29 @@ impl SqliteStore {
     /// Uses an existing pool. It should use WAL and a busy timeout, as [`SqliteStore::open`]
     /// configures.
     pub fn from_pool(pool: SqlitePool) -> Self {
-        let table = TableName::default();
+        let (table, requests) = (TableName::default(), TableName::default_requests());
         Self {
             sql: Statements::new(&table),
+            rsql: request_statements(&requests),
             pool,
             table,
+            requests,
         }
     }
 
     /// Stores claims in `table` instead of `idem_processed`.
     pub fn with_table(mut self, table: TableName) -> Result<Self, Error> {
-        if table.schema().is_some() {
-            return Err(Error::new(
-                ErrorKind::InvalidConfig,
-                "SQLite tables cannot be schema-qualified here; use a plain table name",
-            ));
-        }
+        plain(&table)?;
         self.sql = Statements::new(&table);
         self.table = table;
+        Ok(self)
+    }
+
+    /// Stores idempotent-request records in `table` instead of `idem_requests`.
+    pub fn with_requests_table(mut self, table: TableName) -> Result<Self, Error> {
+        plain(&table)?;
+        self.rsql = request_statements(&table);
+        self.requests = table;
         Ok(self)
     }
 
@@ -200,6 +256,11 @@ impl SqliteStore {
     /// The claims table.
     pub fn table(&self) -> &TableName {
         &self.table
+    }
+
+    /// The idempotent-request records table.
+    pub fn requests_table(&self) -> &TableName {
+        &self.requests
     }
 
     /// Begins a transaction that holds the write lock (`BEGIN IMMEDIATE`). Use it for your own
@@ -215,6 +276,74 @@ impl SqliteStore {
             .await
             .map(crate::Tx::new)
             .map_err(|e| store_error("BEGIN IMMEDIATE", e))
+    }
+}
+
+/// A pooled connection whose busy timeout was changed: closed instead of returned to the pool
+/// when dropped before it was restored.
+struct ClosedUnlessRestored {
+    conn: sqlx::pool::PoolConnection<Sqlite>,
+    restored: bool,
+}
+
+impl Drop for ClosedUnlessRestored {
+    fn drop(&mut self) {
+        if !self.restored {
+            self.conn.close_on_drop();
+        }
+    }
+}
+
+fn plain(table: &TableName) -> Result<(), Error> {
+    if table.schema().is_some() {
+        return Err(Error::new(
+            ErrorKind::InvalidConfig,
+            "SQLite tables cannot be schema-qualified here; use a plain table name",
+        ));
+    }
+    Ok(())
+}
+
+impl SqliteStore {
+    /// Runs the take-over without waiting for the write lock (`busy_timeout` 0 for this one
+    /// statement): `None` when a transaction holds it — possibly the old executor's, still
+    /// running — so that the lookup reports the record in progress instead of blocking.
+    async fn run_take_over<'q>(
+        &self,
+        q: sqlx::query::Query<'q, Sqlite, sqlx::sqlite::SqliteArguments<'q>>,
+    ) -> Result<Option<u64>, sqlx::Error> {
+        let mut conn = self.pool.acquire().await?;
+        let waits: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
+            .fetch_one(&mut *conn)
+            .await?;
+        // Never hand a connection that gives up at once back to the pool: until its busy
+        // timeout is restored, dropping it (an error, a cancelled lookup) closes it.
+        let mut nowait = ClosedUnlessRestored {
+            conn,
+            restored: false,
+        };
+        sqlx::query("PRAGMA busy_timeout = 0")
+            .execute(&mut *nowait.conn)
+            .await?;
+        let outcome = q.execute(&mut *nowait.conn).await;
+        let restore = format!("PRAGMA busy_timeout = {waits}");
+        nowait.restored = sqlx::query(&restore)
+            .execute(&mut *nowait.conn)
+            .await
+            .is_ok();
+        match outcome {
+            Ok(r) => Ok(Some(r.rows_affected())),
+            Err(sqlx::Error::Database(db))
+                if db
+                    .code()
+                    .and_then(|c| c.parse::<u32>().ok())
+                    .map(|c| c & 0xff)
+                    == Some(5) =>
+            {
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
     }
 }
 
@@ -273,10 +402,20 @@ crate::capabilities::impl_sql_capabilities!(
     host_stamp
 );
 
+crate::requests::impl_request_capabilities!(
+    SqliteStore,
+    Sqlite,
+    MAX_REQUEST_KEY_LEN,
+    host_stamp,
+    custom_take_over
+);
+
 impl Migrate for SqliteStore {
     async fn migrate(&self) -> Result<(), Error> {
         let t = &self.table;
         let name = t.table();
+        let (r, rname) = (&self.requests, self.requests.table());
+        crate::requests::check_distinct(t, r)?;
         let mut tx = self.begin_immediate().await?;
         for sql in [
             // processed_at: microseconds since the Unix epoch.
@@ -290,6 +429,22 @@ impl Migrate for SqliteStore {
                 )"
             ),
             format!("CREATE INDEX IF NOT EXISTS {name}_processed_at ON {t} (processed_at)"),
+            // Idempotent-request records: state 0 in progress, 1 completed; lease_until and
+            // expires_at in microseconds since the Unix epoch; result NULL while in progress.
+            format!(
+                "CREATE TABLE IF NOT EXISTS {r} (
+                    scope       BLOB    NOT NULL,
+                    idem_key    BLOB    NOT NULL,
+                    fingerprint BLOB    NOT NULL,
+                    state       INTEGER NOT NULL,
+                    fence       INTEGER NOT NULL,
+                    lease_until INTEGER NOT NULL,
+                    expires_at  INTEGER NOT NULL,
+                    result      BLOB,
+                    PRIMARY KEY (scope, idem_key)
+                )"
+            ),
+            format!("CREATE INDEX IF NOT EXISTS {rname}_expires_at ON {r} (expires_at)"),
         ] {
             sqlx::query(&sql)
                 .execute(&mut *tx)

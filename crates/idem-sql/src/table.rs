@@ -1,11 +1,15 @@
-//! The processed-messages table name: configurable, validated, never interpolated unchecked.
+//! Table names (the processed-messages table, the requests table): configurable, validated,
+//! never interpolated unchecked.
 
 use std::fmt;
 
 use idem_core::{Error, ErrorKind};
 
-/// The default table name.
+/// The default table name of the claims (processed messages).
 pub const DEFAULT_TABLE: &str = "idem_processed";
+
+/// The default table name of idempotent-request records.
+pub const DEFAULT_REQUESTS_TABLE: &str = "idem_requests";
 
 /// A validated table name, optionally schema-qualified (`billing.idem_processed`).
 ///
@@ -44,6 +48,14 @@ impl TableName {
             schema: schema.map(Into::into),
             table: table.into(),
         })
+    }
+
+    /// The default requests table, [`DEFAULT_REQUESTS_TABLE`].
+    pub fn default_requests() -> Self {
+        Self {
+            schema: None,
+            table: DEFAULT_REQUESTS_TABLE.into(),
+        }
     }
 
     /// The unqualified table name, used to derive index names.

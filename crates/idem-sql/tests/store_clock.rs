@@ -2,15 +2,17 @@
 //! host whose clock is off can neither stamp claims that look old nor prune them early. Each
 //! test gives its server a clock far from this host's — PostgreSQL through a `now()` that
 //! shadows `pg_catalog.now()` on the connection's `search_path`, MySQL through `SET timestamp`
-//! — and checks that the stamps and the cutoff follow the server.
+//! — and checks that the stamps and the cutoff follow the server, and so do idempotent-request
+//! fences, leases and expiry.
 
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use idem_core::store::{ReapRequests, RequestStore};
 use idem_core::{
-    BoxError, ClaimStore, Clock, ManualClock, Message, MessageId, Migrate, Processor, Prune, Stats,
-    SystemClock, Timestamp,
+    Begin, BoxError, ClaimStore, Clock, Fence, Fingerprint, IdempotencyKey, ManualClock, Message,
+    MessageId, Migrate, Processor, Prune, RequestKey, RequestScope, Stats, SystemClock, Timestamp,
 };
 use idem_sql::{MySqlStore, PostgresStore};
 use idem_testkit::{service_url, services, unique_name};
@@ -67,6 +69,60 @@ where
     assert_eq!(stats[0].oldest, Timestamp::from_micros(SERVER_NOW));
 }
 
+/// A record taken on the server's clock: its fence is the server's now, its lease runs 30 s of
+/// the server's time (on this host's clock, years later, it would have lapsed long ago), and a
+/// day-long TTL keeps it from the reaper.
+async fn requests_follow_the_server_clock<S: RequestStore + ReapRequests>(store: &S) {
+    let k = RequestKey::new(
+        RequestScope::new(["clock"]),
+        IdempotencyKey::new("k").expect("key"),
+    );
+    let fp = Fingerprint::of(b"body");
+    let lease = Duration::from_secs(30);
+    let begin = store
+        .begin_request(&k, &fp, lease, DAY)
+        .await
+        .expect("begin");
+    let server_now = u64::try_from(SERVER_NOW).expect("positive");
+    assert_eq!(
+        begin,
+        Begin::Acquired {
+            fence: Fence(server_now),
+            takeover: false
+        },
+        "a new record's fence is the server's clock"
+    );
+    let retry = store
+        .begin_request(&k, &fp, lease, DAY)
+        .await
+        .expect("retry");
+    assert_eq!(
+        retry,
+        Begin::InProgress { retry_after: lease },
+        "the lease was measured on this host's clock"
+    );
+    let mut tx = store.begin().await.expect("tx");
+    store
+        .complete_in(&mut tx, &k, Fence(server_now), b"r", DAY)
+        .await
+        .expect("complete");
+    store.commit(tx).await.expect("commit");
+    assert_eq!(
+        store.reap_batch(100).await.expect("reap"),
+        0,
+        "reaped by the host's clock"
+    );
+    assert_eq!(
+        store
+            .begin_request(&k, &fp, lease, DAY)
+            .await
+            .expect("replay"),
+        Begin::Completed {
+            result: b"r".to_vec()
+        }
+    );
+}
+
 #[tokio::test]
 async fn postgres_stamps_and_prunes_by_the_server_clock() {
     let test = "postgres_stamps_and_prunes_by_the_server_clock";
@@ -86,6 +142,12 @@ async fn postgres_stamps_and_prunes_by_the_server_clock() {
              AS $$ SELECT to_timestamp({}) $$",
             SERVER_NOW / 1_000_000
         ),
+        // Request records read the statement's start rather than the transaction's.
+        format!(
+            "CREATE FUNCTION {schema}.statement_timestamp() RETURNS timestamptz LANGUAGE sql \
+             AS $$ SELECT to_timestamp({}) $$",
+            SERVER_NOW / 1_000_000
+        ),
     ] {
         sqlx::query(&sql).execute(&admin).await.expect("setup");
     }
@@ -102,6 +164,7 @@ async fn postgres_stamps_and_prunes_by_the_server_clock() {
     let store = PostgresStore::from_pool(pool);
     store.migrate().await.expect("migrate");
     stamps_and_prunes_by_the_server_clock(store.clone()).await;
+    requests_follow_the_server_clock(&store).await;
     store.pool().close().await;
     let _ = sqlx::query(&format!("DROP SCHEMA {schema} CASCADE"))
         .execute(&admin)
@@ -143,6 +206,7 @@ async fn mysql_stamps_and_prunes_by_the_server_clock() {
     let store = MySqlStore::from_pool(pool);
     store.migrate().await.expect("migrate");
     stamps_and_prunes_by_the_server_clock(store.clone()).await;
+    requests_follow_the_server_clock(&store).await;
     store.pool().close().await;
     let _ = sqlx::query(&format!("DROP DATABASE {database}"))
         .execute(&admin)

@@ -15,10 +15,44 @@ pub mod broker_conformance;
 mod broker_fixture;
 pub mod conformance;
 mod fixture;
+pub mod request_conformance;
+mod request_fixture;
 pub mod services;
 
 pub use broker_fixture::{BrokerFixture, DeadLettered};
 pub use fixture::{StoreFixture, TxOf};
+pub use request_fixture::{RequestFixture, RequestTxOf};
+
+/// Expands to one `#[tokio::test]` per idempotent-request conformance check for a
+/// [`RequestFixture`] (the [`RequestStore`](idem_core::store::RequestStore) and
+/// [`ReapRequests`](idem_core::store::ReapRequests) capabilities), each on a fresh fixture.
+/// A store runs it beside [`conformance_tests!`] only if it also has the claim capabilities.
+#[macro_export]
+macro_rules! request_conformance_tests {
+    ($fixture:ty) => {
+        $crate::request_conformance_tests!(@tests $fixture;
+            a_retry_while_the_first_runs_is_in_progress_at_once,
+            a_completed_request_replays_its_result_byte_for_byte,
+            another_fingerprint_is_a_mismatch_and_leaves_the_record,
+            a_lapsed_lease_is_taken_over_and_the_late_completion_refused,
+            release_frees_the_key_and_a_stale_fence_frees_nothing,
+            a_renewed_lease_keeps_the_record_held,
+            an_expired_record_executes_again_and_is_reaped,
+            concurrent_first_requests_take_the_record_once,
+            scopes_never_share_records,
+            an_abandoned_execution_rolls_back_and_frees_the_key,
+            function_calls_run_once_and_replay_their_result,
+        );
+    };
+    (@tests $fixture:ty; $($name:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $name() {
+                $crate::request_conformance::$name::<$fixture>(stringify!($name)).await;
+            }
+        )*
+    };
+}
 pub use services::{service_url, unique_name};
 
 /// Expands to one `#[tokio::test]` per broker conformance check for a [`BrokerFixture`], each

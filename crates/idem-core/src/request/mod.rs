@@ -1,0 +1,80 @@
+//! Idempotent requests: the API half of the pattern, with no HTTP in it.
+//!
+//! A client that retries an operation with the same [`IdempotencyKey`] must get the first
+//! execution's result back instead of a second execution. The record of one operation lives
+//! under a [`RequestKey`] — a [`RequestScope`] (whose operation: the principal, the route…)
+//! and the client's key — and holds the request's [`Fingerprint`], its state and an expiry:
+//!
+//! - **in progress**: taken by one executor under a lease and a fencing token ([`Fence`]); a
+//!   retry meanwhile is told so at once ([`Begin::InProgress`]), and a lease that runs out (the
+//!   executor crashed) can be taken over, bumping the token so that the old executor's late
+//!   completion is refused;
+//! - **completed**: the stored result, replayed to every retry until the record expires.
+//!
+//! Stores implement [`RequestStore`](crate::store::RequestStore); SQL stores complete the
+//! record inside the transaction that carries the operation's writes, so the effect and the
+//! stored result commit together or not at all.
+
+mod key;
+pub(crate) mod store;
+
+pub use key::{IdempotencyKey, MAX_IDEMPOTENCY_KEY_LEN, RequestKey, RequestScope};
+
+use std::time::Duration;
+
+/// The fencing token of one holder of a record: it grows on every takeover, and completion or
+/// release by an older token is refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Fence(pub u64);
+
+/// What [`begin_request`](crate::store::RequestStore::begin_request) found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Begin {
+    /// The caller holds the record now: run the operation, then complete or release it with
+    /// this token. `takeover` is true when an earlier holder's lease had run out.
+    Acquired {
+        /// The caller's fencing token.
+        fence: Fence,
+        /// Whether this took over a record whose lease had expired.
+        takeover: bool,
+    },
+    /// Another executor holds a live lease on the record.
+    InProgress {
+        /// Until its lease runs out (at least one second, rounded up).
+        retry_after: Duration,
+    },
+    /// The operation completed earlier; here is what it stored.
+    Completed {
+        /// The stored result, byte for byte.
+        result: Vec<u8>,
+    },
+    /// A record under this key holds a different request fingerprint: the client reused a
+    /// key for a different request. The record is left untouched.
+    Mismatch,
+}
+
+/// Rounds a remaining lease up to whole seconds, at least one: what `Retry-After` carries.
+pub fn retry_after(remaining: Duration) -> Duration {
+    let secs = remaining.as_secs() + u64::from(remaining.subsec_nanos() > 0);
+    Duration::from_secs(secs.max(1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_is_whole_seconds_and_at_least_one() {
+        assert_eq!(retry_after(Duration::ZERO), Duration::from_secs(1));
+        assert_eq!(
+            retry_after(Duration::from_millis(1)),
+            Duration::from_secs(1)
+        );
+        assert_eq!(
+            retry_after(Duration::from_millis(1001)),
+            Duration::from_secs(2)
+        );
+        assert_eq!(retry_after(Duration::from_secs(3)), Duration::from_secs(3));
+    }
+}

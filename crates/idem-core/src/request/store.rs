@@ -1,0 +1,90 @@
+//! The store capabilities of idempotent requests, beside the claim's (re-exported from
+//! [`crate::store`]).
+
+use std::future::Future;
+use std::time::Duration;
+
+use super::{Begin, Fence, RequestKey};
+use crate::error::Error;
+use crate::fingerprint::Fingerprint;
+use crate::store::TransactionalStore;
+
+/// Records of idempotent requests: one per [`RequestKey`], taken under a lease with a fencing
+/// token, completed with a stored result, expiring after a TTL.
+///
+/// Every time (leases, expiry) is measured on the store's own clock — the database server's,
+/// or Redis's — so the hosts of a fleet never disagree about whether a lease ran out.
+///
+/// The contract, which `idem_testkit::request_conformance_tests!` checks on the real server:
+/// - [`begin_request`](Self::begin_request) never blocks on a record another executor holds:
+///   a live lease is reported at once as [`Begin::InProgress`];
+/// - a record whose lease ran out is taken over with a larger [`Fence`]; completion, release
+///   and lease extension with an older fence are refused;
+/// - a record with a different fingerprint is [`Begin::Mismatch`] and stays untouched;
+/// - an expired record counts as absent: the key executes again.
+pub trait RequestStore: TransactionalStore {
+    /// The longest idempotency key, in bytes, the store's schema holds.
+    fn max_key_len(&self) -> usize;
+
+    /// Looks the record up and takes it when it is absent, expired, or its lease ran out: an
+    /// in-progress record leased for `lease`, expiring after `ttl` unless completed. Runs on
+    /// its own (committed) statements, not in the operation's transaction, so that concurrent
+    /// retries see the taken record at once.
+    fn begin_request(
+        &self,
+        key: &RequestKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<Begin, Error>> + Send;
+
+    /// Completes the record held under `fence` with `result`, expiring `ttl` from now, inside
+    /// `tx` — the transaction carrying the operation's writes, so both commit or neither does.
+    /// [`ErrorKind::LeaseLost`](crate::ErrorKind::LeaseLost) when another executor took the
+    /// record over: the caller must roll `tx` back.
+    fn complete_in(
+        &self,
+        tx: &mut Self::Tx,
+        key: &RequestKey,
+        fence: Fence,
+        result: &[u8],
+        ttl: Duration,
+    ) -> impl Future<Output = Result<(), Error>> + Send;
+
+    /// Gives the record up (the outcome is not to be stored): the key is free again. Does
+    /// nothing when `fence` no longer holds it.
+    fn release(
+        &self,
+        key: &RequestKey,
+        fence: Fence,
+    ) -> impl Future<Output = Result<(), Error>> + Send;
+
+    /// Extends the lease held under `fence` to `lease` from now (a heartbeat for long
+    /// operations). `false` when `fence` no longer holds the record.
+    fn extend_lease(
+        &self,
+        key: &RequestKey,
+        fence: Fence,
+        lease: Duration,
+    ) -> impl Future<Output = Result<bool, Error>> + Send;
+}
+
+/// Removes expired request records in bounded batches.
+pub trait ReapRequests: Send + Sync {
+    /// Deletes at most `limit` records that expired (completed ones past their TTL, in-progress
+    /// ones past both their TTL and their lease), in one short transaction. Returns how many.
+    fn reap_batch(&self, limit: u32) -> impl Future<Output = Result<u64, Error>> + Send;
+}
+
+/// Deletes every expired record, `batch` at a time.
+pub async fn reap_all<S: ReapRequests + ?Sized>(store: &S, batch: u32) -> Result<u64, Error> {
+    let batch = batch.max(1);
+    let mut total = 0;
+    loop {
+        let n = store.reap_batch(batch).await?;
+        total += n;
+        if n < u64::from(batch) {
+            return Ok(total);
+        }
+    }
+}

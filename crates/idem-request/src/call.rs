@@ -1,0 +1,119 @@
+//! The function-level API: any async function made idempotent by key, its result serialized
+//! and replayed on a repeat.
+
+use std::panic::AssertUnwindSafe;
+
+use futures_util::FutureExt;
+use idem_core::store::RequestStore;
+use idem_core::{
+    BoxError, Error, ErrorKind, Fingerprint, IdempotencyKey, RequestKey, RequestScope,
+};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::engine::{Idempotency, Start};
+
+impl<S: RequestStore + Clone + 'static> Idempotency<S> {
+    /// Runs `f` once per (`scope`, `key`) and returns its result; every repeat gets the first
+    /// result back, deserialized, without running `f`.
+    ///
+    /// `input` is what the call is about: its JSON encoding is the fingerprint, so the same key
+    /// with a different input is refused ([`ErrorKind::KeyReused`]) rather than replayed. `f`
+    /// writes through the store's transaction, which commits together with the stored
+    /// result. An error from `f` (or a panic) is not stored: its writes roll back and a repeat
+    /// runs `f` again. A repeat while the first call runs fails at once with
+    /// [`ErrorKind::InProgress`] and a [`retry_after`](Error::retry_after).
+    pub async fn call<I, T, E, F>(
+        &self,
+        scope: RequestScope,
+        key: &IdempotencyKey,
+        input: &I,
+        f: F,
+    ) -> Result<T, Error>
+    where
+        I: Serialize + ?Sized,
+        T: Serialize + DeserializeOwned,
+        E: Into<BoxError>,
+        F: AsyncFnOnce(&mut S::Tx) -> Result<T, E>,
+    {
+        let encoded = serde_json::to_vec(input).map_err(|e| {
+            Error::new(
+                ErrorKind::InvalidConfig,
+                format!("the call's input does not serialize: {e}"),
+            )
+            .with_source(e)
+        })?;
+        let request = RequestKey::new(scope, key.clone());
+        let mut execution = match self.start(request, Fingerprint::of(&encoded)).await? {
+            Start::Run(execution) => execution,
+            Start::Replay(stored) => {
+                return serde_json::from_slice(&stored).map_err(|e| {
+                    Error::new(
+                        ErrorKind::Store,
+                        format!("the stored result of key {key} does not deserialize as this call's result type: {e}"),
+                    )
+                    .with_source(e)
+                });
+            }
+            Start::InProgress { retry_after } => {
+                return Err(Error::new(
+                    ErrorKind::InProgress,
+                    format!(
+                        "a call with key {key} is still running; retry in {}s",
+                        retry_after.as_secs()
+                    ),
+                )
+                .with_retry_after(retry_after));
+            }
+            Start::Mismatch => {
+                return Err(Error::new(
+                    ErrorKind::KeyReused,
+                    format!("key {key} was already used for a call with a different input"),
+                ));
+            }
+        };
+        let outcome = AssertUnwindSafe(f(execution.tx())).catch_unwind().await;
+        match outcome {
+            Ok(Ok(value)) => {
+                let stored = serde_json::to_vec(&value).map_err(|e| {
+                    Error::new(
+                        ErrorKind::InvalidConfig,
+                        format!("the call's result does not serialize: {e}"),
+                    )
+                    .with_source(e)
+                });
+                match stored {
+                    Ok(bytes) => {
+                        execution.complete(&bytes).await?;
+                        Ok(value)
+                    }
+                    Err(e) => {
+                        let _ = execution.abandon().await;
+                        Err(e)
+                    }
+                }
+            }
+            Ok(Err(e)) => {
+                let _ = execution.abandon().await;
+                let e = e.into();
+                Err(match e.downcast::<Error>() {
+                    Ok(ours) => *ours,
+                    Err(other) => {
+                        let kind = self.store().classify(&*other).unwrap_or(ErrorKind::Handler);
+                        Error::new(
+                            kind,
+                            format!(
+                                "the call failed (not stored; a repeat runs it again): {other}"
+                            ),
+                        )
+                        .with_source(other)
+                    }
+                })
+            }
+            Err(panic) => {
+                let _ = execution.abandon().await;
+                std::panic::resume_unwind(panic)
+            }
+        }
+    }
+}

@@ -1,0 +1,372 @@
+//! The engine: take a record, run under its lease (with a heartbeat), complete or abandon.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::store::RequestStore;
+use idem_core::{Begin, Error, ErrorKind, Fence, Fingerprint, RequestKey};
+use tokio::task::JoinHandle;
+
+/// Idempotent execution of operations keyed by client keys, on a [`RequestStore`].
+///
+/// Cheap to clone; one per service (or per route group with its own policy).
+#[derive(Debug)]
+pub struct Idempotency<S> {
+    inner: Arc<Inner<S>>,
+}
+
+impl<S> Clone for Idempotency<S> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Inner<S> {
+    store: S,
+    ttl: Duration,
+    lease: Duration,
+    heartbeat: Option<Duration>,
+}
+
+/// Configures an [`Idempotency`]; [`build`](Self::build) refuses inconsistent timings.
+#[derive(Debug)]
+pub struct IdempotencyBuilder<S> {
+    store: S,
+    ttl: Duration,
+    lease: Duration,
+    heartbeat: Option<Option<Duration>>,
+}
+
+impl<S: RequestStore + Clone + 'static> Idempotency<S> {
+    /// Starts configuring on `store`: records kept 24 h, leases of 30 s renewed every 10 s.
+    pub fn builder(store: S) -> IdempotencyBuilder<S> {
+        IdempotencyBuilder {
+            store,
+            ttl: Duration::from_secs(24 * 3600),
+            lease: Duration::from_secs(30),
+            heartbeat: None,
+        }
+    }
+}
+
+impl<S> IdempotencyBuilder<S> {
+    /// How long a completed record is replayed (default 24 h). After that the key executes
+    /// again, and the reaper may delete the record.
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// How long an executor holds a record without renewing it (default 30 s). A retry meanwhile
+    /// is answered "in progress"; after an executor's crash, the next retry takes over once the
+    /// lease ran out.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// How often a running operation renews its lease (default a third of the lease).
+    pub fn heartbeat(mut self, every: Duration) -> Self {
+        self.heartbeat = Some(Some(every));
+        self
+    }
+
+    /// No heartbeat: an operation running longer than the lease may be taken over (its late
+    /// completion is then refused).
+    pub fn without_heartbeat(mut self) -> Self {
+        self.heartbeat = Some(None);
+        self
+    }
+
+    /// Validates and builds.
+    pub fn build(self) -> Result<Idempotency<S>, Error> {
+        let bad = |why: String| Err(Error::new(ErrorKind::InvalidConfig, why));
+        if self.lease < Duration::from_millis(10) {
+            return bad(format!("lease of {:?} is too short", self.lease));
+        }
+        if self.ttl < self.lease {
+            return bad(format!(
+                "record TTL {:?} is shorter than the lease {:?}",
+                self.ttl, self.lease
+            ));
+        }
+        let heartbeat = self.heartbeat.unwrap_or(Some(self.lease / 3));
+        if let Some(every) = heartbeat
+            && (every.is_zero() || every >= self.lease)
+        {
+            return bad(format!(
+                "heartbeat every {every:?} does not renew a lease of {:?} in time",
+                self.lease
+            ));
+        }
+        Ok(Idempotency {
+            inner: Arc::new(Inner {
+                store: self.store,
+                ttl: self.ttl,
+                lease: self.lease,
+                heartbeat,
+            }),
+        })
+    }
+}
+
+/// What [`Idempotency::start`] found.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Start<S: RequestStore + Clone + 'static> {
+    /// The record is this caller's: run the operation through the execution's transaction.
+    Run(Execution<S>),
+    /// Completed earlier: the stored result, byte for byte.
+    Replay(Vec<u8>),
+    /// Another executor is running it; ask again after `retry_after` (whole seconds, ≥ 1).
+    InProgress {
+        /// When the other executor's lease runs out at the latest.
+        retry_after: Duration,
+    },
+    /// The key was used for a different request (another fingerprint); nothing was touched.
+    Mismatch,
+}
+
+impl<S: RequestStore + Clone + 'static> Idempotency<S> {
+    /// The store.
+    pub fn store(&self) -> &S {
+        &self.inner.store
+    }
+
+    /// How long completed records are replayed.
+    pub fn ttl(&self) -> Duration {
+        self.inner.ttl
+    }
+
+    /// How long a lease lasts without renewal.
+    pub fn lease(&self) -> Duration {
+        self.inner.lease
+    }
+
+    /// Looks `key` up and takes its record when it is free (absent, expired, or its holder's
+    /// lease ran out). Never waits for another executor.
+    pub async fn start(
+        &self,
+        key: RequestKey,
+        fingerprint: Fingerprint,
+    ) -> Result<Start<S>, Error> {
+        let me = &self.inner;
+        if key.key.as_str().len() > me.store.max_key_len() {
+            return Err(Error::new(
+                ErrorKind::InvalidKey,
+                format!(
+                    "idempotency key is {} bytes, over this store's limit of {}",
+                    key.key.as_str().len(),
+                    me.store.max_key_len()
+                ),
+            ));
+        }
+        let (fence, takeover) = match me
+            .store
+            .begin_request(&key, &fingerprint, me.lease, me.ttl)
+            .await?
+        {
+            Begin::Acquired { fence, takeover } => (fence, takeover),
+            Begin::Completed { result } => return Ok(Start::Replay(result)),
+            Begin::InProgress { retry_after } => return Ok(Start::InProgress { retry_after }),
+            Begin::Mismatch => return Ok(Start::Mismatch),
+            _ => {
+                return Err(Error::new(
+                    ErrorKind::Store,
+                    "the store answered the lookup with a state this engine does not know",
+                ));
+            }
+        };
+        if takeover {
+            tracing::info!(key = %key.key, fence = fence.0, "took over a record whose lease ran out (its executor likely crashed)");
+        }
+        let tx = match me.store.begin().await {
+            Ok(tx) => tx,
+            Err(e) => {
+                let _ = me.store.release(&key, fence).await;
+                return Err(e);
+            }
+        };
+        let heartbeat = me.heartbeat.map(|every| {
+            let store = me.store.clone();
+            let key = key.clone();
+            let lease = me.lease;
+            tokio::spawn(async move { renew(store, key, fence, lease, every).await })
+        });
+        Ok(Start::Run(Execution {
+            idem: self.clone(),
+            key,
+            fence,
+            takeover,
+            tx: Some(tx),
+            heartbeat,
+            settled: false,
+        }))
+    }
+}
+
+/// Renews the lease until aborted or lost.
+async fn renew<S: RequestStore>(
+    store: S,
+    key: RequestKey,
+    fence: Fence,
+    lease: Duration,
+    every: Duration,
+) {
+    let mut ticks = tokio::time::interval(every);
+    ticks.tick().await; // the first tick is immediate; the lease was just taken
+    loop {
+        ticks.tick().await;
+        match store.extend_lease(&key, fence, lease).await {
+            Ok(true) => {}
+            Ok(false) => {
+                tracing::warn!(key = %key.key, fence = fence.0, "lease lost to a takeover; this execution's completion will be refused");
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(key = %key.key, error = %e, "renewing the lease failed; trying again")
+            }
+        }
+    }
+}
+
+/// One operation running under a taken record. Complete it or abandon it; dropped without
+/// either (a panic, a cancelled request) it rolls back and frees the key.
+pub struct Execution<S: RequestStore + Clone + 'static> {
+    idem: Idempotency<S>,
+    key: RequestKey,
+    fence: Fence,
+    takeover: bool,
+    tx: Option<S::Tx>,
+    heartbeat: Option<JoinHandle<()>>,
+    /// Completed or abandoned: nothing is left for `Drop` to undo.
+    settled: bool,
+}
+
+impl<S: RequestStore + Clone + 'static> Execution<S> {
+    /// The record's key.
+    pub fn key(&self) -> &RequestKey {
+        &self.key
+    }
+
+    /// This execution's fencing token.
+    pub fn fence(&self) -> Fence {
+        self.fence
+    }
+
+    /// Whether this execution took over a record whose earlier executor's lease ran out.
+    pub fn took_over(&self) -> bool {
+        self.takeover
+    }
+
+    /// The transaction the operation writes through.
+    ///
+    /// # Panics
+    /// After [`take_tx`](Self::take_tx) without [`put_tx`](Self::put_tx): a programming error.
+    pub fn tx(&mut self) -> &mut S::Tx {
+        match self.tx.as_mut() {
+            Some(tx) => tx,
+            None => panic!("Execution::tx after take_tx without put_tx"),
+        }
+    }
+
+    /// Moves the transaction out, for an operation that must own it (e.g. an HTTP handler
+    /// reached through request extensions). Give it back with [`put_tx`](Self::put_tx) before
+    /// completing; completing without it is an error, and the writes roll back.
+    pub fn take_tx(&mut self) -> Option<S::Tx> {
+        self.tx.take()
+    }
+
+    /// Gives the transaction back.
+    pub fn put_tx(&mut self, tx: S::Tx) {
+        self.tx = Some(tx);
+    }
+
+    fn stop_heartbeat(&mut self) {
+        if let Some(h) = self.heartbeat.take() {
+            h.abort();
+        }
+    }
+
+    /// Stores `result` with the record in the operation's transaction and commits both.
+    ///
+    /// [`ErrorKind::LeaseLost`] when another executor took the record over meanwhile: the
+    /// transaction is rolled back, so this execution's writes never happened.
+    pub async fn complete(mut self, result: &[u8]) -> Result<(), Error> {
+        self.stop_heartbeat();
+        self.settled = true;
+        let store = self.idem.inner.store.clone();
+        let ttl = self.idem.inner.ttl;
+        let Some(mut tx) = self.tx.take() else {
+            let _ = store.release(&self.key, self.fence).await;
+            return Err(Error::new(
+                ErrorKind::Store,
+                "the operation kept the transaction: nothing was committed and the key is free again",
+            ));
+        };
+        if let Err(e) = store
+            .complete_in(&mut tx, &self.key, self.fence, result, ttl)
+            .await
+        {
+            let _ = store.rollback(tx).await;
+            if e.kind() != ErrorKind::LeaseLost {
+                let _ = store.release(&self.key, self.fence).await;
+            }
+            return Err(e);
+        }
+        if let Err(e) = store.commit(tx).await {
+            // Rolled back, or unknown: freeing a record this fence still holds in progress is
+            // right either way (a committed completion is no longer in progress and stays).
+            let _ = store.release(&self.key, self.fence).await;
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Rolls the operation's writes back and frees the key: the outcome is not stored, so a
+    /// retry executes again.
+    pub async fn abandon(mut self) -> Result<(), Error> {
+        self.stop_heartbeat();
+        self.settled = true;
+        let store = self.idem.inner.store.clone();
+        if let Some(tx) = self.tx.take() {
+            let _ = store.rollback(tx).await;
+        }
+        store.release(&self.key, self.fence).await
+    }
+}
+
+impl<S: RequestStore + Clone + 'static> std::fmt::Debug for Execution<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Execution")
+            .field("key", &self.key)
+            .field("fence", &self.fence)
+            .field("takeover", &self.takeover)
+            .field("holds_tx", &self.tx.is_some())
+            .finish()
+    }
+}
+
+impl<S: RequestStore + Clone + 'static> Drop for Execution<S> {
+    fn drop(&mut self) {
+        self.stop_heartbeat();
+        // Completed or abandoned: nothing left. Otherwise the operation panicked or its future
+        // was dropped: dropping the transaction rolls it back; free the key in the background.
+        if self.settled {
+            return;
+        }
+        drop(self.tx.take());
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let store = self.idem.inner.store.clone();
+            let (key, fence) = (self.key.clone(), self.fence);
+            rt.spawn(async move {
+                if let Err(e) = store.release(&key, fence).await {
+                    tracing::warn!(key = %key.key, error = %e, "could not free the key of an interrupted execution; it frees itself when its lease runs out");
+                }
+            });
+        }
+    }
+}
