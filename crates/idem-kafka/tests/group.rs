@@ -132,7 +132,6 @@ async fn member_joining_and_leaving_never_doubles_an_effect(cluster: Cluster, te
     assert!(all && missing.is_empty(), "lost: {missing:?}");
     assert_eq!(first_stats.processed + second_stats.processed, total as u64);
     db.close().await;
-    cluster.delete_topics(&[&topic]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
