@@ -20,7 +20,8 @@ impl Service {
     fn start(args: &[&str]) -> Self {
         let mut child = Command::new(BIN)
             .args(args)
-            .env("RUST_LOG", "info")
+            // Per-message outcomes are logged at debug (info is for starts, stops and outages).
+            .env("RUST_LOG", "info,idem_consumer=debug")
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
