@@ -1,0 +1,245 @@
+//! `Idempotency-Key` for HTTP APIs: a tower [`Layer`](tower_layer::Layer) that runs a
+//! `POST`/`PATCH` once per client key and answers every retry with the stored response.
+//!
+//! A client whose `POST /charges` timed out cannot tell whether the charge happened, so it
+//! retries with the same `Idempotency-Key` (IETF `draft-ietf-httpapi-idempotency-key-header`).
+//! [`IdempotencyLayer`] makes that retry safe: the first request takes a record for (principal,
+//! method, path, key) under a lease, runs the handler and stores its response; a retry gets
+//! that response back byte for byte, marked `Idempotent-Replayed: true`. It sits on the
+//! [`idem_request::Idempotency`] engine, so it works on every store of idem — and on the SQL
+//! stores **the handler's writes and the stored response commit in one transaction**: the
+//! handler takes it with the [`IdemTx`] extractor, and either both happened or neither did.
+//!
+//! It is a plain [`Layer`](tower_layer::Layer)/[`Service`](tower_service::Service) over
+//! `http::Request<B>`, so it fits axum (`Router::layer`, `MethodRouter::layer`), hyper and
+//! any tower stack.
+//!
+//! ```
+//! use axum::{Json, Router, routing::post};
+//! use idem_http::{IdemTx, IdempotencyLayer};
+//! use idem_request::Idempotency;
+//! use idem_sql::{SqliteOptions, SqliteStore};
+//! use tower::ServiceExt;
+//!
+//! # #[cfg(not(feature = "axum"))] fn main() {} // the extractor needs the `axum` feature
+//! # #[cfg(feature = "axum")]
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//! # let dir = tempfile::tempdir()?;
+//! let store = SqliteStore::open(dir.path().join("app.db"), SqliteOptions::default()).await?;
+//! idem_core::Migrate::migrate(&store).await?;
+//! sqlx::query("CREATE TABLE charges (id INTEGER PRIMARY KEY, cents INTEGER)")
+//!     .execute(store.pool())
+//!     .await?;
+//!
+//! // The handler writes through the execution's transaction: the charge and the stored
+//! // response commit together.
+//! async fn create_charge(
+//!     mut tx: IdemTx<SqliteStore>,
+//!     Json(cents): Json<i64>,
+//! ) -> Result<(http::StatusCode, String), String> {
+//!     let id: i64 = sqlx::query_scalar("INSERT INTO charges (cents) VALUES (?) RETURNING id")
+//!         .bind(cents)
+//!         .fetch_one(&mut **tx)
+//!         .await
+//!         .map_err(|e| e.to_string())?;
+//!     Ok((http::StatusCode::CREATED, format!("charge {id}")))
+//! }
+//!
+//! #[derive(Clone)]
+//! struct Account(String); // your authentication middleware inserts it
+//!
+//! let idem = Idempotency::builder(store.clone()).build()?; // 24 h TTL, 30 s lease
+//! let layer = IdempotencyLayer::per_principal(idem, |parts: &http::request::Parts| {
+//!     parts.extensions.get::<Account>().map(|a| a.0.clone())
+//! })
+//! .require_key();
+//! let app = Router::new()
+//!     .route("/charges", post(create_charge))
+//!     .layer(layer)
+//!     .layer(axum::Extension(Account("acct_1".into()))); // stands in for authentication
+//!
+//! let request = || {
+//!     http::Request::post("/charges")
+//!         .header("content-type", "application/json")
+//!         .header("idempotency-key", "\"8e03978e-40d5-43e8-bc93-6894a57f9324\"")
+//!         .body(axum::body::Body::from("1250"))
+//! };
+//! let first = app.clone().oneshot(request()?).await?;
+//! assert_eq!(first.status(), 201);
+//! assert!(first.headers().get("idempotent-replayed").is_none());
+//!
+//! let retry = app.clone().oneshot(request()?).await?;
+//! assert_eq!(retry.status(), 201);
+//! assert_eq!(retry.headers()["idempotent-replayed"], "true");
+//!
+//! let charges: i64 = sqlx::query_scalar("SELECT count(*) FROM charges")
+//!     .fetch_one(store.pool())
+//!     .await?;
+//! assert_eq!(charges, 1);
+//! # Ok(()) }
+//! ```
+//!
+//! # Without axum
+//!
+//! In hyper or a plain tower stack the inner service receives `http::Request<RequestBody<B>>`
+//! and takes the transaction from the extensions with [`IdemTx::take`]:
+//!
+//! ```
+//! use bytes::Bytes;
+//! use http::{Request, Response};
+//! use http_body_util::Full;
+//! use idem_core::BoxError;
+//! use idem_http::{IdemTx, IdempotencyLayer, RequestBody};
+//! use idem_request::Idempotency;
+//! use idem_sql::{SqliteOptions, SqliteStore};
+//! use tower::{ServiceBuilder, ServiceExt, service_fn};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), BoxError> {
+//! # let dir = tempfile::tempdir()?;
+//! let store = SqliteStore::open(dir.path().join("jobs.db"), SqliteOptions::default()).await?;
+//! idem_core::Migrate::migrate(&store).await?;
+//! sqlx::query("CREATE TABLE jobs (body BLOB)").execute(store.pool()).await?;
+//!
+//! let handler = service_fn(|req: Request<RequestBody<Full<Bytes>>>| async move {
+//!     let mut tx = IdemTx::<SqliteStore>::take(req.extensions())?;
+//!     let body = http_body_util::BodyExt::collect(req.into_body()).await?.to_bytes();
+//!     sqlx::query("INSERT INTO jobs VALUES (?)").bind(body.to_vec()).execute(&mut **tx).await?;
+//!     drop(tx); // back to the layer, which commits it with the stored response
+//!     Ok::<_, BoxError>(Response::new(Full::new(Bytes::from_static(b"queued"))))
+//! });
+//! // One trusted caller (an internal job runner): a shared scope is acceptable here.
+//! let idem = Idempotency::builder(store.clone()).build()?;
+//! let svc = ServiceBuilder::new()
+//!     .layer(IdempotencyLayer::shared_scope(idem).require_key())
+//!     .service(handler);
+//!
+//! for _ in 0..2 {
+//!     let req = Request::post("/jobs")
+//!         .header("Idempotency-Key", "job-2024-06-01")
+//!         .body(Full::new(Bytes::from_static(b"{\"report\":\"daily\"}")))?;
+//!     let res = svc.clone().oneshot(req).await?;
+//!     assert_eq!(res.status(), 200);
+//! }
+//! let jobs: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs").fetch_one(store.pool()).await?;
+//! assert_eq!(jobs, 1);
+//! # Ok(()) }
+//! ```
+//!
+//! # The key
+//!
+//! The `Idempotency-Key` header (the name is case-insensitive, and configurable with
+//! [`key_header`](IdempotencyLayer::key_header)) carries one of:
+//!
+//! - an RFC 8941 **sf-string**, as the draft specifies: `Idempotency-Key: "8e03978e-40d5"`,
+//!   with `\"` and `\\` as its only escapes; parameters after it (`"…";v=1`) are allowed and
+//!   ignored;
+//! - a **bare key**, as Stripe-style clients send it: `Idempotency-Key: 8e03978e-40d5` — any
+//!   value that does not start with `"` is the key itself.
+//!
+//! Either way the key must be **1 to 255 bytes of visible ASCII** (`!` to `~`: no spaces, no
+//! control characters, nothing outside ASCII); the limit is
+//! [`max_key_len`](IdempotencyLayer::max_key_len), and the store's own limit applies too.
+//! Anything else — an empty value, `""`, 256 bytes, a byte outside ASCII, an unterminated or
+//! badly escaped sf-string, text after the string — is `400 invalid-key`, and so is a request
+//! with two `Idempotency-Key` headers. Use a fresh UUID per operation and send it again on
+//! every retry of that operation.
+//!
+//! # What the layer does
+//!
+//! - **Methods**: `POST` and `PATCH` ([`methods`](IdempotencyLayer::methods)). Other methods
+//!   pass through; a key on `GET`, `HEAD` or `OPTIONS` is ignored and nothing is recorded.
+//! - **Per route**: a key is [`Required`](KeyRequirement::Required) (no key → 400, the handler
+//!   does not run), [`Optional`](KeyRequirement::Optional) (no key → the request runs without
+//!   idempotency; the default) or [`Off`](KeyRequirement::Off); in axum, put layers configured
+//!   differently on different routes, or use
+//!   [`key_requirement_by`](IdempotencyLayer::key_requirement_by).
+//! - **Scope**: records are looked up by (principal, method, path, key). The principal comes
+//!   from your function of the request head ([`per_principal`](IdempotencyLayer::per_principal));
+//!   one principal can never see, replay or block another's record. Without one, the layer must
+//!   be built with [`shared_scope`](IdempotencyLayer::shared_scope) — unsafe for multi-tenant
+//!   APIs.
+//! - **Fingerprint**: SHA-256 over the method, the path with its query and the body
+//!   ([`default_fingerprint`]); your own with
+//!   [`fingerprint_with`](IdempotencyLayer::fingerprint_with). The same key with another
+//!   fingerprint is `422`, and the original record stays as it was.
+//! - **First request**: the record is taken (in progress, with a lease and a fencing token;
+//!   a heartbeat renews the lease while the handler runs), the handler runs with the
+//!   transaction in the request's extensions, and a response the [policy](StorePolicy) stores
+//!   is committed with the record: the status, the allow-listed headers (never `Set-Cookie`,
+//!   never hop-by-hop headers: see [`record`]) and the body. The first response never carries
+//!   the replay marker. The handler also finds the parsed [`IdempotencyKey`] in the request's
+//!   extensions (`Extension<IdempotencyKey>` in axum), e.g. to derive keys for external calls.
+//! - **Retry**: the stored response byte for byte (status, kept headers, body), plus
+//!   `Idempotent-Replayed: true` ([`replay_header`](IdempotencyLayer::replay_header)).
+//! - **In flight**: a retry while the first still runs is `409` at once, with `Retry-After` in
+//!   whole seconds (≥ 1) — never blocked until the first finishes. A record whose lease ran out
+//!   (its server crashed) is taken over by the next retry; the old holder's late completion is
+//!   refused by the fencing token and its writes roll back.
+//! - **Not stored**: 5xx, 408, 409, 425, 429 and panics, by default. The response still goes
+//!   to the client, but the handler's writes roll back and the key is free: a 500 means
+//!   nothing happened, and the retry runs again. (2xx, 3xx and other 4xx are stored.)
+//! - **Bodies**: a request body over [`request_body_limit`](IdempotencyLayer::request_body_limit)
+//!   (1 MiB) is `413` before any record is written. A response body over
+//!   [`response_storage_limit`](IdempotencyLayer::response_storage_limit) (1 MiB) still
+//!   completes the record with its status and headers, so a retry never executes again; the
+//!   replay has an empty body and `Idempotent-Body-Omitted: true`.
+//! - **Expiry**: records live for the engine's TTL (24 h by default,
+//!   [`IdempotencyBuilder::ttl`](idem_request::IdempotencyBuilder::ttl)); after it the key
+//!   executes again, and the store's reaper deletes the record in bounded batches.
+//!
+//! # Status codes
+//!
+//! Every response the layer makes itself is `application/problem+json` (RFC 9457) with `type`,
+//! `title`, `status`, `detail` and `code` ([`problem`]):
+//!
+//! | status | `code` | when | the handler |
+//! |---|---|---|---|
+//! | handler's | — | first execution (stored, or not stored by the policy) | ran once |
+//! | stored | — | retry of a completed request: the stored response + `Idempotent-Replayed: true` | not run |
+//! | 400 | `missing-key` | a route with a required key, no `Idempotency-Key` | not run |
+//! | 400 | `invalid-key` | a key outside the format above, or two `Idempotency-Key` headers | not run |
+//! | 400 | `invalid-body` | the request body could not be read | not run |
+//! | 401 | `missing-principal` | a key, but the principal function found no principal | not run |
+//! | 409 | `conflict` | the same key is in flight (with `Retry-After`); or this request's lease ran out and a retry took over (its writes rolled back) | not run / rolled back |
+//! | 413 | `body-too-large` | request body over the limit; nothing recorded | not run |
+//! | 422 | `fingerprint-mismatch` | the key was used for a different request; the original record is untouched | not run |
+//! | 500 | `internal-error` | a stored response the layer cannot read, a handler that kept the transaction, a response body that failed | rolled back |
+//! | 503 | `store-unavailable` | the store is down or refusing work | not run (or rolled back) |
+//!
+//! # Placement
+//!
+//! Put authentication *in front of* (outside) this layer so the principal function finds the
+//! account; put the layer in front of anything whose effect must happen once. Handlers must
+//! not keep [`IdemTx`] beyond their response (a spawned task holding it makes the request
+//! fail with `500 internal-error` and roll back). On Redis, which shares no transaction with
+//! your database, the handler's writes are not rolled back with an unstored response — see
+//! the Redis store's documentation.
+
+mod body;
+#[cfg(feature = "axum")]
+mod extract;
+mod future;
+mod key;
+mod layer;
+pub mod policy;
+mod principal;
+pub mod problem;
+pub mod record;
+mod service;
+mod tx;
+
+pub use body::{RequestBody, ResponseBody};
+pub use future::ResponseFuture;
+pub use key::{IDEMPOTENCY_KEY, KeyError, parse_key, parse_key_header};
+pub use layer::{
+    DEFAULT_BODY_LIMIT, IDEMPOTENT_BODY_OMITTED, IDEMPOTENT_REPLAYED, IdempotencyLayer,
+    KeyRequirement, default_fingerprint,
+};
+pub use policy::{StorePolicy, stored_by_default};
+pub use principal::{MakePrincipal, Principal, PrincipalFn, SharedScope};
+pub use service::IdempotencyService;
+pub use tx::{IdemTx, TxError};
+
+pub use idem_core::IdempotencyKey;

@@ -1,0 +1,441 @@
+//! One fixture per real store: an isolated, migrated store (its own SQLite file, PostgreSQL
+//! schema, MySQL database or Redis key prefix) with an effects table or counter, plus what the
+//! HTTP tests need beyond the store conformance fixture.
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::time::Duration;
+
+use idem_core::{BoxError, Migrate};
+use idem_redis::{RedisRequestStore, RedisTx};
+use idem_sql::{MySqlStore, PostgresStore, SqliteOptions, SqliteStore};
+use idem_testkit::{RequestFixture, RequestTxOf, service_url, services, unique_name};
+use redis::aio::ConnectionManager;
+use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+/// What the HTTP suite needs beside [`RequestFixture`].
+pub(crate) trait HttpFixture: RequestFixture {
+    /// Whether a retry can take over a lapsed lease while the old holder's transaction is
+    /// still open. Not on SQLite: the holder's transaction keeps the database's write lock, so
+    /// the retry is told "in progress" until the holder finishes.
+    const TAKEOVER_WHILE_HOLDER_RUNS: bool = true;
+
+    /// Request records in the store (any state).
+    fn count_records(&self) -> impl Future<Output = i64> + Send;
+
+    /// A store of the same kind whose server is gone (or, for SQLite, whose pool is closed).
+    fn down_store(&self) -> impl Future<Output = Self::Store> + Send;
+}
+
+// ---------------------------------------------------------------------------------------- SQLite
+
+#[derive(Debug)]
+pub(crate) struct SqliteFx {
+    store: SqliteStore,
+    dir: PathBuf,
+}
+
+impl RequestFixture for SqliteFx {
+    type Store = SqliteStore;
+    const SHARED_TRANSACTION: bool = true;
+
+    async fn setup(test: &str) -> Option<Self> {
+        let dir = std::env::temp_dir().join(unique_name("idem_http", test));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let store = SqliteStore::open(dir.join("app.db"), SqliteOptions::default())
+            .await
+            .expect("open sqlite");
+        store.migrate().await.expect("migrate");
+        sqlx::query("CREATE TABLE effects (key TEXT NOT NULL)")
+            .execute(store.pool())
+            .await
+            .expect("effects table");
+        Some(Self { store, dir })
+    }
+
+    fn store(&self) -> SqliteStore {
+        self.store.clone()
+    }
+
+    async fn record_effect(&self, tx: &mut RequestTxOf<Self>, key: &str) -> Result<(), BoxError> {
+        sqlx::query("INSERT INTO effects (key) VALUES (?)")
+            .bind(key)
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+
+    async fn count_effects(&self, key: &str) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM effects WHERE key = ?")
+            .bind(key)
+            .fetch_one(self.store.pool())
+            .await
+            .expect("count effects")
+    }
+
+    async fn teardown(self) {
+        self.store.pool().close().await;
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl HttpFixture for SqliteFx {
+    const TAKEOVER_WHILE_HOLDER_RUNS: bool = false;
+
+    async fn count_records(&self) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM idem_requests")
+            .fetch_one(self.store.pool())
+            .await
+            .expect("count records")
+    }
+
+    async fn down_store(&self) -> SqliteStore {
+        let store = SqliteStore::open(self.dir.join("app.db"), SqliteOptions::default())
+            .await
+            .expect("open sqlite");
+        store.pool().close().await;
+        store
+    }
+}
+
+// ------------------------------------------------------------------------------------ PostgreSQL
+
+#[derive(Debug)]
+pub(crate) struct PgFx {
+    store: PostgresStore,
+    schema: String,
+    url: String,
+}
+
+impl RequestFixture for PgFx {
+    type Store = PostgresStore;
+    const SHARED_TRANSACTION: bool = true;
+
+    async fn setup(test: &str) -> Option<Self> {
+        let url = service_url(services::POSTGRES, test)?;
+        let schema = unique_name("idem_http", test);
+        let admin = PgPoolOptions::new()
+            .max_connections(1)
+            .connect(&url)
+            .await
+            .expect("connect to IDEM_TEST_POSTGRES_URL");
+        sqlx::query(&format!("CREATE SCHEMA {schema}"))
+            .execute(&admin)
+            .await
+            .expect("create schema");
+        admin.close().await;
+        let options = PgConnectOptions::from_str(&url)
+            .expect("valid URL")
+            .options([("search_path", schema.as_str())]);
+        let pool = PgPoolOptions::new()
+            .max_connections(20)
+            .connect_with(options)
+            .await
+            .expect("connect");
+        let store = PostgresStore::from_pool(pool);
+        store.migrate().await.expect("migrate");
+        sqlx::query("CREATE TABLE effects (key text NOT NULL)")
+            .execute(store.pool())
+            .await
+            .expect("effects table");
+        Some(Self { store, schema, url })
+    }
+
+    fn store(&self) -> PostgresStore {
+        self.store.clone()
+    }
+
+    async fn record_effect(&self, tx: &mut RequestTxOf<Self>, key: &str) -> Result<(), BoxError> {
+        sqlx::query("INSERT INTO effects (key) VALUES ($1)")
+            .bind(key)
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+
+    async fn count_effects(&self, key: &str) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM effects WHERE key = $1")
+            .bind(key)
+            .fetch_one(self.store.pool())
+            .await
+            .expect("count effects")
+    }
+
+    async fn teardown(self) {
+        self.store.pool().close().await;
+        if let Ok(admin) = PgPoolOptions::new()
+            .max_connections(1)
+            .connect(&self.url)
+            .await
+        {
+            let _ = sqlx::query(&format!("DROP SCHEMA {} CASCADE", self.schema))
+                .execute(&admin)
+                .await;
+        }
+    }
+}
+
+impl HttpFixture for PgFx {
+    async fn count_records(&self) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM idem_requests")
+            .fetch_one(self.store.pool())
+            .await
+            .expect("count records")
+    }
+
+    async fn down_store(&self) -> PostgresStore {
+        // Port 1 on loopback: nothing listens, the connection is refused.
+        let pool = PgPoolOptions::new()
+            .acquire_timeout(Duration::from_secs(2))
+            .connect_lazy("postgres://postgres@127.0.0.1:1/test")
+            .expect("lazy pool");
+        PostgresStore::from_pool(pool)
+    }
+}
+
+// ----------------------------------------------------------------------------------------- MySQL
+
+#[derive(Debug)]
+pub(crate) struct MySqlFx {
+    store: MySqlStore,
+    database: String,
+    url: String,
+}
+
+impl RequestFixture for MySqlFx {
+    type Store = MySqlStore;
+    const SHARED_TRANSACTION: bool = true;
+
+    async fn setup(test: &str) -> Option<Self> {
+        let url = service_url(services::MYSQL, test)?;
+        let database = unique_name("idem_http", test);
+        let admin = MySqlPoolOptions::new()
+            .max_connections(1)
+            .connect(&url)
+            .await
+            .expect("connect to IDEM_TEST_MYSQL_URL");
+        sqlx::query(&format!("CREATE DATABASE {database}"))
+            .execute(&admin)
+            .await
+            .expect("create database");
+        admin.close().await;
+        let options = MySqlConnectOptions::from_str(&url)
+            .expect("valid URL")
+            .database(&database);
+        let pool = MySqlPoolOptions::new()
+            .max_connections(20)
+            .connect_with(options)
+            .await
+            .expect("connect");
+        let store = MySqlStore::from_pool(pool);
+        store.migrate().await.expect("migrate");
+        sqlx::query("CREATE TABLE effects (k VARCHAR(255) NOT NULL) ENGINE = InnoDB")
+            .execute(store.pool())
+            .await
+            .expect("effects table");
+        Some(Self {
+            store,
+            database,
+            url,
+        })
+    }
+
+    fn store(&self) -> MySqlStore {
+        self.store.clone()
+    }
+
+    async fn record_effect(&self, tx: &mut RequestTxOf<Self>, key: &str) -> Result<(), BoxError> {
+        sqlx::query("INSERT INTO effects (k) VALUES (?)")
+            .bind(key)
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+
+    async fn count_effects(&self, key: &str) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM effects WHERE k = ?")
+            .bind(key)
+            .fetch_one(self.store.pool())
+            .await
+            .expect("count effects")
+    }
+
+    async fn teardown(self) {
+        self.store.pool().close().await;
+        if let Ok(admin) = MySqlPoolOptions::new()
+            .max_connections(1)
+            .connect(&self.url)
+            .await
+        {
+            let _ = sqlx::query(&format!("DROP DATABASE {}", self.database))
+                .execute(&admin)
+                .await;
+        }
+    }
+}
+
+impl HttpFixture for MySqlFx {
+    async fn count_records(&self) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM idem_requests")
+            .fetch_one(self.store.pool())
+            .await
+            .expect("count records")
+    }
+
+    async fn down_store(&self) -> MySqlStore {
+        let pool = MySqlPoolOptions::new()
+            .acquire_timeout(Duration::from_secs(2))
+            .connect_lazy("mysql://root@127.0.0.1:1/test")
+            .expect("lazy pool");
+        MySqlStore::from_pool(pool)
+    }
+}
+
+// ----------------------------------------------------------------------------------------- Redis
+
+pub(crate) struct RedisFx {
+    store: RedisRequestStore,
+    conn: ConnectionManager,
+    prefix: String,
+}
+
+impl std::fmt::Debug for RedisFx {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisFx")
+            .field("prefix", &self.prefix)
+            .finish()
+    }
+}
+
+impl RedisFx {
+    fn effect_key(&self, key: &str) -> String {
+        format!("{}:effects:{key}", self.prefix)
+    }
+
+    async fn scan(&self, pattern: &str) -> Vec<String> {
+        let mut conn = self.conn.clone();
+        let mut cursor = 0u64;
+        let mut all = Vec::new();
+        loop {
+            let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(pattern)
+                .arg("COUNT")
+                .arg(1000)
+                .query_async(&mut conn)
+                .await
+                .expect("SCAN");
+            all.extend(keys);
+            if next == 0 {
+                return all;
+            }
+            cursor = next;
+        }
+    }
+}
+
+impl RequestFixture for RedisFx {
+    type Store = RedisRequestStore;
+    const SHARED_TRANSACTION: bool = false;
+
+    async fn setup(test: &str) -> Option<Self> {
+        let url = service_url(services::REDIS, test)?;
+        let prefix = unique_name("idem_http", test);
+        let store = RedisRequestStore::builder(&url)
+            .key_prefix(&prefix)
+            .connect()
+            .await
+            .expect("store connects to redis");
+        let client = redis::Client::open(url.as_str()).expect("redis URL");
+        let conn = ConnectionManager::new(client)
+            .await
+            .expect("connect to redis");
+        Some(Self {
+            store,
+            conn,
+            prefix,
+        })
+    }
+
+    fn store(&self) -> RedisRequestStore {
+        self.store.clone()
+    }
+
+    /// No transaction to write through: the effect is an `INCR`, done at once.
+    async fn record_effect(&self, _tx: &mut RedisTx, key: &str) -> Result<(), BoxError> {
+        let _: i64 = redis::cmd("INCR")
+            .arg(self.effect_key(key))
+            .query_async(&mut self.conn.clone())
+            .await?;
+        Ok(())
+    }
+
+    async fn count_effects(&self, key: &str) -> i64 {
+        let n: Option<i64> = redis::cmd("GET")
+            .arg(self.effect_key(key))
+            .query_async(&mut self.conn.clone())
+            .await
+            .expect("GET effect counter");
+        n.unwrap_or(0)
+    }
+
+    async fn teardown(self) {
+        let keys = self.scan(&format!("{}:*", self.prefix)).await;
+        if !keys.is_empty() {
+            let _: redis::RedisResult<i64> = redis::cmd("DEL")
+                .arg(&keys)
+                .query_async(&mut self.conn.clone())
+                .await;
+        }
+    }
+}
+
+impl HttpFixture for RedisFx {
+    async fn count_records(&self) -> i64 {
+        self.scan(&format!("{}:{{*}}:rec", self.prefix)).await.len() as i64
+    }
+
+    /// A real outage: a Redis server of our own, connected to, then killed.
+    async fn down_store(&self) -> RedisRequestStore {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("free port")
+            .port();
+        let mut child = std::process::Command::new("redis-server")
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+            ])
+            .args(["--appendonly", "no"])
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("redis-server (the Redis tests need it on PATH)");
+        let url = format!("redis://127.0.0.1:{port}");
+        let mut store = None;
+        for _ in 0..100 {
+            if let Ok(s) = RedisRequestStore::builder(&url)
+                .key_prefix(&self.prefix)
+                .connection_timeout(Duration::from_millis(500))
+                .response_timeout(Duration::from_secs(1))
+                .connection_retries(1)
+                .connect()
+                .await
+            {
+                store = Some(s);
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let store = store.expect("our redis-server came up");
+        child.kill().expect("kill our redis-server");
+        child.wait().expect("reap our redis-server");
+        store
+    }
+}

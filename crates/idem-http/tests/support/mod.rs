@@ -1,0 +1,5 @@
+//! Shared by the HTTP tests: the store fixtures, the service under test and the checks.
+
+pub(crate) mod app;
+pub(crate) mod fixtures;
+pub(crate) mod suite;

@@ -1,0 +1,652 @@
+//! The HTTP checks, generic over the store; `http_suite!` runs each once per store.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use http::header::HeaderValue;
+use idem_core::store::reap_all;
+use serde_json::json;
+use tower::ServiceExt;
+
+use super::app::{Post, REQUEST_LIMIT, Reply, STORAGE_LIMIT, Server, serve};
+use super::fixtures::HttpFixture;
+
+macro_rules! fixture {
+    ($test:expr) => {
+        match F::setup($test).await {
+            Some(fx) => Arc::new(fx),
+            None => return,
+        }
+    };
+}
+
+async fn default_server<F: HttpFixture>(fx: &Arc<F>) -> Server<F> {
+    serve(Arc::clone(fx), fx.store(), |b| b).await
+}
+
+async fn done<F: HttpFixture>(server: Server<F>, fx: Arc<F>) {
+    drop(server);
+    // The server task may still hold a clone for a moment after the abort.
+    let mut fx = fx;
+    for _ in 0..100 {
+        match Arc::try_unwrap(fx) {
+            Ok(fx) => return fx.teardown().await,
+            Err(back) => fx = back,
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The headers a replay must repeat: everything of the first response except what is never
+/// stored (`Set-Cookie`), what is not allow-listed (`x-not-stored`) and what the server stamps
+/// on every response (`date`).
+fn kept(reply: &Reply) -> Vec<(String, Vec<u8>)> {
+    let mut out: Vec<_> = reply
+        .headers
+        .iter()
+        .filter(|(n, _)| {
+            !matches!(
+                n.as_str(),
+                "set-cookie" | "x-not-stored" | "date" | "idempotent-replayed"
+            )
+        })
+        .map(|(n, v)| (n.as_str().to_owned(), v.as_bytes().to_vec()))
+        .collect();
+    out.sort();
+    out
+}
+
+pub(crate) async fn concurrent_requests_with_one_key_execute_once<F: HttpFixture>(test: &str) {
+    let fx = fixture!(test);
+    let server = Arc::new(default_server(&fx).await);
+    let mut tasks = Vec::new();
+    for _ in 0..64 {
+        let server = Arc::clone(&server);
+        tasks.push(tokio::spawn(async move {
+            server
+                .post(Post::new("k-concurrent", "concurrent").sleep_ms(300))
+                .await
+        }));
+    }
+    let mut replies = Vec::new();
+    for t in tasks {
+        replies.push(t.await.expect("request task"));
+    }
+    let firsts: Vec<&Reply> = replies
+        .iter()
+        .filter(|r| r.status == 201 && !r.replayed())
+        .collect();
+    assert_eq!(firsts.len(), 1, "exactly one first execution: {replies:#?}");
+    let first = firsts[0];
+    let (mut conflicts, mut replays) = (0, 0);
+    for r in &replies {
+        match r.status {
+            201 if r.replayed() => {
+                assert_eq!(r.body, first.body, "a replay is the first response");
+                replays += 1;
+            }
+            201 => {}
+            409 => {
+                assert_eq!(r.code(), "conflict");
+                let after: u64 = r.headers["retry-after"]
+                    .to_str()
+                    .expect("ascii")
+                    .parse()
+                    .expect("whole seconds");
+                assert!(after >= 1);
+                conflicts += 1;
+            }
+            other => panic!("unexpected {other}: {r:?}"),
+        }
+    }
+    assert_eq!(conflicts + replays, 63);
+    let server = Arc::try_unwrap(server).ok().expect("no task left");
+    assert_eq!(server.executions(), 1);
+    assert_eq!(fx.count_effects("concurrent").await, 1);
+    // Afterwards, a retry is a replay.
+    let again = server.post(Post::new("k-concurrent", "concurrent")).await;
+    assert!(again.replayed());
+    assert_eq!(again.body, first.body);
+    done(server, fx).await;
+}
+
+pub(crate) async fn a_replay_is_byte_identical_and_marked_and_the_first_is_not<F: HttpFixture>(
+    test: &str,
+) {
+    let fx = fixture!(test);
+    let server = default_server(&fx).await;
+    // The handler sets the marker itself here; the layer must strip it from a first response.
+    let first = server
+        .post(Post::new("k-replay", "replay").header("x-fake-replay", 1))
+        .await;
+    assert_eq!(first.status, 201);
+    assert!(!first.replayed(), "a first execution carries no marker");
+    assert!(first.headers.contains_key("set-cookie"));
+    assert!(first.headers.contains_key("x-not-stored"));
+    for _ in 0..2 {
+        let retry = server.post(Post::new("k-replay", "replay")).await;
+        assert_eq!(retry.status, first.status);
+        assert!(retry.replayed());
+        assert_eq!(retry.body, first.body, "body byte for byte");
+        assert_eq!(kept(&retry), kept(&first), "kept headers");
+        assert!(
+            !retry.headers.contains_key("set-cookie"),
+            "never Set-Cookie"
+        );
+        assert!(!retry.headers.contains_key("x-not-stored"));
+        assert_eq!(retry.headers["x-stored"], "kept-1");
+        assert_eq!(retry.headers["location"], "/charges/1");
+    }
+    assert_eq!(server.executions(), 1);
+    assert_eq!(fx.count_effects("replay").await, 1);
+    done(server, fx).await;
+}
+
+pub(crate) async fn another_body_with_the_same_key_is_422_and_the_original_still_replays<
+    F: HttpFixture,
+>(
+    test: &str,
+) {
+    let fx = fixture!(test);
+    let server = default_server(&fx).await;
+    let first = server.post(Post::new("k-reuse", "original")).await;
+    assert_eq!(first.status, 201);
+    let reused = server.post(Post::new("k-reuse", "different")).await;
+    assert_eq!(reused.status, 422);
+    assert_eq!(reused.code(), "fingerprint-mismatch");
+    assert!(!reused.replayed());
+    let again = server.post(Post::new("k-reuse", "original")).await;
+    assert!(again.replayed());
+    assert_eq!(again.body, first.body);
+    assert_eq!(server.executions(), 1);
+    assert_eq!(fx.count_effects("different").await, 0);
+    done(server, fx).await;
+}
+
+pub(crate) async fn a_missing_key_on_a_required_route_is_400_and_nothing_runs<F: HttpFixture>(
+    test: &str,
+) {
+    let fx = fixture!(test);
+    let server = default_server(&fx).await;
+    let r = server
+        .post(Post::new("unused", "keyless").keys(Vec::new()))
+        .await;
+    assert_eq!(r.status, 400);
+    assert_eq!(r.code(), "missing-key");
+    assert_eq!(server.executions(), 0);
+    assert_eq!(fx.count_records().await, 0);
+    done(server, fx).await;
+}
+
+pub(crate) async fn malformed_and_doubled_keys_are_400<F: HttpFixture>(test: &str) {
+    let fx = fixture!(test);
+    let server = default_server(&fx).await;
+    let long = "k".repeat(256);
+    let cases: Vec<(&str, Vec<HeaderValue>)> = vec![
+        ("empty", vec![HeaderValue::from_static("")]),
+        ("empty sf-string", vec![HeaderValue::from_static("\"\"")]),
+        (
+            "256 bytes",
+            vec![HeaderValue::from_str(&long).expect("ascii")],
+        ),
+        (
+            "256 bytes, sf-string",
+            vec![HeaderValue::from_str(&format!("\"{long}\"")).expect("ascii")],
+        ),
+        (
+            "non-ASCII",
+            vec![HeaderValue::from_bytes("\"clé\"".as_bytes()).expect("obs-text")],
+        ),
+        (
+            "non-ASCII, bare",
+            vec![HeaderValue::from_bytes("clé-1".as_bytes()).expect("obs-text")],
+        ),
+        (
+            "unterminated sf-string",
+            vec![HeaderValue::from_static("\"abc")],
+        ),
+        ("bad escape", vec![HeaderValue::from_static("\"a\\nb\"")]),
+        ("space", vec![HeaderValue::from_static("a b")]),
+        (
+            "doubled",
+            vec![
+                HeaderValue::from_static("\"a\""),
+                HeaderValue::from_static("\"a\""),
+            ],
+        ),
+        (
+            "doubled, different",
+            vec![HeaderValue::from_static("a"), HeaderValue::from_static("b")],
+        ),
+    ];
+    for (what, keys) in cases {
+        let r = server.post(Post::new("x", "malformed").keys(keys)).await;
+        assert_eq!(r.status, 400, "{what}: {r:?}");
+        assert_eq!(r.code(), "invalid-key", "{what}");
+    }
+    // At the limit, and as a bare Stripe-style token, keys are fine.
+    let r = server
+        .post(Post::new("x", "fine").keys(vec![
+            HeaderValue::from_str(&"k".repeat(255)).expect("ascii"),
+        ]))
+        .await;
+    assert_eq!(r.status, 201, "{r:?}");
+    assert_eq!(server.executions(), 1);
+    assert_eq!(fx.count_effects("malformed").await, 0);
+    assert_eq!(fx.count_records().await, 1);
+    done(server, fx).await;
+}
+
+pub(crate) async fn two_principals_with_one_key_execute_twice<F: HttpFixture>(test: &str) {
+    let fx = fixture!(test);
+    let server = default_server(&fx).await;
+    let alice = server.post(Post::new("k-shared", "both")).await;
+    let bob = server
+        .post(Post::new("k-shared", "both").principal(Some("bob")))
+        .await;
+    for r in [&alice, &bob] {
+        assert_eq!(r.status, 201);
+        assert!(!r.replayed());
+    }
+    assert_ne!(alice.execution(), bob.execution());
+    // Each replays their own.
+    let alice_again = server.post(Post::new("k-shared", "both")).await;
+    assert_eq!(alice_again.body, alice.body);
+    let bob_again = server
+        .post(Post::new("k-shared", "both").principal(Some("bob")))
+        .await;
+    assert_eq!(bob_again.body, bob.body);
+    // Bob's request in flight does not block Alice's with the same key.
+    let bob_slow = server.send(
+        Post::new("k-other", "other")
+            .principal(Some("bob"))
+            .sleep_ms(800),
+    );
+    let alice_meanwhile = async {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        server.post(Post::new("k-other", "other")).await
+    };
+    let (bob_slow, alice_meanwhile) = tokio::join!(bob_slow, alice_meanwhile);
+    let bob_slow = bob_slow.expect("bob's response");
+    assert_eq!((bob_slow.status, bob_slow.replayed()), (201, false));
+    assert_eq!(
+        (alice_meanwhile.status, alice_meanwhile.replayed()),
+        (201, false),
+        "{alice_meanwhile:?}"
+    );
+    let anonymous = server
+        .post(Post::new("k-shared", "both").principal(None))
+        .await;
+    assert_eq!(anonymous.status, 401);
+    assert_eq!(anonymous.code(), "missing-principal");
+    assert_eq!(server.executions(), 4);
+    assert_eq!(fx.count_effects("both").await, 2);
+    done(server, fx).await;
+}
+
+pub(crate) async fn a_5xx_is_not_stored_its_writes_roll_back_and_the_retry_runs<F: HttpFixture>(
+    test: &str,
+) {
+    let fx = fixture!(test);
+    let server = default_server(&fx).await;
+    let failed = server.post(Post::new("k-5xx", "fails").status(500)).await;
+    assert_eq!(failed.status, 500);
+    assert!(!failed.replayed());
+    if F::SHARED_TRANSACTION {
+        assert_eq!(
+            fx.count_effects("fails").await,
+            0,
+            "a 500 rolled its writes back"
+        );
+    }
+    assert_eq!(fx.count_records().await, 0, "the key is free again");
+    let retry = server.post(Post::new("k-5xx", "fails")).await;
+    assert_eq!(retry.status, 201);
+    assert!(!retry.replayed(), "the retry executed");
+    assert_eq!(server.executions(), 2);
+    let expected = if F::SHARED_TRANSACTION { 1 } else { 2 };
+    assert_eq!(fx.count_effects("fails").await, expected);
+    // 503 and 429 are not stored either.
+    for status in [503, 429, 409, 408, 425] {
+        let key = format!("k-{status}");
+        let r = server
+            .post(Post::new(&key, "transient").status(status))
+            .await;
+        assert_eq!(r.status, status);
+        let r = server.post(Post::new(&key, "transient")).await;
+        assert_eq!((r.status, r.replayed()), (201, false), "after {status}");
+    }
+    done(server, fx).await;
+}
+
+pub(crate) async fn a_panicking_handler_is_not_stored_and_rolls_back<F: HttpFixture>(test: &str) {
+    let fx = fixture!(test);
+    let server = default_server(&fx).await;
+    let crashed = server
+        .send(Post::new("k-panic", "panics").header("x-panic", 1))
+        .await;
+    assert!(crashed.is_err() || crashed.is_ok_and(|r| r.status >= 500));
+    if F::SHARED_TRANSACTION {
+        assert_eq!(fx.count_effects("panics").await, 0);
+    }
+    let retry = server.post(Post::new("k-panic", "panics")).await;
+    assert_eq!((retry.status, retry.replayed()), (201, false));
+    assert_eq!(server.executions(), 2);
+    done(server, fx).await;
+}
+
+pub(crate) async fn a_4xx_is_stored_and_replayed<F: HttpFixture>(test: &str) {
+    let fx = fixture!(test);
+    let server = default_server(&fx).await;
+    let refused = server.post(Post::new("k-4xx", "refused").status(404)).await;
+    assert_eq!(refused.status, 404);
+    assert!(!refused.replayed());
+    // The retry asks for a 201: it gets the stored 404.
+    let retry = server.post(Post::new("k-4xx", "refused")).await;
+    assert_eq!(retry.status, 404);
+    assert!(retry.replayed());
+    assert_eq!(retry.body, refused.body);
+    assert_eq!(server.executions(), 1);
+    assert_eq!(
+        fx.count_effects("refused").await,
+        1,
+        "a stored 4xx commits its writes"
+    );
+    done(server, fx).await;
+}
+
+pub(crate) async fn a_late_completion_with_a_stale_fence_is_rejected<F: HttpFixture>(test: &str) {
+    let fx = fixture!(test);
+    let server = Arc::new(
+        serve(Arc::clone(&fx), fx.store(), |b| {
+            b.lease(Duration::from_secs(1)).without_heartbeat()
+        })
+        .await,
+    );
+    let slow = {
+        let server = Arc::clone(&server);
+        tokio::spawn(async move {
+            server
+                .post(Post::new("k-fence", "fenced").sleep_ms(2500))
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let started = Instant::now();
+    let retry = server.post(Post::new("k-fence", "fenced")).await;
+    let took = started.elapsed();
+    let slow = slow.await.expect("slow request");
+    if F::TAKEOVER_WHILE_HOLDER_RUNS {
+        // The retry took the lapsed lease over and ran; the slow one's completion was refused.
+        assert_eq!((retry.status, retry.replayed()), (201, false), "{retry:?}");
+        assert_eq!(slow.status, 409, "{slow:?}");
+        assert_eq!(slow.code(), "conflict");
+        let replay = server.post(Post::new("k-fence", "fenced")).await;
+        assert!(replay.replayed());
+        assert_eq!(
+            replay.body, retry.body,
+            "the takeover's response is the stored one"
+        );
+        assert_eq!(server.executions(), 2);
+        let expected = if F::SHARED_TRANSACTION { 1 } else { 2 };
+        assert_eq!(
+            fx.count_effects("fenced").await,
+            expected,
+            "the fenced-out execution's writes rolled back"
+        );
+    } else {
+        // SQLite: the holder's open transaction keeps the write lock, so the lapsed lease
+        // cannot be taken over under it; the retry is told so at once.
+        assert_eq!(retry.status, 409, "{retry:?}");
+        assert!(
+            took < Duration::from_secs(1),
+            "answered at once, not after {took:?}"
+        );
+        assert_eq!((slow.status, slow.replayed()), (201, false));
+        let replay = server.post(Post::new("k-fence", "fenced")).await;
+        assert!(replay.replayed());
+        assert_eq!(replay.body, slow.body);
+        assert_eq!(server.executions(), 1);
+        assert_eq!(fx.count_effects("fenced").await, 1);
+    }
+    let server = Arc::try_unwrap(server).ok().expect("no task left");
+    done(server, fx).await;
+}
+
+pub(crate) async fn a_heartbeat_keeps_a_long_request_in_progress<F: HttpFixture>(test: &str) {
+    let fx = fixture!(test);
+    let server = Arc::new(
+        serve(Arc::clone(&fx), fx.store(), |b| {
+            b.lease(Duration::from_secs(1))
+                .heartbeat(Duration::from_millis(250))
+        })
+        .await,
+    );
+    let slow = {
+        let server = Arc::clone(&server);
+        tokio::spawn(async move {
+            server
+                .post(Post::new("k-heartbeat", "long").sleep_ms(2500))
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    let started = Instant::now();
+    let retry = server.post(Post::new("k-heartbeat", "long")).await;
+    assert_eq!(retry.status, 409, "the lease is still held: {retry:?}");
+    assert_eq!(retry.code(), "conflict");
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "answered at once"
+    );
+    let slow = slow.await.expect("slow request");
+    assert_eq!((slow.status, slow.replayed()), (201, false));
+    assert_eq!(server.executions(), 1);
+    let server = Arc::try_unwrap(server).ok().expect("no task left");
+    done(server, fx).await;
+}
+
+pub(crate) async fn an_expired_record_executes_again_and_is_reaped<F: HttpFixture>(test: &str) {
+    let fx = fixture!(test);
+    let server = serve(Arc::clone(&fx), fx.store(), |b| {
+        b.ttl(Duration::from_secs(2))
+            .lease(Duration::from_secs(1))
+            .heartbeat(Duration::from_millis(300))
+    })
+    .await;
+    let first = server.post(Post::new("k-ttl", "ttl")).await;
+    assert_eq!(first.status, 201);
+    assert!(server.post(Post::new("k-ttl", "ttl")).await.replayed());
+    tokio::time::sleep(Duration::from_millis(2300)).await;
+    // Redis may already have dropped the expired keys by itself.
+    let before = fx.count_records().await;
+    let reaped = reap_all(&fx.store(), 10).await.expect("reap");
+    assert_eq!(reaped, before as u64);
+    assert_eq!(fx.count_records().await, 0);
+    let again = server.post(Post::new("k-ttl", "ttl")).await;
+    assert_eq!(
+        (again.status, again.replayed()),
+        (201, false),
+        "executed again"
+    );
+    assert_ne!(again.execution(), first.execution());
+    // Expired but not reaped: executes again too.
+    tokio::time::sleep(Duration::from_millis(2300)).await;
+    let third = server.post(Post::new("k-ttl", "ttl")).await;
+    assert_eq!((third.status, third.replayed()), (201, false));
+    assert_eq!(server.executions(), 3);
+    done(server, fx).await;
+}
+
+pub(crate) async fn a_request_over_the_limit_is_413_and_records_nothing<F: HttpFixture>(
+    test: &str,
+) {
+    let fx = fixture!(test);
+    let server = default_server(&fx).await;
+    // A declared length over the limit is refused before a byte of the body is read. The
+    // server then closes the connection; a client still writing the body may see a broken
+    // pipe before the answer (reqwest does, sometimes), so this one speaks HTTP/1.1 itself and
+    // sends only the head.
+    let head = format!(
+        "POST /charges HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n\
+         x-principal: alice\r\nidempotency-key: \"k-big\"\r\ncontent-length: {}\r\n\r\n",
+        REQUEST_LIMIT + 1
+    );
+    let answer = raw_http(&server.base, head.as_bytes()).await;
+    assert!(answer.starts_with("HTTP/1.1 413 "), "{answer}");
+    assert!(answer.contains("application/problem+json"), "{answer}");
+    assert!(answer.contains("\"code\":\"body-too-large\""), "{answer}");
+    // Without a Content-Length (chunked), the limit holds while reading.
+    let chunks: Vec<Result<bytes::Bytes, std::io::Error>> = (0..=REQUEST_LIMIT / 1024)
+        .map(|_| Ok(bytes::Bytes::from(vec![b' '; 1024])))
+        .collect();
+    let request = http::Request::post("/charges")
+        .header("x-principal", "alice")
+        .header("idempotency-key", "k-chunked")
+        .body(axum::body::Body::from_stream(futures_util::stream::iter(
+            chunks,
+        )))
+        .expect("request");
+    let response = server
+        .router
+        .clone()
+        .oneshot(request)
+        .await
+        .expect("infallible");
+    assert_eq!(response.status(), 413);
+    // Just under the limit is fine.
+    let r = server
+        .post(Post::new("k-fits", "fits").raw_body(vec![b' '; REQUEST_LIMIT]))
+        .await;
+    assert_eq!(r.status, 201, "{r:?}");
+    assert_eq!(server.executions(), 1);
+    assert_eq!(
+        fx.count_records().await,
+        1,
+        "only the request that fit left a record"
+    );
+    done(server, fx).await;
+}
+
+pub(crate) async fn a_response_over_the_storage_limit_replays_marked_omitted<F: HttpFixture>(
+    test: &str,
+) {
+    let fx = fixture!(test);
+    let server = default_server(&fx).await;
+    let body = json!({ "effect": "huge", "pad": STORAGE_LIMIT });
+    let first = server
+        .post(Post::new("k-huge", "huge").body(body.clone()))
+        .await;
+    assert_eq!(first.status, 201);
+    assert!(!first.replayed());
+    assert!(first.body.len() > STORAGE_LIMIT, "the client got all of it");
+    assert!(
+        first.json()["pad"]
+            .as_str()
+            .is_some_and(|p| p.len() == STORAGE_LIMIT)
+    );
+    let retry = server.post(Post::new("k-huge", "huge").body(body)).await;
+    assert_eq!(retry.status, 201);
+    assert!(retry.replayed());
+    assert_eq!(retry.headers["idempotent-body-omitted"], "true");
+    assert!(retry.body.is_empty());
+    assert_eq!(retry.headers["location"], first.headers["location"]);
+    assert_eq!(server.executions(), 1, "a retry never executes again");
+    assert_eq!(fx.count_effects("huge").await, 1);
+    // A body within the limit carries no omitted mark.
+    let small = server.post(Post::new("k-small", "small")).await;
+    assert!(!small.headers.contains_key("idempotent-body-omitted"));
+    let small = server.post(Post::new("k-small", "small")).await;
+    assert!(small.replayed() && !small.headers.contains_key("idempotent-body-omitted"));
+    done(server, fx).await;
+}
+
+pub(crate) async fn a_key_on_get_is_ignored_and_records_nothing<F: HttpFixture>(test: &str) {
+    let fx = fixture!(test);
+    let server = default_server(&fx).await;
+    for _ in 0..2 {
+        let r = server.get("k-get").await;
+        assert_eq!(r.status, 200);
+        assert!(!r.replayed());
+    }
+    assert_eq!(
+        server.state.gets.load(std::sync::atomic::Ordering::SeqCst),
+        2
+    );
+    assert_eq!(fx.count_records().await, 0);
+    done(server, fx).await;
+}
+
+pub(crate) async fn a_store_outage_is_503_and_the_handler_does_not_run<F: HttpFixture>(test: &str) {
+    let fx = fixture!(test);
+    let down = fx.down_store().await;
+    let server = serve(Arc::clone(&fx), down, |b| b).await;
+    let r = server.post(Post::new("k-down", "down")).await;
+    assert_eq!(r.status, 503, "{r:?}");
+    assert_eq!(r.code(), "store-unavailable");
+    assert_eq!(server.executions(), 0);
+    assert_eq!(fx.count_effects("down").await, 0);
+    done(server, fx).await;
+}
+
+pub(crate) async fn optional_and_off_routes_run_without_a_record<F: HttpFixture>(test: &str) {
+    let fx = fixture!(test);
+    let server = default_server(&fx).await;
+    // Optional, no key: runs every time, as if the layer were not there.
+    for _ in 0..2 {
+        let r = server
+            .post(
+                Post::new("unused", "optional")
+                    .path("/optional")
+                    .keys(Vec::new()),
+            )
+            .await;
+        assert_eq!((r.status, r.replayed()), (201, false));
+    }
+    assert_eq!(fx.count_records().await, 0);
+    // Optional, with a key: idempotent.
+    let first = server
+        .post(Post::new("k-opt", "optional").path("/optional"))
+        .await;
+    let again = server
+        .post(Post::new("k-opt", "optional").path("/optional"))
+        .await;
+    assert!(!first.replayed() && again.replayed());
+    assert_eq!(again.body, first.body);
+    assert_eq!(fx.count_records().await, 1);
+    // Off: a key changes nothing.
+    for _ in 0..2 {
+        let r = server.post(Post::new("k-off", "off").path("/off")).await;
+        assert_eq!((r.status, r.replayed()), (201, false));
+    }
+    assert_eq!(fx.count_records().await, 1);
+    assert_eq!(server.executions(), 5);
+    // The handler took no transaction without a record, so nothing was written for those.
+    assert_eq!(fx.count_effects("off").await, 0);
+    assert_eq!(fx.count_effects("optional").await, 1);
+    done(server, fx).await;
+}
+
+/// Sends `request` on a fresh connection and reads the answer until the server closes it (or
+/// 5 s pass).
+async fn raw_http(base: &str, request: &[u8]) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let addr = base.trim_start_matches("http://");
+    let mut conn = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    conn.write_all(request).await.expect("send the head");
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 4096];
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < deadline {
+        match tokio::time::timeout(Duration::from_millis(500), conn.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => break,
+            Ok(Ok(n)) => answer.extend_from_slice(&buf[..n]),
+            // Nothing more for a while: the whole answer is in (the server may keep the
+            // connection open, waiting for the body it will never read).
+            Err(_) if !answer.is_empty() => break,
+            Err(_) => {}
+        }
+    }
+    String::from_utf8_lossy(&answer).into_owned()
+}
