@@ -1,0 +1,157 @@
+//! The idempotency layer (`idem-http`) in front of `POST /charges`, on each store, and the
+//! handlers that write the charge.
+//!
+//! On the SQL stores the handler writes through the layer's transaction ([`IdemTx`]), which
+//! commits together with the stored response: a charge exists exactly when its response is
+//! stored. Redis shares no transaction with the ledger, so there the charge's ID is derived
+//! from the request's key and the insert keeps the first row of that ID — a re-execution
+//! after a crash between the charge and the completion, or a late one after a takeover, then
+//! finds the charge instead of making a second.
+
+use anyhow::{Context, Result};
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{Extension, State};
+use axum::http::HeaderMap;
+use axum::http::request::Parts;
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use idem_core::store::RequestStore;
+use idem_core::{ConsumerName, DerivedKey, IdempotencyKey, MessageId, RequestScope};
+use idem_http::{IdemTx, IdempotencyLayer};
+use idem_redis::RedisRequestStore;
+use idem_request::Idempotency;
+
+use crate::app::{self, AppState, Principal};
+use crate::ledger::{Ledger, WriteCharge};
+use crate::{Heartbeat, ServeArgs};
+
+/// The engine with the service's lease, heartbeat and TTL.
+fn engine<S: RequestStore + Clone + 'static>(store: S, args: &ServeArgs) -> Result<Idempotency<S>> {
+    let mut builder = Idempotency::builder(store).lease(args.lease).ttl(args.ttl);
+    builder = match args.heartbeat {
+        Some(Heartbeat::Off) => builder.without_heartbeat(),
+        Some(Heartbeat::Every(every)) => builder.heartbeat(every),
+        None => builder,
+    };
+    Ok(builder.build()?)
+}
+
+/// How the layer finds a request's principal.
+type PrincipalOf = fn(&Parts) -> Option<String>;
+
+/// The principal the authentication middleware established: records are scoped to it.
+fn principal_of(parts: &Parts) -> Option<String> {
+    parts.extensions.get::<Principal>().map(|p| p.0.clone())
+}
+
+/// The layer: records per principal, and `POST /charges` requires a key.
+fn layer<S: RequestStore + Clone + 'static>(
+    idem: Idempotency<S>,
+) -> IdempotencyLayer<S, idem_http::PrincipalFn<PrincipalOf>> {
+    IdempotencyLayer::per_principal(idem, principal_of as PrincipalOf).require_key()
+}
+
+/// The service on a SQL store: the charge is written through the layer's transaction.
+pub(crate) fn sql<S>(store: S, ledger: Ledger, args: &ServeArgs) -> Result<Router>
+where
+    S: RequestStore + Clone + Send + Sync + 'static,
+    S::Tx: WriteCharge + Send + 'static,
+{
+    let idem = engine(store, args)?;
+    let state = AppState {
+        ledger,
+        test_hooks: args.test_hooks,
+    };
+    Ok(app::router(
+        state,
+        post(post_charge_in_tx::<S>).layer(layer(idem)),
+    ))
+}
+
+/// The service on Redis, the charges in the SQL ledger.
+pub(crate) async fn redis(url: &str, ledger: Ledger, args: &ServeArgs) -> Result<Router> {
+    let store = RedisRequestStore::connect(url)
+        .await
+        .with_context(|| format!("connecting to {}", idem_core::redact_url(url)))?;
+    let idem = engine(store, args)?;
+    let state = AppState {
+        ledger,
+        test_hooks: args.test_hooks,
+    };
+    Ok(app::router(
+        state,
+        post(post_charge_keyed).layer(layer(idem)),
+    ))
+}
+
+/// `POST /charges` on a SQL store: the row commits with the stored response or not at all.
+async fn post_charge_in_tx<S>(
+    State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
+    mut tx: IdemTx<S>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response
+where
+    S: RequestStore + 'static,
+    S::Tx: WriteCharge + 'static,
+{
+    let charge = match app::parse_charge(&body) {
+        Ok(c) => c,
+        Err(problem) => return problem.into_response(),
+    };
+    if let Err(e) = tx.insert_charge(&principal.0, &charge).await {
+        return app::database_error(&e);
+    }
+    if let Some(d) = app::test_sleep(&state, &headers) {
+        app::sleep_in_transaction(d).await;
+    }
+    app::created(&charge)
+}
+
+/// `POST /charges` on Redis: the charge's ID is derived from (principal, key), so only the
+/// first execution of a key inserts a row; any later one answers with that row.
+async fn post_charge_keyed(
+    State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
+    Extension(key): Extension<IdempotencyKey>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let mut charge = match app::parse_charge(&body) {
+        Ok(c) => c,
+        Err(problem) => return problem.into_response(),
+    };
+    charge.id = derived_charge_id(&principal.0, &key);
+    let sleep = app::test_sleep(&state, &headers);
+    let inside = async move {
+        if let Some(d) = sleep {
+            app::sleep_in_transaction(d).await;
+        }
+    };
+    match state
+        .ledger
+        .insert_once(&principal.0, &charge, inside)
+        .await
+    {
+        Ok(stored) => app::created(&stored),
+        Err(e) => app::database_error(&e),
+    }
+}
+
+/// `ch_` and 24 hex digits of a key derived from the principal and its idempotency key.
+fn derived_charge_id(principal: &str, key: &IdempotencyKey) -> String {
+    // Both parts go through the scope digest first: together they may exceed a message ID.
+    let request = RequestScope::new([principal, key.as_str()]).to_hex();
+    let derived = match (ConsumerName::new("http-payments"), MessageId::new(&request)) {
+        (Ok(service), Ok(id)) => DerivedKey::new(&service, &id, "charge").to_uuid_string(),
+        _ => request,
+    };
+    let hex: String = derived
+        .chars()
+        .filter(char::is_ascii_hexdigit)
+        .take(24)
+        .collect();
+    format!("ch_{hex}")
+}

@@ -1,0 +1,392 @@
+//! The `charges` table on each SQL engine: its schema, the insert a charge is (through the
+//! idempotency layer's transaction, or the ledger's own), and the lookup `GET /charges/{id}` is.
+
+use std::future::Future;
+
+use anyhow::{Context, Result};
+use idem_sql::{PgTx, Tx};
+use serde::Serialize;
+use sqlx::{MySql, MySqlConnection, PgConnection, Sqlite, SqliteConnection};
+
+/// One executed charge, as stored and as answered.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub(crate) struct Charge {
+    pub(crate) id: String,
+    pub(crate) account: String,
+    pub(crate) amount_cents: i64,
+    /// RFC 3339, UTC, microseconds.
+    pub(crate) created_at: String,
+}
+
+/// `principal` is who asked (the bearer token): `GET /charges/{id}` answers only its owner.
+const SQLITE_SCHEMA: &[&str] = &["CREATE TABLE IF NOT EXISTS charges (
+        id TEXT PRIMARY KEY,
+        principal TEXT NOT NULL,
+        account TEXT NOT NULL,
+        amount_cents INTEGER NOT NULL,
+        created_at TEXT NOT NULL)"];
+
+const POSTGRES_SCHEMA: &[&str] = &["CREATE TABLE IF NOT EXISTS charges (
+        id TEXT PRIMARY KEY,
+        principal TEXT NOT NULL,
+        account TEXT NOT NULL,
+        amount_cents BIGINT NOT NULL,
+        created_at TEXT NOT NULL)"];
+
+/// The compared columns are `VARBINARY`, compared byte for byte as SQLite's and PostgreSQL's
+/// `TEXT` are: under the server's default collation `"TOK"` would find `"tok"`'s charges.
+/// They are never read back (the lookups know them), so no one decodes binary as text.
+const MYSQL_SCHEMA: &[&str] = &["CREATE TABLE IF NOT EXISTS charges (
+        id VARBINARY(64) PRIMARY KEY,
+        principal VARBINARY(255) NOT NULL,
+        account VARCHAR(255) CHARACTER SET utf8mb4 NOT NULL,
+        amount_cents BIGINT NOT NULL,
+        created_at VARCHAR(40) CHARACTER SET ascii NOT NULL)"];
+
+/// The SQL database holding the charges, for the paths that do not write through the
+/// idempotency layer's transaction: reads, the Redis store (no shared transaction) and the
+/// benchmark's baseline without the layer.
+#[derive(Debug, Clone)]
+pub(crate) enum Ledger {
+    Sqlite(sqlx::SqlitePool),
+    Postgres(sqlx::PgPool),
+    MySql(sqlx::MySqlPool),
+}
+
+impl Ledger {
+    /// Wraps a store's pool and creates the table if missing.
+    pub(crate) async fn sqlite(pool: sqlx::SqlitePool) -> Result<Self> {
+        for ddl in SQLITE_SCHEMA {
+            sqlx::query(ddl).execute(&pool).await?;
+        }
+        Ok(Self::Sqlite(pool))
+    }
+
+    /// Wraps a store's pool and creates the table if missing.
+    pub(crate) async fn postgres(pool: sqlx::PgPool) -> Result<Self> {
+        for ddl in POSTGRES_SCHEMA {
+            sqlx::query(ddl).execute(&pool).await?;
+        }
+        Ok(Self::Postgres(pool))
+    }
+
+    /// Wraps a store's pool and creates the table if missing.
+    pub(crate) async fn mysql(pool: sqlx::MySqlPool) -> Result<Self> {
+        for ddl in MYSQL_SCHEMA {
+            sqlx::query(ddl).execute(&pool).await?;
+        }
+        Ok(Self::MySql(pool))
+    }
+
+    /// Opens the ledger at `url` on its own pool (through idem-sql, which sets SQLite up with
+    /// WAL and a busy timeout).
+    pub(crate) async fn open(url: &str) -> Result<Self> {
+        let shown = idem_core::redact_url(url);
+        let context = || format!("opening the ledger {shown}");
+        match crate::stores::scheme(url).as_str() {
+            "sqlite" => {
+                let store = idem_sql::SqliteStore::connect(url, idem_sql::SqliteOptions::default())
+                    .await
+                    .with_context(context)?;
+                Self::sqlite(store.pool().clone()).await
+            }
+            "postgres" | "postgresql" => {
+                let store = idem_sql::PostgresStore::connect(url)
+                    .await
+                    .with_context(context)?;
+                Self::postgres(store.pool().clone()).await
+            }
+            "mysql" | "mariadb" => {
+                let store = idem_sql::MySqlStore::connect(&url.replacen("mariadb:", "mysql:", 1))
+                    .await
+                    .with_context(context)?;
+                Self::mysql(store.pool().clone()).await
+            }
+            _ => anyhow::bail!(
+                "unsupported ledger URL {shown:?}: expected sqlite:PATH, postgres://… or mysql://…"
+            ),
+        }
+    }
+
+    /// Inserts `charge` in a transaction of its own, calling `inside` before the commit.
+    pub(crate) async fn insert<F>(
+        &self,
+        principal: &str,
+        charge: &Charge,
+        inside: F,
+    ) -> Result<(), sqlx::Error>
+    where
+        F: Future<Output = ()> + Send,
+    {
+        match self {
+            Ledger::Sqlite(pool) => {
+                // BEGIN IMMEDIATE: take the write lock up front instead of upgrading a read
+                // lock, which SQLite refuses (SQLITE_BUSY) under concurrent writers.
+                let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
+                insert_sqlite(&mut tx, principal, charge).await?;
+                inside.await;
+                tx.commit().await
+            }
+            Ledger::Postgres(pool) => {
+                let mut tx = pool.begin().await?;
+                insert_postgres(&mut tx, principal, charge).await?;
+                inside.await;
+                tx.commit().await
+            }
+            Ledger::MySql(pool) => {
+                let mut tx = pool.begin().await?;
+                insert_mysql(&mut tx, principal, charge).await?;
+                inside.await;
+                tx.commit().await
+            }
+        }
+    }
+
+    /// Inserts `charge` unless a charge with its ID exists, in a transaction of its own,
+    /// calling `inside` before the commit; returns the charge as stored (the existing one
+    /// when there was one). For stores without a shared transaction, whose charge IDs are
+    /// derived from the request's key: a re-execution after a crash, or a late one after a
+    /// takeover, finds the first charge instead of making a second.
+    pub(crate) async fn insert_once<F>(
+        &self,
+        principal: &str,
+        charge: &Charge,
+        inside: F,
+    ) -> Result<Charge, sqlx::Error>
+    where
+        F: Future<Output = ()> + Send,
+    {
+        const SELECT: &str = "SELECT account, amount_cents, created_at FROM charges WHERE id = ";
+        type Row = (String, i64, String);
+        // `None`: this call inserted the charge.
+        let row: Option<Row> = match self {
+            Ledger::Sqlite(pool) => {
+                let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
+                let inserted = sqlx::query(
+                    "INSERT INTO charges (id, principal, account, amount_cents, created_at) VALUES (?, ?, ?, ?, ?)
+                     ON CONFLICT (id) DO NOTHING",
+                )
+                .bind(&charge.id)
+                .bind(principal)
+                .bind(&charge.account)
+                .bind(charge.amount_cents)
+                .bind(&charge.created_at)
+                .execute(&mut *tx)
+                .await?;
+                let row = if inserted.rows_affected() == 1 {
+                    None
+                } else {
+                    Some(
+                        sqlx::query_as(&format!("{SELECT}?"))
+                            .bind(&charge.id)
+                            .fetch_one(&mut *tx)
+                            .await?,
+                    )
+                };
+                inside.await;
+                tx.commit().await?;
+                row
+            }
+            Ledger::Postgres(pool) => {
+                let mut tx = pool.begin().await?;
+                let inserted = sqlx::query(
+                    "INSERT INTO charges (id, principal, account, amount_cents, created_at) VALUES ($1, $2, $3, $4, $5)
+                     ON CONFLICT (id) DO NOTHING",
+                )
+                .bind(&charge.id)
+                .bind(principal)
+                .bind(&charge.account)
+                .bind(charge.amount_cents)
+                .bind(&charge.created_at)
+                .execute(&mut *tx)
+                .await?;
+                let row = if inserted.rows_affected() == 1 {
+                    None
+                } else {
+                    Some(
+                        sqlx::query_as(&format!("{SELECT}$1"))
+                            .bind(&charge.id)
+                            .fetch_one(&mut *tx)
+                            .await?,
+                    )
+                };
+                inside.await;
+                tx.commit().await?;
+                row
+            }
+            Ledger::MySql(pool) => {
+                let mut tx = pool.begin().await?;
+                // A no-op update, not INSERT IGNORE (which would also hide truncation).
+                sqlx::query(
+                    "INSERT INTO charges (id, principal, account, amount_cents, created_at) VALUES (?, ?, ?, ?, ?)
+                     ON DUPLICATE KEY UPDATE id = id",
+                )
+                .bind(&charge.id)
+                .bind(principal)
+                .bind(&charge.account)
+                .bind(charge.amount_cents)
+                .bind(&charge.created_at)
+                .execute(&mut *tx)
+                .await?;
+                // sqlx sets CLIENT_FOUND_ROWS, under which an unchanged duplicate also counts as one
+                // affected row: read the row back to know whose charge it is.
+                let row = Some(
+                    sqlx::query_as(&format!("{SELECT}?"))
+                        .bind(&charge.id)
+                        .fetch_one(&mut *tx)
+                        .await?,
+                );
+                inside.await;
+                tx.commit().await?;
+                row
+            }
+        };
+        Ok(match row {
+            None => charge.clone(),
+            Some((account, amount_cents, created_at)) => Charge {
+                id: charge.id.clone(),
+                account,
+                amount_cents,
+                created_at,
+            },
+        })
+    }
+
+    /// The charge `id` if `principal` made it.
+    pub(crate) async fn get(
+        &self,
+        principal: &str,
+        id: &str,
+    ) -> Result<Option<Charge>, sqlx::Error> {
+        type Row = (String, i64, String);
+        let row: Option<Row> = match self {
+            Ledger::Sqlite(pool) => {
+                sqlx::query_as(
+                    "SELECT account, amount_cents, created_at FROM charges WHERE id = ? AND principal = ?",
+                )
+                .bind(id)
+                .bind(principal)
+                .fetch_optional(pool)
+                .await?
+            }
+            Ledger::Postgres(pool) => {
+                sqlx::query_as(
+                    "SELECT account, amount_cents, created_at FROM charges WHERE id = $1 AND principal = $2",
+                )
+                .bind(id)
+                .bind(principal)
+                .fetch_optional(pool)
+                .await?
+            }
+            Ledger::MySql(pool) => {
+                sqlx::query_as(
+                    "SELECT account, amount_cents, created_at FROM charges WHERE id = ? AND principal = ?",
+                )
+                .bind(id)
+                .bind(principal)
+                .fetch_optional(pool)
+                .await?
+            }
+        };
+        Ok(row.map(|(account, amount_cents, created_at)| Charge {
+            id: id.to_owned(),
+            account,
+            amount_cents,
+            created_at,
+        }))
+    }
+}
+
+async fn insert_sqlite(
+    conn: &mut SqliteConnection,
+    principal: &str,
+    c: &Charge,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO charges (id, principal, account, amount_cents, created_at) VALUES (?, ?, ?, ?, ?)",
+    )
+    .bind(&c.id)
+    .bind(principal)
+    .bind(&c.account)
+    .bind(c.amount_cents)
+    .bind(&c.created_at)
+    .execute(conn)
+    .await
+    .map(drop)
+}
+
+async fn insert_postgres(
+    conn: &mut PgConnection,
+    principal: &str,
+    c: &Charge,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO charges (id, principal, account, amount_cents, created_at) VALUES ($1, $2, $3, $4, $5)",
+    )
+    .bind(&c.id)
+    .bind(principal)
+    .bind(&c.account)
+    .bind(c.amount_cents)
+    .bind(&c.created_at)
+    .execute(conn)
+    .await
+    .map(drop)
+}
+
+async fn insert_mysql(
+    conn: &mut MySqlConnection,
+    principal: &str,
+    c: &Charge,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO charges (id, principal, account, amount_cents, created_at) VALUES (?, ?, ?, ?, ?)",
+    )
+    .bind(&c.id)
+    .bind(principal)
+    .bind(&c.account)
+    .bind(c.amount_cents)
+    .bind(&c.created_at)
+    .execute(conn)
+    .await
+    .map(drop)
+}
+
+/// A transaction a charge can be written through: the idempotency layer's, on a SQL store.
+pub(crate) trait WriteCharge: Send {
+    /// Inserts the charge row.
+    fn insert_charge<'a>(
+        &'a mut self,
+        principal: &'a str,
+        charge: &'a Charge,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
+}
+
+impl WriteCharge for Tx<Sqlite> {
+    fn insert_charge<'a>(
+        &'a mut self,
+        principal: &'a str,
+        charge: &'a Charge,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a {
+        insert_sqlite(self, principal, charge)
+    }
+}
+
+impl WriteCharge for PgTx {
+    fn insert_charge<'a>(
+        &'a mut self,
+        principal: &'a str,
+        charge: &'a Charge,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a {
+        insert_postgres(self, principal, charge)
+    }
+}
+
+impl WriteCharge for Tx<MySql> {
+    fn insert_charge<'a>(
+        &'a mut self,
+        principal: &'a str,
+        charge: &'a Charge,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a {
+        insert_mysql(self, principal, charge)
+    }
+}

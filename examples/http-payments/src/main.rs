@@ -1,0 +1,172 @@
+//! `http-payments`: an HTTP charges API whose `POST /charges` runs exactly once per
+//! `Idempotency-Key`, on SQLite, PostgreSQL, MySQL/MariaDB or Redis. A service to copy.
+//!
+//! ```text
+//! http-payments --listen 127.0.0.1:8080 --database sqlite:http-payments.db
+//! curl -si 127.0.0.1:8080/charges -H 'Authorization: Bearer tok_alice' \
+//!      -H 'Idempotency-Key: "charge-1"' -H 'Content-Type: application/json' \
+//!      -d '{"account":"alice","amount_cents":1250}'
+//! ```
+//!
+//! The idempotency layer (`idem-http`) takes the key's record, hands the handler the store's
+//! transaction, and stores the response in it: on the SQL stores the `charges` row and the
+//! stored response commit together. With Redis the records live in Redis and the charges in
+//! the SQL database given by `--ledger`. SIGTERM stops gracefully.
+
+mod app;
+mod bench;
+mod layer;
+mod ledger;
+mod stores;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::Result;
+use clap::{Args, Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "http-payments",
+    version,
+    about,
+    args_conflicts_with_subcommands = true
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    serve: ServeArgs,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Measure the idempotency layer's cost per request on every store next to the same
+    /// service without it, and the function-level API on Redis next to AWS Powertools.
+    Bench(bench::BenchArgs),
+}
+
+/// What the service is started with.
+#[derive(Debug, Clone, Args)]
+pub(crate) struct ServeArgs {
+    /// Address to listen on (port 0 picks a free one; the log line `listening` shows it).
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8080")]
+    pub(crate) listen: SocketAddr,
+    /// Where idempotency records live: sqlite:PATH, postgres://…, mysql://…, redis://…
+    #[arg(long, value_name = "URL", default_value = "sqlite:http-payments.db")]
+    pub(crate) database: String,
+    /// The SQL database holding the charges when --database is redis:// (sqlite:PATH,
+    /// postgres://…, mysql://…). With a SQL --database the charges live there.
+    #[arg(long, value_name = "URL")]
+    pub(crate) ledger: Option<String>,
+    /// How long a request holds its key without renewing it. After a crash, a retry takes
+    /// over once the lease ran out.
+    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = parse_duration)]
+    pub(crate) lease: Duration,
+    /// How often a running request renews its lease (default: a third of the lease), or
+    /// `off`: a request outliving its lease can then be taken over, and its late completion
+    /// is refused.
+    #[arg(long, value_name = "DURATION|off", value_parser = parse_heartbeat)]
+    pub(crate) heartbeat: Option<Heartbeat>,
+    /// How long a completed request is replayed.
+    #[arg(long, value_name = "DURATION", default_value = "24h", value_parser = parse_duration)]
+    pub(crate) ttl: Duration,
+    /// Threads serving requests (default: one per core).
+    #[arg(long, value_name = "N")]
+    pub(crate) worker_threads: Option<usize>,
+    /// Honour test-only request headers (`X-Test-Sleep-Ms`: sleep inside the transaction
+    /// after writing the charge). Never in production.
+    #[arg(long, hide = true)]
+    pub(crate) test_hooks: bool,
+    /// Benchmark baselines: `bare` serves the same routes without the idempotency layer (the
+    /// handler commits its own transaction); `static` also skips the database and answers a
+    /// fixed charge (the HTTP floor).
+    #[arg(long, hide = true, value_enum, default_value_t = Mode::Idempotent)]
+    pub(crate) mode: Mode,
+}
+
+/// Whether requests go through the idempotency layer (benchmark baselines do not).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Mode {
+    /// Through the layer: the service as shipped.
+    Idempotent,
+    /// Without the layer, same handler and database.
+    Bare,
+    /// Without the layer and without the database.
+    Static,
+}
+
+/// The lease heartbeat setting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Heartbeat {
+    /// Renew every so often.
+    Every(Duration),
+    /// Never renew.
+    Off,
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    idem_core::parse_duration(s).map_err(|e| e.to_string())
+}
+
+fn parse_heartbeat(s: &str) -> Result<Heartbeat, String> {
+    if s.eq_ignore_ascii_case("off") {
+        Ok(Heartbeat::Off)
+    } else {
+        parse_duration(s).map(Heartbeat::Every)
+    }
+}
+
+fn main() {
+    let cli = Cli::parse();
+    // One line per request is at debug; the bench would otherwise measure logging.
+    let default_level = if matches!(cli.command, Some(Command::Bench(_))) {
+        "warn"
+    } else {
+        "info,sqlx=warn"
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| default_level.into()),
+        )
+        .with_target(false)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .compact()
+        .init();
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    runtime.enable_all();
+    if let Some(n) = cli.serve.worker_threads.filter(|_| cli.command.is_none()) {
+        runtime.worker_threads(n.max(1));
+    }
+    let runtime = match runtime.build() {
+        Ok(rt) => rt,
+        Err(e) => exit_with(anyhow::Error::from(e).context("cannot start the async runtime")),
+    };
+    let result = runtime.block_on(async move {
+        match cli.command {
+            Some(Command::Bench(args)) => bench::run(args).await,
+            None => stores::serve(cli.serve).await,
+        }
+    });
+    if let Err(e) = result {
+        exit_with(e);
+    }
+}
+
+fn exit_with(e: anyhow::Error) -> ! {
+    // Drivers often repeat their cause inside their own message; print each cause once.
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if !line.contains(&text) {
+            if !line.is_empty() {
+                line.push_str(": ");
+            }
+            line.push_str(&text);
+        }
+    }
+    eprintln!("error: {line}");
+    std::process::exit(2);
+}

@@ -1,0 +1,129 @@
+//! `--database URL` → the idempotency store, the ledger, and the router with the layer wired
+//! in; and the server loop with graceful shutdown.
+
+use anyhow::{Context, Result};
+use axum::Router;
+use axum::routing::post;
+use idem_sql::{MySqlStore, PostgresStore, SqliteOptions, SqliteStore};
+
+use crate::app::{self, AppState};
+use crate::ledger::Ledger;
+use crate::{Mode, ServeArgs};
+
+/// The URL's scheme, lowercase (`sqlite`, `postgres`, …).
+pub(crate) fn scheme(url: &str) -> String {
+    url.split(':')
+        .next()
+        .unwrap_or_default()
+        .to_ascii_lowercase()
+}
+
+/// Opens the stores, binds, serves until SIGTERM or Ctrl-C, then finishes in-flight requests.
+pub(crate) async fn serve(args: ServeArgs) -> Result<()> {
+    let router = build(&args).await?;
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", args.listen))?;
+    let addr = listener.local_addr()?;
+    tracing::info!(
+        %addr,
+        database = %idem_core::redact_url(&args.database),
+        ledger = args.ledger.as_deref().map(idem_core::redact_url).as_deref().unwrap_or("(the database)"),
+        lease = ?args.lease,
+        mode = ?args.mode,
+        "listening"
+    );
+    axum::serve(listener, router)
+        .with_graceful_shutdown(shutdown_signal())
+        .await
+        .context("serving")?;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    tokio::select! {
+        _ = term => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+    tracing::info!("shutting down: finishing in-flight requests");
+}
+
+/// The router for `args`: the store chosen by `--database`, the layer unless a baseline mode.
+pub(crate) async fn build(args: &ServeArgs) -> Result<Router> {
+    let url = args.database.as_str();
+    let shown = idem_core::redact_url(url);
+    let scheme = scheme(url);
+    if args.ledger.is_some() && scheme != "redis" && scheme != "rediss" {
+        anyhow::bail!(
+            "--ledger is for --database redis://…; a SQL --database holds the charges itself"
+        );
+    }
+    if args.mode != Mode::Idempotent {
+        let ledger = match scheme.as_str() {
+            "redis" | "rediss" => {
+                Ledger::open(args.ledger.as_deref().context(
+                    "--database redis://… needs --ledger URL: the SQL database for the charges",
+                )?)
+                .await?
+            }
+            _ => Ledger::open(url).await?,
+        };
+        let state = AppState {
+            ledger,
+            test_hooks: args.test_hooks,
+        };
+        let post_charges = match args.mode {
+            Mode::Static => post(app::post_charge_static),
+            _ => post(app::post_charge_own_tx),
+        };
+        return Ok(app::router(state, post_charges));
+    }
+    match scheme.as_str() {
+        "sqlite" => {
+            let store = SqliteStore::connect(url, SqliteOptions::default())
+                .await
+                .with_context(|| format!("opening {shown}"))?;
+            idem_core::Migrate::migrate(&store).await?;
+            let ledger = Ledger::sqlite(store.pool().clone()).await?;
+            crate::layer::sql(store, ledger, args)
+        }
+        "postgres" | "postgresql" => {
+            let store = PostgresStore::connect(url)
+                .await
+                .with_context(|| format!("opening {shown}"))?;
+            idem_core::Migrate::migrate(&store).await?;
+            let ledger = Ledger::postgres(store.pool().clone()).await?;
+            crate::layer::sql(store, ledger, args)
+        }
+        "mysql" | "mariadb" => {
+            let store = MySqlStore::connect(&url.replacen("mariadb:", "mysql:", 1))
+                .await
+                .with_context(|| format!("opening {shown}"))?;
+            idem_core::Migrate::migrate(&store).await?;
+            let ledger = Ledger::mysql(store.pool().clone()).await?;
+            crate::layer::sql(store, ledger, args)
+        }
+        "redis" | "rediss" => {
+            let ledger_url = args.ledger.as_deref().context(
+                "--database redis://… needs --ledger URL: the SQL database for the charges",
+            )?;
+            let ledger = Ledger::open(ledger_url).await?;
+            crate::layer::redis(url, ledger, args).await
+        }
+        _ => anyhow::bail!(
+            "unsupported database URL {shown:?}: expected sqlite:PATH, postgres://…, mysql://… or redis://…"
+        ),
+    }
+}

@@ -1,0 +1,212 @@
+//! The README's curl session, with the real binary over real TCP on every store: first call
+//! 201, replay byte for byte with `Idempotent-Replayed: true`, 409 while in flight, 422 for a
+//! different body (the original still replays), 400 without a key, 401 without a token,
+//! input validation, `GET /charges/{id}`, and one `charges` row per executed charge.
+
+mod util;
+
+use std::time::{Duration, Instant};
+
+use util::{Post, Server, Store, TestDb, client, get, post, token};
+
+const BODY: &str = r#"{"account":"alice","amount_cents":1250}"#;
+
+async fn curl_session(store: Store, test: &str) {
+    let Some(db) = TestDb::new(store, test).await else {
+        return;
+    };
+    let server = Server::start(&db, &["--test-hooks"]);
+    let http = client();
+    let base = server.base.as_str();
+    let me = token(test);
+    let key = format!("\"{test}-1\"");
+
+    // First call: executed, 201, no replay marker.
+    let first = post(&http, base, &Post::new(&me, &key, BODY))
+        .await
+        .expect("first");
+    assert_eq!(first.status, 201, "{first:?} {:#?}", server.log());
+    assert!(
+        !first.replayed(),
+        "a first execution never carries the marker"
+    );
+    assert_eq!(first.header("content-type"), Some("application/json"));
+    let charge = first.json();
+    assert_eq!(charge["account"], "alice");
+    assert_eq!(charge["amount_cents"], 1250);
+    let id = charge["id"].as_str().expect("id").to_owned();
+    assert!(charge["created_at"].is_string());
+
+    // Replay: the stored response byte for byte, with the marker.
+    let replay = post(&http, base, &Post::new(&me, &key, BODY))
+        .await
+        .expect("replay");
+    assert_eq!(replay.status, 201);
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(replay.body, first.body, "byte-identical replay");
+    assert_eq!(replay.header("location"), first.header("location"));
+
+    // Same key, different body: 422, and the original still replays.
+    let other = r#"{"account":"alice","amount_cents":999}"#;
+    let mismatch = post(&http, base, &Post::new(&me, &key, other))
+        .await
+        .expect("mismatch");
+    assert_eq!(mismatch.status, 422, "{mismatch:?}");
+    assert_eq!(mismatch.problem_code(), "fingerprint-mismatch");
+    let again = post(&http, base, &Post::new(&me, &key, BODY))
+        .await
+        .expect("again");
+    assert!(again.replayed() && again.body == first.body, "{again:?}");
+
+    // Missing key: 400 and nothing executed.
+    let nokey = Post {
+        key: None,
+        ..Post::new(&me, "", BODY)
+    };
+    let missing = post(&http, base, &nokey).await.expect("missing key");
+    assert_eq!(missing.status, 400, "{missing:?}");
+    assert_eq!(missing.problem_code(), "missing-key");
+
+    // No or malformed token: 401 before anything else.
+    for bad in [None, Some("not a token")] {
+        let p = Post {
+            token: bad,
+            ..Post::new("", &key, BODY)
+        };
+        let unauthorized = post(&http, base, &p).await.expect("401");
+        assert_eq!(unauthorized.status, 401, "{bad:?}: {unauthorized:?}");
+        assert_eq!(unauthorized.problem_code(), "unauthorized");
+        assert!(unauthorized.header("www-authenticate").is_some());
+    }
+
+    // In flight: a retry gets 409 at once, with Retry-After, while the first still runs.
+    let slow_key = format!("\"{test}-slow\"");
+    let slow = {
+        let http = http.clone();
+        let base = base.to_owned();
+        let (me, slow_key) = (me.clone(), slow_key.clone());
+        tokio::spawn(async move {
+            let p = Post {
+                sleep_ms: Some(3000),
+                ..Post::new(&me, &slow_key, BODY)
+            };
+            post(&http, &base, &p).await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let asked = Instant::now();
+    let busy = post(&http, base, &Post::new(&me, &slow_key, BODY))
+        .await
+        .expect("409");
+    assert_eq!(busy.status, 409, "{busy:?} {:#?}", server.log());
+    assert!(
+        asked.elapsed() < Duration::from_millis(1500),
+        "409 at once, not after the first finished: {:?}",
+        asked.elapsed()
+    );
+    assert_eq!(busy.problem_code(), "conflict");
+    let retry_after: u64 = busy
+        .header("retry-after")
+        .and_then(|v| v.parse().ok())
+        .expect("Retry-After in whole seconds");
+    assert!(retry_after >= 1);
+    let slow = slow.await.expect("task").expect("slow request");
+    assert_eq!(slow.status, 201, "{slow:?}");
+    assert!(!slow.replayed());
+    let after = post(&http, base, &Post::new(&me, &slow_key, BODY))
+        .await
+        .expect("after");
+    assert!(after.replayed() && after.body == slow.body, "{after:?}");
+
+    // Validation: bad JSON 400, blank account and non-positive amount 422 (all problem+json).
+    for (i, (body, status, code)) in [
+        ("{not json", 400, "invalid-json"),
+        (r#"{"account":"","amount_cents":5}"#, 422, "invalid-charge"),
+        (
+            r#"{"account":"bob","amount_cents":0}"#,
+            422,
+            "invalid-charge",
+        ),
+        (
+            r#"{"account":"bob","amount_cents":-5}"#,
+            422,
+            "invalid-charge",
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let k = format!("\"{test}-invalid-{i}\"");
+        let a = post(&http, base, &Post::new(&me, &k, body))
+            .await
+            .expect("invalid");
+        assert_eq!(
+            (a.status, a.problem_code().as_str()),
+            (status, code),
+            "{body}: {a:?}"
+        );
+    }
+
+    // Reads: the charge for its principal; 404 for an unknown ID and for someone else.
+    let read = get(&http, base, &me, &format!("/charges/{id}")).await;
+    assert_eq!(read.status, 200, "{read:?}");
+    assert_eq!(read.json(), charge);
+    let unknown = get(&http, base, &me, "/charges/ch_nope").await;
+    assert_eq!(unknown.status, 404);
+    assert_eq!(unknown.problem_code(), "not-found");
+    let stranger = get(&http, base, &token("stranger"), &format!("/charges/{id}")).await;
+    assert_eq!(stranger.status, 404);
+
+    // Exactly the two executed charges were written.
+    assert_eq!(db.count_charges(&me).await, 2);
+
+    let status = server.terminate();
+    assert!(status.success(), "exits 0 on SIGTERM: {status:?}");
+    db.teardown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_curl_session() {
+    curl_session(Store::Sqlite, "sqlite_curl_session").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_curl_session() {
+    curl_session(Store::Postgres, "postgres_curl_session").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_curl_session() {
+    curl_session(Store::MySql, "mysql_curl_session").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_curl_session() {
+    curl_session(Store::Redis, "redis_curl_session").await;
+}
+
+#[test]
+fn bad_urls_are_one_line_errors() {
+    for args in [
+        &["--database", "oracle://x"][..],
+        &["--database", "redis://127.0.0.1:6379"][..],
+        &[
+            "--database",
+            "sqlite::memory:",
+            "--ledger",
+            "sqlite::memory:",
+        ][..],
+    ] {
+        let out = std::process::Command::new(util::BIN)
+            .args(["--listen", "127.0.0.1:0"])
+            .args(args)
+            .output()
+            .expect("run");
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.starts_with("error: ") && err.trim().lines().count() == 1,
+            "{args:?}: {err}"
+        );
+    }
+}
