@@ -1,55 +1,30 @@
 //! The store conformance suite against the real MySQL/MariaDB server in `IDEM_TEST_MYSQL_URL`.
 //! Each test gets its own database, so tests run in parallel.
 
-use std::str::FromStr;
-
 use idem_core::{BoxError, Migrate};
 use idem_sql::MySqlStore;
-use idem_testkit::{StoreFixture, TxOf, service_url, services, unique_name};
-use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
+use idem_testkit::isolated::MySqlDatabase;
+use idem_testkit::{StoreFixture, TxOf};
 
 #[derive(Debug)]
 struct MySqlFixture {
     store: MySqlStore,
-    database: String,
-    url: String,
+    database: MySqlDatabase,
 }
 
 impl StoreFixture for MySqlFixture {
     type Store = MySqlStore;
 
     async fn setup(test: &str) -> Option<Self> {
-        let url = service_url(services::MYSQL, test)?;
-        let database = unique_name("idem", test);
-        let admin = MySqlPoolOptions::new()
-            .max_connections(1)
-            .connect(&url)
-            .await;
-        let admin = admin.expect("connect to IDEM_TEST_MYSQL_URL");
-        sqlx::query(&format!("CREATE DATABASE {database}"))
-            .execute(&admin)
-            .await
-            .expect("create database");
-        admin.close().await;
-        let options = MySqlConnectOptions::from_str(&url)
-            .expect("valid URL")
-            .database(&database);
-        let pool = MySqlPoolOptions::new()
-            .max_connections(20)
-            .connect_with(options)
-            .await
-            .expect("connect");
+        let database = MySqlDatabase::create("idem", test).await?;
+        let pool = database.pool(20).await;
         let store = MySqlStore::from_pool(pool);
         store.migrate().await.expect("migrate");
         sqlx::query("CREATE TABLE effects (k VARCHAR(255) NOT NULL) ENGINE = InnoDB")
             .execute(store.pool())
             .await
             .expect("effects table");
-        Some(Self {
-            store,
-            database,
-            url,
-        })
+        Some(Self { store, database })
     }
 
     fn store(&self) -> MySqlStore {
@@ -88,15 +63,7 @@ impl StoreFixture for MySqlFixture {
 
     async fn teardown(self) {
         self.store.pool().close().await;
-        if let Ok(admin) = MySqlPoolOptions::new()
-            .max_connections(1)
-            .connect(&self.url)
-            .await
-        {
-            let _ = sqlx::query(&format!("DROP DATABASE {}", self.database))
-                .execute(&admin)
-                .await;
-        }
+        self.database.drop().await;
     }
 }
 

@@ -3,18 +3,15 @@
 
 mod request_extras;
 
-use std::str::FromStr;
-
 use idem_core::{BoxError, Migrate};
 use idem_sql::MySqlStore;
-use idem_testkit::{RequestFixture, RequestTxOf, service_url, services, unique_name};
-use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
+use idem_testkit::isolated::MySqlDatabase;
+use idem_testkit::{RequestFixture, RequestTxOf};
 
 #[derive(Debug)]
 struct MySqlFixture {
     store: MySqlStore,
-    database: String,
-    url: String,
+    database: MySqlDatabase,
 }
 
 impl RequestFixture for MySqlFixture {
@@ -22,37 +19,15 @@ impl RequestFixture for MySqlFixture {
     const SHARED_TRANSACTION: bool = true;
 
     async fn setup(test: &str) -> Option<Self> {
-        let url = service_url(services::MYSQL, test)?;
-        let database = unique_name("idem_req", test);
-        let admin = MySqlPoolOptions::new()
-            .max_connections(1)
-            .connect(&url)
-            .await;
-        let admin = admin.expect("connect to IDEM_TEST_MYSQL_URL");
-        sqlx::query(&format!("CREATE DATABASE {database}"))
-            .execute(&admin)
-            .await
-            .expect("create database");
-        admin.close().await;
-        let options = MySqlConnectOptions::from_str(&url)
-            .expect("valid URL")
-            .database(&database);
-        let pool = MySqlPoolOptions::new()
-            .max_connections(20)
-            .connect_with(options)
-            .await
-            .expect("connect");
+        let database = MySqlDatabase::create("idem_req", test).await?;
+        let pool = database.pool(20).await;
         let store = MySqlStore::from_pool(pool);
         store.migrate().await.expect("migrate");
         sqlx::query("CREATE TABLE effects (k VARCHAR(255) NOT NULL) ENGINE = InnoDB")
             .execute(store.pool())
             .await
             .expect("effects table");
-        Some(Self {
-            store,
-            database,
-            url,
-        })
+        Some(Self { store, database })
     }
 
     fn store(&self) -> MySqlStore {
@@ -77,15 +52,7 @@ impl RequestFixture for MySqlFixture {
 
     async fn teardown(self) {
         self.store.pool().close().await;
-        if let Ok(admin) = MySqlPoolOptions::new()
-            .max_connections(1)
-            .connect(&self.url)
-            .await
-        {
-            let _ = sqlx::query(&format!("DROP DATABASE {}", self.database))
-                .execute(&admin)
-                .await;
-        }
+        self.database.drop().await;
     }
 }
 

@@ -4,18 +4,15 @@
 
 mod request_extras;
 
-use std::str::FromStr;
-
 use idem_core::{BoxError, Migrate};
 use idem_sql::PostgresStore;
-use idem_testkit::{RequestFixture, RequestTxOf, service_url, services, unique_name};
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use idem_testkit::isolated::PgSchema;
+use idem_testkit::{RequestFixture, RequestTxOf};
 
 #[derive(Debug)]
 struct PgFixture {
     store: PostgresStore,
-    schema: String,
-    url: String,
+    schema: PgSchema,
 }
 
 impl RequestFixture for PgFixture {
@@ -23,30 +20,15 @@ impl RequestFixture for PgFixture {
     const SHARED_TRANSACTION: bool = true;
 
     async fn setup(test: &str) -> Option<Self> {
-        let url = service_url(services::POSTGRES, test)?;
-        let schema = unique_name("idem_req", test);
-        let admin = PgPoolOptions::new().max_connections(1).connect(&url).await;
-        let admin = admin.expect("connect to IDEM_TEST_POSTGRES_URL");
-        sqlx::query(&format!("CREATE SCHEMA {schema}"))
-            .execute(&admin)
-            .await
-            .expect("create schema");
-        admin.close().await;
-        let options = PgConnectOptions::from_str(&url)
-            .expect("valid URL")
-            .options([("search_path", schema.as_str())]);
-        let pool = PgPoolOptions::new()
-            .max_connections(20)
-            .connect_with(options)
-            .await
-            .expect("connect");
+        let schema = PgSchema::create("idem_req", test).await?;
+        let pool = schema.pool(20).await;
         let store = PostgresStore::from_pool(pool);
         store.migrate().await.expect("migrate");
         sqlx::query("CREATE TABLE effects (key text NOT NULL)")
             .execute(store.pool())
             .await
             .expect("effects table");
-        Some(Self { store, schema, url })
+        Some(Self { store, schema })
     }
 
     fn store(&self) -> PostgresStore {
@@ -71,15 +53,7 @@ impl RequestFixture for PgFixture {
 
     async fn teardown(self) {
         self.store.pool().close().await;
-        if let Ok(admin) = PgPoolOptions::new()
-            .max_connections(1)
-            .connect(&self.url)
-            .await
-        {
-            let _ = sqlx::query(&format!("DROP SCHEMA {} CASCADE", self.schema))
-                .execute(&admin)
-                .await;
-        }
+        self.schema.drop().await;
     }
 }
 

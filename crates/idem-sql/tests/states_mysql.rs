@@ -6,45 +6,32 @@
 
 mod states;
 
-use std::str::FromStr;
-
 use idem_core::{BoxError, ErrorKind, Migrate, Processor};
 use idem_sql::{MySqlStore, TableName};
-use idem_testkit::{service_url, services, unique_name};
+use idem_testkit::isolated::MySqlDatabase;
+use idem_testkit::unique_name;
 use sqlx::Executor;
 use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
 use states::{assert_state, failure};
 
 struct Db {
-    url: String,
-    database: String,
+    database: MySqlDatabase,
     admin: MySqlPool,
 }
 
 impl Db {
     async fn new(test: &str) -> Option<Self> {
-        let url = service_url(services::MYSQL, test)?;
-        let database = unique_name("st", test);
+        let database = MySqlDatabase::create("st", test).await?;
         let admin = MySqlPoolOptions::new()
             .max_connections(2)
-            .connect(&url)
+            .connect(database.url())
             .await
             .expect("connect to IDEM_TEST_MYSQL_URL");
-        sqlx::query(&format!("CREATE DATABASE {database}"))
-            .execute(&admin)
-            .await
-            .expect("database");
-        Some(Self {
-            url,
-            database,
-            admin,
-        })
+        Some(Self { database, admin })
     }
 
     fn options(&self) -> MySqlConnectOptions {
-        MySqlConnectOptions::from_str(&self.url)
-            .expect("valid URL")
-            .database(&self.database)
+        self.database.options()
     }
 
     async fn store(&self, pool: MySqlPoolOptions) -> MySqlStore {
@@ -60,7 +47,7 @@ impl Db {
     async fn claims(&self) -> i64 {
         sqlx::query_scalar(&format!(
             "SELECT count(*) FROM {}.idem_processed",
-            self.database
+            self.database.name()
         ))
         .fetch_one(&self.admin)
         .await
@@ -68,9 +55,7 @@ impl Db {
     }
 
     async fn drop(self) {
-        let _ = sqlx::query(&format!("DROP DATABASE {}", self.database))
-            .execute(&self.admin)
-            .await;
+        self.database.drop().await;
     }
 }
 
@@ -169,7 +154,7 @@ async fn no_privilege_is_misconfigured() {
     let user = unique_name("u", "np");
     for sql in [
         format!("CREATE USER '{user}'@'%' IDENTIFIED BY 'idem-test'"),
-        format!("GRANT SELECT ON {}.* TO '{user}'@'%'", db.database),
+        format!("GRANT SELECT ON {}.* TO '{user}'@'%'", db.database.name()),
     ] {
         sqlx::query(&sql).execute(&db.admin).await.expect("user");
     }

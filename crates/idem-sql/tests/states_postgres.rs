@@ -7,41 +7,32 @@
 
 mod states;
 
-use std::str::FromStr;
-
 use idem_core::{BoxError, ErrorKind, Migrate, Processor};
 use idem_sql::{PostgresStore, TableName};
-use idem_testkit::{service_url, services, unique_name};
+use idem_testkit::isolated::PgSchema;
+use idem_testkit::unique_name;
 use sqlx::ConnectOptions;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use states::{assert_state, failure};
 
 struct Db {
-    url: String,
-    schema: String,
+    schema: PgSchema,
     admin: PgPool,
 }
 
 impl Db {
     async fn new(test: &str) -> Option<Self> {
-        let url = service_url(services::POSTGRES, test)?;
-        let schema = unique_name("st", test);
+        let schema = PgSchema::create("st", test).await?;
         let admin = PgPoolOptions::new()
             .max_connections(2)
-            .connect(&url)
+            .connect(schema.url())
             .await
             .expect("connect to IDEM_TEST_POSTGRES_URL");
-        sqlx::query(&format!("CREATE SCHEMA {schema}"))
-            .execute(&admin)
-            .await
-            .expect("schema");
-        Some(Self { url, schema, admin })
+        Some(Self { schema, admin })
     }
 
     fn options(&self) -> PgConnectOptions {
-        PgConnectOptions::from_str(&self.url)
-            .expect("valid URL")
-            .options([("search_path", self.schema.as_str())])
+        self.schema.options()
     }
 
     async fn store(&self, options: PgConnectOptions) -> PostgresStore {
@@ -62,7 +53,7 @@ impl Db {
     async fn claims(&self) -> i64 {
         sqlx::query_scalar(&format!(
             "SELECT count(*) FROM {}.idem_processed",
-            self.schema
+            self.schema.name()
         ))
         .fetch_one(&self.admin)
         .await
@@ -70,9 +61,7 @@ impl Db {
     }
 
     async fn drop(self) {
-        let _ = sqlx::query(&format!("DROP SCHEMA {} CASCADE", self.schema))
-            .execute(&self.admin)
-            .await;
+        self.schema.drop().await;
     }
 }
 
@@ -171,7 +160,7 @@ async fn no_privilege_is_misconfigured_and_no_connection_slot_is_an_outage() {
     let role = unique_name("role", "np");
     for sql in [
         format!("CREATE ROLE {role} LOGIN"),
-        format!("GRANT USAGE ON SCHEMA {} TO {role}", db.schema),
+        format!("GRANT USAGE ON SCHEMA {} TO {role}", db.schema.name()),
     ] {
         sqlx::query(&sql).execute(&db.admin).await.expect("role");
     }

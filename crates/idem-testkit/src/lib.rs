@@ -15,6 +15,7 @@ pub mod broker_conformance;
 mod broker_fixture;
 pub mod conformance;
 mod fixture;
+pub mod isolated;
 pub mod request_conformance;
 mod request_fixture;
 pub mod services;
