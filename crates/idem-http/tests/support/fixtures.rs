@@ -4,16 +4,16 @@
 
 use std::future::Future;
 use std::path::PathBuf;
-use std::str::FromStr;
 use std::time::Duration;
 
 use idem_core::{BoxError, Migrate};
 use idem_redis::{RedisRequestStore, RedisTx};
 use idem_sql::{MySqlStore, PostgresStore, SqliteOptions, SqliteStore};
+use idem_testkit::isolated::{MySqlDatabase, PgSchema};
 use idem_testkit::{RequestFixture, RequestTxOf, service_url, services, unique_name};
 use redis::aio::ConnectionManager;
-use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::mysql::MySqlPoolOptions;
+use sqlx::postgres::PgPoolOptions;
 
 /// What the HTTP suite needs beside [`RequestFixture`].
 pub(crate) trait HttpFixture: RequestFixture {
@@ -105,8 +105,7 @@ impl HttpFixture for SqliteFx {
 #[derive(Debug)]
 pub(crate) struct PgFx {
     store: PostgresStore,
-    schema: String,
-    url: String,
+    schema: PgSchema,
 }
 
 impl RequestFixture for PgFx {
@@ -114,33 +113,15 @@ impl RequestFixture for PgFx {
     const SHARED_TRANSACTION: bool = true;
 
     async fn setup(test: &str) -> Option<Self> {
-        let url = service_url(services::POSTGRES, test)?;
-        let schema = unique_name("idem_http", test);
-        let admin = PgPoolOptions::new()
-            .max_connections(1)
-            .connect(&url)
-            .await
-            .expect("connect to IDEM_TEST_POSTGRES_URL");
-        sqlx::query(&format!("CREATE SCHEMA {schema}"))
-            .execute(&admin)
-            .await
-            .expect("create schema");
-        admin.close().await;
-        let options = PgConnectOptions::from_str(&url)
-            .expect("valid URL")
-            .options([("search_path", schema.as_str())]);
-        let pool = PgPoolOptions::new()
-            .max_connections(20)
-            .connect_with(options)
-            .await
-            .expect("connect");
+        let schema = PgSchema::create("idem_http", test).await?;
+        let pool = schema.pool(20).await;
         let store = PostgresStore::from_pool(pool);
         store.migrate().await.expect("migrate");
         sqlx::query("CREATE TABLE effects (key text NOT NULL)")
             .execute(store.pool())
             .await
             .expect("effects table");
-        Some(Self { store, schema, url })
+        Some(Self { store, schema })
     }
 
     fn store(&self) -> PostgresStore {
@@ -165,15 +146,7 @@ impl RequestFixture for PgFx {
 
     async fn teardown(self) {
         self.store.pool().close().await;
-        if let Ok(admin) = PgPoolOptions::new()
-            .max_connections(1)
-            .connect(&self.url)
-            .await
-        {
-            let _ = sqlx::query(&format!("DROP SCHEMA {} CASCADE", self.schema))
-                .execute(&admin)
-                .await;
-        }
+        self.schema.drop().await;
     }
 }
 
@@ -200,8 +173,7 @@ impl HttpFixture for PgFx {
 #[derive(Debug)]
 pub(crate) struct MySqlFx {
     store: MySqlStore,
-    database: String,
-    url: String,
+    database: MySqlDatabase,
 }
 
 impl RequestFixture for MySqlFx {
@@ -209,37 +181,15 @@ impl RequestFixture for MySqlFx {
     const SHARED_TRANSACTION: bool = true;
 
     async fn setup(test: &str) -> Option<Self> {
-        let url = service_url(services::MYSQL, test)?;
-        let database = unique_name("idem_http", test);
-        let admin = MySqlPoolOptions::new()
-            .max_connections(1)
-            .connect(&url)
-            .await
-            .expect("connect to IDEM_TEST_MYSQL_URL");
-        sqlx::query(&format!("CREATE DATABASE {database}"))
-            .execute(&admin)
-            .await
-            .expect("create database");
-        admin.close().await;
-        let options = MySqlConnectOptions::from_str(&url)
-            .expect("valid URL")
-            .database(&database);
-        let pool = MySqlPoolOptions::new()
-            .max_connections(20)
-            .connect_with(options)
-            .await
-            .expect("connect");
+        let database = MySqlDatabase::create("idem_http", test).await?;
+        let pool = database.pool(20).await;
         let store = MySqlStore::from_pool(pool);
         store.migrate().await.expect("migrate");
         sqlx::query("CREATE TABLE effects (k VARCHAR(255) NOT NULL) ENGINE = InnoDB")
             .execute(store.pool())
             .await
             .expect("effects table");
-        Some(Self {
-            store,
-            database,
-            url,
-        })
+        Some(Self { store, database })
     }
 
     fn store(&self) -> MySqlStore {
@@ -264,15 +214,7 @@ impl RequestFixture for MySqlFx {
 
     async fn teardown(self) {
         self.store.pool().close().await;
-        if let Ok(admin) = MySqlPoolOptions::new()
-            .max_connections(1)
-            .connect(&self.url)
-            .await
-        {
-            let _ = sqlx::query(&format!("DROP DATABASE {}", self.database))
-                .execute(&admin)
-                .await;
-        }
+        self.database.drop().await;
     }
 }
 
