@@ -38,6 +38,13 @@ fn fp(body: &str) -> Fingerprint {
     Fingerprint::of(body.as_bytes())
 }
 
+/// Looks `k` up with the fingerprint of `body`, under a long lease and TTL.
+async fn lookup<S: RequestStore>(s: &S, k: &RequestKey, body: &str) -> Begin {
+    s.begin_request(k, &fp(body), LONG, DAY)
+        .await
+        .expect("begin_request")
+}
+
 async fn acquire<S: RequestStore>(s: &S, k: &RequestKey, body: &str, lease: Duration) -> Fence {
     match s
         .begin_request(k, &fp(body), lease, DAY)
@@ -69,10 +76,7 @@ pub async fn a_retry_while_the_first_runs_is_in_progress_at_once<F: RequestFixtu
     let mut tx = s.begin().await.expect("begin tx");
     fx.record_effect(&mut tx, "k-1").await.expect("effect");
     let started = Instant::now();
-    let retry = s
-        .begin_request(&k, &fp("body"), LONG, DAY)
-        .await
-        .expect("retry");
+    let retry = lookup(&s, &k, "body").await;
     let waited = started.elapsed();
     match retry {
         Begin::InProgress { retry_after } => {
@@ -108,11 +112,7 @@ pub async fn a_completed_request_replays_its_result_byte_for_byte<F: RequestFixt
     let result: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
     complete(&s, &k, fence, &result).await;
     for _ in 0..2 {
-        match s
-            .begin_request(&k, &fp("body"), LONG, DAY)
-            .await
-            .expect("retry")
-        {
+        match lookup(&s, &k, "body").await {
             Begin::Completed { result: stored } => assert!(stored == result, "replay differs"),
             other => panic!("expected the stored result, got {other:?}"),
         }
@@ -129,21 +129,12 @@ pub async fn another_fingerprint_is_a_mismatch_and_leaves_the_record<F: RequestF
     let s = fx.store();
     let k = key("alice", "k-fp");
     let fence = acquire(&s, &k, "original", LONG).await;
-    let other = s
-        .begin_request(&k, &fp("changed"), LONG, DAY)
-        .await
-        .expect("begin");
+    let other = lookup(&s, &k, "changed").await;
     assert_eq!(other, Begin::Mismatch);
     complete(&s, &k, fence, b"first result").await;
-    let other = s
-        .begin_request(&k, &fp("changed"), LONG, DAY)
-        .await
-        .expect("begin");
+    let other = lookup(&s, &k, "changed").await;
     assert_eq!(other, Begin::Mismatch);
-    let again = s
-        .begin_request(&k, &fp("original"), LONG, DAY)
-        .await
-        .expect("begin");
+    let again = lookup(&s, &k, "original").await;
     assert_eq!(
         again,
         Begin::Completed {
@@ -165,11 +156,7 @@ pub async fn a_lapsed_lease_is_taken_over_and_the_late_completion_refused<F: Req
     let short = Duration::from_secs(1);
     let old = acquire(&s, &k, "body", short).await;
     tokio::time::sleep(Duration::from_millis(1300)).await;
-    let (new, takeover) = match s
-        .begin_request(&k, &fp("body"), LONG, DAY)
-        .await
-        .expect("begin")
-    {
+    let (new, takeover) = match lookup(&s, &k, "body").await {
         Begin::Acquired { fence, takeover } => (fence, takeover),
         other => panic!("a lapsed lease was not taken over: {other:?}"),
     };
@@ -199,10 +186,7 @@ pub async fn a_lapsed_lease_is_taken_over_and_the_late_completion_refused<F: Req
     );
     s.release(&k, old).await.expect("stale release is a no-op");
     complete(&s, &k, new, b"new").await;
-    let replay = s
-        .begin_request(&k, &fp("body"), LONG, DAY)
-        .await
-        .expect("begin");
+    let replay = lookup(&s, &k, "body").await;
     assert_eq!(
         replay,
         Begin::Completed {
@@ -221,10 +205,7 @@ pub async fn release_frees_the_key_and_a_stale_fence_frees_nothing<F: RequestFix
     s.release(&k, first).await.expect("release");
     let second = acquire(&s, &k, "body", LONG).await;
     s.release(&k, first).await.expect("stale release");
-    let busy = s
-        .begin_request(&k, &fp("body"), LONG, DAY)
-        .await
-        .expect("begin");
+    let busy = lookup(&s, &k, "body").await;
     assert!(
         matches!(busy, Begin::InProgress { .. }),
         "stale release freed it: {busy:?}"
@@ -247,10 +228,7 @@ pub async fn a_renewed_lease_keeps_the_record_held<F: RequestFixture>(test: &str
             .expect("extend")
     );
     tokio::time::sleep(Duration::from_millis(900)).await;
-    let busy = s
-        .begin_request(&k, &fp("body"), LONG, DAY)
-        .await
-        .expect("begin");
+    let busy = lookup(&s, &k, "body").await;
     assert!(
         matches!(busy, Begin::InProgress { .. }),
         "renewed lease lapsed: {busy:?}"
@@ -288,18 +266,12 @@ pub async fn an_expired_record_executes_again_and_is_reaped<F: RequestFixture>(t
         reaped, expected,
         "the reaper deleted {reaped} records; {expected} was due"
     );
-    let again = s
-        .begin_request(&expiring, &fp("new body"), LONG, DAY)
-        .await
-        .expect("begin");
+    let again = lookup(&s, &expiring, "new body").await;
     assert!(
         matches!(again, Begin::Acquired { .. }),
         "expired key did not execute again: {again:?}"
     );
-    let replay = s
-        .begin_request(&kept, &fp("body"), LONG, DAY)
-        .await
-        .expect("begin");
+    let replay = lookup(&s, &kept, "body").await;
     assert_eq!(
         replay,
         Begin::Completed {
@@ -342,16 +314,10 @@ pub async fn scopes_never_share_records<F: RequestFixture>(test: &str) {
     let a = acquire(&s, &alice, "alice's body", LONG).await;
     let b = acquire(&s, &bob, "bob's body", LONG).await;
     complete(&s, &alice, a, b"alice's result").await;
-    let busy = s
-        .begin_request(&bob, &fp("bob's body"), LONG, DAY)
-        .await
-        .expect("begin");
+    let busy = lookup(&s, &bob, "bob's body").await;
     assert!(matches!(busy, Begin::InProgress { .. }), "{busy:?}");
     complete(&s, &bob, b, b"bob's result").await;
-    let replay = s
-        .begin_request(&bob, &fp("bob's body"), LONG, DAY)
-        .await
-        .expect("begin");
+    let replay = lookup(&s, &bob, "bob's body").await;
     assert_eq!(
         replay,
         Begin::Completed {
