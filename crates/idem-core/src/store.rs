@@ -149,6 +149,23 @@ pub trait Stats: Send + Sync {
     fn stats(&self) -> impl Future<Output = Result<Vec<ConsumerStats>, Error>> + Send;
 }
 
+/// Turns an error a handler returned — from any operation run in `store`'s transaction — into
+/// an idem [`Error`]: an explicit idem error keeps its kind (e.g. [`Error::reject`]), the store
+/// recognises its driver's errors (a deadlock is [`ErrorKind::Transient`], a read-only database
+/// [`ErrorKind::Unavailable`]), and anything else is a retryable [`ErrorKind::Handler`] failure.
+pub fn handler_error<S: TransactionalStore + ?Sized>(store: &S, e: crate::BoxError) -> Error {
+    let e = match e.downcast::<Error>() {
+        Ok(ours) => return *ours,
+        Err(e) => e,
+    };
+    let kind = store.classify(&*e).unwrap_or(ErrorKind::Handler);
+    let message = match kind {
+        ErrorKind::Transient => format!("handler hit a transient database error: {e}"),
+        _ => format!("handler failed: {e}"),
+    };
+    Error::new(kind, message).with_source(e)
+}
+
 /// Deletes every claim processed more than `older_than` before `now`, `batch` rows at a time,
 /// so that pruning a large table never holds long locks or bloats one transaction.
 pub async fn prune_all<S: Prune + ?Sized>(

@@ -95,20 +95,8 @@ impl<S: RequestStore + Clone + 'static> Idempotency<S> {
             }
             Ok(Err(e)) => {
                 let _ = execution.abandon().await;
-                let e = e.into();
-                Err(match e.downcast::<Error>() {
-                    Ok(ours) => *ours,
-                    Err(other) => {
-                        let kind = self.store().classify(&*other).unwrap_or(ErrorKind::Handler);
-                        Error::new(
-                            kind,
-                            format!(
-                                "the call failed (not stored; a repeat runs it again): {other}"
-                            ),
-                        )
-                        .with_source(other)
-                    }
-                })
+                // Not stored: a repeat runs `f` again.
+                Err(idem_core::store::handler_error(self.store(), e.into()))
             }
             Err(panic) => {
                 let _ = execution.abandon().await;

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use idem_core::{BoxError, Disposition, Error, ErrorKind, TransactionalStore};
+use idem_core::{BoxError, Disposition, Error};
 use idem_sql::SqliteStore;
 
 use super::broker::{Delivery, SimulatedBroker};
@@ -117,11 +117,6 @@ impl WorkerContext {
     /// Gives an error from hand-written SQL the kind the processor would give it, so the naive
     /// consumer retries and dead-letters by the same rules as idem's.
     pub(crate) fn classify(&self, e: BoxError) -> Error {
-        let e = match e.downcast::<Error>() {
-            Ok(ours) => return *ours,
-            Err(e) => e,
-        };
-        let kind = self.store.classify(&*e).unwrap_or(ErrorKind::Handler);
-        Error::new(kind, e.to_string()).with_source(e)
+        idem_core::store::handler_error(&self.store, e)
     }
 }

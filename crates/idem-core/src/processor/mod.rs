@@ -195,15 +195,6 @@ impl<S: ClaimStore, C: Clock> Processor<S, C> {
     /// and treats anything else as a retryable handler failure. Public for callers that drive
     /// the transaction themselves with [`Processor::claim_in`].
     pub fn handler_error(&self, e: BoxError) -> Error {
-        let e = match e.downcast::<Error>() {
-            Ok(ours) => return *ours,
-            Err(e) => e,
-        };
-        let kind = self.store.classify(&*e).unwrap_or(ErrorKind::Handler);
-        let message = match kind {
-            ErrorKind::Transient => format!("handler hit a transient database error: {e}"),
-            _ => format!("handler failed: {e}"),
-        };
-        Error::new(kind, message).with_source(e)
+        crate::store::handler_error(&self.store, e)
     }
 }
