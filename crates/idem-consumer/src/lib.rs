@@ -23,6 +23,7 @@
 //! [`InMemoryBroker`] is an in-memory fake for unit tests of handlers; real adapters are tested
 //! against real brokers.
 
+pub mod crash;
 mod dead_letter;
 mod decode;
 mod handler;

@@ -201,10 +201,12 @@ pub(crate) async fn with_source<J: WithSource>(
     match broker {
         BrokerUrl::Nats(url) => {
             let (client, _) = nats_topology(url, name).await?;
-            let source = idem_nats::JetStreamSource::builder(name, settings.consumer.as_str())
-                .dead_letter_subject(nats_dead_letter_subject(name))
-                .build(client)
-                .await?;
+            let mut builder = idem_nats::JetStreamSource::builder(name, settings.consumer.as_str())
+                .dead_letter_subject(nats_dead_letter_subject(name));
+            if let Some(d) = settings.redeliver_after {
+                builder = builder.ack_wait(d);
+            }
+            let source = builder.build(client).await?;
             job.run(source).await
         }
         BrokerUrl::Amqp(url) => {
@@ -215,19 +217,29 @@ pub(crate) async fn with_source<J: WithSource>(
         }
         BrokerUrl::Kafka(brokers) => {
             kafka_topology(brokers, name).await?;
-            let source =
+            let mut builder =
                 idem_kafka::KafkaSource::builder(brokers.as_str(), settings.consumer.as_str())
                     .topic(name)
-                    .dead_letter_topic(kafka_dead_letter_topic(name))
-                    .build()?;
+                    .dead_letter_topic(kafka_dead_letter_topic(name));
+            if let Some(d) = settings.redeliver_after {
+                // Heartbeats well inside the session, as librdkafka recommends (a third or less).
+                let session = d.as_millis().max(1);
+                builder = builder
+                    .set_consumer("session.timeout.ms", session.to_string())
+                    .set_consumer("heartbeat.interval.ms", (session / 6).max(100).to_string());
+            }
+            let source = builder.build()?;
             job.run(source).await
         }
         BrokerUrl::Redis(url) => {
-            let options = idem_redis_streams::RedisStreamOptions::new(
+            let mut options = idem_redis_streams::RedisStreamOptions::new(
                 name,
                 settings.consumer.as_str(),
                 settings.instance.as_str(),
             );
+            if let Some(d) = settings.redeliver_after {
+                options = options.min_idle(d);
+            }
             let source = idem_redis_streams::RedisStreamSource::connect(url, options).await?;
             job.run(source).await
         }

@@ -90,11 +90,19 @@ pub(crate) async fn create_sqlite(pool: &sqlx::SqlitePool) -> Result<(), sqlx::E
 }
 
 /// Creates the service's tables if missing.
+///
+/// Replicas starting together race on PostgreSQL's catalog even with `IF NOT EXISTS` (a
+/// unique violation on `pg_type`), so the DDL runs under an advisory lock, as idem's own
+/// `migrate` does.
 pub(crate) async fn create_postgres(pool: &sqlx::PgPool) -> Result<(), sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('payments-migrate'))")
+        .execute(&mut *tx)
+        .await?;
     for ddl in POSTGRES_SCHEMA {
-        sqlx::query(ddl).execute(pool).await?;
+        sqlx::query(ddl).execute(&mut *tx).await?;
     }
-    Ok(())
+    tx.commit().await
 }
 
 /// Creates the service's tables if missing.
@@ -227,6 +235,7 @@ mod tests {
             concurrency: 1,
             batch: 1,
             retention: idem_core::Retention::default(),
+            redeliver_after: None,
             shutdown: CancellationToken::new(),
         };
         let stats = db

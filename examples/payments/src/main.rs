@@ -125,6 +125,11 @@ struct ServeArgs {
     /// Messages per transaction, where the broker hands out batches (1 = one per transaction).
     #[arg(long, default_value_t = 1)]
     batch: usize,
+    /// How soon a message a dead consumer held goes to another one: NATS's ack wait, the idle
+    /// time after which Redis Streams entries are claimed, Kafka's session timeout. RabbitMQ
+    /// and MQTT redeliver as soon as the connection drops. Unset: the broker's default.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    redeliver_after: Option<std::time::Duration>,
 }
 
 #[derive(Debug, Args)]
@@ -165,6 +170,8 @@ pub(crate) struct Settings {
     batch: usize,
     /// How long claims are kept, checked against the redelivery window.
     retention: idem_core::Retention,
+    /// `--redeliver-after`.
+    pub(crate) redeliver_after: Option<std::time::Duration>,
     shutdown: CancellationToken,
 }
 
@@ -237,6 +244,7 @@ async fn run(cli: Cli) -> Result<()> {
                 concurrency: 1,
                 batch: 1,
                 retention: idem_core::Retention::default(),
+                redeliver_after: None,
                 shutdown: CancellationToken::new(),
             };
             brokers::teardown(&broker, &settings).await
@@ -250,6 +258,7 @@ async fn run(cli: Cli) -> Result<()> {
                 concurrency: b.concurrency,
                 batch: b.batch,
                 retention: idem_core::Retention::default(),
+                redeliver_after: None,
                 shutdown: CancellationToken::new(),
             };
             let r = bench::run(&broker, &settings, &b.database, b.messages).await?;
@@ -289,6 +298,10 @@ async fn run(cli: Cli) -> Result<()> {
 
 async fn serve(args: ServeArgs) -> Result<()> {
     let broker = BrokerUrl::parse(args.endpoint.broker.as_deref())?;
+    // A fault-injection run (idem-chaos) arms a crash point; a typo must not go unnoticed.
+    if let Some(at) = idem_consumer::crash::from_env().map_err(anyhow::Error::msg)? {
+        tracing::info!(crash_at = %at, "crash point armed: this process aborts there");
+    }
     if let Some(addr) = args.metrics {
         idem_consumer::metrics::serve_prometheus(addr)?;
         tracing::info!(%addr, "serving Prometheus metrics at /metrics");
@@ -300,6 +313,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         concurrency: args.concurrency,
         batch: args.batch,
         retention: idem_core::Retention::new(args.keep_claims_for, args.redelivery_window)?,
+        redeliver_after: args.redeliver_after,
         shutdown: idem_consumer::shutdown::on_signal(),
     };
     let db = Database::open(&args.database).await?;

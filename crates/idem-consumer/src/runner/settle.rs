@@ -13,6 +13,7 @@ use idem_core::{
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use crate::crash::{self, CrashPoint};
 use crate::dead_letter::{DeadLetter, DeadLetterReason};
 use crate::decode::Decode;
 use crate::handler::Handler;
@@ -182,7 +183,11 @@ where
         let mut results = Vec::with_capacity(msgs.len());
         let mut handler_done = None;
         let mut tx = store.begin().await?;
-        for msg in msgs {
+        for (i, msg) in msgs.iter().enumerate() {
+            if i > 0 {
+                crash::reached(CrashPoint::InBatch);
+            }
+            crash::reached(CrashPoint::BeforeClaim);
             if let Err(e) = store.savepoint(&mut tx).await {
                 let _ = store.rollback(tx).await;
                 return Err(e);
@@ -224,6 +229,7 @@ where
                 }
             }
         }
+        crash::reached(CrashPoint::AfterHandler);
         store.commit(tx).await?;
         Ok((results, handler_done))
     }
@@ -254,6 +260,7 @@ where
 
     async fn attempt(&self, msg: &Message<D::Payload>) -> Step<H::Output> {
         let mut handler_done = None;
+        crash::reached(CrashPoint::BeforeClaim);
         let result = self
             .processor
             .process(msg, async |tx| {
@@ -261,6 +268,9 @@ where
                 let r = self.call_handler(tx, msg).await;
                 self.instruments.handler_time(started.elapsed());
                 handler_done = Some(Instant::now());
+                if r.is_ok() {
+                    crash::reached(CrashPoint::AfterHandler);
+                }
                 r
             })
             .await;
@@ -399,6 +409,7 @@ where
     }
 
     async fn ack<Dl: Delivery>(&self, delivery: Dl) {
+        crash::reached(CrashPoint::AfterCommit);
         if let Err(e) = delivery.ack().await {
             self.instruments.ack_failure();
             tracing::warn!(error = %e, "acknowledgement failed after commit; the broker will redeliver and the claim makes that a duplicate");

@@ -1,0 +1,153 @@
+//! `idem-chaos`: proves "no duplicate effect, nothing lost" under faults, by measurement.
+//!
+//! It publishes `PaymentRequested` messages with stable IDs (a share of them twice), runs
+//! several `payments` processes in one consumer group over a real broker and PostgreSQL, and
+//! while they consume it SIGKILLs them at random moments and lets them abort at idem's crash
+//! points (`IDEM_CRASH_AT`), restarts them, and on request restarts PostgreSQL, fails it over
+//! to read-only, cuts connections around COMMIT, or restarts the nodes of a 3-node JetStream
+//! cluster. Then it waits until everything is consumed and checks the ledger against what was
+//! sent: one summary line and one JSON object on stdout, exit status 1 on any anomaly.
+//!
+//! ```text
+//! cargo build -p payments -p idem-chaos --features payments/crash-points
+//! target/debug/idem-chaos --broker nats://127.0.0.1:4222 \
+//!     --database postgres://postgres@127.0.0.1:5432/postgres \
+//!     --messages 5000 --kills 100 --consumers 3 --seed 7
+//! ```
+//!
+//! A fixed `--seed` reproduces the same schedule of faults (which consumer, which crash
+//! point, after how many visits, which COMMITs are cut); the processes' own timing is not.
+
+mod broker;
+mod faults;
+mod fleet;
+mod ledger;
+mod report;
+mod run;
+mod schedule;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+
+/// Command-line flags of one run.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "idem-chaos", version, about)]
+pub(crate) struct Args {
+    /// Broker URL: nats://…, amqp://…, kafka://host:port or redis://…
+    #[arg(long, value_name = "URL")]
+    pub(crate) broker: String,
+    /// PostgreSQL server URL; the run creates (and drops) a database of its own on it.
+    #[arg(long, value_name = "URL")]
+    pub(crate) database: String,
+    /// Distinct messages to publish.
+    #[arg(long, default_value_t = 2_000)]
+    pub(crate) messages: usize,
+    /// Share of the messages published a second time (a producer retry).
+    #[arg(long, default_value_t = 0.1)]
+    pub(crate) duplicates: f64,
+    /// Consumer kills in all: SIGKILLs at random moments plus aborts at crash points.
+    #[arg(long, default_value_t = 20)]
+    pub(crate) kills: u64,
+    /// Seed of the fault schedule.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) seed: u64,
+    /// Consumer processes at once, in one consumer group.
+    #[arg(long, default_value_t = 3)]
+    pub(crate) consumers: usize,
+    /// Mean time between two kills.
+    #[arg(long, value_name = "DURATION", default_value = "300ms", value_parser = parse_duration)]
+    pub(crate) kill_every: Duration,
+    /// Share of (re)starts armed to abort at a crash point instead of waiting for a SIGKILL.
+    #[arg(long, default_value_t = 0.5)]
+    pub(crate) crash_share: f64,
+    /// An armed consumer aborts on a visit of its crash point drawn from 1..=N.
+    #[arg(long, default_value_t = 30)]
+    pub(crate) crash_within: u64,
+    /// Kill every consumer at once when this share of the messages is committed
+    /// (comma-separated, e.g. 0.2,0.45,0.7); counted in --kills' total.
+    #[arg(long, value_delimiter = ',')]
+    pub(crate) kill_all_at: Vec<f64>,
+    /// Restart the PostgreSQL server this many times during the run.
+    #[arg(long, default_value_t = 0, num_args = 0..=1, default_missing_value = "1")]
+    pub(crate) restart_database: u64,
+    /// Shell command that restarts PostgreSQL (default: pg_ctlcluster on the local cluster).
+    #[arg(long, value_name = "COMMAND")]
+    pub(crate) restart_database_command: Option<String>,
+    /// Make the run's database read-only (a failover to a not-yet-writable replica: sessions
+    /// cut, new ones refuse writes) this many times during the run.
+    #[arg(long, default_value_t = 0, num_args = 0..=1, default_missing_value = "1")]
+    pub(crate) failover: u64,
+    /// How long each failover keeps the database read-only.
+    #[arg(long, value_name = "DURATION", default_value = "4s", value_parser = parse_duration)]
+    pub(crate) failover_for: Duration,
+    /// Restart the broker this many times; NATS only: runs a 3-node JetStream cluster of the
+    /// harness's own with R3 streams and kills one node at a time (--broker names only the
+    /// scheme then).
+    #[arg(long, default_value_t = 0, num_args = 0..=1, default_missing_value = "3")]
+    pub(crate) restart_broker: u64,
+    /// The nats-server binary for --restart-broker.
+    #[arg(long, value_name = "PATH", default_value = "nats-server")]
+    pub(crate) nats_server: String,
+    /// Put a proxy between consumers and PostgreSQL that cuts connections around COMMIT.
+    #[arg(long)]
+    pub(crate) cut_connections: bool,
+    /// With --cut-connections: the share of COMMITs cut.
+    #[arg(long, default_value_t = 0.05)]
+    pub(crate) cut_share: f64,
+    /// How long the fault phase lasts at least (useful when --kills is 0).
+    #[arg(long, value_name = "DURATION", default_value = "0s", value_parser = parse_duration)]
+    pub(crate) min_fault_time: Duration,
+    /// Messages processed at once per consumer.
+    #[arg(long, default_value_t = 4)]
+    pub(crate) concurrency: usize,
+    /// Messages per transaction (crash point in-batch needs more than 1).
+    #[arg(long, default_value_t = 1)]
+    pub(crate) batch: usize,
+    /// Kafka partitions of the run's topic (default: one per consumer).
+    #[arg(long)]
+    pub(crate) partitions: Option<i32>,
+    /// How soon a dead consumer's messages go to another one (NATS ack wait, Redis Streams
+    /// claim idle time, Kafka session timeout).
+    #[arg(long, value_name = "DURATION", default_value = "6s", value_parser = parse_duration)]
+    pub(crate) redeliver_after: Duration,
+    /// Give up waiting for the backlog to drain after this long past the fault phase.
+    #[arg(long, value_name = "DURATION", default_value = "180s", value_parser = parse_duration)]
+    pub(crate) drain_timeout: Duration,
+    /// The payments binary, built with `--features crash-points` (default: next to this one).
+    #[arg(long, value_name = "PATH")]
+    pub(crate) payments: Option<PathBuf>,
+    /// Where consumer logs and cluster stores go (default: a new folder under the temp dir).
+    #[arg(long, value_name = "DIR")]
+    pub(crate) work_dir: Option<PathBuf>,
+    /// Keep the run's database, broker objects and logs.
+    #[arg(long)]
+    pub(crate) keep: bool,
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    idem_core::parse_duration(s).map_err(|e| e.to_string())
+}
+
+fn main() {
+    let args = Args::parse();
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            std::process::exit(2);
+        }
+    };
+    match runtime.block_on(run::run(args)) {
+        Ok(report) => {
+            println!("{}", report.summary());
+            println!("{}", report.json());
+            std::process::exit(if report.anomalies.is_empty() { 0 } else { 1 });
+        }
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::exit(2);
+        }
+    }
+}

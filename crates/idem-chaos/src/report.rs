@@ -1,0 +1,86 @@
+//! What a run found: one summary line and one JSON object.
+
+use serde::Serialize;
+
+/// The figures of one run. `anomalies` lists, in words, everything that should not happen;
+/// empty means the run proved what it set out to.
+#[derive(Debug, Default, Serialize)]
+pub(crate) struct Report {
+    pub(crate) broker: String,
+    pub(crate) seed: u64,
+    pub(crate) consumers: usize,
+    /// Publishes, repeats included.
+    pub(crate) sent: u64,
+    /// Distinct message IDs.
+    pub(crate) unique: u64,
+    /// Charge rows in the ledger.
+    pub(crate) effects: u64,
+    /// Distinct IDs sent and never charged.
+    pub(crate) lost: u64,
+    /// Charges beyond the first for one ID.
+    pub(crate) duplicated: u64,
+    /// Charges for IDs never sent.
+    pub(crate) unexpected: u64,
+    pub(crate) dead_lettered: u64,
+    /// SIGKILLs plus crash-point aborts.
+    pub(crate) kills: u64,
+    pub(crate) sigkills: u64,
+    pub(crate) crash_point_aborts: u64,
+    /// Consumer restarts after kills, aborts and failed exits.
+    pub(crate) restarts: u64,
+    /// Connections cut around COMMIT.
+    pub(crate) cuts: u64,
+    pub(crate) cuts_before_commit: u64,
+    pub(crate) cuts_after_commit: u64,
+    pub(crate) database_restarts: u64,
+    pub(crate) failovers: u64,
+    pub(crate) broker_restarts: u64,
+    /// Consumer exits with an error status (e.g. start-up against a read-only database).
+    pub(crate) failed_exits: u64,
+    /// Repeats the broker itself dropped before any consumer saw them.
+    pub(crate) broker_dropped_repeats: u64,
+    /// Messages left unacknowledged on the broker at the end.
+    pub(crate) backlog: u64,
+    pub(crate) balance_matches: bool,
+    pub(crate) elapsed_secs: f64,
+    pub(crate) anomalies: Vec<String>,
+    /// Up to 20 of each, for a failure's first look.
+    pub(crate) lost_ids: Vec<String>,
+    pub(crate) duplicated_ids: Vec<String>,
+    /// Consumer logs (kept when there is an anomaly or with --keep).
+    pub(crate) logs: Option<String>,
+}
+
+impl Report {
+    pub(crate) fn summary(&self) -> String {
+        format!(
+            "idem-chaos {} seed {}: sent {} unique {} effects {} lost {} duplicated {} unexpected {} dead-lettered {} kills {} ({} at crash points) restarts {} cuts {} db restarts {} failovers {} broker restarts {} in {:.1}s: {}",
+            self.broker,
+            self.seed,
+            self.sent,
+            self.unique,
+            self.effects,
+            self.lost,
+            self.duplicated,
+            self.unexpected,
+            self.dead_lettered,
+            self.kills,
+            self.crash_point_aborts,
+            self.restarts,
+            self.cuts,
+            self.database_restarts,
+            self.failovers,
+            self.broker_restarts,
+            self.elapsed_secs,
+            if self.anomalies.is_empty() {
+                "OK".to_owned()
+            } else {
+                format!("ANOMALY: {}", self.anomalies.join("; "))
+            }
+        )
+    }
+
+    pub(crate) fn json(&self) -> String {
+        serde_json::to_string(self).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))
+    }
+}

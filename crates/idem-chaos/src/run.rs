@@ -1,0 +1,488 @@
+//! One run: set up, inject faults while the consumers work, drain, check.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+
+use crate::Args;
+use crate::broker::{Broker, Names};
+use crate::faults::nats_cluster::NatsCluster;
+use crate::faults::postgres;
+use crate::faults::proxy::CutProxy;
+use crate::fleet::{Exit, Fleet};
+use crate::ledger::{RunDatabase, Sent};
+use crate::report::Report;
+use crate::schedule::Schedule;
+
+/// How often the run looks at its consumers and the ledger.
+const TICK: Duration = Duration::from_millis(100);
+/// How long a SIGTERMed consumer may take to finish its in-flight messages.
+const STOP_GRACE: Duration = Duration::from_secs(30);
+/// Publishing is spread over the fault phase in this many slices, so consumers have work
+/// while they are being killed.
+const PUBLISH_SLICES: usize = 40;
+
+/// Runs the whole thing and reports; an `Err` is a harness or set-up failure, not a finding.
+pub(crate) async fn run(args: Args) -> Result<Report> {
+    let started = Instant::now();
+    let tag = format!("chaos{}x{}", args.seed, std::process::id());
+    let work = args
+        .work_dir
+        .clone()
+        .unwrap_or_else(|| std::env::temp_dir().join(format!("idem-{tag}")));
+    std::fs::create_dir_all(&work).with_context(|| format!("creating {}", work.display()))?;
+    let payments = locate_payments(&args)?;
+
+    let mut broker = Broker::parse(&args.broker)?;
+    let mut cluster = None;
+    if args.restart_broker > 0 {
+        let Broker::Nats(_) = broker else {
+            bail!(
+                "--restart-broker is for NATS (a 3-node JetStream cluster of the harness's own); \
+                 use --restart-database, --failover or --cut-connections with other brokers"
+            );
+        };
+        let c = NatsCluster::start(&args.nats_server, &work.join("nats")).await?;
+        broker = Broker::Nats(c.url());
+        cluster = Some(c);
+    }
+    let names = Names {
+        source: tag.clone(),
+        consumer: format!("{tag}-group"),
+    };
+    let db = RunDatabase::create(&args.database, &tag).await?;
+    let mut sched = Schedule::new(
+        args.seed,
+        args.kill_every,
+        args.crash_share,
+        args.crash_within,
+        args.batch,
+    );
+    let proxy = match args.cut_connections {
+        true => Some(CutProxy::start(db.host_port(), args.cut_share, sched.fork()).await?),
+        false => None,
+    };
+    let consumer_db = match &proxy {
+        Some(p) => db.url_via("127.0.0.1", p.port),
+        None => {
+            let (host, port) = db.host_port();
+            db.url_via(&host, port)
+        }
+    };
+    let replicas = if cluster.is_some() { 3 } else { 1 };
+    let partitions = args.partitions.unwrap_or(args.consumers.max(1) as i32);
+    broker.prepare(&names, partitions, replicas).await?;
+    let sent = sched.messages(&tag, args.messages, args.duplicates);
+
+    let service_args = vec![
+        "--broker".to_owned(),
+        broker.url(),
+        "--source".to_owned(),
+        names.source.clone(),
+        "--database".to_owned(),
+        consumer_db,
+        "--consumer".to_owned(),
+        names.consumer.clone(),
+        "--concurrency".to_owned(),
+        args.concurrency.to_string(),
+        "--batch".to_owned(),
+        args.batch.to_string(),
+        "--redeliver-after".to_owned(),
+        format!("{}ms", args.redeliver_after.as_millis()),
+    ];
+    let logs = work.join("logs");
+    std::fs::create_dir_all(&logs)?;
+    let fleet = Fleet::new(payments, service_args, &logs, args.consumers.max(1));
+
+    let mut run = Run {
+        args: &args,
+        broker: &broker,
+        names: &names,
+        db: &db,
+        proxy: proxy.as_ref(),
+        cluster,
+        sched,
+        fleet,
+        sent: &sent,
+        report: Report {
+            broker: broker.redacted(),
+            seed: args.seed,
+            consumers: args.consumers,
+            sent: sent.publishes.len() as u64,
+            unique: sent.unique.len() as u64,
+            ..Default::default()
+        },
+        restart_due: Vec::new(),
+        kill_all_done: 0,
+        read_only_until: None,
+        charged: 0,
+        last_progress_check: None,
+    };
+    let outcome = run.drive().await;
+    // Whatever happened, never leave the database read-only behind.
+    if run.read_only_until.is_some() {
+        let _ = postgres::make_read_only(&db, false).await;
+    }
+    let stops = run.fleet.stop_all(STOP_GRACE).await;
+    let mut report = match outcome {
+        Ok(()) => run.check(stops).await?,
+        Err(e) => {
+            eprintln!("{}", run.fleet.log_tails(20));
+            return Err(e.context(format!("run aborted; logs in {}", logs.display())));
+        }
+    };
+    if let Some(c) = &run.cluster {
+        report.broker_restarts = c.restarts();
+    }
+    report.elapsed_secs = started.elapsed().as_secs_f64();
+    if report.anomalies.is_empty() && !args.keep {
+        let _ = broker.teardown(&names).await;
+        drop(run);
+        db.drop_database().await?;
+        let _ = std::fs::remove_dir_all(&work);
+    } else {
+        report.logs = Some(logs.display().to_string());
+        if !report.anomalies.is_empty() {
+            eprintln!("{}", run.fleet.log_tails(15));
+        }
+    }
+    Ok(report)
+}
+
+/// The payments binary: `--payments`, else next to this executable (where `cargo build`
+/// puts both).
+fn locate_payments(args: &Args) -> Result<PathBuf> {
+    if let Some(p) = &args.payments {
+        return Ok(p.clone());
+    }
+    let me = std::env::current_exe()?;
+    let dir = me.parent().context("no parent folder")?;
+    for candidate in [dir.join("payments"), dir.join("../payments")] {
+        if candidate.is_file() {
+            return Ok(candidate);
+        }
+    }
+    bail!(
+        "no payments binary next to {}: build it with `cargo build -p payments --features crash-points` or pass --payments",
+        me.display()
+    )
+}
+
+struct Run<'a> {
+    args: &'a Args,
+    broker: &'a Broker,
+    names: &'a Names,
+    db: &'a RunDatabase,
+    proxy: Option<&'a CutProxy>,
+    cluster: Option<NatsCluster>,
+    sched: Schedule,
+    fleet: Fleet,
+    sent: &'a Sent,
+    report: Report,
+    /// Replicas to start again, and when.
+    restart_due: Vec<(usize, Instant)>,
+    kill_all_done: usize,
+    read_only_until: Option<Instant>,
+    charged: u64,
+    last_progress_check: Option<Instant>,
+}
+
+impl Run<'_> {
+    async fn drive(&mut self) -> Result<()> {
+        for slot in 0..self.fleet.len() {
+            let armed = self.arm_next();
+            self.fleet.start(slot, armed)?;
+        }
+        let planned = self
+            .args
+            .kill_every
+            .mul_f64(self.args.kills as f64)
+            .max(self.args.min_fault_time);
+        let published = Arc::new(AtomicU64::new(0));
+        let mut publishing = tokio::spawn(publish(
+            self.broker.clone(),
+            self.names.clone(),
+            self.sent.publishes.clone(),
+            planned,
+            published.clone(),
+        ));
+        let mut publish_done = false;
+        if let Some(p) = self.proxy {
+            p.state.arm(true);
+        }
+
+        // The fault phase.
+        let phase_started = Instant::now();
+        let mut next_kill = Instant::now() + self.sched.next_kill_in();
+        let (mut db_restarts, mut failovers, mut broker_restarts) = (0u64, 0u64, 0u64);
+        loop {
+            tokio::time::sleep(TICK).await;
+            if !publish_done && publishing.is_finished() {
+                self.report.broker_dropped_repeats = (&mut publishing)
+                    .await
+                    .context("publisher task")?
+                    .context("publishing")?;
+                publish_done = true;
+            }
+            self.tend(true)?;
+            self.kill_all_when_due().await?;
+            let phase = if self.args.kills > 0 {
+                self.report.kills as f64 / self.args.kills as f64
+            } else {
+                phase_started.elapsed().as_secs_f64()
+                    / self.args.min_fault_time.as_secs_f64().max(1e-3)
+            };
+            if self.report.kills < self.args.kills && Instant::now() >= next_kill {
+                let victim = self.sched.victim(self.fleet.len());
+                if self.fleet.kill(victim) {
+                    self.report.kills += 1;
+                    self.report.sigkills += 1;
+                }
+                next_kill = Instant::now() + self.sched.next_kill_in();
+            }
+            if due(db_restarts, self.args.restart_database, phase) {
+                db_restarts += 1;
+                eprintln!("idem-chaos: restarting PostgreSQL");
+                postgres::restart(self.args.restart_database_command.as_deref()).await?;
+                postgres::wait_until_up(self.db, Duration::from_secs(60)).await?;
+                self.report.database_restarts += 1;
+            }
+            if self.read_only_until.is_none() && due(failovers, self.args.failover, phase) {
+                failovers += 1;
+                eprintln!("idem-chaos: failing the database over to read-only");
+                postgres::make_read_only(self.db, true).await?;
+                self.read_only_until = Some(Instant::now() + self.args.failover_for);
+                self.report.failovers += 1;
+            }
+            if self
+                .read_only_until
+                .is_some_and(|until| Instant::now() >= until)
+            {
+                postgres::make_read_only(self.db, false).await?;
+                self.read_only_until = None;
+            }
+            if let Some(cluster) = self.cluster.as_mut()
+                && due(broker_restarts, self.args.restart_broker, phase)
+            {
+                eprintln!("idem-chaos: restarting NATS node {}", broker_restarts % 3);
+                cluster
+                    .restart_node(broker_restarts as usize, Duration::from_secs(1))
+                    .await?;
+                broker_restarts += 1;
+            }
+            let faults_done = self.report.kills >= self.args.kills
+                && db_restarts >= self.args.restart_database
+                && failovers >= self.args.failover
+                && broker_restarts >= self.args.restart_broker
+                && self.read_only_until.is_none()
+                && phase_started.elapsed() >= self.args.min_fault_time;
+            if faults_done && publish_done {
+                break;
+            }
+        }
+        if let Some(p) = self.proxy {
+            p.state.arm(false);
+        }
+
+        // Drain: every replica up and unarmed, until all is committed and acknowledged.
+        let drain_started = Instant::now();
+        loop {
+            tokio::time::sleep(TICK * 5).await;
+            self.tend(false)?;
+            self.kill_all_when_due().await?;
+            self.charged = self.db.charged_ids().await.unwrap_or(self.charged);
+            let backlog = self.broker.backlog(self.names).await.ok().flatten();
+            let all_kills = self.kill_all_done >= self.args.kill_all_at.len();
+            if all_kills && self.charged >= self.report.unique && backlog == Some(0) {
+                return Ok(());
+            }
+            if drain_started.elapsed() > self.args.drain_timeout {
+                self.report.anomalies.push(format!(
+                    "not drained {:?} after the faults: {} of {} IDs charged, backlog {backlog:?}",
+                    self.args.drain_timeout, self.charged, self.report.unique
+                ));
+                return Ok(());
+            }
+        }
+    }
+
+    /// The crash point for a (re)start while kills remain to be done.
+    fn arm_next(&mut self) -> Option<idem_consumer::crash::CrashAt> {
+        if self.report.kills < self.args.kills {
+            self.sched.arm()
+        } else {
+            None
+        }
+    }
+
+    /// Reaps ended replicas, counts how they ended, and restarts them when due.
+    fn tend(&mut self, faults: bool) -> Result<()> {
+        let now = Instant::now();
+        for (slot, exit) in self.fleet.reap() {
+            let delay = match exit {
+                Exit::Killed => Duration::from_millis(200),
+                Exit::Crashed(_) => {
+                    self.report.kills += 1;
+                    self.report.crash_point_aborts += 1;
+                    Duration::from_millis(200)
+                }
+                Exit::Clean | Exit::Failed(..) => {
+                    self.report.failed_exits += 1;
+                    if !self.faults_configured() {
+                        self.report.anomalies.push(format!(
+                            "consumer {slot} exited on its own ({exit:?}) with no database or broker fault in the run"
+                        ));
+                    }
+                    // A supervisor's back-off, e.g. while the database is read-only.
+                    Duration::from_secs(1)
+                }
+            };
+            self.restart_due.push((slot, now + delay));
+        }
+        let (due, later): (Vec<_>, Vec<_>) =
+            self.restart_due.drain(..).partition(|(_, at)| *at <= now);
+        self.restart_due = later;
+        for (slot, _) in due {
+            let armed = if faults { self.arm_next() } else { None };
+            self.fleet.start(slot, armed)?;
+            self.report.restarts += 1;
+        }
+        Ok(())
+    }
+
+    fn faults_configured(&self) -> bool {
+        self.args.restart_database > 0
+            || self.args.failover > 0
+            || self.args.restart_broker > 0
+            || self.args.cut_connections
+    }
+
+    /// `--kill-all-at`: SIGKILLs every replica once the committed share passes a mark.
+    async fn kill_all_when_due(&mut self) -> Result<()> {
+        let Some(mark) = self.args.kill_all_at.get(self.kill_all_done).copied() else {
+            return Ok(());
+        };
+        let now = Instant::now();
+        if self
+            .last_progress_check
+            .is_some_and(|t| now - t < Duration::from_millis(500))
+        {
+            return Ok(());
+        }
+        self.last_progress_check = Some(now);
+        self.charged = self.db.charged_ids().await.unwrap_or(self.charged);
+        if (self.charged as f64) < mark * self.report.unique as f64 {
+            return Ok(());
+        }
+        eprintln!(
+            "idem-chaos: {} of {} committed, killing every consumer",
+            self.charged, self.report.unique
+        );
+        for slot in 0..self.fleet.len() {
+            if self.fleet.kill(slot) {
+                self.report.kills += 1;
+                self.report.sigkills += 1;
+            }
+        }
+        self.kill_all_done += 1;
+        Ok(())
+    }
+
+    /// The ledger, the broker's leftovers and the consumers' last exits, into the report.
+    async fn check(&mut self, stops: Vec<(usize, Exit)>) -> Result<Report> {
+        let mut report = std::mem::take(&mut self.report);
+        for (slot, exit) in stops {
+            if !matches!(exit, Exit::Clean) {
+                report
+                    .anomalies
+                    .push(format!("consumer {slot} did not stop cleanly on SIGTERM: {exit:?}"));
+            }
+        }
+        let ledger = self.db.check(self.sent).await?;
+        report.effects = ledger.effects;
+        report.lost = ledger.lost;
+        report.duplicated = ledger.duplicated;
+        report.unexpected = ledger.unexpected;
+        report.balance_matches = ledger.balance_matches;
+        report.lost_ids = ledger.lost_ids;
+        report.duplicated_ids = ledger.duplicated_ids;
+        report.dead_lettered = self.broker.dead_letters(self.names).await?;
+        report.backlog = self.broker.backlog(self.names).await?.unwrap_or(0);
+        if let Some(p) = self.proxy {
+            report.cuts_before_commit = p.state.cuts_before.load(Ordering::SeqCst);
+            report.cuts_after_commit = p.state.cuts_after.load(Ordering::SeqCst);
+            report.cuts = p.state.cuts();
+            if report.cuts == 0 {
+                report
+                    .anomalies
+                    .push("--cut-connections cut no connection: the fault never happened".into());
+            }
+        }
+        for (what, n) in [
+            ("lost", report.lost),
+            ("duplicated", report.duplicated),
+            ("unexpected", report.unexpected),
+            ("dead-lettered", report.dead_lettered),
+            ("left on the broker", report.backlog),
+        ] {
+            if n > 0 {
+                report.anomalies.push(format!("{n} {what}"));
+            }
+        }
+        if !report.balance_matches {
+            report
+                .anomalies
+                .push("account balances differ from the charges".into());
+        }
+        if report.kills < self.args.kills {
+            report.anomalies.push(format!(
+                "{} kills of the {} asked for",
+                report.kills, self.args.kills
+            ));
+        }
+        Ok(report)
+    }
+}
+
+/// Whether the `done`-th of `total` evenly spread faults is due at `phase` (0 → 1).
+fn due(done: u64, total: u64, phase: f64) -> bool {
+    done < total && phase >= (done + 1) as f64 / (total + 1) as f64
+}
+
+/// Publishes `msgs` in slices spread over `over`, retrying a failed slice (its messages are
+/// then published again: repeats, which is what a producer's retry makes too).
+async fn publish(
+    broker: Broker,
+    names: Names,
+    msgs: Vec<(String, Vec<u8>)>,
+    over: Duration,
+    published: Arc<AtomicU64>,
+) -> Result<u64> {
+    let publisher = broker.publisher(&names).await?;
+    let slice = msgs.len().div_ceil(PUBLISH_SLICES).max(1);
+    let pause = over / PUBLISH_SLICES as u32;
+    let mut dropped = 0;
+    for chunk in msgs.chunks(slice) {
+        let mut tries = 0;
+        loop {
+            match publisher.publish_all(chunk).await {
+                Ok(n) => {
+                    dropped += n;
+                    break;
+                }
+                Err(e) if tries < 20 => {
+                    tries += 1;
+                    eprintln!("idem-chaos: publishing failed ({e:#}); retrying the slice");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        published.fetch_add(chunk.len() as u64, Ordering::SeqCst);
+        tokio::time::sleep(pause).await;
+    }
+    Ok(dropped)
+}

@@ -1,0 +1,93 @@
+//! The seeded schedule of faults: every decision the harness makes (when to kill, whom, which
+//! crash point to arm and after how many visits, which messages to publish twice) comes from
+//! one generator seeded by `--seed`, so a run's fault schedule can be replayed.
+
+use std::time::Duration;
+
+use idem_consumer::crash::{CrashAt, CrashPoint};
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+
+#[derive(Debug)]
+pub(crate) struct Schedule {
+    rng: StdRng,
+    kill_every: Duration,
+    crash_share: f64,
+    crash_within: u64,
+    points: Vec<CrashPoint>,
+}
+
+impl Schedule {
+    pub(crate) fn new(
+        seed: u64,
+        kill_every: Duration,
+        crash_share: f64,
+        crash_within: u64,
+        batch: usize,
+    ) -> Self {
+        // In-batch needs a batch to be inside of.
+        let points = CrashPoint::ALL
+            .into_iter()
+            .filter(|p| batch > 1 || *p != CrashPoint::InBatch)
+            .collect();
+        Self {
+            rng: StdRng::seed_from_u64(seed),
+            kill_every,
+            crash_share: crash_share.clamp(0.0, 1.0),
+            crash_within: crash_within.max(1),
+            points,
+        }
+    }
+
+    /// The wait before the next kill: uniform in [0.5, 1.5] × the mean.
+    pub(crate) fn next_kill_in(&mut self) -> Duration {
+        self.kill_every.mul_f64(self.rng.gen_range(0.5..1.5))
+    }
+
+    /// Which replica to kill.
+    pub(crate) fn victim(&mut self, replicas: usize) -> usize {
+        self.rng.gen_range(0..replicas.max(1))
+    }
+
+    /// The crash point a (re)started replica is armed with, if any.
+    pub(crate) fn arm(&mut self) -> Option<CrashAt> {
+        if !self.rng.gen_bool(self.crash_share) {
+            return None;
+        }
+        let point = *self.points.choose(&mut self.rng)?;
+        Some(CrashAt {
+            point,
+            hit: self.rng.gen_range(1..=self.crash_within),
+        })
+    }
+
+    /// A seed for a component with its own generator (the cut proxy).
+    pub(crate) fn fork(&mut self) -> u64 {
+        self.rng.r#gen()
+    }
+
+    /// The run's publishes: each of `n` IDs once, and `share` of them a second time, the
+    /// repeat at a random later position (a producer retrying after a lost confirm).
+    pub(crate) fn messages(&mut self, tag: &str, n: usize, share: f64) -> crate::ledger::Sent {
+        let mut sent = crate::ledger::Sent::default();
+        for i in 0..n {
+            let id = format!("{tag}-{i:07}");
+            let amount = 1 + (i as i64 * 7919) % 1000;
+            let payload = format!(
+                r#"{{"account":"acct-{}","amount_cents":{amount}}}"#,
+                i % 32
+            );
+            sent.unique.push((id.clone(), amount));
+            sent.publishes.push((id, payload.into_bytes()));
+        }
+        for i in 0..n {
+            if self.rng.gen_bool(share.clamp(0.0, 1.0)) {
+                let repeat = sent.publishes[i].clone();
+                let at = self.rng.gen_range(i + 1..=sent.publishes.len());
+                sent.publishes.insert(at, repeat);
+            }
+        }
+        sent
+    }
+}

@@ -1,0 +1,193 @@
+//! Crash points: the places in the processing path where a fault-injection run makes the
+//! process die, to prove that a crash at the worst moment loses nothing and doubles nothing.
+//!
+//! Compiled in only with the `crash-points` feature; without it [`reached`] is an empty inline
+//! function and the environment is never read. With it, a process started with
+//! `IDEM_CRASH_AT=<point>:<n>` aborts (`SIGABRT`: no destructors, no flush, no ack, like a
+//! `SIGKILL`) the `n`-th time it reaches `<point>`. `idem-chaos` sets it on the consumers it
+//! starts.
+//!
+//! | point | where |
+//! |---|---|
+//! | `before-claim` | a message is about to be claimed (before its transaction begins, or inside a batch's) |
+//! | `after-handler` | the handler returned, its transaction is not committed yet |
+//! | `after-commit` | the transaction committed, the delivery is not acknowledged yet |
+//! | `in-batch` | inside a batch transaction, after the first message's handler and before the next one |
+
+use std::fmt;
+use std::str::FromStr;
+
+/// The environment variable that arms a crash point: `<point>:<n>`, e.g. `after-commit:25`.
+pub const CRASH_AT_ENV: &str = "IDEM_CRASH_AT";
+
+/// Whether this build has crash points compiled in (the `crash-points` feature).
+pub const ENABLED: bool = cfg!(feature = "crash-points");
+
+/// A place in the processing path where the process can be made to abort.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum CrashPoint {
+    /// Before a message's claim.
+    BeforeClaim,
+    /// After the handler returned, before COMMIT.
+    AfterHandler,
+    /// After COMMIT, before the acknowledgement.
+    AfterCommit,
+    /// Inside a batch transaction, between two messages.
+    InBatch,
+}
+
+impl CrashPoint {
+    /// Every crash point, in processing order.
+    pub const ALL: [CrashPoint; 4] = [
+        CrashPoint::BeforeClaim,
+        CrashPoint::AfterHandler,
+        CrashPoint::AfterCommit,
+        CrashPoint::InBatch,
+    ];
+
+    /// The name used in [`CRASH_AT_ENV`].
+    pub fn name(self) -> &'static str {
+        match self {
+            CrashPoint::BeforeClaim => "before-claim",
+            CrashPoint::AfterHandler => "after-handler",
+            CrashPoint::AfterCommit => "after-commit",
+            CrashPoint::InBatch => "in-batch",
+        }
+    }
+}
+
+impl fmt::Display for CrashPoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for CrashPoint {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        CrashPoint::ALL
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<_> = CrashPoint::ALL.iter().map(|p| p.name()).collect();
+                format!("unknown crash point {s:?}: expected one of {}", names.join(", "))
+            })
+    }
+}
+
+/// An armed crash point: abort on the `hit`-th time `point` is reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CrashAt {
+    /// Where.
+    pub point: CrashPoint,
+    /// On which visit, counting from 1.
+    pub hit: u64,
+}
+
+impl FromStr for CrashAt {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (point, hit) = s
+            .split_once(':')
+            .ok_or_else(|| format!("{CRASH_AT_ENV}={s:?}: expected <point>:<n>"))?;
+        let hit = hit
+            .parse::<u64>()
+            .ok()
+            .filter(|n| *n > 0)
+            .ok_or_else(|| format!("{CRASH_AT_ENV}={s:?}: <n> must be a positive integer"))?;
+        Ok(CrashAt {
+            point: point.parse()?,
+            hit,
+        })
+    }
+}
+
+impl fmt::Display for CrashAt {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}", self.point, self.hit)
+    }
+}
+
+/// Checks [`CRASH_AT_ENV`] at start-up, so a typo fails the process at once instead of
+/// silently never crashing: `Ok(None)` when unset, an error when malformed or when this build
+/// has no crash points to arm.
+pub fn from_env() -> Result<Option<CrashAt>, String> {
+    let Some(value) = std::env::var_os(CRASH_AT_ENV) else {
+        return Ok(None);
+    };
+    let value = value
+        .into_string()
+        .map_err(|_| format!("{CRASH_AT_ENV} is not UTF-8"))?;
+    let at: CrashAt = value.parse()?;
+    if !ENABLED {
+        return Err(format!(
+            "{CRASH_AT_ENV}={at} is set, but this build has no crash points (build with the `crash-points` feature)"
+        ));
+    }
+    Ok(Some(at))
+}
+
+/// Marks that the processing path reached `point`; aborts the process if it is armed there
+/// and this is the armed visit.
+#[inline(always)]
+pub(crate) fn reached(point: CrashPoint) {
+    #[cfg(feature = "crash-points")]
+    armed::reached(point);
+    #[cfg(not(feature = "crash-points"))]
+    let _ = point;
+}
+
+#[cfg(feature = "crash-points")]
+mod armed {
+    use std::sync::OnceLock;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use super::{CrashAt, CrashPoint};
+
+    static ARMED: OnceLock<Option<CrashAt>> = OnceLock::new();
+    static VISITS: AtomicU64 = AtomicU64::new(0);
+
+    pub(super) fn reached(point: CrashPoint) {
+        // A malformed variable was already refused by `from_env` in a process that checks it;
+        // one that does not check gets no crash rather than a crash at a random place.
+        let armed = ARMED.get_or_init(|| super::from_env().ok().flatten());
+        let Some(at) = armed else { return };
+        if at.point != point {
+            return;
+        }
+        if VISITS.fetch_add(1, Ordering::SeqCst) + 1 == at.hit {
+            // stderr is unbuffered: the line is out before the abort.
+            eprintln!("idem: crash point {at} reached, aborting");
+            std::process::abort();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_points_and_visits() {
+        let at: CrashAt = "after-commit:25".parse().unwrap();
+        assert_eq!(
+            at,
+            CrashAt {
+                point: CrashPoint::AfterCommit,
+                hit: 25
+            }
+        );
+        assert_eq!(at.to_string(), "after-commit:25");
+        for p in CrashPoint::ALL {
+            assert_eq!(p.name().parse::<CrashPoint>().unwrap(), p);
+        }
+    }
+
+    #[test]
+    fn refuses_malformed_values() {
+        for bad in ["after-commit", "after-commit:0", "after-commit:-1", "nowhere:3", ""] {
+            assert!(bad.parse::<CrashAt>().is_err(), "{bad:?} accepted");
+        }
+    }
+}
