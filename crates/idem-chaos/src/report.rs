@@ -32,6 +32,10 @@ pub(crate) struct Report {
     pub(crate) cuts: u64,
     pub(crate) cuts_before_commit: u64,
     pub(crate) cuts_after_commit: u64,
+    /// COMMITs the proxy saw go by, cut or not.
+    pub(crate) commits_seen: u64,
+    /// Connections the consumers opened through the proxy.
+    pub(crate) proxied_connections: u64,
     pub(crate) database_restarts: u64,
     pub(crate) failovers: u64,
     pub(crate) broker_restarts: u64,

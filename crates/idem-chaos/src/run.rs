@@ -415,6 +415,8 @@ impl Run<'_> {
             report.cuts_before_commit = p.state.cuts_before.load(Ordering::SeqCst);
             report.cuts_after_commit = p.state.cuts_after.load(Ordering::SeqCst);
             report.cuts = p.state.cuts();
+            report.commits_seen = p.state.commits_seen.load(Ordering::SeqCst);
+            report.proxied_connections = p.state.connections.load(Ordering::SeqCst);
             if report.cuts == 0 {
                 report
                     .anomalies

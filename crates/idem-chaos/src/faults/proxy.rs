@@ -3,8 +3,8 @@
 //! answer, outcome unknown.
 //!
 //! It reads the frontend side of the PostgreSQL wire protocol (an untyped start-up message,
-//! then `type, length, body` frames) and spots a COMMIT in a simple query (`Q`) or a parse
-//! (`P`). When it decides to cut (a seeded coin per COMMIT while armed), it does one of two
+//! then `type, length, body` frames) and spots a COMMIT in a simple query (`Q`) or in the Bind
+//! (`B`) of a statement prepared from one (`P`). When it decides to cut (a seeded coin per COMMIT while armed), it does one of two
 //! things, half the time each:
 //! - **before**: drops the connection without forwarding the COMMIT: the server rolls back;
 //! - **after**: forwards the COMMIT, withholds the server's answer, then drops the
@@ -138,31 +138,42 @@ async fn relay(
     let upstream = async move {
         let mut parser = Frontend::default();
         let mut buf = vec![0u8; 16 * 1024];
+        // Set once a COMMIT sent in the extended protocol is to be cut after delivery: its
+        // Execute and Sync still have to reach the server.
+        let mut cutting_after = false;
         loop {
             let n = match from_client.read(&mut buf).await {
                 Ok(0) | Err(_) => return None,
                 Ok(n) => n,
             };
             parser.push(&buf[..n]);
-            while let Some((frame, is_commit)) = parser.next_frame() {
-                if is_commit {
+            while let Some((frame, kind)) = parser.next_frame() {
+                let mut cut_now = None;
+                if cutting_after {
+                    if kind == Frame::Sync {
+                        cut_now = Some(Cut::After);
+                    }
+                } else if kind == Frame::Commit {
                     state.commits_seen.fetch_add(1, Ordering::SeqCst);
                     if state.armed.load(Ordering::SeqCst) && rng.gen_bool(share) {
-                        let cut = if rng.gen_bool(0.5) { Cut::Before } else { Cut::After };
-                        if cut == Cut::After {
-                            withhold.store(true, Ordering::SeqCst);
-                            if to_server.write_all(&frame).await.is_err() {
-                                return None;
-                            }
-                            state.cuts_after.fetch_add(1, Ordering::SeqCst);
-                        } else {
+                        if rng.gen_bool(0.5) {
                             state.cuts_before.fetch_add(1, Ordering::SeqCst);
+                            return Some(Cut::Before);
                         }
-                        return Some(cut);
+                        withhold.store(true, Ordering::SeqCst);
+                        if frame[0] == b'Q' {
+                            cut_now = Some(Cut::After);
+                        } else {
+                            cutting_after = true;
+                        }
                     }
                 }
                 if to_server.write_all(&frame).await.is_err() {
                     return None;
+                }
+                if let Some(cut) = cut_now {
+                    state.cuts_after.fetch_add(1, Ordering::SeqCst);
+                    return Some(cut);
                 }
             }
         }
@@ -182,12 +193,25 @@ async fn relay(
     // Dropping both halves of both sockets closes the connections.
 }
 
-/// Splits the frontend byte stream into whole messages.
+/// What a frontend message means to the proxy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Frame {
+    /// Runs a COMMIT: a simple query, or a Bind of a statement parsed from COMMIT.
+    Commit,
+    /// Ends an extended-protocol exchange: the server answers from here.
+    Sync,
+    Other,
+}
+
+/// Splits the frontend byte stream into whole messages, and remembers which prepared
+/// statements are a COMMIT: sqlx parses `COMMIT` once per connection and from then on only
+/// binds and executes the statement by name.
 #[derive(Debug, Default)]
 struct Frontend {
     buf: Vec<u8>,
     /// Past the start-up message: frames are typed.
     started: bool,
+    commit_statements: std::collections::HashSet<Vec<u8>>,
 }
 
 impl Frontend {
@@ -195,8 +219,8 @@ impl Frontend {
         self.buf.extend_from_slice(bytes);
     }
 
-    /// The next whole message and whether it is a COMMIT.
-    fn next_frame(&mut self) -> Option<(Vec<u8>, bool)> {
+    /// The next whole message and what it is.
+    fn next_frame(&mut self) -> Option<(Vec<u8>, Frame)> {
         if !self.started {
             if self.buf.len() < 8 {
                 return None;
@@ -210,7 +234,7 @@ impl Frontend {
                 self.started = true;
             }
             let frame: Vec<u8> = self.buf.drain(..len.max(8)).collect();
-            return Some((frame, false));
+            return Some((frame, Frame::Other));
         }
         if self.buf.len() < 5 {
             return None;
@@ -220,24 +244,52 @@ impl Frontend {
             return None;
         }
         let frame: Vec<u8> = self.buf.drain(..1 + len).collect();
-        let is_commit = match frame[0] {
-            b'Q' => is_commit_sql(&frame[5..]),
+        let body = &frame[5..];
+        let kind = match frame[0] {
+            b'Q' if is_commit_sql(body) => Frame::Commit,
+            b'S' => Frame::Sync,
             // Parse: statement name, NUL, query, NUL, …
-            b'P' => frame[5..]
-                .iter()
-                .position(|b| *b == 0)
-                .is_some_and(|end| is_commit_sql(&frame[5 + end + 1..])),
-            _ => false,
+            b'P' => {
+                if let Some((name, rest)) = cstr(body) {
+                    if is_commit_sql(rest) {
+                        self.commit_statements.insert(name.to_vec());
+                    } else {
+                        self.commit_statements.remove(name);
+                    }
+                }
+                Frame::Other
+            }
+            // Bind: portal name, NUL, statement name, NUL, …
+            b'B' => match cstr(body).and_then(|(_, rest)| cstr(rest)) {
+                Some((statement, _)) if self.commit_statements.contains(statement) => {
+                    Frame::Commit
+                }
+                _ => Frame::Other,
+            },
+            _ => Frame::Other,
         };
-        Some((frame, is_commit))
+        Some((frame, kind))
     }
 }
 
+/// Splits a NUL-terminated string off the front of `bytes`.
+fn cstr(bytes: &[u8]) -> Option<(&[u8], &[u8])> {
+    let end = bytes.iter().position(|b| *b == 0)?;
+    Some((&bytes[..end], &bytes[end + 1..]))
+}
+
+/// Whether any statement of `sql` (up to its NUL) is a COMMIT: idem's PostgreSQL store sends
+/// `SELECT 1; COMMIT` in one simple query (the aborted-transaction check rides along).
 fn is_commit_sql(sql: &[u8]) -> bool {
     let end = sql.iter().position(|b| *b == 0).unwrap_or(sql.len());
     let text = String::from_utf8_lossy(&sql[..end]);
-    let word = text.trim_start().split(|c: char| !c.is_ascii_alphabetic()).next();
-    word.is_some_and(|w| w.eq_ignore_ascii_case("commit") || w.eq_ignore_ascii_case("end"))
+    text.split(';').any(|statement| {
+        let word = statement
+            .trim_start()
+            .split(|c: char| !c.is_ascii_alphabetic())
+            .next();
+        word.is_some_and(|w| w.eq_ignore_ascii_case("commit") || w.eq_ignore_ascii_case("end"))
+    })
 }
 
 #[cfg(test)]
@@ -259,31 +311,35 @@ mod tests {
     }
 
     #[test]
-    fn finds_commit_in_simple_and_extended_queries_split_anywhere() {
+    fn finds_commit_in_simple_queries_and_bound_statements_split_anywhere() {
+        use Frame::{Commit, Other, Sync};
         let mut stream = untyped(80_877_103, b"");
         stream.extend(untyped(196_608, b"user\0postgres\0\0"));
         stream.extend(typed(b'Q', b"BEGIN\0"));
-        stream.extend(typed(b'P', b"\0INSERT INTO t VALUES ($1)\0\0\0"));
+        stream.extend(typed(b'P', b"s1\0INSERT INTO t VALUES ($1)\0\0\0"));
         stream.extend(typed(b'Q', b"  commit\0"));
-        stream.extend(typed(b'P', b"s1\0COMMIT\0\0\0"));
+        stream.extend(typed(b'P', b"s2\0COMMIT\0\0\0"));
+        stream.extend(typed(b'B', b"\0s2\0\0\0\0\0\0\0"));
+        stream.extend(typed(b'E', b"\0\0\0\0\0"));
+        stream.extend(typed(b'S', b""));
+        stream.extend(typed(b'B', b"\0s1\0\0\0\0\0\0\0"));
+        stream.extend(typed(b'B', b"\0s2\0\0\0\0\0\0\0"));
         stream.extend(typed(b'Q', b"COMMITTED_AT\0"));
+        stream.extend(typed(b'Q', b"SELECT 1; COMMIT\0"));
+        let expect = [
+            Other, Other, Other, Other, Commit, Other, Commit, Other, Sync, Other, Commit, Other,
+            Commit,
+        ];
         for split in [1, 3, 7, stream.len()] {
             let mut p = Frontend::default();
-            let mut commits = Vec::new();
-            let mut frames = 0;
+            let mut kinds = Vec::new();
             for chunk in stream.chunks(split) {
                 p.push(chunk);
-                while let Some((_, c)) = p.next_frame() {
-                    frames += 1;
-                    commits.push(c);
+                while let Some((_, kind)) = p.next_frame() {
+                    kinds.push(kind);
                 }
             }
-            assert_eq!(frames, 7, "split {split}");
-            assert_eq!(
-                commits,
-                [false, false, false, false, true, true, false],
-                "split {split}"
-            );
+            assert_eq!(kinds, expect, "split {split}");
         }
     }
 }
