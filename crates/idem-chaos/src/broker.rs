@@ -327,8 +327,14 @@ impl Publisher {
     }
 }
 
-async fn nats(url: &str) -> Result<async_nats::jetstream::Context> {
-    let client = async_nats::connect(url)
+pub(crate) async fn nats(url: &str) -> Result<async_nats::jetstream::Context> {
+    // The cluster's URL lists every node; async-nats takes them as a list.
+    let servers = url
+        .split(',')
+        .map(|u| u.trim().parse::<async_nats::ServerAddr>())
+        .collect::<Result<Vec<_>, _>>()
+        .with_context(|| format!("NATS URL {}", idem_core::redact_url(url)))?;
+    let client = async_nats::connect(servers)
         .await
         .with_context(|| format!("connecting to NATS at {}", idem_core::redact_url(url)))?;
     Ok(async_nats::jetstream::new(client))

@@ -102,6 +102,18 @@ pub(crate) async fn serve(
     with_source(broker, settings, Serve { db, settings }).await
 }
 
+/// Connects to NATS at `urls`: one URL or several, comma-separated (the seed servers of a
+/// cluster, so a replica starting while one node is down still connects; once connected the
+/// client also learns the cluster's other servers from the server itself).
+async fn nats_connect(urls: &str) -> Result<idem_nats::async_nats::Client> {
+    let servers = urls
+        .split(',')
+        .map(|u| u.trim().parse::<idem_nats::async_nats::ServerAddr>())
+        .collect::<Result<Vec<_>, _>>()
+        .with_context(|| format!("NATS URL {}", idem_core::redact_url(urls)))?;
+    Ok(idem_nats::async_nats::connect(servers).await?)
+}
+
 fn nats_dead_letter_subject(source: &str) -> String {
     format!("{source}.dead-letter")
 }
@@ -114,7 +126,7 @@ async fn nats_topology(
     idem_nats::async_nats::Client,
     idem_nats::async_nats::jetstream::Context,
 )> {
-    let client = idem_nats::async_nats::connect(url)
+    let client = nats_connect(url)
         .await
         .with_context(|| format!("connecting to NATS at {}", idem_core::redact_url(url)))?;
     let js = idem_nats::async_nats::jetstream::new(client.clone());
@@ -349,7 +361,7 @@ pub(crate) async fn teardown(broker: &BrokerUrl, settings: &Settings) -> Result<
     let name = settings.source.as_str();
     match broker {
         BrokerUrl::Nats(url) => {
-            let client = idem_nats::async_nats::connect(url.as_str()).await?;
+            let client = nats_connect(url).await?;
             let js = idem_nats::async_nats::jetstream::new(client);
             for stream in [name.to_owned(), format!("{name}-dead-letter")] {
                 // A stream that is already gone is fine.

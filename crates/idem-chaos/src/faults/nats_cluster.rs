@@ -13,6 +13,8 @@ struct Node {
     name: String,
     client_port: u16,
     route_port: u16,
+    /// HTTP monitoring, for `/healthz`.
+    monitor_port: u16,
     store: PathBuf,
     log: PathBuf,
     child: Option<Child>,
@@ -36,6 +38,7 @@ impl NatsCluster {
                 name: format!("chaos-n{i}"),
                 client_port: free_port()?,
                 route_port: free_port()?,
+                monitor_port: free_port()?,
                 store: dir.join(format!("n{i}")),
                 log: dir.join(format!("nats-n{i}.log")),
                 child: None,
@@ -84,6 +87,7 @@ impl NatsCluster {
             .args(["-a", "127.0.0.1", "-p", &node.client_port.to_string()])
             .args(["-n", &node.name, "-js", "-sd"])
             .arg(&node.store)
+            .args(["-m", &node.monitor_port.to_string()])
             .args(["--cluster_name", "idem-chaos"])
             .args(["--cluster", &format!("nats://127.0.0.1:{}", node.route_port)])
             .args(["--routes", &routes.join(",")])
@@ -106,20 +110,60 @@ impl NatsCluster {
         tokio::time::sleep(down).await;
         self.spawn(i)?;
         self.restarts += 1;
-        Ok(())
+        // A rolling restart waits for the node to catch up before the next one goes down;
+        // without that two nodes can be behind at once and the R3 streams lose their quorum.
+        self.wait_healthy(i, Duration::from_secs(60)).await
+    }
+
+    /// Waits until node `i` says on `/healthz` that its JetStream is current.
+    async fn wait_healthy(&self, i: usize, timeout: Duration) -> Result<()> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let port = self.nodes[i].monitor_port;
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let mut reply = String::new();
+            if let Ok(mut conn) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await {
+                let request = "GET /healthz HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+                if conn.write_all(request.as_bytes()).await.is_ok() {
+                    let _ = conn.read_to_string(&mut reply).await;
+                }
+            }
+            if reply.starts_with("HTTP/1.0 200") || reply.starts_with("HTTP/1.1 200") {
+                return Ok(());
+            }
+            if tokio::time::Instant::now() > deadline {
+                bail!(
+                    "NATS node {} not healthy {timeout:?} after its restart: {}",
+                    self.nodes[i].name,
+                    reply.lines().last().unwrap_or("no answer")
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
     }
 
     async fn wait_for_meta_leader(&self) -> Result<()> {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
         loop {
-            if let Ok(client) = idem_nats::async_nats::connect(self.url()).await {
-                let js = idem_nats::async_nats::jetstream::new(client);
-                if js.query_account().await.is_ok() {
-                    return Ok(());
-                }
-            }
+            // Ready means an R3 stream can be placed, which needs a leader and all peers.
+            let probe = idem_nats::async_nats::jetstream::stream::Config {
+                name: "idem-chaos-probe".into(),
+                subjects: vec!["idem-chaos-probe".into()],
+                num_replicas: 3,
+                ..Default::default()
+            };
+            let last = match crate::broker::nats(&self.url()).await {
+                Ok(js) => match js.get_or_create_stream(probe).await {
+                    Ok(_) => {
+                        let _ = js.delete_stream("idem-chaos-probe").await;
+                        return Ok(());
+                    }
+                    Err(e) => e.to_string(),
+                },
+                Err(e) => format!("{e:#}"),
+            };
             if tokio::time::Instant::now() > deadline {
-                bail!("the NATS cluster elected no JetStream leader within 30 s");
+                bail!("the NATS cluster elected no JetStream leader within 30 s: {last}");
             }
             tokio::time::sleep(Duration::from_millis(300)).await;
         }
