@@ -70,14 +70,22 @@ impl Broker {
     /// needs: `partitions` Kafka partitions (so every consumer of the group gets some), and
     /// `replicas` JetStream replicas (3 on the harness's own cluster). The service's own
     /// `ensure_*` then finds them in place.
-    pub(crate) async fn prepare(&self, names: &Names, partitions: i32, replicas: usize) -> Result<()> {
+    pub(crate) async fn prepare(
+        &self,
+        names: &Names,
+        partitions: i32,
+        replicas: usize,
+    ) -> Result<()> {
         let source = names.source.as_str();
         match self {
             Broker::Nats(url) => {
                 let js = nats(url).await?;
                 for (name, subject) in [
                     (source.to_owned(), source.to_owned()),
-                    (format!("{source}-dead-letter"), format!("{source}.dead-letter")),
+                    (
+                        format!("{source}-dead-letter"),
+                        format!("{source}.dead-letter"),
+                    ),
                 ] {
                     let config = async_nats::jetstream::stream::Config {
                         name: name.clone(),
@@ -104,9 +112,8 @@ impl Broker {
             Broker::Kafka(hosts) => {
                 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
                 use rdkafka::client::DefaultClientContext;
-                let admin: AdminClient<DefaultClientContext> = kafka_config(hosts)
-                    .create()
-                    .context("Kafka admin client")?;
+                let admin: AdminClient<DefaultClientContext> =
+                    kafka_config(hosts).create().context("Kafka admin client")?;
                 let dead = format!("{source}.dead-letter");
                 let topics = [
                     NewTopic::new(source, partitions, TopicReplication::Fixed(1)),
@@ -168,11 +175,7 @@ impl Broker {
                 let publisher = idem_amqp::AmqpPublisher::connect(url).await?;
                 let q = publisher
                     .channel()
-                    .queue_declare(
-                        source.into(),
-                        lapin_passive(),
-                        Default::default(),
-                    )
+                    .queue_declare(source.into(), lapin_passive(), Default::default())
                     .await
                     .context("queue.declare passive")?;
                 let n = q.message_count();

@@ -396,9 +396,9 @@ impl Run<'_> {
         let mut report = std::mem::take(&mut self.report);
         for (slot, exit) in stops {
             if !matches!(exit, Exit::Clean) {
-                report
-                    .anomalies
-                    .push(format!("consumer {slot} did not stop cleanly on SIGTERM: {exit:?}"));
+                report.anomalies.push(format!(
+                    "consumer {slot} did not stop cleanly on SIGTERM: {exit:?}"
+                ));
             }
         }
         let ledger = self.db.check(self.sent).await?;

@@ -74,10 +74,7 @@ impl Schedule {
         for i in 0..n {
             let id = format!("{tag}-{i:07}");
             let amount = 1 + (i as i64 * 7919) % 1000;
-            let payload = format!(
-                r#"{{"account":"acct-{}","amount_cents":{amount}}}"#,
-                i % 32
-            );
+            let payload = format!(r#"{{"account":"acct-{}","amount_cents":{amount}}}"#, i % 32);
             sent.unique.push((id.clone(), amount));
             sent.publishes.push((id, payload.into_bytes()));
         }

@@ -89,7 +89,10 @@ impl NatsCluster {
             .arg(&node.store)
             .args(["-m", &node.monitor_port.to_string()])
             .args(["--cluster_name", "idem-chaos"])
-            .args(["--cluster", &format!("nats://127.0.0.1:{}", node.route_port)])
+            .args([
+                "--cluster",
+                &format!("nats://127.0.0.1:{}", node.route_port),
+            ])
             .args(["--routes", &routes.join(",")])
             .stdout(std::process::Stdio::null())
             .stderr(log)

@@ -24,7 +24,14 @@ pub(crate) async fn restart(command: Option<&str>) -> Result<()> {
                 .max()
                 .context("no cluster under /etc/postgresql")?;
             let mut cmd = tokio::process::Command::new("pg_ctlcluster");
-            cmd.args(["--skip-systemctl-redirect", &version, "main", "restart", "-m", "fast"]);
+            cmd.args([
+                "--skip-systemctl-redirect",
+                &version,
+                "main",
+                "restart",
+                "-m",
+                "fast",
+            ]);
             cmd
         }
     };

@@ -75,8 +75,7 @@ impl CutProxy {
                 let upstream = upstream.clone();
                 let state = shared.clone();
                 tokio::spawn(async move {
-                    if let Ok(server) =
-                        TcpStream::connect((upstream.0.as_str(), upstream.1)).await
+                    if let Ok(server) = TcpStream::connect((upstream.0.as_str(), upstream.1)).await
                     {
                         let _ = client.set_nodelay(true);
                         let _ = server.set_nodelay(true);
@@ -261,9 +260,7 @@ impl Frontend {
             }
             // Bind: portal name, NUL, statement name, NUL, …
             b'B' => match cstr(body).and_then(|(_, rest)| cstr(rest)) {
-                Some((statement, _)) if self.commit_statements.contains(statement) => {
-                    Frame::Commit
-                }
+                Some((statement, _)) if self.commit_statements.contains(statement) => Frame::Commit,
                 _ => Frame::Other,
             },
             _ => Frame::Other,

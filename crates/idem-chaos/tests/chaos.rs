@@ -1,0 +1,216 @@
+//! The bounded chaos runs CI makes against the real services: over 200 consumer kills spread
+//! over NATS, RabbitMQ and Kafka with PostgreSQL and three consumers each, then one run each
+//! with a PostgreSQL restart, a read-only failover and connection cuts at COMMIT. Each run
+//! must report no anomaly: nothing lost, nothing doubled, nothing dead-lettered, nothing left
+//! on the broker, balances equal to the charges.
+//!
+//! They drive the `payments` binary the workspace build puts next to `idem-chaos`, with crash
+//! points compiled in (idem-chaos enables idem-consumer's `crash-points` feature, which the
+//! workspace build unifies); run them with `cargo test --workspace`.
+//!
+//! The runs are serialised: one restarts the PostgreSQL server every other run uses.
+
+use std::process::Command;
+use std::sync::Mutex;
+
+use idem_testkit::services::{self, service_url};
+use serde_json::Value;
+
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+/// Runs idem-chaos with `args` against the PostgreSQL server and returns its JSON report,
+/// after asserting that it found no anomaly. `None` when a service is not configured.
+fn chaos(test: &str, broker_var: &str, args: &[&str]) -> Option<Value> {
+    let database = service_url(services::POSTGRES, test)?;
+    let broker = service_url(broker_var, test)?;
+    let broker = if broker_var == services::KAFKA {
+        format!("kafka://{broker}")
+    } else {
+        broker
+    };
+    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let exe = env!("CARGO_BIN_EXE_idem-chaos");
+    let payments = std::path::Path::new(exe).with_file_name("payments");
+    assert!(
+        payments.is_file(),
+        "{test}: no {} — run the workspace's tests (`cargo test --workspace`) so the payments \
+         binary is built next to idem-chaos",
+        payments.display()
+    );
+    let out = Command::new(exe)
+        .args(["--broker", &broker, "--database", &database])
+        .args(args)
+        .output()
+        .expect("run idem-chaos");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let mut lines = stdout.lines();
+    let summary = lines.next().unwrap_or_default();
+    // The summary reaches the CI log even when the test passes.
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "{test}: {summary}");
+    let report: Value = match lines.next().map(serde_json::from_str) {
+        Some(Ok(v)) => v,
+        _ => panic!(
+            "{test}: idem-chaos exited {} without a report\nstdout:\n{stdout}\nstderr (tail):\n{}",
+            out.status,
+            tail(&stderr, 60)
+        ),
+    };
+    assert!(
+        out.status.success() && report["anomalies"].as_array().is_some_and(|a| a.is_empty()),
+        "{test}: {summary}\n{report:#}\nconsumer logs (tail):\n{}",
+        tail(&stderr, 80)
+    );
+    for zero in [
+        "lost",
+        "duplicated",
+        "unexpected",
+        "dead_lettered",
+        "backlog",
+    ] {
+        assert_eq!(report[zero], 0, "{test}: {zero} in {report:#}");
+    }
+    assert_eq!(report["effects"], report["unique"], "{test}: {report:#}");
+    assert_eq!(report["balance_matches"], true, "{test}: {report:#}");
+    Some(report)
+}
+
+fn tail(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+fn count(report: &Value, field: &str) -> u64 {
+    report[field].as_u64().unwrap_or(0)
+}
+
+/// Kills, of which some at crash points (proof that the payments binary has them compiled in
+/// and that the armed consumers reached them).
+fn assert_killed(test: &str, report: &Value, kills: u64) {
+    assert!(count(report, "kills") >= kills, "{test}: {report:#}");
+    assert!(
+        count(report, "crash_point_aborts") > 0,
+        "{test}: no consumer aborted at a crash point: {report:#}"
+    );
+}
+
+#[test]
+fn nats_80_kills_three_consumers() {
+    let test = "nats_80_kills_three_consumers";
+    let args = [
+        "--messages",
+        "3000",
+        "--kills",
+        "80",
+        "--consumers",
+        "3",
+        "--seed",
+        "101",
+    ];
+    if let Some(r) = chaos(test, services::NATS, &args) {
+        assert_killed(test, &r, 80);
+    }
+}
+
+#[test]
+fn rabbitmq_70_kills_three_consumers_batched() {
+    let test = "rabbitmq_70_kills_three_consumers_batched";
+    let args = [
+        "--messages",
+        "3000",
+        "--kills",
+        "70",
+        "--consumers",
+        "3",
+        "--batch",
+        "4",
+        "--seed",
+        "102",
+    ];
+    if let Some(r) = chaos(test, services::AMQP, &args) {
+        assert_killed(test, &r, 70);
+    }
+}
+
+#[test]
+fn kafka_60_kills_three_consumers() {
+    let test = "kafka_60_kills_three_consumers";
+    // Each kill costs the group a rebalance, so a Kafka consumer processes few messages
+    // between kills: armed ones abort within a few visits to be sure some do.
+    let args = [
+        "--messages",
+        "2000",
+        "--kills",
+        "60",
+        "--consumers",
+        "3",
+        "--crash-within",
+        "5",
+        "--seed",
+        "103",
+    ];
+    if let Some(r) = chaos(test, services::KAFKA, &args) {
+        assert_killed(test, &r, 60);
+    }
+}
+
+#[test]
+fn postgres_restart_mid_run() {
+    let test = "postgres_restart_mid_run";
+    let args = [
+        "--messages",
+        "2000",
+        "--kills",
+        "10",
+        "--restart-database",
+        "1",
+        "--seed",
+        "104",
+    ];
+    if let Some(r) = chaos(test, services::NATS, &args) {
+        assert_eq!(count(&r, "database_restarts"), 1, "{test}: {r:#}");
+    }
+}
+
+#[test]
+fn read_only_failover_mid_run() {
+    let test = "read_only_failover_mid_run";
+    let args = [
+        "--messages",
+        "2000",
+        "--kills",
+        "10",
+        "--failover",
+        "1",
+        "--failover-for",
+        "4s",
+        "--seed",
+        "105",
+    ];
+    if let Some(r) = chaos(test, services::AMQP, &args) {
+        assert_eq!(count(&r, "failovers"), 1, "{test}: {r:#}");
+    }
+}
+
+#[test]
+fn connections_cut_around_commit() {
+    let test = "connections_cut_around_commit";
+    let args = [
+        "--messages",
+        "3000",
+        "--kills",
+        "10",
+        "--cut-connections",
+        "--cut-share",
+        "0.05",
+        "--min-fault-time",
+        "6s",
+        "--seed",
+        "106",
+    ];
+    if let Some(r) = chaos(test, services::REDIS, &args) {
+        assert!(count(&r, "cuts_before_commit") > 0, "{test}: {r:#}");
+        assert!(count(&r, "cuts_after_commit") > 0, "{test}: {r:#}");
+    }
+}
