@@ -118,6 +118,9 @@ impl Offsets {
 }
 
 #[cfg(test)]
+mod schedules;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 

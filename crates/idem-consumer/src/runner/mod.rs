@@ -7,6 +7,8 @@
 //! that did not commit.
 
 mod settle;
+#[cfg(test)]
+mod settle_schedules;
 
 use std::sync::{Arc, Mutex};
 
