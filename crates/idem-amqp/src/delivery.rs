@@ -90,7 +90,10 @@ impl AmqpDelivery {
                 self.origin()
             )));
         };
-        let properties = headers::with_extra_headers(&self.inner.properties, &reason.headers());
+        let (original, note) = headers::forwarded(&self.inner.properties, reason);
+        let mut extra = reason.headers();
+        extra.extend(note);
+        let properties = headers::with_extra_headers(&original, &extra);
         let published = publish_confirmed(
             &channel,
             self.settings.dead_letter_exchange.clone(),

@@ -2,8 +2,9 @@
 
 use std::borrow::Cow;
 
+use idem_consumer::DeadLetter;
 use lapin::BasicProperties;
-use lapin::types::{AMQPValue, LongString, ShortString};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 
 /// The bytes of a header value usable as an ID: strings and byte arrays as they are, integers
 /// and booleans in decimal / `true`/`false`. Floats, decimals, timestamps, arrays, tables and
@@ -44,6 +45,41 @@ pub(crate) fn value_u64(value: &AMQPValue) -> Option<u64> {
 /// Looks up `name` in the properties' header table.
 pub(crate) fn get<'a>(props: &'a BasicProperties, name: &str) -> Option<&'a AMQPValue> {
     props.headers().as_ref()?.inner().get(name)
+}
+
+/// The original properties with the header-table strings and byte arrays an `invalid-id` dead
+/// letter cuts short replaced by their cut copies (see [`DeadLetter::forward`]; the
+/// `message_id` property, 255 bytes at most, is never cut), and the note naming them.
+pub(crate) fn forwarded(
+    props: &BasicProperties,
+    reason: &DeadLetter,
+) -> (BasicProperties, Option<(&'static str, String)>) {
+    let Some(table) = props.headers() else {
+        return (props.clone(), None);
+    };
+    let mut cut = Vec::new();
+    let mut out = FieldTable::default();
+    for (name, value) in table.inner() {
+        let value = match value {
+            AMQPValue::LongString(s) if reason.cuts(s.as_bytes().len()) => {
+                cut.push((name.as_str().to_owned(), s.as_bytes().len()));
+                AMQPValue::LongString(LongString::from(reason.forward(s.as_bytes()).as_ref()))
+            }
+            AMQPValue::ByteArray(b) if reason.cuts(b.as_slice().len()) => {
+                cut.push((name.as_str().to_owned(), b.as_slice().len()));
+                AMQPValue::ByteArray(reason.forward(b.as_slice()).into_owned().into())
+            }
+            other => other.clone(),
+        };
+        out.insert(name.clone(), value);
+    }
+    if cut.is_empty() {
+        return (props.clone(), None);
+    }
+    (
+        props.clone().with_headers(out),
+        DeadLetter::truncation_note(&cut),
+    )
 }
 
 /// The original properties with `extra` added to (or replacing same-named entries in) the
@@ -121,7 +157,7 @@ fn to_strings(table: &lapin::types::FieldTable) -> impl Iterator<Item = (String,
 #[cfg(test)]
 mod tests {
     use super::*;
-    use lapin::types::FieldTable;
+    use idem_consumer::DeadLetterReason;
 
     #[test]
     fn strings_bytes_and_integers_read_as_id_bytes() {
@@ -177,6 +213,25 @@ mod tests {
             (*out.priority(), *out.timestamp()),
             (Some(5), Some(1_700_000_000))
         );
+    }
+
+    #[test]
+    fn invalid_id_dead_letters_cut_long_header_values() {
+        let mut t = FieldTable::default();
+        t.insert("id".into(), AMQPValue::LongString("i".repeat(5000).into()));
+        t.insert("tenant".into(), AMQPValue::LongString("acme".into()));
+        let props = BasicProperties::default().with_headers(t);
+        let invalid = DeadLetter::new(DeadLetterReason::InvalidId, "too long");
+        let (out, note) = forwarded(&props, &invalid);
+        let h: Vec<_> = out.headers().iter().flat_map(to_strings).collect();
+        assert!(h.contains(&("id".into(), "i".repeat(DeadLetter::MAX_FORWARDED_ID_VALUE))));
+        assert!(h.contains(&("tenant".into(), "acme".into())));
+        assert_eq!(
+            note,
+            Some((DeadLetter::TRUNCATED_HEADER, "id (5000 bytes)".to_owned()))
+        );
+        let conflict = DeadLetter::new(DeadLetterReason::Conflict, "other payload");
+        assert_eq!(forwarded(&props, &conflict), (props.clone(), None));
     }
 
     #[test]

@@ -26,6 +26,14 @@
 //! # drop(source); Ok(()) }
 //! ```
 //!
+//! Bad input: `message_id` is an AMQP short string, so [`AmqpPublisher`] refuses, as
+//! [`ErrorKind::InvalidMessageId`](idem_core::ErrorKind), an ID that is empty, not UTF-8 or
+//! over 255 bytes; NUL bytes are text and go through, and are processed like any other ID. A
+//! message without `message_id`, or with it set empty by another client, is dead-lettered
+//! as `missing-id`; a 255-byte ID over the processor's limit as `invalid-id`. Large payloads
+//! are carried and dead-lettered whole, within RabbitMQ's `max_message_size` (128 MiB by
+//! default).
+//!
 //! Redelivery: RabbitMQ requeues unacknowledged messages as soon as the consumer's channel or
 //! connection closes, and marks them `redelivered`. Classic queues do not count deliveries, so
 //! [`Delivery::previous_deliveries`](idem_consumer::Delivery::previous_deliveries) is 1 for any

@@ -6,7 +6,11 @@ use std::time::Duration;
 
 use common::Rabbit;
 use idem_amqp::AmqpSource;
+use idem_amqp::lapin::BasicProperties;
+use idem_core::Error;
 use idem_testkit::{BrokerFixture, DeadLettered};
+
+const EMPTY_MESSAGE_ID: &str = "empty message_id property";
 
 struct AmqpFixture(Rabbit);
 
@@ -14,13 +18,32 @@ impl BrokerFixture for AmqpFixture {
     type Source = AmqpSource;
 
     const URL_VAR: &'static str = idem_testkit::services::AMQP;
+    /// `message_id` is an AMQP short string.
+    const MAX_ID_BYTES: usize = 255;
+    /// RabbitMQ's `max_message_size` (its default, 128 MiB).
+    const MAX_MESSAGE_BYTES: usize = 128 * 1024 * 1024;
+    const EMPTY_ID_FORMS: &'static [&'static str] = &[EMPTY_MESSAGE_ID];
 
     async fn setup(url: String, name: String) -> Self {
         Self(Rabbit::setup(url, name).await)
     }
 
-    async fn publish(&self, id: Option<&str>, payload: &[u8]) {
-        self.0.publish(id, payload).await;
+    async fn try_publish(&self, id: Option<&[u8]>, payload: &[u8]) -> Result<(), Error> {
+        self.0
+            .publisher
+            .publish_with("", self.0.queue(), id, payload, BasicProperties::default())
+            .await
+    }
+
+    /// `AmqpPublisher` refuses an empty ID; the property itself may still be set empty.
+    async fn publish_empty_id_form(&self, form: &'static str, payload: &[u8]) {
+        assert_eq!(form, EMPTY_MESSAGE_ID);
+        let properties = BasicProperties::default().with_message_id("".into());
+        self.0
+            .publisher
+            .publish_with("", self.0.queue(), None, payload, properties)
+            .await
+            .expect("publish with an empty message_id");
     }
 
     /// Every source opens its own connection; dropping one closes that connection, so the

@@ -1,7 +1,7 @@
 //! Crash points: the places in the processing path where a fault-injection run makes the
 //! process die, to prove that a crash at the worst moment loses nothing and doubles nothing.
 //!
-//! Compiled in only with the `crash-points` feature; without it [`reached`] is an empty inline
+//! Compiled in only with the `crash-points` feature; without it the crash check is an empty inline
 //! function and the environment is never read. With it, a process started with
 //! `IDEM_CRASH_AT=<point>:<n>` aborts (`SIGABRT`: no destructors, no flush, no ack, like a
 //! `SIGKILL`) the `n`-th time it reaches `<point>`. `idem-chaos` sets it on the consumers it

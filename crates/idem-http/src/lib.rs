@@ -143,8 +143,12 @@
 //! [`max_key_len`](IdempotencyLayer::max_key_len), and the store's own limit applies too.
 //! Anything else — an empty value, `""`, 256 bytes, a byte outside ASCII, an unterminated or
 //! badly escaped sf-string, text after the string — is `400 invalid-key`, and so is a request
-//! with two `Idempotency-Key` headers. Use a fresh UUID per operation and send it again on
-//! every retry of that operation.
+//! with two `Idempotency-Key` headers. A list on one line is refused too: `"a", "b"` has text
+//! after the string, and `a, b` (two bare keys as a proxy joins repeated headers) has a space;
+//! a bare value without spaces such as `a,b` is the one key `a,b`. A huge value (64 KiB, say)
+//! is `400 invalid-key` like any key over the limit, as long as the request head fits the
+//! HTTP server's own limit (hyper answers `431` for a larger head before the layer sees it).
+//! Use a fresh UUID per operation and send it again on every retry of that operation.
 //!
 //! # What the layer does
 //!
@@ -181,10 +185,18 @@
 //!   to the client, but the handler's writes roll back and the key is free: a 500 means
 //!   nothing happened, and the retry runs again. (2xx, 3xx and other 4xx are stored.)
 //! - **Bodies**: a request body over [`request_body_limit`](IdempotencyLayer::request_body_limit)
-//!   (1 MiB) is `413` before any record is written. A response body over
+//!   (1 MiB) is `413` before any record is written; so is one whose `Content-Length` says so,
+//!   before a byte of it is read. A body that ends before its `Content-Length` (the client
+//!   stopped sending) is `400 invalid-body`, also before any record is written, so the key
+//!   stays free. A response body over
 //!   [`response_storage_limit`](IdempotencyLayer::response_storage_limit) (1 MiB) still
 //!   completes the record with its status and headers, so a retry never executes again; the
 //!   replay has an empty body and `Idempotent-Body-Omitted: true`.
+//! - **Client gone**: a client that disconnects while the handler runs makes the server drop
+//!   the request (hyper drops its future), and the execution is abandoned as after a panic:
+//!   its transaction rolls back (on the SQL stores, with the handler's writes) and the key is
+//!   freed at once, in the background. The client's retry then runs the handler again; only
+//!   in the moment before the key is free is it `409 conflict` with `Retry-After`.
 //! - **Expiry**: records live for the engine's TTL (24 h by default,
 //!   [`IdempotencyBuilder::ttl`](idem_request::IdempotencyBuilder::ttl)); after it the key
 //!   executes again, and the store's reaper deletes the record in bounded batches.
@@ -200,7 +212,7 @@
 //! | stored | — | retry of a completed request: the stored response + `Idempotent-Replayed: true` | not run |
 //! | 400 | `missing-key` | a route with a required key, no `Idempotency-Key` | not run |
 //! | 400 | `invalid-key` | a key outside the format above, or two `Idempotency-Key` headers | not run |
-//! | 400 | `invalid-body` | the request body could not be read | not run |
+//! | 400 | `invalid-body` | the request body could not be read (shorter than its `Content-Length`, the client gone) | not run |
 //! | 401 | `missing-principal` | a key, but the principal function found no principal | not run |
 //! | 409 | `conflict` | the same key is in flight (with `Retry-After`); or this request's lease ran out and a retry took over (its writes rolled back) | not run / rolled back |
 //! | 413 | `body-too-large` | request body over the limit; nothing recorded | not run |

@@ -26,6 +26,9 @@ macro_rules! http_suite {
             a_key_on_get_is_ignored_and_records_nothing,
             a_store_outage_is_503_and_the_handler_does_not_run,
             optional_and_off_routes_run_without_a_record,
+            malformed_lists_obs_text_and_huge_keys_are_400_and_serving_goes_on,
+            a_truncated_body_is_400_records_nothing_and_serving_goes_on,
+            a_client_gone_mid_request_abandons_the_execution_and_the_retry_runs,
         );
     };
     (@tests $fixture:ty; $($name:ident),* $(,)?) => {

@@ -11,8 +11,8 @@ use rdkafka::message::{Header, Headers, Message, OwnedHeaders, OwnedMessage};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 
 use crate::offsets::{Offsets, Ticket};
+use crate::produce_error;
 use crate::source::lock;
-use crate::unavailable;
 
 /// Header on a dead letter naming the topic the message was consumed from.
 pub const ORIGINAL_TOPIC_HEADER: &str = "idem-original-topic";
@@ -139,24 +139,39 @@ impl Delivery for KafkaDelivery {
     }
 
     /// Produces a copy (same key, value and headers, plus the reason headers and
-    /// `idem-original-topic` / `-partition` / `-offset`) to the dead-letter topic, waits for
+    /// `idem-original-topic` / `-partition` / `-offset`; on an `invalid-id` dead letter a header
+    /// value over 1 KiB is cut short, see [`DeadLetter::forward`]) to the dead-letter topic, waits for
     /// the broker's delivery report, then marks the offset settled. On failure the offset stays
     /// unsettled, which holds back the partition's commit until a restart or rebalance
     /// redelivers it.
     async fn dead_letter(self, reason: &DeadLetter) -> Result<(), Error> {
-        let mut headers = self
-            .msg
-            .headers()
-            .cloned()
-            .unwrap_or_else(|| OwnedHeaders::new_with_capacity(8));
+        // The original headers, an ID too long for the store cut short (see `DeadLetter::forward`).
+        let mut headers = OwnedHeaders::new_with_capacity(8);
+        let mut cut = Vec::new();
+        for h in self.msg.headers().iter().flat_map(|hs| hs.iter()) {
+            if let Some(v) = h.value
+                && reason.cuts(v.len())
+            {
+                cut.push((h.key, v.len()));
+            }
+            headers = headers.insert(Header {
+                key: h.key,
+                value: h.value.map(|v| reason.forward(v)).as_deref(),
+            });
+        }
+        let note = DeadLetter::truncation_note(&cut);
         let partition = self.msg.partition().to_string();
         let offset = self.msg.offset().to_string();
         let reason_headers = reason.headers();
-        let extra = reason_headers.iter().map(|(k, v)| (*k, v.as_str())).chain([
-            (ORIGINAL_TOPIC_HEADER, self.msg.topic()),
-            (ORIGINAL_PARTITION_HEADER, partition.as_str()),
-            (ORIGINAL_OFFSET_HEADER, offset.as_str()),
-        ]);
+        let extra = reason_headers
+            .iter()
+            .chain(note.iter())
+            .map(|(k, v)| (*k, v.as_str()))
+            .chain([
+                (ORIGINAL_TOPIC_HEADER, self.msg.topic()),
+                (ORIGINAL_PARTITION_HEADER, partition.as_str()),
+                (ORIGINAL_OFFSET_HEADER, offset.as_str()),
+            ]);
         for (key, value) in extra {
             headers = headers.insert(Header {
                 key,
@@ -182,7 +197,7 @@ impl Delivery for KafkaDelivery {
                 self.settle();
                 Ok(())
             }
-            Err((e, _)) => Err(unavailable(
+            Err((e, _)) => Err(produce_error(
                 &format!("publishing the dead letter of {} to {topic}", self.origin()),
                 e,
             )),

@@ -13,6 +13,14 @@
 //! * Dead letters go to `<topic>.dead-letter` (configurable) with the original key, value and
 //!   headers, the reason headers, and [`ORIGINAL_TOPIC_HEADER`] / [`ORIGINAL_PARTITION_HEADER`]
 //!   / [`ORIGINAL_OFFSET_HEADER`].
+//! * Bad input: the ID is bytes, so an ID that is not UTF-8 or holds NUL bytes is processed
+//!   like any other. A record without the `message-id` header, with it empty, or with a null
+//!   value is dead-lettered as `missing-id` — the record key is never read as the ID. An ID
+//!   over the processor's limit is `invalid-id`, cut to its first 1 KiB on the dead letter
+//!   ([`DeadLetter::forward`](idem_consumer::DeadLetter::forward)) so that the copy still
+//!   fits `message.max.bytes`. [`publish`] refuses an empty ID and, as
+//!   [`ErrorKind::Rejected`], a record over `message.max.bytes` (1 000 000 bytes by default,
+//!   ID header included).
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), idem_core::Error> {
@@ -66,7 +74,7 @@ use std::time::Duration;
 use idem_core::{Error, ErrorKind};
 use rdkafka::ClientContext;
 use rdkafka::config::ClientConfig;
-use rdkafka::error::KafkaError;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::util::AsyncRuntime;
@@ -114,22 +122,35 @@ pub fn producer(brokers: &str) -> Result<FutureProducer, Error> {
 ///
 /// Keep `id` stable across the producer's own retries (derive it from the business event, or
 /// generate it once and store it with the outbox row); that is what makes a second publish a
-/// duplicate for the consumer.
+/// duplicate for the consumer. Kafka headers are bytes, so `id` is any bytes: a `&str`, a
+/// [`MessageId`](idem_core::MessageId), a derived key's
+/// [`to_message_id`](idem_core::DerivedKey::to_message_id).
 ///
 /// # Errors
-/// [`ErrorKind::Unavailable`] when the broker did not accept the record (it may or may not have
-/// been written: publishing again with the same `id` is safe).
+/// [`ErrorKind::InvalidMessageId`] when `id` is empty (every consumer would dead-letter the
+/// record as `missing-id`); [`ErrorKind::Rejected`] when the record, key, headers and value
+/// together, is larger than the producer's `message.max.bytes` (1 000 000 by default) or the
+/// broker's limit: it was not written, and publishing it again cannot succeed;
+/// [`ErrorKind::Unavailable`] when the broker did not accept the record otherwise (it may or
+/// may not have been written: publishing again with the same `id` is safe).
 pub async fn publish<C, R>(
     producer: &FutureProducer<C, R>,
     topic: &str,
     key: Option<&[u8]>,
-    id: &str,
+    id: impl AsRef<[u8]>,
     payload: &[u8],
 ) -> Result<Published, Error>
 where
     C: ClientContext + 'static,
     R: AsyncRuntime,
 {
+    let id = id.as_ref();
+    if id.is_empty() {
+        return Err(Error::new(
+            ErrorKind::InvalidMessageId,
+            "message ID is empty; the producer must set a stable ID",
+        ));
+    }
     let headers = OwnedHeaders::new_with_capacity(1).insert(Header {
         key: MESSAGE_ID_HEADER,
         value: Some(id),
@@ -145,8 +166,22 @@ where
             partition: d.partition,
             offset: d.offset,
         }),
-        Err((e, _)) => Err(unavailable(&format!("publishing to {topic}"), e)),
+        Err((e, _)) => Err(produce_error(&format!("publishing to {topic}"), e)),
     }
+}
+
+/// A record too large for the producer's `message.max.bytes` (checked before sending) or the
+/// broker's (`MSG_SIZE_TOO_LARGE` in the delivery report) is [`ErrorKind::Rejected`]: it was
+/// not written and never will be; anything else is [`ErrorKind::Unavailable`].
+pub(crate) fn produce_error(what: &str, e: KafkaError) -> Error {
+    if e.rdkafka_error_code() == Some(RDKafkaErrorCode::MessageSizeTooLarge) {
+        return Error::new(
+            ErrorKind::Rejected,
+            format!("{what}: the record is too large for Kafka: {e}"),
+        )
+        .with_source(e);
+    }
+    unavailable(what, e)
 }
 
 pub(crate) fn unavailable(what: &str, e: KafkaError) -> Error {

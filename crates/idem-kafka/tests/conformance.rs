@@ -6,12 +6,20 @@ mod common;
 use std::time::Duration;
 
 use common::{Cluster, MockBroker, fast_group, read_topic};
+use idem_core::Error;
 use idem_kafka::KafkaSource;
+use idem_kafka::rdkafka::message::{Header, OwnedHeaders};
 use idem_kafka::rdkafka::producer::{FutureProducer, FutureRecord};
 use idem_testkit::{BrokerFixture, DeadLettered};
 
 /// Partitions per test topic: more than one, so two consumers of the group share the work.
 const PARTITIONS: i32 = 3;
+
+/// librdkafka's default `message.max.bytes`.
+const MESSAGE_MAX_BYTES: usize = 1_000_000;
+
+const NULL_HEADER: &str = "message-id header with a null value";
+const KEY_NO_HEADER: &str = "record key but no message-id header";
 
 /// One test topic, its dead-letter topic, and a consumer group shared by every source of the
 /// fixture. `REAL` picks the real brokers over the mock cluster.
@@ -33,6 +41,17 @@ impl<const REAL: bool> std::fmt::Debug for KafkaFixture<REAL> {
     }
 }
 
+impl<const REAL: bool> KafkaFixture<REAL> {
+    /// Sends a record the broker must accept, bypassing `idem_kafka::publish`.
+    async fn send(&self, record: FutureRecord<'_, [u8], [u8]>) {
+        self.producer
+            .send(record, Duration::from_secs(10))
+            .await
+            .map_err(|(e, _)| e)
+            .expect("publish without the helper");
+    }
+}
+
 impl<const REAL: bool> BrokerFixture for KafkaFixture<REAL> {
     type Source = KafkaSource;
 
@@ -41,6 +60,11 @@ impl<const REAL: bool> BrokerFixture for KafkaFixture<REAL> {
     } else {
         ""
     };
+    /// librdkafka's `message.max.bytes` (its default), checked by the producer before
+    /// anything is sent; the ID header counts.
+    const MAX_ID_BYTES: usize = MESSAGE_MAX_BYTES;
+    const MAX_MESSAGE_BYTES: usize = MESSAGE_MAX_BYTES;
+    const EMPTY_ID_FORMS: &'static [&'static str] = &[NULL_HEADER, KEY_NO_HEADER];
 
     async fn setup(url: String, name: String) -> Self {
         let cluster = if REAL {
@@ -63,26 +87,34 @@ impl<const REAL: bool> BrokerFixture for KafkaFixture<REAL> {
         }
     }
 
-    async fn publish(&self, id: Option<&str>, payload: &[u8]) {
+    async fn try_publish(&self, id: Option<&[u8]>, payload: &[u8]) -> Result<(), Error> {
         match id {
             // No key: copies of one ID may land on different partitions and reach different
             // members of the group, the harder case.
-            Some(id) => {
-                idem_kafka::publish(&self.producer, &self.topic, None, id, payload)
-                    .await
-                    .expect("publish");
-            }
+            Some(id) => idem_kafka::publish(&self.producer, &self.topic, None, id, payload)
+                .await
+                .map(drop),
             None => {
-                self.producer
-                    .send(
-                        FutureRecord::<[u8], [u8]>::to(&self.topic).payload(payload),
-                        Duration::from_secs(10),
-                    )
-                    .await
-                    .map_err(|(e, _)| e)
-                    .expect("publish without ID");
+                self.send(FutureRecord::to(&self.topic).payload(payload))
+                    .await;
+                Ok(())
             }
         }
+    }
+
+    /// The adapter reads the `message-id` header only: a null-valued one is as empty as an
+    /// empty one, and a record key is not an ID.
+    async fn publish_empty_id_form(&self, form: &'static str, payload: &[u8]) {
+        let record = FutureRecord::to(&self.topic).payload(payload);
+        let record = match form {
+            NULL_HEADER => record.headers(OwnedHeaders::new().insert(Header::<&[u8]> {
+                key: idem_kafka::MESSAGE_ID_HEADER,
+                value: None,
+            })),
+            KEY_NO_HEADER => record.key(b"corpus-key".as_slice()),
+            other => panic!("no empty-ID form {other:?}"),
+        };
+        self.send(record).await;
     }
 
     async fn source(&self) -> KafkaSource {

@@ -36,6 +36,15 @@
 //!   (`billing-1`, `billing-2`, …): a session whose owner never comes back keeps its messages
 //!   until it expires. `abandon` leaves the message unacknowledged and asks the connection to
 //!   reconnect shortly after, because nothing else would make the broker send it again.
+//! - **Bad input.** User properties are MQTT UTF-8 strings: at most 65 535 bytes (rumqttc
+//!   writes a longer one with a wrapped length prefix, and Mosquitto drops the connection),
+//!   and the spec makes NUL a malformed packet. [`MqttProducer::publish`] refuses such an ID
+//!   as [`ErrorKind::InvalidMessageId`](idem_core::ErrorKind) instead of sending a packet the
+//!   broker would refuse or misread. A missing or empty `message-id` is
+//!   dead-lettered as `missing-id`; a 65 535-byte ID over the processor's limit as
+//!   `invalid-id`, its dead letter carrying the ID's first 1 KiB
+//!   ([`DeadLetter::forward`](idem_consumer::DeadLetter::forward)). Payloads are carried whole
+//!   up to [`MqttConfig::max_packet_size`] (16 MiB by default).
 //! - **Several consumers.** Use a shared subscription, `$share/<group>/<filter>`, with a different
 //!   client ID per consumer. Mosquitto (2.0) keeps handing shared messages to members whose
 //!   session is offline, queued in that session: another reason for stable client IDs.

@@ -156,9 +156,21 @@ pub(crate) fn dead_letter_message(
     match protocol {
         Protocol::V5 => {
             let mut props = msg.forwarded_properties();
-            props
-                .user_properties
-                .extend(reason.headers().into_iter().map(|(k, v)| (k.to_owned(), v)));
+            // An ID too long for the store is cut short (see `DeadLetter::forward`).
+            let mut cut = Vec::new();
+            for (name, value) in &mut props.user_properties {
+                if reason.cuts(value.len()) {
+                    cut.push((name.clone(), value.len()));
+                    *value = reason.forward_str(value).into_owned();
+                }
+            }
+            props.user_properties.extend(
+                reason
+                    .headers()
+                    .into_iter()
+                    .chain(DeadLetter::truncation_note(&cut))
+                    .map(|(k, v)| (k.to_owned(), v)),
+            );
             props
                 .user_properties
                 .push((ORIGINAL_TOPIC_PROPERTY.to_owned(), topic));
@@ -278,6 +290,13 @@ impl MqttProducer {
     ///
     /// On 3.1.1 with an ID, the payload must be a JSON object: `message_id` is set in it and the
     /// object re-serialized, so the bytes on the wire may differ from `payload`.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidMessageId`] when a v5 `id` cannot travel as an MQTT string: longer
+    /// than 65 535 bytes, or holding NUL (U+0000), which the MQTT spec makes a malformed
+    /// packet; [`ErrorKind::InvalidConfig`] for a topic that cannot be published to, or a
+    /// 3.1.1 payload that is not a JSON object; [`ErrorKind::Unavailable`] when the broker
+    /// refused the message or did not acknowledge it.
     pub async fn publish(
         &self,
         topic: &str,
@@ -288,6 +307,9 @@ impl MqttProducer {
             return Err(invalid(format!(
                 "{topic:?} is not a valid MQTT topic to publish to"
             )));
+        }
+        if let (Some(id), Protocol::V5) = (id, self.publisher.protocol()) {
+            mqtt_string(id)?;
         }
         let mut properties = PublishProperties::default();
         let payload = match (id, self.publisher.protocol()) {
@@ -316,9 +338,35 @@ impl MqttProducer {
     }
 }
 
+/// Checks that `id` survives as an MQTT UTF-8 string: rumqttc writes a longer one with a
+/// wrapped length prefix (a malformed packet, or another ID), and NUL is malformed by the spec.
+fn mqtt_string(id: &str) -> Result<(), Error> {
+    let refuse = |why: String| Err(Error::new(ErrorKind::InvalidMessageId, why));
+    if id.len() > usize::from(u16::MAX) {
+        return refuse(format!(
+            "message ID is {} bytes; an MQTT string holds at most 65535",
+            id.len()
+        ));
+    }
+    if id.contains('\0') {
+        return refuse("message ID contains NUL, which an MQTT string cannot carry".to_owned());
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ids_that_are_not_mqtt_strings_are_refused() {
+        assert!(mqtt_string("order-42").is_ok());
+        assert!(mqtt_string(&"i".repeat(65535)).is_ok());
+        for bad in ["i".repeat(65536), "a\0b".to_owned()] {
+            let e = mqtt_string(&bad).err().map(|e| e.kind());
+            assert_eq!(e, Some(ErrorKind::InvalidMessageId));
+        }
+    }
 
     #[test]
     fn envelope_round_trips() {

@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idem_consumer::{Delivery, IdSource, Source};
-use idem_core::Error;
+use idem_core::{Error, ErrorKind};
 use idem_mqtt::{MqttDelivery, MqttProducer, MqttSource, Protocol};
 use idem_testkit::{BrokerFixture, DeadLettered};
 
@@ -100,6 +100,11 @@ impl BrokerFixture for MqttFixture {
     type Source = PooledSource;
 
     const URL_VAR: &'static str = idem_testkit::services::MQTT;
+    /// A user property value is an MQTT string: a 16-bit length.
+    const MAX_ID_BYTES: usize = 65_535;
+    /// The adapter's default packet limit (`MqttConfig::max_packet_size`, 16 MiB); Mosquitto
+    /// sets none of its own by default.
+    const MAX_MESSAGE_BYTES: usize = 16 * 1024 * 1024;
 
     async fn setup(url: String, name: String) -> Self {
         // Slot 0 joins the shared group now, so early publishes queue in its session.
@@ -134,11 +139,17 @@ impl BrokerFixture for MqttFixture {
         }
     }
 
-    async fn publish(&self, id: Option<&str>, payload: &[u8]) {
-        self.producer
-            .publish(&self.name, id, payload)
-            .await
-            .expect("publish");
+    async fn try_publish(&self, id: Option<&[u8]>, payload: &[u8]) -> Result<(), Error> {
+        let id = match id.map(std::str::from_utf8).transpose() {
+            Ok(id) => id,
+            Err(_) => {
+                return Err(Error::new(
+                    ErrorKind::InvalidMessageId,
+                    "MqttProducer::publish takes the ID as &str: MQTT user properties are UTF-8",
+                ));
+            }
+        };
+        self.producer.publish(&self.name, id, payload).await
     }
 
     async fn source(&self) -> PooledSource {

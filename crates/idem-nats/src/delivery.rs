@@ -77,9 +77,11 @@ impl JetStreamDelivery {
     }
 
     /// The dead letter: original payload, original headers (`Nats-*` ones renamed, see
-    /// [`ORIGINAL_HEADER_PREFIX`]), where it came from, and why.
+    /// [`ORIGINAL_HEADER_PREFIX`]; on an `invalid-id` dead letter a value over 1 KiB cut short,
+    /// see [`DeadLetter::forward`]), where it came from, and why.
     fn dead_letter_headers(&self, reason: &DeadLetter) -> Result<HeaderMap, Error> {
         let mut out = HeaderMap::new();
+        let mut cut = Vec::new();
         if let Some(original) = &self.msg.headers {
             for (name, values) in original.iter() {
                 let name_str: &str = name.as_ref();
@@ -89,9 +91,18 @@ impl JetStreamDelivery {
                     name.clone()
                 };
                 for value in values {
-                    out.append(name.clone(), value.clone());
+                    let text = value.as_str();
+                    if reason.cuts(text.len()) {
+                        cut.push((name_str.to_owned(), text.len()));
+                        out.append(name.clone(), header_value(&reason.forward_str(text))?);
+                    } else {
+                        out.append(name.clone(), value.clone());
+                    }
                 }
             }
+        }
+        if let Some((name, value)) = DeadLetter::truncation_note(&cut) {
+            out.insert(name, header_value(&value)?);
         }
         out.insert(ORIGINAL_STREAM_HEADER, header_value(&self.target.stream)?);
         out.insert(
@@ -154,9 +165,9 @@ impl Delivery for JetStreamDelivery {
             .context
             .publish_with_headers(subject, headers, self.msg.payload.clone())
             .await
-            .map_err(|e| error::api("publishing the dead letter", e))?;
+            .map_err(|e| error::publish("publishing the dead letter", e))?;
         pending.await.map_err(|e| {
-            error::api(
+            error::publish(
                 &format!(
                     "publishing the dead letter to {} (is it captured by a stream?)",
                     self.target.dead_letter_subject

@@ -2,6 +2,7 @@
 
 use std::fmt::{Debug, Display};
 
+use async_nats::jetstream::ErrorCode;
 use async_nats::jetstream::context::{CreateStreamErrorKind, GetStreamErrorKind, PublishErrorKind};
 use async_nats::jetstream::stream::ConsumerErrorKind;
 use idem_core::{Error, ErrorKind};
@@ -75,6 +76,32 @@ where
         ErrorKind::Unavailable
     };
     Error::new(kind, format!("NATS: {what}: {err}")).with_source(err)
+}
+
+/// A publish the server or client refused: a message too large for it (over the server's
+/// `max_payload`, headers over JetStream's 64 KiB, over the stream's `max_msg_size`) is
+/// [`ErrorKind::Rejected`]: this message can never be published, whatever is retried or
+/// reconfigured. The rest as [`api`].
+pub(crate) fn publish(what: &str, err: async_nats::error::Error<PublishErrorKind>) -> Error {
+    if too_large(&err) {
+        return Error::new(ErrorKind::Rejected, format!("NATS: {what}: {err}")).with_source(err);
+    }
+    api(what, err)
+}
+
+fn too_large(err: &async_nats::error::Error<PublishErrorKind>) -> bool {
+    if err.kind() == PublishErrorKind::MaxPayloadExceeded {
+        return true;
+    }
+    std::error::Error::source(err)
+        .and_then(|s| s.downcast_ref::<async_nats::jetstream::Error>())
+        .is_some_and(|e| {
+            matches!(
+                e.error_code(),
+                ErrorCode::STREAM_HEADER_EXCEEDS_MAXIMUM
+                    | ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM
+            )
+        })
 }
 
 /// A value idem refuses before it reaches the broker.

@@ -12,6 +12,17 @@
 //! window (two minutes by default), but that window is short, covers only publishing, and does
 //! nothing about a consumer receiving a message twice; the claim does.
 //!
+//! Bad input: [`publish`] refuses, as [`ErrorKind::InvalidMessageId`](idem_core::ErrorKind),
+//! an ID that a NATS header cannot carry unchanged (empty, not UTF-8, NUL or other control
+//! characters), and, as [`ErrorKind::Rejected`](idem_core::ErrorKind), a message too large
+//! for the server: JetStream takes a header block of at most 65 535 bytes (so an ID of about
+//! 65 500 bytes at most) and headers plus payload within `max_payload` (1 MiB by default). On
+//! the consumer side, an absent `Nats-Msg-Id` and one present but empty (sent by another
+//! client) are both dead-lettered as `missing-id`, and an ID over the processor's limit as
+//! `invalid-id`, with the ID cut to its first 1 KiB on the dead letter so that the dead
+//! letter itself fits the server's limits (see [`DeadLetter::forward`
+//! ](idem_consumer::DeadLetter::forward)).
+//!
 //! ```no_run
 //! # async fn demo() -> Result<(), idem_core::Error> {
 //! use std::sync::Arc;

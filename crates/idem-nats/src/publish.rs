@@ -36,7 +36,11 @@ use crate::error;
 ///
 /// # Errors
 /// [`ErrorKind::InvalidMessageId`] when `id` is empty, not UTF-8, contains control characters
-/// or starts or ends with whitespace (NATS headers cannot carry it unchanged);
+/// (NUL included) or starts or ends with whitespace (NATS headers cannot carry it unchanged);
+/// [`ErrorKind::Rejected`] when the message is too large: headers and payload together over
+/// the server's `max_payload` (1 MiB unless configured), headers over JetStream's 64 KiB
+/// (the ID is a header, so an ID of nearly 64 KiB is the longest a stream takes), or over
+/// the stream's `max_msg_size`;
 /// [`ErrorKind::InvalidConfig`] when no stream captures `subject`; otherwise
 /// [`ErrorKind::Unavailable`].
 pub async fn publish(
@@ -63,10 +67,10 @@ pub async fn publish_with_headers(
     let pending = js
         .publish_with_headers(subject, headers, payload.into())
         .await
-        .map_err(|e| error::api("publishing", e))?;
+        .map_err(|e| error::publish("publishing", e))?;
     pending
         .await
-        .map_err(|e| error::api("waiting for the publish acknowledgement", e))
+        .map_err(|e| error::publish("waiting for the publish acknowledgement", e))
 }
 
 /// The ID as a header value that reaches the consumer byte for byte.

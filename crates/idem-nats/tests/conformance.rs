@@ -7,8 +7,14 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use common::Streams;
+use idem_core::Error;
 use idem_nats::JetStreamSource;
 use idem_testkit::{BrokerFixture, DeadLettered};
+
+/// The server's `max_payload` (its default, 1 MiB): headers plus payload.
+const MAX_PAYLOAD: usize = 1024 * 1024;
+
+const EMPTY_NATS_MSG_ID: &str = "empty Nats-Msg-Id header";
 
 /// Short, so the redelivery checks are quick.
 const ACK_WAIT: Duration = Duration::from_secs(2);
@@ -23,26 +29,52 @@ impl<const BATCH: usize> BrokerFixture for NatsFixture<BATCH> {
 
     const URL_VAR: &'static str = idem_testkit::services::NATS;
     const BATCH_SIZE: usize = BATCH;
+    /// The ID is a header, and JetStream refuses a header block over 65 535 bytes: that is
+    /// `NATS/1.0\r\nNats-Msg-Id: <id>\r\n\r\n` with an ID of 65 508 bytes.
+    const MAX_ID_BYTES: usize = u16::MAX as usize - 27;
+    const MAX_MESSAGE_BYTES: usize = MAX_PAYLOAD;
+    const EMPTY_ID_FORMS: &'static [&'static str] = &[EMPTY_NATS_MSG_ID];
 
     async fn setup(url: String, name: String) -> Self {
+        let client = async_nats::connect(&url).await.expect("connect to NATS");
+        assert_eq!(
+            client.server_info().max_payload,
+            MAX_PAYLOAD,
+            "MAX_MESSAGE_BYTES states the server's max_payload"
+        );
+        drop(client);
         Self {
             streams: Streams::create(url, name).await,
         }
     }
 
-    async fn publish(&self, id: Option<&str>, payload: &[u8]) {
+    async fn try_publish(&self, id: Option<&[u8]>, payload: &[u8]) -> Result<(), Error> {
         let s = &self.streams;
-        let payload = payload.to_vec();
         match id {
-            Some(id) => s.publish_again_later(id, &payload).await,
+            Some(id) => s.try_publish_again_later(id, payload).await,
             None => {
-                s.js.publish(s.subject.clone(), payload.into())
+                s.js.publish(s.subject.clone(), payload.to_vec().into())
                     .await
                     .expect("publish")
                     .await
                     .expect("publish ack");
+                Ok(())
             }
         }
+    }
+
+    /// `idem_nats::publish` refuses an empty ID; another client may still send the header
+    /// empty.
+    async fn publish_empty_id_form(&self, form: &'static str, payload: &[u8]) {
+        assert_eq!(form, EMPTY_NATS_MSG_ID);
+        let s = &self.streams;
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(async_nats::header::NATS_MESSAGE_ID, "");
+        s.js.publish_with_headers(s.subject.clone(), headers, payload.to_vec().into())
+            .await
+            .expect("publish")
+            .await
+            .expect("publish ack");
     }
 
     async fn source(&self) -> JetStreamSource {

@@ -47,7 +47,9 @@ impl Shared {
         Ok(())
     }
 
-    /// Copies the entry (every original field, then the reason fields) to the dead-letter
+    /// Copies the entry (every original field, then the reason fields; on an `invalid-id`
+    /// dead letter a field other than the payload (index `payload`) over 1 KiB cut short, see
+    /// [`DeadLetter::forward`]) to the dead-letter
     /// stream, then acknowledges it, in one script: Redis runs it without interleaving, and a
     /// failed `XADD` (say, the dead-letter key holds another type) stops it before the `XACK`.
     /// `MULTI`/`EXEC` would not: it runs the `XACK` even when the `XADD` in front of it fails.
@@ -55,6 +57,7 @@ impl Shared {
         &self,
         id: &str,
         fields: &[Field],
+        payload: Option<usize>,
         reason: &DeadLetter,
     ) -> Result<(), Error> {
         let headers = reason.headers();
@@ -64,14 +67,25 @@ impl Shared {
             .arg(&self.group)
             .arg(id);
         // A replayed dead letter carries old reason fields; the new ones replace them rather
-        // than appear twice.
-        for (k, v) in fields
-            .iter()
-            .filter(|(k, _)| !headers.iter().any(|(h, _)| h.as_bytes() == k.as_slice()))
-        {
-            call.arg(k).arg(v);
+        // than appear twice. An ID too long for the store is cut short (`DeadLetter::forward`).
+        let mut cut = Vec::new();
+        for (i, (k, v)) in fields.iter().enumerate() {
+            if headers.iter().any(|(h, _)| h.as_bytes() == k.as_slice())
+                || k.as_slice() == DeadLetter::TRUNCATED_HEADER.as_bytes()
+            {
+                continue;
+            }
+            if Some(i) != payload && reason.cuts(v.len()) {
+                cut.push((String::from_utf8_lossy(k).into_owned(), v.len()));
+                call.arg(k).arg(reason.forward(v).as_ref());
+            } else {
+                call.arg(k).arg(v);
+            }
         }
-        for (k, v) in &headers {
+        for (k, v) in headers
+            .iter()
+            .chain(DeadLetter::truncation_note(&cut).iter())
+        {
             call.arg(*k).arg(v);
         }
         call.arg(ORIGIN_STREAM_FIELD)
@@ -192,7 +206,7 @@ impl Delivery for RedisStreamDelivery {
 
     async fn dead_letter(self, reason: &DeadLetter) -> Result<(), Error> {
         self.shared
-            .dead_letter(&self.id, &self.fields, reason)
+            .dead_letter(&self.id, &self.fields, Some(self.payload), reason)
             .await
     }
 }

@@ -249,7 +249,9 @@ impl RedisStreamSource {
                     &format!("{}/{}", self.shared.group, self.shared.consumer),
                     0,
                 );
-                self.shared.dead_letter(&entry.id, &fields, &dl).await?;
+                self.shared
+                    .dead_letter(&entry.id, &fields, None, &dl)
+                    .await?;
                 continue;
             };
             self.shared.in_flight().insert(entry.id.clone());

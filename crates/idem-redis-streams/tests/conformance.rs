@@ -4,6 +4,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+use idem_core::Error;
 use idem_redis_streams::{RedisStreamOptions, RedisStreamProducer, RedisStreamSource};
 use idem_testkit::{BrokerFixture, DeadLettered};
 use redis::aio::ConnectionManager;
@@ -12,6 +13,8 @@ use redis::aio::ConnectionManager;
 /// handler (300 ms) is never reclaimed while it runs.
 const MIN_IDLE: Duration = Duration::from_millis(1500);
 const BLOCK: Duration = Duration::from_millis(200);
+
+const EMPTY_FIELD: &str = "empty message_id field";
 
 struct RedisFixture {
     url: String,
@@ -31,11 +34,29 @@ impl RedisFixture {
     fn dead_letter_stream(&self) -> String {
         self.options("any".into()).dead_letter_stream_key()
     }
+
+    /// `XADD` of `fields`, bypassing the producer helper.
+    async fn xadd(&self, fields: &[(&str, &[u8])]) {
+        let mut cmd = redis::cmd("XADD");
+        cmd.arg(&self.stream).arg("*");
+        for (k, v) in fields {
+            cmd.arg(*k).arg(*v);
+        }
+        let _: String = cmd
+            .query_async(&mut self.conn.clone())
+            .await
+            .expect("XADD without the producer");
+    }
 }
 
 impl BrokerFixture for RedisFixture {
     type Source = RedisStreamSource;
     const URL_VAR: &'static str = idem_testkit::services::REDIS;
+    /// Redis's `proto-max-bulk-len` (its default, 512 MiB) bounds each field; a 10 MiB ID
+    /// and a 10 MiB payload go through.
+    const MAX_ID_BYTES: usize = 512 * 1024 * 1024;
+    const MAX_MESSAGE_BYTES: usize = 512 * 1024 * 1024;
+    const EMPTY_ID_FORMS: &'static [&'static str] = &[EMPTY_FIELD];
 
     async fn setup(url: String, name: String) -> Self {
         let client = redis::Client::open(url.as_str()).expect("redis URL");
@@ -52,22 +73,21 @@ impl BrokerFixture for RedisFixture {
         }
     }
 
-    async fn publish(&self, id: Option<&str>, payload: &[u8]) {
+    async fn try_publish(&self, id: Option<&[u8]>, payload: &[u8]) -> Result<(), Error> {
         match id {
-            Some(id) => {
-                self.producer.publish(id, payload).await.expect("XADD");
-            }
+            Some(id) => self.producer.publish(id, payload).await.map(drop),
             None => {
-                let _: String = redis::cmd("XADD")
-                    .arg(&self.stream)
-                    .arg("*")
-                    .arg("payload")
-                    .arg(payload)
-                    .query_async(&mut self.conn.clone())
-                    .await
-                    .expect("XADD without ID");
+                self.xadd(&[("payload", payload)]).await;
+                Ok(())
             }
         }
+    }
+
+    /// The producer refuses an empty ID; another client may still write the field empty.
+    async fn publish_empty_id_form(&self, form: &'static str, payload: &[u8]) {
+        assert_eq!(form, EMPTY_FIELD);
+        self.xadd(&[("message_id", b""), ("payload", payload)])
+            .await;
     }
 
     async fn source(&self) -> RedisStreamSource {

@@ -634,3 +634,377 @@ pub async fn retries_then_dead_letter_when_exhausted<F: BrokerFixture>(test: &st
     h.teardown().await;
     fx.teardown().await;
 }
+
+/// The corpus's "huge": a 10 MiB ID, a 10 MiB payload.
+pub const HUGE: usize = 10 * 1024 * 1024;
+
+/// Room a dead letter needs for its own headers (reason, a detail of at most 1 KiB, where it
+/// came from, a cut ID) on top of the original: a message this close to the broker's limit
+/// cannot be dead-lettered intact, so the corpus's largest messages stay this far below it.
+pub const DEAD_LETTER_ROOM: usize = 8 * 1024;
+
+/// What must become of one corpus message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Expect {
+    /// Exactly one dead letter with this reason and the payload intact.
+    DeadLetter(&'static str),
+    /// Processed: exactly one effect for the ID as [`MessageId`](idem_core::MessageId) prints it.
+    Effect(String),
+}
+
+#[derive(Debug)]
+struct Case {
+    label: String,
+    payload: Vec<u8>,
+    expect: Expect,
+    id_len: usize,
+}
+
+/// The bad input published so far, each followed by a good message.
+struct Corpus<'a, F> {
+    fx: &'a F,
+    cases: Vec<Case>,
+    goods: Vec<String>,
+    /// What the producer refused, for the failure messages.
+    refused: Vec<String>,
+    n: i64,
+}
+
+impl<'a, F: BrokerFixture> Corpus<'a, F> {
+    fn new(fx: &'a F) -> Self {
+        Self {
+            fx,
+            cases: Vec::new(),
+            goods: Vec::new(),
+            refused: Vec::new(),
+            n: 100,
+        }
+    }
+
+    /// A payload no other corpus message has, so each dead letter is told apart by payload.
+    fn order(&mut self) -> Vec<u8> {
+        self.n += 1;
+        order(self.n)
+    }
+
+    /// `{"n":…,"pad":"…"}` of exactly `len` bytes; cut short of its closing `"}` when `!valid`.
+    fn padded(&mut self, len: usize, valid: bool) -> Vec<u8> {
+        self.n += 1;
+        let head = format!("{{\"n\":{},\"pad\":\"", self.n);
+        let tail: &[u8] = if valid { b"\"}" } else { b"" };
+        let mut p = Vec::with_capacity(len);
+        p.extend_from_slice(head.as_bytes());
+        p.resize(len - tail.len(), b'p');
+        p.extend_from_slice(tail);
+        p
+    }
+
+    async fn good(&mut self) {
+        let id = format!("corpus-good-{}", self.goods.len());
+        let payload = self.order();
+        self.fx.publish(Some(&id), &payload).await;
+        self.goods.push(id);
+    }
+
+    fn push(&mut self, label: &str, id: Option<&[u8]>, payload: Vec<u8>, expect: Expect) {
+        self.cases.push(Case {
+            label: label.to_owned(),
+            payload,
+            expect,
+            id_len: id.map_or(0, <[u8]>::len),
+        });
+    }
+
+    /// A message the broker must accept, then a good one.
+    async fn accepted(&mut self, label: &str, id: Option<&[u8]>, payload: Vec<u8>, expect: Expect) {
+        if let Err(e) = self.fx.try_publish(id, &payload).await {
+            panic!("{label}: the broker must accept this message, got {e}");
+        }
+        self.push(label, id, payload, expect);
+        self.good().await;
+    }
+
+    /// A message the adapter's producer may refuse with `InvalidMessageId` (the ID cannot
+    /// travel on this broker unchanged); if it is accepted, `expect` must happen.
+    async fn maybe_refused(
+        &mut self,
+        label: &str,
+        id: Option<&[u8]>,
+        payload: Vec<u8>,
+        expect: Expect,
+    ) {
+        match self.fx.try_publish(id, &payload).await {
+            Ok(()) => self.push(label, id, payload, expect),
+            Err(e) => {
+                assert_eq!(
+                    e.kind(),
+                    idem_core::ErrorKind::InvalidMessageId,
+                    "{label}: a producer refuses an ID it cannot carry as the ID's fault: {e}"
+                );
+                self.refused.push(format!("{label}: {e}"));
+            }
+        }
+        self.good().await;
+    }
+
+    /// A message the broker cannot take: the producer must say so with an error that blames
+    /// the message (retrying cannot help), never drop it silently or report an outage.
+    async fn refused(&mut self, label: &str, id: Option<&[u8]>, payload: &[u8]) {
+        match self.fx.try_publish(id, payload).await {
+            Ok(()) => panic!(
+                "{label}: the fixture says the broker refuses it, but it was accepted (fix MAX_ID_BYTES / MAX_MESSAGE_BYTES)"
+            ),
+            Err(e) => {
+                assert!(
+                    matches!(
+                        e.kind(),
+                        idem_core::ErrorKind::InvalidMessageId | idem_core::ErrorKind::Rejected
+                    ),
+                    "{label}: refused as the message's fault (InvalidMessageId or Rejected), not {:?}: {e}",
+                    e.kind()
+                );
+                self.refused.push(format!("{label}: {e}"));
+            }
+        }
+    }
+}
+
+/// Bad input of every kind, each followed by a good message: no ID, empty IDs (and the
+/// broker's own empty forms), a 10 MiB ID (or, where the broker refuses one, the refusal and
+/// the longest ID it takes), non-UTF-8 and NUL bytes in the ID, the same ID with another
+/// payload, malformed JSON, and huge payloads. Each bad message gets exactly one dead letter
+/// with its documented reason, a detail and its payload intact, or is processed once where
+/// the documented behaviour is to process it; every good message has one effect, and a last
+/// good message after the corpus still commits.
+pub async fn bad_input_corpus_is_dead_lettered_and_consuming_continues<F: BrokerFixture>(
+    test: &str,
+) {
+    use Expect::{DeadLetter as Dl, Effect};
+    let Some((fx, h)) = setup::<F>(test).await else {
+        return;
+    };
+    let run = h.spawn(
+        fx.source().await,
+        EffectHandler(Arc::default()),
+        F::BATCH_SIZE,
+    );
+    // The conflict needs its original committed first.
+    fx.publish(Some("corpus-conflict"), &order(1)).await;
+    let original = eventually(PROMPT, || async { h.effects("corpus-conflict").await == 1 }).await;
+    assert!(original, "the original of the conflicting ID commits");
+
+    let mut c = Corpus::new(&fx);
+    let p = c.order();
+    c.accepted("no ID", None, p, Dl("missing-id")).await;
+    let p = c.order();
+    c.maybe_refused("empty ID", Some(b""), p, Dl("missing-id"))
+        .await;
+    for form in F::EMPTY_ID_FORMS {
+        let p = c.order();
+        fx.publish_empty_id_form(form, &p).await;
+        c.push(form, None, p, Dl("missing-id"));
+        c.good().await;
+    }
+
+    // The longest ID: 10 MiB where the broker takes it, else its refusal and the longest it takes.
+    let longest = F::MAX_ID_BYTES.min(F::MAX_MESSAGE_BYTES - DEAD_LETTER_ROOM);
+    if longest < HUGE {
+        let p = c.order();
+        c.refused("10 MiB ID", Some(&vec![b'i'; HUGE]), &p).await;
+    }
+    // An ID limit of its own below the message limit (a header or property limit) refuses too.
+    if F::MAX_ID_BYTES < HUGE && 2 * F::MAX_ID_BYTES < F::MAX_MESSAGE_BYTES - DEAD_LETTER_ROOM {
+        let p = c.order();
+        let label = format!("{} byte ID", 2 * F::MAX_ID_BYTES);
+        c.refused(&label, Some(&vec![b'i'; 2 * F::MAX_ID_BYTES]), &p)
+            .await;
+    }
+    let long_id = vec![b'i'; longest.min(HUGE)];
+    let p = c.order();
+    let label = format!("{} byte ID", long_id.len());
+    c.accepted(&label, Some(&long_id), p, Dl("invalid-id"))
+        .await;
+    drop(long_id);
+
+    // An ID is bytes: where the broker carries these unchanged they are processed.
+    for (label, id) in [
+        ("non-UTF-8 ID", &b"corpus-\xff\xfe-id"[..]),
+        ("NUL bytes in the ID", &b"corpus-\0-nul\0"[..]),
+    ] {
+        let display = idem_core::MessageId::new(id)
+            .expect("a valid ID")
+            .to_string();
+        let p = c.order();
+        c.maybe_refused(label, Some(id), p, Effect(display)).await;
+    }
+
+    let p = c.order();
+    c.accepted(
+        "same ID, other payload",
+        Some(b"corpus-conflict"),
+        p,
+        Dl("conflict"),
+    )
+    .await;
+    for (i, payload) in [
+        &b"{\"n\": 7,"[..],
+        b"{\"n\":\"seven\"}",
+        b"\xff\xfe{\"n\":7}",
+        b"",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let id = format!("corpus-undecodable-{i}");
+        c.accepted(
+            &format!("undecodable payload {payload:?}"),
+            Some(id.as_bytes()),
+            payload.to_vec(),
+            Dl("undecodable"),
+        )
+        .await;
+    }
+
+    // Huge payloads: 10 MiB where the broker takes it, else its refusal and the largest it takes.
+    let largest = HUGE.min(F::MAX_MESSAGE_BYTES - DEAD_LETTER_ROOM);
+    if largest < HUGE && HUGE > F::MAX_MESSAGE_BYTES {
+        let p = vec![b' '; HUGE];
+        c.refused("10 MiB payload", Some(b"corpus-huge-refused"), &p)
+            .await;
+    }
+    let p = c.padded(largest, false);
+    c.accepted(
+        &format!("{largest} byte malformed payload"),
+        Some(b"corpus-huge-malformed"),
+        p,
+        Dl("undecodable"),
+    )
+    .await;
+    let p = c.padded(largest, true);
+    c.accepted(
+        &format!("{largest} byte valid payload"),
+        Some(b"corpus-huge-valid"),
+        p,
+        Effect("corpus-huge-valid".to_owned()),
+    )
+    .await;
+
+    // The consumer keeps consuming.
+    fx.publish(Some("corpus-last"), &order(2)).await;
+    let letters_expected = c.cases.iter().filter(|k| matches!(k.expect, Dl(_))).count() as u64;
+    let processed_expected = (c.goods.len()
+        + 2
+        + c.cases
+            .iter()
+            .filter(|k| matches!(k.expect, Effect(_)))
+            .count()) as u64;
+    let obs = run.observer.clone();
+    let settled = eventually(PROMPT, || {
+        let s = obs.snapshot();
+        async move { s.dead_lettered >= letters_expected && s.processed >= processed_expected }
+    })
+    .await;
+    let last = h.effects("corpus-last").await;
+    let stats = run.stop().await;
+    assert!(
+        settled && last == 1,
+        "every corpus message settled and the last good one committed ({last}): expected {letters_expected} dead letters and {processed_expected} processed, got {stats:?}"
+    );
+    // One more than expected, so that a doubled dead letter would show.
+    let letters = fx
+        .dead_letters(letters_expected as usize + 1, Duration::from_secs(2))
+        .await;
+    let summary = |d: &DeadLettered| {
+        format!(
+            "{} byte payload {:?}, reason {:?}",
+            d.payload.len(),
+            String::from_utf8_lossy(&d.payload[..d.payload.len().min(40)]),
+            d.headers.get(idem_consumer::REASON_HEADER)
+        )
+    };
+    let all: Vec<String> = letters.iter().map(summary).collect();
+
+    for case in &c.cases {
+        let label = &case.label;
+        let mine: Vec<&DeadLettered> = letters
+            .iter()
+            .filter(|d| d.payload == case.payload)
+            .collect();
+        match &case.expect {
+            Dl(reason) => {
+                assert_eq!(
+                    mine.len(),
+                    1,
+                    "{label}: exactly one dead letter; all: {all:?}; refused: {:?}",
+                    c.refused
+                );
+                let dl = mine[0];
+                assert_eq!(
+                    dl.headers
+                        .get(idem_consumer::REASON_HEADER)
+                        .map(String::as_str),
+                    Some(*reason),
+                    "{label}: reason"
+                );
+                let detail = dl.headers.get(idem_consumer::DETAIL_HEADER);
+                assert!(
+                    detail.is_some_and(|d| !d.is_empty()),
+                    "{label}: a detail: {:?}",
+                    summary(dl)
+                );
+                if case.id_len > idem_consumer::DeadLetter::MAX_FORWARDED_ID_VALUE {
+                    // Adapters that copy the original headers copy the ID cut short, and say so.
+                    let longest = dl.headers.values().map(String::len).max().unwrap_or(0);
+                    assert!(
+                        longest <= 4 * 1024,
+                        "{label}: the dead letter carries the ID cut short, not whole ({longest} bytes)"
+                    );
+                    let cut = "i".repeat(idem_consumer::DeadLetter::MAX_FORWARDED_ID_VALUE);
+                    if dl.headers.values().any(|v| *v == cut) {
+                        assert!(
+                            dl.headers
+                                .contains_key(idem_consumer::DeadLetter::TRUNCATED_HEADER),
+                            "{label}: the dead letter says the ID was cut: {:?}",
+                            dl.headers.keys().collect::<Vec<_>>()
+                        );
+                    }
+                }
+            }
+            Effect(id) => {
+                assert!(mine.is_empty(), "{label}: not dead-lettered: {all:?}");
+                assert_eq!(h.effects(id).await, 1, "{label}: processed once as {id:?}");
+            }
+        }
+    }
+    assert_eq!(
+        letters.len() as u64,
+        letters_expected,
+        "no other dead letters: {all:?}"
+    );
+    for id in &c.goods {
+        assert_eq!(h.effects(id).await, 1, "good message {id}: one effect");
+    }
+    assert_eq!(h.effects("corpus-conflict").await, 1);
+    assert!(h.doubled().await.is_empty(), "{:?}", h.doubled().await);
+    assert_eq!(stats.dead_lettered, letters_expected, "{stats:?}");
+    assert_eq!(stats.processed, processed_expected, "{stats:?}");
+    assert_eq!(stats.conflicts, 1, "{stats:?}");
+    assert_eq!(
+        (
+            stats.duplicates,
+            stats.retries,
+            stats.abandoned,
+            stats.broker_errors
+        ),
+        (0, 0, 0, 0),
+        "no redelivery, retry or failed dead letter: {stats:?}"
+    );
+    eprintln!(
+        "{test}: {} cases, {} refused by the producer: {:?}",
+        c.cases.len(),
+        c.refused.len(),
+        c.refused
+    );
+    h.teardown().await;
+    fx.teardown().await;
+}

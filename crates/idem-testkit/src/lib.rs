@@ -68,6 +68,7 @@ macro_rules! broker_conformance_tests {
             poison_messages_are_dead_lettered_with_reason_and_intact_payload,
             graceful_shutdown_in_flight_loses_nothing_and_doubles_nothing,
             retries_then_dead_letter_when_exhausted,
+            bad_input_corpus_is_dead_lettered_and_consuming_continues,
         );
     };
     (@tests $fixture:ty; $($name:ident),* $(,)?) => {

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use idem_consumer::{InMemoryBroker, InMemorySource, Settled};
+use idem_core::Error;
 use idem_testkit::{BrokerFixture, DeadLettered};
 
 #[derive(Debug)]
@@ -15,6 +16,8 @@ struct InMemoryFixture {
 impl BrokerFixture for InMemoryFixture {
     type Source = InMemorySource;
     const URL_VAR: &'static str = "";
+    const MAX_ID_BYTES: usize = usize::MAX;
+    const MAX_MESSAGE_BYTES: usize = usize::MAX;
 
     async fn setup(_url: String, _name: String) -> Self {
         Self {
@@ -22,13 +25,12 @@ impl BrokerFixture for InMemoryFixture {
         }
     }
 
-    async fn publish(&self, id: Option<&str>, payload: &[u8]) {
+    async fn try_publish(&self, id: Option<&[u8]>, payload: &[u8]) -> Result<(), Error> {
         match id {
-            Some(id) => self
-                .broker
-                .publish(&[("message-id", id.as_bytes())], payload),
+            Some(id) => self.broker.publish(&[("message-id", id)], payload),
             None => self.broker.publish(&[], payload),
         }
+        Ok(())
     }
 
     async fn source(&self) -> InMemorySource {
@@ -80,12 +82,14 @@ mod batched {
         type Source = InMemorySource;
         const URL_VAR: &'static str = "";
         const BATCH_SIZE: usize = 8;
+        const MAX_ID_BYTES: usize = usize::MAX;
+        const MAX_MESSAGE_BYTES: usize = usize::MAX;
 
         async fn setup(url: String, name: String) -> Self {
             Self(InMemoryFixture::setup(url, name).await)
         }
-        async fn publish(&self, id: Option<&str>, payload: &[u8]) {
-            self.0.publish(id, payload).await
+        async fn try_publish(&self, id: Option<&[u8]>, payload: &[u8]) -> Result<(), Error> {
+            self.0.try_publish(id, payload).await
         }
         async fn source(&self) -> InMemorySource {
             self.0.source().await

@@ -650,3 +650,184 @@ async fn raw_http(base: &str, request: &[u8]) -> String {
     }
     String::from_utf8_lossy(&answer).into_owned()
 }
+
+/// Key headers outside the accepted format, beyond those of
+/// `malformed_and_doubled_keys_are_400`: each is `400 invalid-key` with nothing recorded, and
+/// the server serves a normal request afterwards.
+pub(crate) async fn malformed_lists_obs_text_and_huge_keys_are_400_and_serving_goes_on<
+    F: HttpFixture,
+>(
+    test: &str,
+) {
+    let fx = fixture!(test);
+    let server = default_server(&fx).await;
+    let value = |bytes: &[u8]| HeaderValue::from_bytes(bytes).expect("a header value");
+    let huge = vec![b'k'; 64 * 1024];
+    let mut huge_sf = vec![b'"'];
+    huge_sf.extend_from_slice(&huge);
+    huge_sf.push(b'"');
+    let cases: Vec<(&str, Vec<HeaderValue>)> = vec![
+        ("text after the string", vec![value(b"\"a\"b")]),
+        ("a list on one line", vec![value(b"\"a\", \"b\"")]),
+        ("two bare keys joined by a proxy", vec![value(b"a, b")]),
+        ("a trailing comma", vec![value(b"\"a\",")]),
+        ("a parameter without a name", vec![value(b"\"a\";")]),
+        ("a parameter with a bad value", vec![value(b"\"a\";v=?2")]),
+        ("a backslash at the end", vec![value(b"\"a\\")]),
+        ("an escaped letter", vec![value(b"\"a\\x\"")]),
+        ("a tab inside the string", vec![value(b"\"a\tb\"")]),
+        ("a tab inside a bare key", vec![value(b"a\tb")]),
+        ("obs-text in the string", vec![value(b"\"k\xff\"")]),
+        ("obs-text, bare", vec![value(b"\xe9t\xe9")]),
+        ("UTF-8, bare", vec![value("\u{1F511}".as_bytes())]),
+        ("a 64 KiB bare key", vec![value(&huge)]),
+        ("a 64 KiB sf-string", vec![value(&huge_sf)]),
+        ("doubled, one empty", vec![value(b"\"a\""), value(b"")]),
+        ("tripled", vec![value(b"a"), value(b"a"), value(b"a")]),
+    ];
+    for (what, keys) in cases {
+        let r = server.post(Post::new("x", "malformed").keys(keys)).await;
+        assert_eq!(r.status, 400, "{what}: {r:?}");
+        assert_eq!(r.code(), "invalid-key", "{what}");
+    }
+    assert_eq!(server.executions(), 0);
+    assert_eq!(fx.count_records().await, 0);
+    // Parameters are ignored and surrounding whitespace trimmed: these are keys.
+    for (n, key) in [&b"\"p-1\";v=1;x"[..], b"  \"p-2\"  ", b"a,b"]
+        .iter()
+        .enumerate()
+    {
+        let r = server
+            .post(Post::new("x", &format!("fine-{n}")).keys(vec![value(key)]))
+            .await;
+        assert_eq!(r.status, 201, "{:?}: {r:?}", String::from_utf8_lossy(key));
+    }
+    let r = server.post(Post::new("k-after-bad-keys", "after")).await;
+    assert_eq!(r.status, 201, "the server still serves: {r:?}");
+    assert_eq!(fx.count_effects("malformed").await, 0);
+    assert_eq!(fx.count_effects("after").await, 1);
+    done(server, fx).await;
+}
+
+/// A body shorter than its `Content-Length`, the client gone before the rest: `400
+/// invalid-body` (to a client that half-closed and still reads), the handler never runs,
+/// nothing is recorded, and the same key then executes normally.
+pub(crate) async fn a_truncated_body_is_400_records_nothing_and_serving_goes_on<F: HttpFixture>(
+    test: &str,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let fx = fixture!(test);
+    let server = default_server(&fx).await;
+    let body = br#"{"effect":"truncated"}"#;
+    let head = format!(
+        "POST /charges HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n\
+         x-principal: alice\r\nidempotency-key: \"k-truncated\"\r\ncontent-length: {}\r\n\r\n",
+        body.len() + 100
+    );
+    let mut conn = tokio::net::TcpStream::connect(server.base.trim_start_matches("http://"))
+        .await
+        .expect("connect");
+    conn.write_all(head.as_bytes()).await.expect("head");
+    conn.write_all(body).await.expect("part of the body");
+    conn.shutdown().await.expect("half-close");
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), conn.read_to_end(&mut answer))
+        .await
+        .expect("the server answers and closes, it does not wait for the rest")
+        .expect("read the answer");
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 400 "), "{answer}");
+    assert!(answer.contains("\"code\":\"invalid-body\""), "{answer}");
+    // A client that closes outright gets nothing, and changes nothing either.
+    let mut gone = tokio::net::TcpStream::connect(server.base.trim_start_matches("http://"))
+        .await
+        .expect("connect");
+    gone.write_all(head.as_bytes()).await.expect("head");
+    gone.write_all(&body[..5]).await.expect("part of the body");
+    drop(gone);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(server.executions(), 0, "the handler never ran");
+    assert_eq!(fx.count_records().await, 0, "nothing recorded");
+    let r = server.post(Post::new("k-truncated", "truncated")).await;
+    assert_eq!(
+        r.status, 201,
+        "the key is free and the server serves: {r:?}"
+    );
+    assert!(!r.replayed());
+    assert_eq!(fx.count_effects("truncated").await, 1);
+    done(server, fx).await;
+}
+
+/// A client that sends its request and disconnects while the handler runs: the server drops
+/// the request, the execution is abandoned (its writes roll back on the stores that share a
+/// transaction with them, the key is freed), and a
+/// retry with the same key runs the handler again — answered at once, `409` with
+/// `Retry-After` only until the key is freed, never a hang.
+pub(crate) async fn a_client_gone_mid_request_abandons_the_execution_and_the_retry_runs<
+    F: HttpFixture,
+>(
+    test: &str,
+) {
+    use tokio::io::AsyncWriteExt;
+
+    let fx = fixture!(test);
+    let server = default_server(&fx).await;
+    let body = br#"{"effect":"gone"}"#;
+    let request = format!(
+        "POST /charges HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n\
+         x-principal: alice\r\nidempotency-key: \"k-gone\"\r\nx-sleep-ms: 3000\r\n\
+         content-length: {}\r\n\r\n{}",
+        body.len(),
+        std::str::from_utf8(body).expect("utf-8")
+    );
+    let mut conn = tokio::net::TcpStream::connect(server.base.trim_start_matches("http://"))
+        .await
+        .expect("connect");
+    conn.write_all(request.as_bytes()).await.expect("request");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while server.executions() == 0 {
+        assert!(Instant::now() < deadline, "the handler starts");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The handler is asleep with its effect written in the open transaction.
+    drop(conn);
+    let started = Instant::now();
+    let retry = loop {
+        let r = tokio::time::timeout(
+            Duration::from_secs(10),
+            server.post(Post::new("k-gone", "gone")),
+        )
+        .await
+        .expect("the retry is answered, not held");
+        if r.status != 409 {
+            break r;
+        }
+        assert_eq!(r.code(), "conflict");
+        assert!(r.headers.contains_key("retry-after"), "{r:?}");
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "the key is freed when the client goes, not when the lease or the handler ends"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(retry.status, 201, "{retry:?}");
+    assert!(
+        !retry.replayed(),
+        "the first execution was abandoned, not completed: {retry:?}"
+    );
+    assert_eq!(server.executions(), 2, "the retry ran the handler again");
+    // Redis shares no transaction with the effect: there the first write stays.
+    let expected = if F::SHARED_TRANSACTION { 1 } else { 2 };
+    assert_eq!(
+        fx.count_effects("gone").await,
+        expected,
+        "the abandoned execution's writes rolled back"
+    );
+    let again = server.post(Post::new("k-gone", "gone")).await;
+    assert!(
+        again.replayed(),
+        "the retry's response is the stored one: {again:?}"
+    );
+    done(server, fx).await;
+}

@@ -60,12 +60,22 @@ impl Streams {
     /// published again once the duplicate window has passed, as a producer retrying late
     /// would, so that the consumer really receives it twice.
     pub async fn publish_again_later(&self, id: &str, payload: &[u8]) {
+        self.try_publish_again_later(id.as_bytes(), payload)
+            .await
+            .expect("publish");
+    }
+
+    /// [`publish_again_later`](Self::publish_again_later), returning the helper's refusal.
+    pub async fn try_publish_again_later(
+        &self,
+        id: &[u8],
+        payload: &[u8],
+    ) -> Result<(), idem_core::Error> {
         loop {
-            let ack = idem_nats::publish(&self.js, self.subject.clone(), id, payload.to_vec())
-                .await
-                .expect("publish");
+            let ack =
+                idem_nats::publish(&self.js, self.subject.clone(), id, payload.to_vec()).await?;
             if !ack.duplicate {
-                return;
+                return Ok(());
             }
             tokio::time::sleep(DUPLICATE_WINDOW).await;
         }
