@@ -37,6 +37,28 @@ pub(crate) struct Ctx<S, C, D, H> {
     pub(crate) fatal: Mutex<Option<Error>>,
 }
 
+/// How many bytes of a message ID logs and dead-letter details show.
+const SHOWN_ID_BYTES: usize = 128;
+
+/// A message ID for span fields and dead-letter details. The ID is validated against the
+/// store's limit only later, so this is where an oversized one (poison, up to what the
+/// broker carries: megabytes) passes by: it is cut, with its length, instead of becoming a
+/// megabyte log field or a dead-letter header the broker refuses.
+struct ShownId<'a>(&'a MessageId);
+
+impl std::fmt::Display for ShownId<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let bytes = self.0.as_bytes();
+        if bytes.len() <= SHOWN_ID_BYTES {
+            return self.0.fmt(f);
+        }
+        match MessageId::with_limit(&bytes[..SHOWN_ID_BYTES], usize::MAX) {
+            Ok(head) => write!(f, "{head}… ({} bytes)", bytes.len()),
+            Err(_) => write!(f, "({} bytes)", bytes.len()),
+        }
+    }
+}
+
 /// Per-message results of a committed batch, and when its last handler returned.
 type BatchResult<T> = Result<(Vec<Result<Outcome<T>, Error>>, Option<Instant>), Error>;
 
@@ -75,7 +97,7 @@ where
         let payload = self.decoder.decode(bytes).map_err(|e| {
             DeadLetter::new(
                 DeadLetterReason::Undecodable,
-                format!("payload of message {id} does not decode: {e}"),
+                format!("payload of message {} does not decode: {e}", ShownId(&id)),
             )
         })?;
         // The fingerprint covers the bytes as published, so a re-encoded equal value is still
@@ -94,7 +116,7 @@ where
             match self.prepare(&delivery) {
                 Ok(msg) => {
                     tracing::Span::current()
-                        .record("message_id", tracing::field::display(msg.message_id()));
+                        .record("message_id", tracing::field::display(ShownId(msg.message_id())));
                     let first = delivery.previous_deliveries().saturating_add(1);
                     self.process_with_retries(delivery, msg, first).await;
                 }
@@ -138,7 +160,7 @@ where
                 let mut failed = Vec::new();
                 for ((d, msg), r) in ready.into_iter().zip(msgs).zip(results) {
                     let span = self.span(&d);
-                    span.record("message_id", tracing::field::display(msg.message_id()));
+                    span.record("message_id", tracing::field::display(ShownId(msg.message_id())));
                     match r {
                         Ok(outcome) => done.push((d, msg, outcome, span)),
                         Err(e) => failed.push((d, msg, e, span)),
@@ -163,7 +185,7 @@ where
                 tracing::warn!(parent: &span, error = %e, "batch did not commit; processing its messages one by one");
                 join_all(ready.into_iter().zip(msgs).map(|(d, msg)| {
                     let span = self.span(&d);
-                    span.record("message_id", tracing::field::display(msg.message_id()));
+                    span.record("message_id", tracing::field::display(ShownId(msg.message_id())));
                     let attempt = d.previous_deliveries().saturating_add(1);
                     self.process_with_retries(d, msg, attempt).instrument(span)
                 }))
@@ -459,4 +481,19 @@ impl Drop for OutageWait<'_> {
 /// out of connections) rather than anything about the message.
 fn infrastructure(e: &Error) -> bool {
     matches!(e.kind(), ErrorKind::Unavailable | ErrorKind::OutcomeUnknown)
+}
+
+#[cfg(test)]
+mod shown_id_tests {
+    use super::*;
+
+    #[test]
+    fn long_ids_are_cut_with_their_length_and_short_ones_shown_whole() {
+        let short = MessageId::new("pay-1").unwrap();
+        assert_eq!(ShownId(&short).to_string(), "pay-1");
+        let long = MessageId::with_limit("x".repeat(10 << 20), usize::MAX).unwrap();
+        let shown = ShownId(&long).to_string();
+        assert!(shown.len() < 200, "{} bytes shown", shown.len());
+        assert!(shown.ends_with(&format!("… ({} bytes)", 10 << 20)), "{shown}");
+    }
 }
