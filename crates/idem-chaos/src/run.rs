@@ -37,6 +37,9 @@ pub(crate) async fn run(args: Args) -> Result<Report> {
     let payments = locate_payments(&args)?;
 
     let mut broker = Broker::parse(&args.broker)?;
+    if let Broker::Kafka(hosts) = &broker {
+        check_kafka_broker(hosts).await?;
+    }
     let mut cluster = None;
     if args.restart_broker > 0 {
         let Broker::Nats(_) = broker else {
@@ -169,6 +172,40 @@ fn locate_payments(args: &Args) -> Result<PathBuf> {
         "no payments binary next to {}: build it with `cargo build -p payments --features crash-points` or pass --payments",
         me.display()
     )
+}
+
+/// Refuses to run on a Kafka-protocol broker that skips records when a consumer fetches from
+/// inside a stored batch (tansu's memory engine does): its losses would be counted as idem's,
+/// or hide idem's. Runs idem-kafka's `check_broker` example, which the workspace build puts in
+/// `examples/` next to this binary.
+async fn check_kafka_broker(hosts: &str) -> Result<()> {
+    let me = std::env::current_exe()?;
+    let check = me
+        .parent()
+        .context("no parent folder")?
+        .join("examples/check_broker");
+    if !check.is_file() {
+        bail!(
+            "no {}: build it with `cargo build -p idem-kafka --example check_broker`; a Kafka run \
+             needs the broker checked first",
+            check.display()
+        );
+    }
+    let out = tokio::process::Command::new(&check)
+        .arg(hosts)
+        .output()
+        .await
+        .context("running check_broker")?;
+    if !out.status.success() {
+        bail!(
+            "the broker at {hosts} fails the mid-batch fetch check ({}), so a run on it would \
+             measure the broker: {}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout).trim(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
 }
 
 struct Run<'a> {
