@@ -71,7 +71,10 @@ impl FromStr for CrashPoint {
             .find(|p| p.name() == s)
             .ok_or_else(|| {
                 let names: Vec<_> = CrashPoint::ALL.iter().map(|p| p.name()).collect();
-                format!("unknown crash point {s:?}: expected one of {}", names.join(", "))
+                format!(
+                    "unknown crash point {s:?}: expected one of {}",
+                    names.join(", ")
+                )
             })
     }
 }
@@ -186,7 +189,13 @@ mod tests {
 
     #[test]
     fn refuses_malformed_values() {
-        for bad in ["after-commit", "after-commit:0", "after-commit:-1", "nowhere:3", ""] {
+        for bad in [
+            "after-commit",
+            "after-commit:0",
+            "after-commit:-1",
+            "nowhere:3",
+            "",
+        ] {
             assert!(bad.parse::<CrashAt>().is_err(), "{bad:?} accepted");
         }
     }

@@ -66,7 +66,9 @@ const SEPARATORS: &[char] = &['?', '#', '&', ';', ' ', '\t', '\r', '\n'];
 /// - Input that is not a well-formed URL (a Kafka `host:port,host:port` list, a libpq
 ///   `host=… password=…` string, a password with an unencoded `/`, `?` or `#`) is redacted
 ///   conservatively: everything before its last `@` except a plain user name, and the value of
-///   every credential-like `name=value`.
+///   every credential-like `name=value`. In a libpq `keyword=value …` string an `@` belongs to
+///   a value, not to a user-info: a quoted secret is hidden whole, `@` included, and another
+///   value holding a URL or an `@` is redacted as a URL of its own.
 ///
 /// The rest is shown as the `url` crate serializes it, which may differ from the input in
 /// encoding details (for example a space in the query becomes `%20`).
@@ -86,25 +88,31 @@ const SEPARATORS: &[char] = &['?', '#', '&', ';', ' ', '\t', '\r', '\n'];
 pub fn redact_url(url: &str) -> String {
     Url::parse(url)
         .ok()
-        .and_then(redact_parsed)
+        .and_then(|parsed| redact_parsed(url, parsed))
         .unwrap_or_else(|| redact_unparsed(url))
 }
 
 /// `None` when the parse cannot be trusted to have found the user-info, or it cannot be
 /// rewritten; the caller then falls back to [`redact_unparsed`].
-fn redact_parsed(mut url: Url) -> Option<String> {
+fn redact_parsed(input: &str, mut url: Url) -> Option<String> {
     // An `@` after the authority means the parser cut the user-info short (an unencoded `/`,
     // `?` or `#` in a password, or `scheme:user:pw@host` without `//`): the path or the
     // fragment then holds the rest of the secret. In a query value (`application_name=a@b`)
-    // it is legitimate and handled parameter by parameter.
-    if url.path().contains('@') || url.fragment().is_some_and(|f| f.contains('@')) {
+    // it is legitimate and handled parameter by parameter. The path is also read as written:
+    // the parser drops dot segments, and the `@` in them (`nats://tok/en@h/..`; found by
+    // fuzz/redact_url).
+    if url.path().contains('@')
+        || written_path(input).contains('@')
+        || url.fragment().is_some_and(|f| f.contains('@'))
+    {
         return None;
     }
-    // `app:12?x=y@host` parses as host `app`, port `12` and a query: without user-info and
-    // path, an `@` in the query may be the end of a password.
+    // `app:12?x=y@host` parses as host `app`, port `12` and a query, and `scheme:app:?pw@host`
+    // (no `//`) as the path `app:` and a query: without user-info, and with no path or no
+    // host, an `@` in the query may be the end of a password.
     let no_user_info = url.username().is_empty() && url.password().is_none();
     if no_user_info
-        && matches!(url.path(), "" | "/")
+        && (matches!(url.path(), "" | "/") || url.host().is_none())
         && url.query().is_some_and(|q| q.contains('@'))
     {
         return None;
@@ -121,6 +129,24 @@ fn redact_parsed(mut url: Url) -> Option<String> {
     }
 }
 
+/// The path of `input` as written: after the scheme and the authority (which ends at the
+/// first `/`, `\\`, `?` or `#`), up to the query or the fragment. Rough where the parser is
+/// subtle (tabs inside `//`), but only ever towards more text than the real path.
+fn written_path(input: &str) -> &str {
+    let Some((_, rest)) = input.split_once(':') else {
+        return "";
+    };
+    let rest = match rest.strip_prefix("//") {
+        Some(authority) => {
+            &authority[authority
+                .find(['/', '\\', '?', '#'])
+                .unwrap_or(authority.len())..]
+        }
+        None => rest,
+    };
+    &rest[..rest.find(['?', '#']).unwrap_or(rest.len())]
+}
+
 /// What [`redact_params`] found.
 #[derive(Debug, PartialEq, Eq)]
 enum Tail {
@@ -133,6 +159,11 @@ enum Tail {
 
 /// Conservative redaction of text that is not a trustworthy URL.
 fn redact_unparsed(s: &str) -> String {
+    if is_key_values(s) {
+        // libpq `host=db password='p@ss'`: an `@` is in a value, not the end of a user-info;
+        // taken as one, it would show what follows it (found by fuzz/redact_url).
+        return redact_key_values(s);
+    }
     let (head, rest) = match s.find("://") {
         Some(i) if is_scheme(&s[..i]) => s.split_at(i + 3),
         _ => ("", s),
@@ -218,8 +249,11 @@ fn redact_params(s: &str) -> (String, Tail) {
                 out.push('=');
                 out.push_str(MASK);
                 if value.starts_with('\'') {
-                    // A quoted value (libpq: `password='a b'`) runs past separators.
-                    consumed = quoted_end(rest, name.len() + 2);
+                    // A quoted value (libpq: `password='a b'`) runs past separators, and
+                    // whatever is glued to its closing quote (`'a b'c`) is part of it: shown,
+                    // it would be a piece of the secret, and redacting again would change
+                    // the output (found by fuzz/redact_url).
+                    consumed = quoted_value_end(rest, name.len() + 2);
                 }
             }
             Some((name, _)) if !name.contains('@') => out.push_str(token),
@@ -231,6 +265,73 @@ fn redact_params(s: &str) -> (String, Tail) {
         }
         rest = &rest[consumed..];
     }
+}
+
+/// Whether `s` is a `keyword=value …` connection string (libpq): its first piece is a name
+/// without the `:`, `/`, `\` or `@` that a scheme, an authority or a user-info needs, and `=`.
+fn is_key_values(s: &str) -> bool {
+    let first = s.trim_start_matches(SEPARATORS);
+    let first = &first[..first.find(SEPARATORS).unwrap_or(first.len())];
+    first
+        .split_once('=')
+        .is_some_and(|(name, _)| !name.is_empty() && !name.contains([':', '/', '\\', '@']))
+}
+
+/// [`redact_params`] for a `keyword=value …` string, where an `@` belongs to a value: a
+/// value holding a URL or an `@` (`dsn=postgres://app:pw@host`, `user=app@corp`) is redacted
+/// as a URL of its own, and any other piece with an `@` is masked whole.
+fn redact_key_values(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut rest = s;
+    loop {
+        let start = rest
+            .find(|c| !SEPARATORS.contains(&c))
+            .unwrap_or(rest.len());
+        out.push_str(&rest[..start]);
+        rest = &rest[start..];
+        if rest.is_empty() {
+            return out;
+        }
+        let end = rest.find(SEPARATORS).unwrap_or(rest.len());
+        let token = &rest[..end];
+        let mut consumed = end;
+        match token.split_once('=') {
+            Some((name, value)) if !name.contains('@') && is_secret_name(name) => {
+                out.push_str(name);
+                out.push('=');
+                out.push_str(MASK);
+                if value.starts_with('\'') {
+                    consumed = quoted_value_end(rest, name.len() + 2);
+                }
+            }
+            // A value that is no `keyword=value` string itself never comes back here.
+            Some((name, value))
+                if !name.contains('@')
+                    && (value.contains("://") || value.contains('@'))
+                    && !is_key_values(value) =>
+            {
+                out.push_str(name);
+                out.push('=');
+                out.push_str(&redact_url(value));
+            }
+            _ if !token.contains('@') => out.push_str(token),
+            // The name kept, the text stays a `keyword=value` string when redacted again.
+            Some((name, _)) if !name.contains('@') => {
+                out.push_str(name);
+                out.push('=');
+                out.push_str(MASK);
+            }
+            _ => out.push_str(MASK),
+        }
+        rest = &rest[consumed..];
+    }
+}
+
+/// Where a quoted value whose body starts at `from` ends, with whatever is glued to its
+/// closing quote (`'a b'c`): the next separator after the quote, or the end of `s`.
+fn quoted_value_end(s: &str, from: usize) -> usize {
+    let end = quoted_end(s, from);
+    s[end..].find(SEPARATORS).map_or(s.len(), |i| end + i)
 }
 
 /// The index just past the closing quote of a quoted value whose body starts at `from`
@@ -447,6 +548,49 @@ mod tests {
     }
 
     #[test]
+    fn an_at_sign_in_a_key_value_string_is_no_user_info() {
+        shows("sig='u@hunter2\t'", "sig=***");
+        shows(
+            "x-amz-security-token='@hunter2'",
+            "x-amz-security-token=***",
+        );
+        shows("pass%77ord=':@hunter2'", "pass%77ord=***");
+        shows(
+            "host=db user=app password='p@ss word' dbname=pay",
+            "host=db user=app password=*** dbname=pay",
+        );
+        hides("host=db password=hunter@2x2x", "hunter@2x2x");
+        // A value that holds a URL or an `@` is redacted as a URL.
+        shows(
+            "dsn=postgres://app:hunter2@db/pay sslmode=require",
+            "dsn=postgres://app:***@db/pay sslmode=require",
+        );
+        shows("host=db user=app@corp", "host=db user=***@corp");
+        for input in [
+            ";A=\0a://ss\0@\0",
+            "a=b=c@d",
+            "user=app:pw@corp",
+            "99=h=l`\0%//@p?ass=h`\0@@@@@",
+        ] {
+            let once = redact_url(input);
+            assert_eq!(redact_url(&once), once, "{input:?}");
+        }
+    }
+
+    #[test]
+    fn text_glued_to_a_quoted_secret_is_redacted_with_it() {
+        shows("pwd='hunter2'a", "pwd=***");
+        shows(
+            "host=db password='hunter 2'x2 dbname=pay",
+            "host=db password=*** dbname=pay",
+        );
+        for input in ["pwd='hunter2'a", "password='a b'c&d=1"] {
+            let once = redact_url(input);
+            assert_eq!(redact_url(&once), once, "{input:?}");
+        }
+    }
+
+    #[test]
     fn a_password_the_parser_would_split_early_is_not_shown() {
         // Unencoded `/`, `#`, `?` and `@` in passwords, and a URL missing its `//`.
         for (input, secret) in [
@@ -457,6 +601,9 @@ mod tests {
             ("postgres://app:a@b?hunter2@host/db", "a@b?hunter2"),
             ("postgres://app:hun@ter2@host/db", "hun@ter2"),
             ("postgres:app:hunter2@host/db", "hunter2"),
+            ("postgres:app:?hunter2=@host/db", "?hunter2="),
+            ("nats://hunter/2x2x@host/..", "hunter/2x2x"),
+            ("wss://hunter2x\\2x@a/..", "hunter2x\\2x"),
             (
                 "postgres://app:hunter2@h1,h2/db?application_name=svc@prod",
                 "hunter2",

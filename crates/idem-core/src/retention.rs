@@ -129,11 +129,13 @@ pub fn parse_duration(text: &str) -> Result<Duration, Error> {
     Ok(total)
 }
 
-/// Formats a duration in the units [`parse_duration`] reads: `7d`, `1d12h`, `90s`.
+/// Formats a duration, to the millisecond, in the units [`parse_duration`] reads: `7d`,
+/// `1d12h`, `90s`, `1s500ms`; [`parse_duration`] reads it back as the same duration.
 pub fn format_duration(d: Duration) -> String {
     let mut secs = d.as_secs();
+    let millis = d.subsec_millis();
     if secs == 0 {
-        return format!("{}ms", d.as_millis());
+        return format!("{millis}ms");
     }
     let mut out = String::new();
     for (unit, size) in [("d", 86_400), ("h", 3600), ("m", 60), ("s", 1)] {
@@ -141,6 +143,10 @@ pub fn format_duration(d: Duration) -> String {
             out.push_str(&format!("{}{unit}", secs / size));
             secs %= size;
         }
+    }
+    // Dropping them would make `1s500ms` read back as `1s` (found by fuzz/duration).
+    if millis > 0 {
+        out.push_str(&format!("{millis}ms"));
     }
     out
 }
@@ -165,10 +171,19 @@ mod tests {
 
     #[test]
     fn formats_round_trip() {
-        for text in ["7d", "1d12h", "90s", "1h30m"] {
+        for text in ["7d", "1d12h", "90s", "1h30m", "500ms", "0ms"] {
             let d = parse_duration(text).unwrap();
             assert_eq!(parse_duration(&format_duration(d)).unwrap(), d);
         }
+    }
+
+    #[test]
+    fn formats_keep_the_milliseconds_beside_whole_seconds() {
+        assert_eq!(format_duration(Duration::from_millis(1500)), "1s500ms");
+        assert_eq!(format_duration(Duration::from_millis(90_001)), "1m30s1ms");
+        assert_eq!(format_duration(Duration::from_micros(2_000_999)), "2s");
+        let d = Duration::new(u64::MAX, 255_000_000);
+        assert_eq!(parse_duration(&format_duration(d)).unwrap(), d);
     }
 
     #[test]

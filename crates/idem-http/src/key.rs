@@ -163,10 +163,13 @@ impl Parser<'_> {
         let bad = |why| Err(KeyError::Malformed(why));
         match self.peek() {
             Some(b'"') => self.sf_string().map(drop),
-            Some(b'-' | b'0'..=b'9') => self.number(),
+            Some(b'-' | b'0'..=b'9') => self.number().map(drop),
             Some(b'@') => {
                 self.i += 1;
-                self.number()
+                match self.number()? {
+                    Number::Integer => Ok(()),
+                    Number::Decimal => bad("a date is an integer"),
+                }
             }
             Some(b'?') => {
                 self.i += 1;
@@ -177,34 +180,46 @@ impl Parser<'_> {
             }
             Some(b':') => {
                 self.i += 1;
+                let start = self.i;
                 while let Some(b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'+' | b'/' | b'=') =
                     self.peek()
                 {
                     self.i += 1;
                 }
-                match self.bump() {
-                    Some(b':') => Ok(()),
-                    _ => bad("a byte sequence ends with a colon"),
+                let content = &self.s[start..self.i];
+                if self.bump() != Some(b':') {
+                    return bad("a byte sequence ends with a colon");
+                }
+                if is_base64(content) {
+                    Ok(())
+                } else {
+                    bad("a byte sequence is not base64")
                 }
             }
             Some(b'%') => {
-                // RFC 9651 display string: %"…" with %xx escapes for non-ASCII.
+                // RFC 9651 display string: %"…" with %xx escapes of UTF-8 bytes.
                 self.i += 1;
                 if self.bump() != Some(b'"') {
                     return bad("a display string starts with %\"");
                 }
+                let mut text = Vec::new();
                 loop {
                     match self.bump() {
-                        Some(b'"') => return Ok(()),
+                        Some(b'"') if std::str::from_utf8(&text).is_ok() => return Ok(()),
+                        Some(b'"') => return bad("a display string is not UTF-8"),
                         Some(b'%') => {
+                            let mut byte = 0;
                             for _ in 0..2 {
-                                match self.bump() {
-                                    Some(b'0'..=b'9' | b'a'..=b'f') => {}
+                                let nibble = match self.bump() {
+                                    Some(c @ b'0'..=b'9') => c - b'0',
+                                    Some(c @ b'a'..=b'f') => c - b'a' + 10,
                                     _ => return bad("a display string escape is %xx"),
-                                }
+                                };
+                                byte = byte << 4 | nibble;
                             }
+                            text.push(byte);
                         }
-                        Some(0x20..=0x7e) => {}
+                        Some(c @ 0x20..=0x7e) => text.push(c),
                         _ => return bad("the display string is not terminated"),
                     }
                 }
@@ -224,28 +239,55 @@ impl Parser<'_> {
         }
     }
 
-    /// Integer or decimal, RFC 8941 §4.2.4.
-    fn number(&mut self) -> Result<(), KeyError> {
+    /// Integer (at most 15 digits) or decimal (at most 12 digits, a point, 1 to 3 digits),
+    /// RFC 9651 §4.2.4.
+    fn number(&mut self) -> Result<Number, KeyError> {
+        let bad = Err(KeyError::Malformed("a number is not well-formed"));
         if self.peek() == Some(b'-') {
             self.i += 1;
         }
-        let start = self.i;
-        while let Some(b'0'..=b'9' | b'.') = self.peek() {
-            self.i += 1;
+        let integer = self.digits();
+        if integer == 0 {
+            return bad;
         }
-        let digits = &self.s[start..self.i];
-        let dots = digits.iter().filter(|&&c| c == b'.').count();
-        let ok = !digits.is_empty()
-            && digits[0].is_ascii_digit()
-            && digits.last().is_some_and(u8::is_ascii_digit)
-            && dots <= 1
-            && digits.len() <= 16;
-        if ok {
-            Ok(())
+        if self.peek() != Some(b'.') {
+            return if integer <= 15 {
+                Ok(Number::Integer)
+            } else {
+                bad
+            };
+        }
+        self.i += 1;
+        let fraction = self.digits();
+        if integer <= 12 && (1..=3).contains(&fraction) {
+            Ok(Number::Decimal)
         } else {
-            Err(KeyError::Malformed("a number is not well-formed"))
+            bad
         }
     }
+
+    /// Skips ASCII digits; how many.
+    fn digits(&mut self) -> usize {
+        let start = self.i;
+        while let Some(b'0'..=b'9') = self.peek() {
+            self.i += 1;
+        }
+        self.i - start
+    }
+}
+
+/// Which kind of number [`Parser::number`] read.
+enum Number {
+    Integer,
+    Decimal,
+}
+
+/// Base64 as RFC 9651 §4.2.7 decodes it: padding optional but never more than canonical,
+/// `=` only at the end, and no length that leaves a lone 6-bit symbol.
+fn is_base64(s: &[u8]) -> bool {
+    let data = s.iter().rposition(|&c| c != b'=').map_or(0, |i| i + 1);
+    let (data, padding) = s.split_at(data);
+    !data.contains(&b'=') && data.len() % 4 != 1 && padding.len() <= (4 - data.len() % 4) % 4
 }
 
 fn is_tchar(c: u8) -> bool {
@@ -276,6 +318,11 @@ mod tests {
         // A bare key is the value itself, quotes inside included.
         assert_eq!(key(r#"ab"c"#).unwrap(), r#"ab"c"#);
         assert_eq!(key(&"k".repeat(255)).unwrap().len(), 255);
+        assert_eq!(
+            key(r#""k";a=123456789012345;b=-123456789012.123;c=@-1;d=%"caf%c3%a9";e=:AQ:;f=::"#)
+                .unwrap(),
+            "k"
+        );
     }
 
     #[test]
@@ -293,6 +340,18 @@ mod tests {
             r#""a";B=1"#,
             r#""a";k=?2"#,
             r#""a";k="x"#,
+            // Parameter values as RFC 9651 reads them (found by fuzz/http_key against sfv).
+            r#""a";k=:/:"#,
+            r#""a";k=:AQ=A:"#,
+            r#""a";k=:AQ===:"#,
+            r#""a";k=1234567890123456"#,
+            r#""a";k=1234567890123.5"#,
+            r#""a";k=1.2345"#,
+            r#""a";k=1."#,
+            r#""a";k=-"#,
+            r#""a";k=@1.5"#,
+            r#""a";k=%"%ff""#,
+            r#""a";k=%"%C3%A9""#,
             r#""has space""#,
             "has space",
             "tab\tinside",

@@ -147,7 +147,12 @@ impl StoredResponse {
             .map_err(|_| RecordError::Damaged("the status is out of range"))?;
         let flags = r.u8()?;
         let count = r.u16()?;
-        let mut headers = HeaderMap::with_capacity(usize::from(count));
+        // The count comes from the store: it preallocates no more than the bytes left can
+        // hold (a header takes at least 7), and a map that cannot grow is a damaged record,
+        // not a panic (`HeaderMap::with_capacity` panics past 24,576; found by
+        // fuzz/http_record).
+        let room = usize::from(count).min((bytes.len() - r.i) / 7);
+        let mut headers = HeaderMap::try_with_capacity(room).unwrap_or_default();
         for _ in 0..count {
             let n = usize::from(r.u16()?);
             let name = r
@@ -161,7 +166,9 @@ impl StoredResponse {
                 .ok_or(RecordError::Damaged("a header value is cut short"))?;
             let value = HeaderValue::from_bytes(value)
                 .map_err(|_| RecordError::Damaged("a header value is invalid"))?;
-            headers.append(name, value);
+            headers
+                .try_append(name, value)
+                .map_err(|_| RecordError::Damaged("more headers than a header map holds"))?;
         }
         let rest = bytes.slice(r.i..);
         let body = if flags & OMITTED != 0 {
@@ -264,6 +271,27 @@ mod tests {
                 "cut at {cut}"
             );
         }
+    }
+
+    #[test]
+    fn a_damaged_header_count_is_refused_not_a_panic() {
+        // 28,672 headers declared, none there: once a panic in `HeaderMap::with_capacity`.
+        assert_eq!(
+            StoredResponse::decode(Bytes::from_static(b"IH\x01\x00\xc8\x00\x70\x00")),
+            Err(RecordError::Damaged("the record is cut short"))
+        );
+        // More distinct names than a header map holds: refused, not a panic in `append`.
+        let mut many = b"IH\x01\x00\xc8\x00\xff\xff".to_vec();
+        for i in 0..u16::MAX {
+            let name = format!("x{i}");
+            many.extend_from_slice(&(name.len() as u16).to_be_bytes());
+            many.extend_from_slice(name.as_bytes());
+            many.extend_from_slice(&0u32.to_be_bytes());
+        }
+        assert_eq!(
+            StoredResponse::decode(Bytes::from(many)),
+            Err(RecordError::Damaged("more headers than a header map holds"))
+        );
     }
 
     #[test]

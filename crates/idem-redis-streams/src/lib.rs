@@ -44,10 +44,19 @@
 //! # Ok(()) }
 //! ```
 //!
+//! Bad input: fields are bytes up to Redis's `proto-max-bulk-len` (512 MiB by default), so an
+//! ID that is not UTF-8 or holds NUL bytes is processed like any other, and a 10 MiB ID is
+//! published and then dead-lettered as `invalid-id`, the dead letter carrying its first 1 KiB
+//! ([`DeadLetter::forward`](idem_consumer::DeadLetter::forward)). An entry without the ID
+//! field, or with it empty (the producer refuses to write one), is `missing-id`.
+//!
 //! Redis acknowledges an entry independently of your database: the claim, committed with the
 //! side effect, is what makes a reclaimed or re-read entry a harmless duplicate.
 
 mod delivery;
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing;
 mod options;
 mod producer;
 mod reply;

@@ -68,6 +68,14 @@ fn fields(value: Value) -> Result<Option<Vec<Field>>, Error> {
         return Ok(None);
     }
     let flat = items("stream entry fields", value)?;
+    if flat.len() % 2 != 0 {
+        // A name without its value is a damaged reply, not one field fewer: dropped, it
+        // could be the ID field itself (found by fuzz/redis_stream_reply).
+        return Err(Error::new(
+            ErrorKind::Unavailable,
+            "unexpected reply from redis: a stream field has no value",
+        ));
+    }
     let mut out = Vec::with_capacity(flat.len() / 2);
     let mut it = flat.into_iter();
     while let (Some(k), Some(v)) = (it.next(), it.next()) {
@@ -216,5 +224,13 @@ mod tests {
         assert!(entries(Value::Array(vec![Value::Array(vec![Value::Double(1.0)])])).is_err());
         assert!(times_delivered(Value::Array(vec![Value::Array(vec![b("1-0")])])).is_err());
         assert_eq!(times_delivered(Value::Array(vec![])).unwrap(), None);
+        // A field name without its value.
+        assert!(
+            entries(Value::Array(vec![Value::Array(vec![
+                b("1-0"),
+                Value::Array(vec![b("payload"), b("x"), b("message_id")]),
+            ])]))
+            .is_err()
+        );
     }
 }

@@ -115,8 +115,10 @@ where
         async {
             match self.prepare(&delivery) {
                 Ok(msg) => {
-                    tracing::Span::current()
-                        .record("message_id", tracing::field::display(ShownId(msg.message_id())));
+                    tracing::Span::current().record(
+                        "message_id",
+                        tracing::field::display(ShownId(msg.message_id())),
+                    );
                     let first = delivery.previous_deliveries().saturating_add(1);
                     self.process_with_retries(delivery, msg, first).await;
                 }
@@ -160,7 +162,10 @@ where
                 let mut failed = Vec::new();
                 for ((d, msg), r) in ready.into_iter().zip(msgs).zip(results) {
                     let span = self.span(&d);
-                    span.record("message_id", tracing::field::display(ShownId(msg.message_id())));
+                    span.record(
+                        "message_id",
+                        tracing::field::display(ShownId(msg.message_id())),
+                    );
                     match r {
                         Ok(outcome) => done.push((d, msg, outcome, span)),
                         Err(e) => failed.push((d, msg, e, span)),
@@ -185,7 +190,10 @@ where
                 tracing::warn!(parent: &span, error = %e, "batch did not commit; processing its messages one by one");
                 join_all(ready.into_iter().zip(msgs).map(|(d, msg)| {
                     let span = self.span(&d);
-                    span.record("message_id", tracing::field::display(ShownId(msg.message_id())));
+                    span.record(
+                        "message_id",
+                        tracing::field::display(ShownId(msg.message_id())),
+                    );
                     let attempt = d.previous_deliveries().saturating_add(1);
                     self.process_with_retries(d, msg, attempt).instrument(span)
                 }))
@@ -494,6 +502,9 @@ mod shown_id_tests {
         let long = MessageId::with_limit("x".repeat(10 << 20), usize::MAX).unwrap();
         let shown = ShownId(&long).to_string();
         assert!(shown.len() < 200, "{} bytes shown", shown.len());
-        assert!(shown.ends_with(&format!("… ({} bytes)", 10 << 20)), "{shown}");
+        assert!(
+            shown.ends_with(&format!("… ({} bytes)", 10 << 20)),
+            "{shown}"
+        );
     }
 }
