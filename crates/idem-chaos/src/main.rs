@@ -139,7 +139,15 @@ fn main() {
             std::process::exit(2);
         }
     };
-    match runtime.block_on(run::run(args)) {
+    // Interrupted, the run's future is dropped, and with it the consumer processes
+    // (kill_on_drop): an aborted run leaves no replica consuming behind it.
+    let outcome = runtime.block_on(async {
+        tokio::select! {
+            r = run::run(args) => r,
+            _ = interrupted() => Err(anyhow::anyhow!("interrupted; the run's database and broker objects are left for inspection")),
+        }
+    });
+    match outcome {
         Ok(report) => {
             println!("{}", report.summary());
             println!("{}", report.json());
@@ -148,6 +156,22 @@ fn main() {
         Err(e) => {
             eprintln!("error: {e:#}");
             std::process::exit(2);
+        }
+    }
+}
+
+/// SIGINT or SIGTERM.
+async fn interrupted() {
+    use tokio::signal::unix::{SignalKind, signal};
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+        }
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
         }
     }
 }
