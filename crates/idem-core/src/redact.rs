@@ -68,9 +68,10 @@ const SEPARATORS: &[char] = &['?', '#', '&', ';', ' ', '\t', '\r', '\n'];
 ///   conservatively: everything before its last `@` except a plain user name, and the value of
 ///   every credential-like `name=value`. In a libpq `keyword=value …` string an `@` belongs to
 ///   a value, not to a user-info: a quoted secret is hidden whole, `@` included, and another
-///   value holding a URL or an `@` is redacted as a URL of its own. One password cannot be told
-///   from a URL: one that starts like a port and goes on like a path and a query
-///   (`app:5432/db?x=y@host`) is shown as the host `app`, port 5432, path and query it spells.
+///   value holding a URL or an `@` is redacted as a URL of its own. Some passwords cannot be
+///   told from a URL: one holding `/`, `?` or `#` and then `name=value@host`
+///   (`app:5432/db?x=y@host`, `app:@h?x=y@host`) spells a URL with a user-info or a path and
+///   an `@` in a query value, and is shown as that URL, which is how drivers read it too.
 ///
 /// The rest is shown as the `url` crate serializes it, which may differ from the input in
 /// encoding details (for example a space in the query becomes `%20`).
