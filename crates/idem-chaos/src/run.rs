@@ -1,8 +1,7 @@
 //! One run: set up, inject faults while the consumers work, drain, check.
 
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -238,13 +237,11 @@ impl Run<'_> {
             .kill_every
             .mul_f64(self.args.kills as f64)
             .max(self.args.min_fault_time);
-        let published = Arc::new(AtomicU64::new(0));
         let mut publishing = tokio::spawn(publish(
             self.broker.clone(),
             self.names.clone(),
             self.sent.publishes.clone(),
             planned,
-            published.clone(),
         ));
         let mut publish_done = false;
         if let Some(p) = self.proxy {
@@ -498,7 +495,6 @@ async fn publish(
     names: Names,
     msgs: Vec<(String, Vec<u8>)>,
     over: Duration,
-    published: Arc<AtomicU64>,
 ) -> Result<u64> {
     let publisher = broker.publisher(&names).await?;
     let slice = msgs.len().div_ceil(PUBLISH_SLICES).max(1);
@@ -520,7 +516,6 @@ async fn publish(
                 Err(e) => return Err(e),
             }
         }
-        published.fetch_add(chunk.len() as u64, Ordering::SeqCst);
         tokio::time::sleep(pause).await;
     }
     Ok(dropped)
