@@ -484,6 +484,25 @@ fn by_reason(letters: &[DeadLettered]) -> HashMap<String, &DeadLettered> {
         .collect()
 }
 
+/// Starts a consumer and waits until `id` with `payload` has committed: the original that a
+/// later conflicting publish under the same ID needs.
+async fn spawn_with_committed_original<F: BrokerFixture>(
+    fx: &F,
+    h: &Harness,
+    id: &str,
+    payload: &[u8],
+) -> Running {
+    let run = h.spawn(
+        fx.source().await,
+        EffectHandler(Arc::default()),
+        F::BATCH_SIZE,
+    );
+    fx.publish(Some(id), payload).await;
+    let original = eventually(PROMPT, || async { h.effects(id).await == 1 }).await;
+    assert!(original, "the original of the conflicting ID {id} commits");
+    run
+}
+
 /// No ID, an oversized ID, an undecodable payload and a conflicting payload each land in the
 /// dead-letter destination with their reason and the original payload; nothing else happens.
 pub async fn poison_messages_are_dead_lettered_with_reason_and_intact_payload<F: BrokerFixture>(
@@ -492,15 +511,7 @@ pub async fn poison_messages_are_dead_lettered_with_reason_and_intact_payload<F:
     let Some((fx, h)) = setup::<F>(test).await else {
         return;
     };
-    let run = h.spawn(
-        fx.source().await,
-        EffectHandler(Arc::default()),
-        F::BATCH_SIZE,
-    );
-    // The conflict needs the original committed first.
-    fx.publish(Some("poison-c"), &order(3)).await;
-    let original = eventually(PROMPT, || async { h.effects("poison-c").await == 1 }).await;
-    assert!(original, "the original of the conflicting ID commits");
+    let run = spawn_with_committed_original(&fx, &h, "poison-c", &order(3)).await;
 
     let oversized = "x".repeat(MAX_ID_LEN + 36);
     fx.publish(None, &order(1)).await;
@@ -783,15 +794,7 @@ pub async fn bad_input_corpus_is_dead_lettered_and_consuming_continues<F: Broker
     let Some((fx, h)) = setup::<F>(test).await else {
         return;
     };
-    let run = h.spawn(
-        fx.source().await,
-        EffectHandler(Arc::default()),
-        F::BATCH_SIZE,
-    );
-    // The conflict needs its original committed first.
-    fx.publish(Some("corpus-conflict"), &order(1)).await;
-    let original = eventually(PROMPT, || async { h.effects("corpus-conflict").await == 1 }).await;
-    assert!(original, "the original of the conflicting ID commits");
+    let run = spawn_with_committed_original(&fx, &h, "corpus-conflict", &order(1)).await;
 
     let mut c = Corpus::new(&fx);
     let p = c.order();
