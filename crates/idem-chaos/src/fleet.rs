@@ -31,6 +31,7 @@ struct Slot {
     child: Option<Child>,
     killed: bool,
     crash: Option<CrashAt>,
+    started: Option<std::time::Instant>,
     starts: u64,
 }
 
@@ -90,7 +91,20 @@ impl Fleet {
         s.child = Some(child);
         s.killed = false;
         s.crash = crash;
+        s.started = Some(std::time::Instant::now());
         Ok(())
+    }
+
+    /// Whether a random SIGKILL may take the replica in `slot`: it is running and either
+    /// unarmed or armed for longer than `spare_armed_for`. An armed replica is left that long
+    /// to reach its crash point; without this, where a start costs seconds before the first
+    /// message (a Kafka group join), kills came faster than armed replicas got to their points
+    /// and a run could end with no abort at a crash point at all.
+    pub(crate) fn killable(&self, slot: usize, spare_armed_for: Duration) -> bool {
+        let s = &self.slots[slot];
+        s.child.is_some()
+            && !s.killed
+            && (s.crash.is_none() || s.started.is_some_and(|t| t.elapsed() >= spare_armed_for))
     }
 
     /// SIGKILLs the replica in `slot`; false when it was not running.

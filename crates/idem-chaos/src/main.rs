@@ -65,6 +65,10 @@ pub(crate) struct Args {
     /// An armed consumer aborts on a visit of its crash point drawn from 1..=N.
     #[arg(long, default_value_t = 30)]
     pub(crate) crash_within: u64,
+    /// Random SIGKILLs spare a replica armed at a crash point for this long after its start,
+    /// so it gets to reach its point.
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
+    pub(crate) spare_armed_for: Duration,
     /// Kill every consumer at once when this share of the messages is committed
     /// (comma-separated, e.g. 0.2,0.45,0.7); counted in --kills' total.
     #[arg(long, value_delimiter = ',')]

@@ -270,12 +270,20 @@ impl Run<'_> {
                     / self.args.min_fault_time.as_secs_f64().max(1e-3)
             };
             if self.report.kills < self.args.kills && Instant::now() >= next_kill {
-                let victim = self.sched.victim(self.fleet.len());
-                if self.fleet.kill(victim) {
-                    self.report.kills += 1;
-                    self.report.sigkills += 1;
+                let spare = self.args.spare_armed_for;
+                let killable: Vec<usize> = (0..self.fleet.len())
+                    .filter(|&slot| self.fleet.killable(slot, spare))
+                    .collect();
+                // With none killable (all armed and young, or restarting) the kill waits for
+                // the next tick rather than being dropped.
+                if !killable.is_empty() {
+                    let victim = killable[self.sched.victim(killable.len())];
+                    if self.fleet.kill(victim) {
+                        self.report.kills += 1;
+                        self.report.sigkills += 1;
+                    }
+                    next_kill = Instant::now() + self.sched.next_kill_in();
                 }
-                next_kill = Instant::now() + self.sched.next_kill_in();
             }
             if due(db_restarts, self.args.restart_database, phase) {
                 db_restarts += 1;
