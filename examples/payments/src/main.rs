@@ -18,10 +18,10 @@ mod ledger;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
 use idem_consumer::{CancellationToken, Consumer, Handler, Json, RunStats, Source};
-use idem_core::{ClaimStore, Migrate, Processor, Savepoints};
+use idem_core::{ClaimStore, ErrorKind, Migrate, Processor, Savepoints, TransactionalStore};
 use idem_sql::{MySqlStore, PostgresStore, SqliteOptions, SqliteStore};
 
 use crate::brokers::BrokerUrl;
@@ -316,7 +316,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         redeliver_after: args.redeliver_after,
         shutdown: idem_consumer::shutdown::on_signal(),
     };
-    let db = Database::open(&args.database).await?;
+    let db = Database::open_when_up(&args.database, &settings.shutdown).await?;
     tracing::info!(broker = %broker.redacted(), source = %settings.source, database = %idem_core::redact_url(&args.database), "starting");
     let stats = brokers::serve(&broker, &settings, db).await?;
     tracing::info!(
@@ -328,6 +328,25 @@ async fn serve(args: ServeArgs) -> Result<()> {
     Ok(())
 }
 
+/// Whether opening the database failed for want of it (unreachable, restarting, read-only,
+/// a connection cut mid-statement) rather than from a mistake that waiting cannot mend.
+fn outage(e: &anyhow::Error) -> bool {
+    e.chain().any(|cause| {
+        cause
+            .downcast_ref::<idem_core::Error>()
+            .is_some_and(|e| matches!(e.kind(), ErrorKind::Unavailable | ErrorKind::OutcomeUnknown))
+    })
+}
+
+/// The service's own DDL failed: classified by the store like any statement on it, so an
+/// outage at start is told apart from a schema the database refuses.
+fn ddl_error<S: TransactionalStore>(store: &S, e: sqlx::Error) -> anyhow::Error {
+    let kind = store.classify(&e).unwrap_or(ErrorKind::InvalidConfig);
+    idem_core::Error::new(kind, format!("creating the service's tables: {e}"))
+        .with_source(e)
+        .into()
+}
+
 /// The database, opened and migrated: claims table plus the service's own tables.
 #[derive(Debug)]
 pub(crate) enum Database {
@@ -337,6 +356,38 @@ pub(crate) enum Database {
 }
 
 impl Database {
+    /// [`Database::open`], waiting out an outage: a replica started while the database
+    /// restarts, fails over or drops connections waits for it (as the runner waits for a
+    /// broker) instead of exiting into its supervisor's crash-loop back-off. A
+    /// misconfiguration (bad URL, no such database, refused credentials) still exits at once.
+    async fn open_when_up(url: &str, shutdown: &CancellationToken) -> Result<Self> {
+        let mut wait = std::time::Duration::from_millis(100);
+        let mut waiting = false;
+        loop {
+            let e = match Self::open(url).await {
+                Ok(db) => {
+                    if waiting {
+                        tracing::info!("database reachable again");
+                    }
+                    return Ok(db);
+                }
+                Err(e) if outage(&e) => e,
+                Err(e) => return Err(e),
+            };
+            if waiting {
+                tracing::debug!(error = %format!("{e:#}"), retry_in = ?wait, "database still unavailable");
+            } else {
+                tracing::warn!(error = %format!("{e:#}"), database = %idem_core::redact_url(url), "database unavailable at start; waiting for it");
+                waiting = true;
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => return Err(e.context("stopped while waiting for the database")),
+                _ = tokio::time::sleep(wait) => {}
+            }
+            wait = (wait * 2).min(std::time::Duration::from_secs(5));
+        }
+    }
+
     async fn open(url: &str) -> Result<Self> {
         let shown = idem_core::redact_url(url);
         let scheme = url
@@ -350,7 +401,7 @@ impl Database {
                 store.migrate().await?;
                 ledger::create_sqlite(store.pool())
                     .await
-                    .context("creating tables")?;
+                    .map_err(|e| ddl_error(&store, e))?;
                 Database::Sqlite(store)
             }
             "postgres" | "postgresql" => {
@@ -358,7 +409,7 @@ impl Database {
                 store.migrate().await?;
                 ledger::create_postgres(store.pool())
                     .await
-                    .context("creating tables")?;
+                    .map_err(|e| ddl_error(&store, e))?;
                 Database::Postgres(store)
             }
             "mysql" | "mariadb" => {
@@ -366,7 +417,7 @@ impl Database {
                 store.migrate().await?;
                 ledger::create_mysql(store.pool())
                     .await
-                    .context("creating tables")?;
+                    .map_err(|e| ddl_error(&store, e))?;
                 Database::MySql(store)
             }
             _ => anyhow::bail!(
