@@ -121,6 +121,7 @@ pub(crate) async fn run(args: Args) -> Result<Report> {
         kill_all_done: 0,
         read_only_until: None,
         charged: 0,
+        charged_unread: None,
         last_progress_check: None,
     };
     let outcome = run.drive().await;
@@ -223,6 +224,8 @@ struct Run<'a> {
     kill_all_done: usize,
     read_only_until: Option<Instant>,
     charged: u64,
+    /// Why the last count of charged IDs failed, while it keeps failing.
+    charged_unread: Option<String>,
     last_progress_check: Option<Instant>,
 }
 
@@ -335,18 +338,44 @@ impl Run<'_> {
             tokio::time::sleep(TICK * 5).await;
             self.tend(false)?;
             self.kill_all_when_due().await?;
-            self.charged = self.db.charged_ids().await.unwrap_or(self.charged);
+            self.count_charged().await;
             let backlog = self.broker.backlog(self.names).await.ok().flatten();
             let all_kills = self.kill_all_done >= self.args.kill_all_at.len();
             if all_kills && self.charged >= self.report.unique && backlog == Some(0) {
                 return Ok(());
             }
             if drain_started.elapsed() > self.args.drain_timeout {
+                let unread = match &self.charged_unread {
+                    Some(e) => format!(" (the last count failed: {e})"),
+                    None => String::new(),
+                };
                 self.report.anomalies.push(format!(
-                    "not drained {:?} after the faults: {} of {} IDs charged, backlog {backlog:?}",
+                    "not drained {:?} after the faults: {} of {} IDs charged{unread}, backlog {backlog:?}",
                     self.args.drain_timeout, self.charged, self.report.unique
                 ));
                 return Ok(());
+            }
+        }
+    }
+
+    /// Reads how many IDs are charged. A failed read (the database restarting under a fault,
+    /// or out of connections) keeps the last count and is said once, so a drain that times
+    /// out on a count the harness could not read says so instead of showing a stale figure.
+    async fn count_charged(&mut self) {
+        match self.db.charged_ids().await {
+            Ok(n) => {
+                self.charged = n;
+                self.charged_unread = None;
+            }
+            Err(e) => {
+                let e = format!("{e:#}");
+                if self.charged_unread.is_none() {
+                    eprintln!(
+                        "idem-chaos: counting charged IDs failed (keeping {}): {e}",
+                        self.charged
+                    );
+                }
+                self.charged_unread = Some(e);
             }
         }
     }
@@ -415,7 +444,7 @@ impl Run<'_> {
             return Ok(());
         }
         self.last_progress_check = Some(now);
-        self.charged = self.db.charged_ids().await.unwrap_or(self.charged);
+        self.count_charged().await;
         if (self.charged as f64) < mark * self.report.unique as f64 {
             return Ok(());
         }
