@@ -27,13 +27,13 @@ pub const ENABLED: bool = cfg!(feature = "crash-points");
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum CrashPoint {
-    /// Before a message's claim.
+    /// Before a transaction's first claim (of its message, or of its batch).
     BeforeClaim,
-    /// After the handler returned, before COMMIT.
+    /// After a handler returned (in a batch: any message's), before COMMIT.
     AfterHandler,
     /// After COMMIT, before the acknowledgement.
     AfterCommit,
-    /// Inside a batch transaction, between two messages.
+    /// Inside a batch transaction, between two handler calls.
     InBatch,
 }
 

@@ -26,7 +26,6 @@
 pub mod crash;
 mod dead_letter;
 mod decode;
-mod handler;
 mod id_source;
 mod in_memory;
 pub mod metrics;
@@ -39,8 +38,9 @@ pub use dead_letter::{
     ATTEMPTS_HEADER, CONSUMER_HEADER, DETAIL_HEADER, DeadLetter, DeadLetterReason, REASON_HEADER,
 };
 pub use decode::{Decode, Json, Raw};
-pub use handler::Handler;
 pub use id_source::IdSource;
+/// The handler shape, defined in idem-core and re-exported where consumers are written.
+pub use idem_core::Handler;
 pub use in_memory::{InMemoryBroker, InMemoryDelivery, InMemorySource, Settled};
 pub use metrics::RunStats;
 pub use retry::RetryPolicy;

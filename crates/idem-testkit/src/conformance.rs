@@ -9,12 +9,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use idem_core::{
-    BoxError, ConsumerName, Disposition, Error, ErrorKind, Fingerprint, Identified, ManualClock,
-    Message, MessageId, Migrate, Outcome, Processor, Prune, Stamp, Stats, Timestamp,
+    BoxError, ConsumerName, Disposition, Error, ErrorKind, Fingerprint, Handler, Identified,
+    ManualClock, Message, MessageId, Migrate, Outcome, Processor, Prune, Stamp, Stats, Timestamp,
     TransactionalStore,
 };
 
-use crate::fixture::StoreFixture;
+use crate::fixture::{StoreFixture, TxOf};
 
 type Msg = Message<Vec<u8>>;
 
@@ -212,6 +212,23 @@ pub async fn each_consumer_processes_a_message_once<F: StoreFixture>(test: &str)
     fx.teardown().await;
 }
 
+/// Records the message's effect under its ID and returns the ID; `b-fail` is declined after
+/// its write, which must roll back with its claim.
+struct RecordOrDecline<F>(std::marker::PhantomData<fn() -> F>);
+
+impl<F: StoreFixture> Handler<TxOf<F>, Vec<u8>> for RecordOrDecline<F> {
+    type Output = String;
+
+    async fn handle(&self, tx: &mut TxOf<F>, m: &Msg) -> Result<String, BoxError> {
+        let key = m.message_id().to_string();
+        F::record_effect(tx, &key).await?;
+        if key == "b-fail" {
+            return Err("card declined".into());
+        }
+        Ok(key)
+    }
+}
+
 /// Per-message savepoints: the failing message rolls back alone, the rest commit together, and
 /// duplicates (earlier in the batch, or from before) and conflicts are reported per message.
 pub async fn batch_with_one_failing_message_rolls_back_only_that_message<F: StoreFixture>(
@@ -235,14 +252,7 @@ pub async fn batch_with_one_failing_message_rolls_back_only_that_message<F: Stor
         msg("b-3", "3"),
     ];
     let results = p
-        .process_batch(&batch, async |tx, m: &Msg| {
-            let key = m.message_id().to_string();
-            F::record_effect(tx, &key).await?;
-            if key == "b-fail" {
-                return Err::<String, BoxError>("card declined".into());
-            }
-            Ok(key)
-        })
+        .process_batch(&batch, &RecordOrDecline::<F>(std::marker::PhantomData))
         .await
         .expect("batch commits");
     assert_eq!(results.len(), batch.len());

@@ -6,19 +6,19 @@
 //! backoff. On shutdown the loop stops fetching and waits for the tasks; none acks anything
 //! that did not commit.
 
+mod instrumented;
 mod settle;
 #[cfg(test)]
 mod settle_schedules;
 
 use std::sync::{Arc, Mutex};
 
-use idem_core::{ClaimStore, Clock, Error, ErrorKind, Processor, Savepoints, StoreClock};
+use idem_core::{ClaimStore, Clock, Error, ErrorKind, Handler, Processor, Savepoints, StoreClock};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::decode::Decode;
-use crate::handler::Handler;
 use crate::id_source::IdSource;
 use crate::metrics::{Instruments, RunStats};
 use crate::retry::{Reconnect, RetryPolicy};
@@ -141,7 +141,8 @@ where
     ) -> Result<RunStats, Error>
     where
         D: Decode,
-        H: Handler<S::Tx, D::Payload>,
+        H: Handler<S::Tx, D::Payload> + 'static,
+        H::Output: 'static,
     {
         let Consumer {
             processor,

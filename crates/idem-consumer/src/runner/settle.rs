@@ -1,14 +1,11 @@
 //! Settling deliveries: the one place that decides ack, retry, dead letter or abandon.
 
-use std::panic::AssertUnwindSafe;
 use std::sync::Mutex;
-use std::time::Instant;
 
-use futures_util::FutureExt;
 use futures_util::future::join_all;
 use idem_core::{
-    ClaimStore, Clock, Disposition, Error, ErrorKind, Fingerprint, Identified, Message, MessageId,
-    Outcome, Processor, Savepoints,
+    ClaimStore, Clock, Disposition, Error, ErrorKind, Fingerprint, Handler, Identified, Message,
+    MessageId, Outcome, Processor, Savepoints,
 };
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -16,11 +13,12 @@ use tracing::Instrument;
 use crate::crash::{self, CrashPoint};
 use crate::dead_letter::{DeadLetter, DeadLetterReason};
 use crate::decode::Decode;
-use crate::handler::Handler;
 use crate::id_source::IdSource;
 use crate::metrics::Instruments;
 use crate::retry::RetryPolicy;
 use crate::source::Delivery;
+
+use super::instrumented::Instrumented;
 
 /// Everything a message task needs, shared by all tasks of one run.
 pub(crate) struct Ctx<S, C, D, H> {
@@ -59,9 +57,6 @@ impl std::fmt::Display for ShownId<'_> {
     }
 }
 
-/// Per-message results of a committed batch, and when its last handler returned.
-type BatchResult<T> = Result<(Vec<Result<Outcome<T>, Error>>, Option<Instant>), Error>;
-
 /// What became of one processing attempt.
 enum Step<T> {
     Done(Outcome<T>),
@@ -74,7 +69,7 @@ where
     S::Tx: Send,
     C: Clock + Send + Sync + 'static,
     D: Decode,
-    H: Handler<S::Tx, D::Payload>,
+    H: Handler<S::Tx, D::Payload> + 'static,
 {
     fn span<Dl: Delivery>(&self, delivery: &Dl) -> tracing::Span {
         tracing::info_span!(
@@ -150,10 +145,16 @@ where
         }
         let size = msgs.len();
         let span = tracing::info_span!("idem.batch", consumer = %self.consumer, broker = self.broker, size);
-        let result = self.run_batch(&msgs).instrument(span.clone()).await;
+        let handler = Instrumented::new(&self.handler, &self.instruments);
+        crash::reached(CrashPoint::BeforeClaim);
+        let result = self
+            .processor
+            .process_batch(&msgs, &handler)
+            .instrument(span.clone())
+            .await;
         match result {
-            Ok((results, handler_done)) => {
-                if let Some(t) = handler_done {
+            Ok(results) => {
+                if let Some(t) = handler.last_done() {
                     self.instruments.commit_time(t.elapsed());
                 }
                 // Settle what committed first: a failing neighbour's retries must not delay
@@ -202,111 +203,12 @@ where
         }
     }
 
-    /// The batch transaction: one commit, a savepoint per message so a failing message rolls
-    /// back only itself.
-    ///
-    /// Written against the processor's low-level claim rather than [`Processor::process_batch`]:
-    /// that one takes an `AsyncFnMut` closure, and rustc cannot yet prove such a closure's
-    /// higher-ranked future `Send`, which `tokio::spawn` requires. The semantics are the same.
-    async fn run_batch(&self, msgs: &[Message<D::Payload>]) -> BatchResult<H::Output> {
-        let store = self.processor.store();
-        let mut results = Vec::with_capacity(msgs.len());
-        let mut handler_done = None;
-        let mut tx = store.begin().await?;
-        for (i, msg) in msgs.iter().enumerate() {
-            if i > 0 {
-                crash::reached(CrashPoint::InBatch);
-            }
-            crash::reached(CrashPoint::BeforeClaim);
-            if let Err(e) = store.savepoint(&mut tx).await {
-                let _ = store.rollback(tx).await;
-                return Err(e);
-            }
-            let claim = match self.processor.claim_in(&mut tx, msg).await {
-                Ok(claim) => claim,
-                Err(e) => {
-                    // An engine that aborted the whole transaction (InnoDB deadlock) took the
-                    // savepoint with it: nothing in the batch can commit.
-                    if store.rollback_to_savepoint(&mut tx).await.is_err() {
-                        let _ = store.rollback(tx).await;
-                        return Err(e);
-                    }
-                    results.push(Err(e));
-                    continue;
-                }
-            };
-            if let Some(outcome) = claim.skipped() {
-                store.release_savepoint(&mut tx).await?;
-                results.push(Ok(outcome));
-                continue;
-            }
-            let started = Instant::now();
-            let r = self.call_handler(&mut tx, msg).await;
-            self.instruments.handler_time(started.elapsed());
-            handler_done = Some(Instant::now());
-            match r {
-                Ok(value) => {
-                    store.release_savepoint(&mut tx).await?;
-                    results.push(Ok(Outcome::Processed(value)));
-                }
-                Err(e) => {
-                    let err = self.processor.handler_error(e);
-                    if let Err(undo) = store.rollback_to_savepoint(&mut tx).await {
-                        let _ = store.rollback(tx).await;
-                        return Err(if err.is_retryable() { err } else { undo });
-                    }
-                    results.push(Err(err));
-                }
-            }
-        }
-        crash::reached(CrashPoint::AfterHandler);
-        store.commit(tx).await?;
-        Ok((results, handler_done))
-    }
-
-    /// Runs the handler, turning a panic into a retryable error: the transaction then rolls
-    /// back and the delivery is settled like any failure (retried, then dead-lettered), instead
-    /// of being dropped unsettled where it would hold a prefetch slot until a reconnect.
-    async fn call_handler(
-        &self,
-        tx: &mut S::Tx,
-        msg: &Message<D::Payload>,
-    ) -> Result<H::Output, idem_core::BoxError> {
-        match AssertUnwindSafe(self.handler.handle(tx, msg))
-            .catch_unwind()
-            .await
-        {
-            Ok(r) => r,
-            Err(panic) => {
-                let what = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| (*s).to_owned())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "non-string panic payload".to_owned());
-                Err(Error::retry(format!("handler panicked: {what}")).into())
-            }
-        }
-    }
-
     async fn attempt(&self, msg: &Message<D::Payload>) -> Step<H::Output> {
-        let mut handler_done = None;
+        let handler = Instrumented::new(&self.handler, &self.instruments);
         crash::reached(CrashPoint::BeforeClaim);
-        let result = self
-            .processor
-            .process(msg, async |tx| {
-                let started = Instant::now();
-                let r = self.call_handler(tx, msg).await;
-                self.instruments.handler_time(started.elapsed());
-                handler_done = Some(Instant::now());
-                if r.is_ok() {
-                    crash::reached(CrashPoint::AfterHandler);
-                }
-                r
-            })
-            .await;
-        match result {
+        match self.processor.process_with(msg, &handler).await {
             Ok(outcome) => {
-                if let (Outcome::Processed(_), Some(t)) = (&outcome, handler_done) {
+                if let (Outcome::Processed(_), Some(t)) = (&outcome, handler.last_done()) {
                     self.instruments.commit_time(t.elapsed());
                 }
                 Step::Done(outcome)

@@ -44,11 +44,11 @@ use tokio_util::sync::CancellationToken;
 use super::settle::Ctx;
 use crate::dead_letter::{DeadLetter, DeadLetterReason};
 use crate::decode::Raw;
-use crate::handler::Handler;
 use crate::id_source::IdSource;
 use crate::metrics::Instruments;
 use crate::retry::RetryPolicy;
 use crate::source::Delivery;
+use idem_core::Handler;
 
 /// Schedules per test unless `IDEM_SHUTTLE_ITERATIONS` says otherwise: about two seconds each
 /// in a debug build.

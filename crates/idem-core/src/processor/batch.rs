@@ -1,7 +1,7 @@
 //! Batches: N messages, one transaction, one commit.
 //!
-//! Two forms. [`Processor::process_batch`] runs a per-message handler under a savepoint per
-//! message, so one failing or conflicting message rolls back only itself. [`Processor::
+//! Two forms. [`Processor::process_batch`] runs a per-message [`Handler`] under a savepoint
+//! per message, so one failing or conflicting message rolls back only itself. [`Processor::
 //! process_batch_set`] claims the whole batch in one statement and hands the new messages to a
 //! set-based handler at once: the fast path for high-volume consumers.
 
@@ -10,8 +10,9 @@ use std::collections::HashMap;
 use crate::clock::Clock;
 use crate::error::{BoxError, Error};
 use crate::fingerprint::Fingerprint;
+use crate::handler::Handler;
 use crate::id::MessageId;
-use crate::message::Identified;
+use crate::message::{Identified, Message};
 use crate::outcome::{Claim, Outcome};
 use crate::store::{BatchClaimStore, ClaimStore, Savepoints};
 
@@ -33,16 +34,17 @@ impl<S: ClaimStore, C: Clock> Processor<S, C> {
     /// Returns one result per message, in input order. A message whose handler fails is rolled
     /// back to its savepoint (its claim too) and reported as `Err` with its kind; the others
     /// commit together. The outer `Err` means nothing committed (e.g. the commit failed).
-    pub async fn process_batch<M, T, E, F>(
+    ///
+    /// This is the batch path the runner takes (`Consumer::batch`): its future is `Send`
+    /// whenever the store's transaction and the payload are, because [`Handler`]'s is.
+    pub async fn process_batch<P, H>(
         &self,
-        msgs: &[M],
-        mut handler: F,
-    ) -> Result<Vec<Result<Outcome<T>, Error>>, Error>
+        msgs: &[Message<P>],
+        handler: &H,
+    ) -> Result<Vec<Result<Outcome<H::Output>, Error>>, Error>
     where
         S: Savepoints,
-        M: Identified,
-        F: AsyncFnMut(&mut S::Tx, &M) -> Result<T, E>,
-        E: Into<BoxError>,
+        H: Handler<S::Tx, P> + ?Sized,
     {
         let mut results = Vec::with_capacity(msgs.len());
         if msgs.is_empty() {
@@ -77,13 +79,13 @@ impl<S: ClaimStore, C: Clock> Processor<S, C> {
                 results.push(Ok(skipped));
                 continue;
             }
-            match handler(&mut tx, msg).await {
+            match handler.handle(&mut tx, msg).await {
                 Ok(value) => {
                     self.store.release_savepoint(&mut tx).await?;
                     results.push(Ok(Outcome::Processed(value)));
                 }
                 Err(e) => {
-                    let err = self.handler_error(e.into());
+                    let err = self.handler_error(e);
                     // Some engines (InnoDB on deadlock) abort the whole transaction, savepoint
                     // included; then nothing in the batch can commit and the caller retries it.
                     if let Err(undo) = self.store.rollback_to_savepoint(&mut tx).await {

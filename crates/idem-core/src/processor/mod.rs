@@ -9,8 +9,9 @@ mod builder;
 use crate::clock::{Clock, StoreClock};
 use crate::derived::DerivedKey;
 use crate::error::{BoxError, Error, ErrorKind};
+use crate::handler::Handler;
 use crate::id::{ConsumerName, MessageId};
-use crate::message::Identified;
+use crate::message::{Identified, Message};
 use crate::outcome::{Claim, Outcome};
 use crate::retention::Retention;
 use crate::store::{ClaimRequest, ClaimStore, Prune, prune_all};
@@ -122,6 +123,20 @@ impl<S: ClaimStore, C: Clock> Processor<S, C> {
                 Err(self.handler_error(e.into()))
             }
         }
+    }
+
+    /// [`Processor::process`] with a [`Handler`]: the runner's per-message path, and the
+    /// same shape [`Processor::process_batch`] takes.
+    pub async fn process_with<P, H>(
+        &self,
+        msg: &Message<P>,
+        handler: &H,
+    ) -> Result<Outcome<H::Output>, Error>
+    where
+        H: Handler<S::Tx, P> + ?Sized,
+    {
+        self.process(msg, async |tx| handler.handle(tx, msg).await)
+            .await
     }
 
     /// The low-level claim, inside a transaction the caller owns: composes with any code that

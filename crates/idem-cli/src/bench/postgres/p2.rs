@@ -3,7 +3,8 @@
 use std::sync::Arc;
 
 use anyhow::bail;
-use idem_core::Identified;
+use idem_core::{BoxError, Handler, Identified, Message};
+use idem_sql::PgTx;
 use sqlx::postgres::PgConnection;
 
 use super::{Bench, Ctx, charge, charge_set, expect_processed, now_micros};
@@ -221,15 +222,28 @@ impl Op for P2Op {
             }
             P2::IdemSavepoints => {
                 batch.sort_by(|a, b| a.account.cmp(&b.account));
-                let results = ctx
-                    .processor
-                    .process_batch(&batch, async |tx, d: &Delivery| charge(tx, d).await)
-                    .await?;
-                for (d, outcome) in batch.iter().zip(results) {
-                    expect_processed(d, outcome?)?;
+                let msgs: Vec<Message<Delivery>> = batch
+                    .into_iter()
+                    .map(|d| Message::with_fingerprint(d.id.clone(), d.fingerprint(), d))
+                    .collect();
+                let results = ctx.processor.process_batch(&msgs, &Charge).await?;
+                for (m, outcome) in msgs.iter().zip(results) {
+                    expect_processed(m.payload(), outcome?)?;
                 }
+                return Ok(msgs.len() as u64);
             }
         }
         Ok(batch.len() as u64)
+    }
+}
+
+/// The per-message handler of the savepoint variant, as the runner would run it.
+struct Charge;
+
+impl Handler<PgTx, Delivery> for Charge {
+    type Output = ();
+
+    async fn handle(&self, tx: &mut PgTx, msg: &Message<Delivery>) -> Result<(), BoxError> {
+        Ok(charge(tx, msg.payload()).await?)
     }
 }
