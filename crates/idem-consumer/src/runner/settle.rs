@@ -294,9 +294,13 @@ where
             } else {
                 tracing::warn!(error = %e, attempt, retry_in = ?wait, "processing failed; retrying");
             }
-            tokio::select! {
-                _ = self.stop.cancelled() => continue, // handled at the top of the loop
-                _ = tokio::time::sleep(wait) => {}
+            // A zero backoff (a policy that retries at once) needs no timer: not waiting on
+            // one also lets the randomized-schedule tests, which have none, explore retries.
+            if !wait.is_zero() {
+                tokio::select! {
+                    _ = self.stop.cancelled() => continue, // handled at the top of the loop
+                    _ = tokio::time::sleep(wait) => {}
+                }
             }
             if !outage {
                 attempt += 1;

@@ -7,16 +7,14 @@
 //! unique index does. The handler yields too, records its effect in the transaction (so it
 //! commits or rolls back with the claim), and sometimes fails.
 //!
-//! Only paths without a timer are explored: with one attempt a failure is dead-lettered at
-//! once. A retry (or a store outage) waits on `tokio::time::sleep` in `after_failure`, which
-//! shuttle cannot run: outside a tokio runtime it panics ("no reactor running"); inside an
-//! entered current-thread runtime the timer is never driven and shuttle reports a deadlock; a
-//! multi-thread runtime's timer wakes the task from a thread shuttle does not control, and
-//! shuttle reports a deadlock too. Skipping the sleep when the backoff is zero would let a
-//! zero-delay `RetryPolicy` run those paths here.
+//! Retries run with a zero-delay `RetryPolicy` of three attempts: `after_failure` does not wait
+//! on a timer for a zero backoff, so retries (and their dead letter once exhausted) are
+//! explored too. The store-outage wait is not: the store never reports one, and a real outage
+//! backoff is never zero.
 //!
 //! Checked to fail on purpose (then restored; `settle.rs` and idem-core were mutated in a scratch
-//! copy of the workspace, never in place): a duplicate dead-lettered instead of acked; a batch's
+//! copy of the workspace, never in place): a duplicate dead-lettered instead of acked; a
+//! retryable failure dead-lettered as retries exhausted on its first attempt; a batch's
 //! outcomes settled against the wrong deliveries; the processor committing the claim in a
 //! transaction of its own before the handler's (a concurrent duplicate is then acked before
 //! the effect commits); a store whose claim does not wait for an uncommitted one.
@@ -38,7 +36,7 @@ use idem_core::{
 use shuttle::future::{self, yield_now};
 use shuttle::rand::{Rng, thread_rng};
 use shuttle::scheduler::RandomScheduler;
-use shuttle::sync::{Condvar, Mutex, MutexGuard};
+use shuttle::sync::{Mutex, MutexGuard};
 use tokio_util::sync::CancellationToken;
 
 use super::settle::Ctx;
@@ -89,8 +87,6 @@ struct Db {
 #[derive(Debug, Clone, Default)]
 struct Store {
     db: Arc<Mutex<Db>>,
-    /// Signalled whenever a transaction ends or undoes claims: waiting claims look again.
-    ended: Arc<Condvar>,
 }
 
 impl Store {
@@ -145,13 +141,11 @@ impl TransactionalStore for Store {
         }
         db.effects.extend(tx.effects);
         db.open -= 1;
-        self.ended.notify_all();
         Ok(())
     }
 
     async fn rollback(&self, tx: Tx) -> Result<(), Error> {
         self.db().forget_pending(&tx.claims);
-        self.ended.notify_all();
         Ok(())
     }
 }
@@ -168,23 +162,29 @@ impl ClaimStore for Store {
     ) -> Result<Option<Fingerprint>, Error> {
         yield_now().await;
         let id = claim.id.as_bytes().to_vec();
-        let mut db = self.db();
         loop {
-            if let Some(fp) = db.claims.get(&id) {
-                return Ok(Some(*fp));
-            }
-            match db.pending.get(&id) {
-                // Inserted earlier in this transaction (a batch repeating an ID).
-                Some((owner, fp)) if *owner == tx.id => return Ok(Some(*fp)),
-                // Another open transaction holds the key: block until it ends, as an insert
-                // into a unique index does.
-                Some(_) => db = self.ended.wait(db).unwrap_or_else(|p| p.into_inner()),
-                None => {
-                    db.pending.insert(id.clone(), (tx.id, *claim.fingerprint));
-                    tx.claims.push(id);
-                    return Ok(None);
+            {
+                let mut db = self.db();
+                if let Some(fp) = db.claims.get(&id) {
+                    return Ok(Some(*fp));
+                }
+                match db.pending.get(&id) {
+                    // Inserted earlier in this transaction (a batch repeating an ID).
+                    Some((owner, fp)) if *owner == tx.id => return Ok(Some(*fp)),
+                    // Another open transaction holds the key: wait until it ends, as an insert
+                    // into a unique index does.
+                    Some(_) => {}
+                    None => {
+                        db.pending.insert(id.clone(), (tx.id, *claim.fingerprint));
+                        tx.claims.push(id);
+                        return Ok(None);
+                    }
                 }
             }
+            // Waiting yields instead of blocking the thread, as a driver's wait for a lock
+            // does: one task may hold the key in one transaction while it waits in another
+            // (a batch's failed messages retried together, two of them with the same ID).
+            yield_now().await;
         }
     }
 }
@@ -208,7 +208,6 @@ impl Savepoints for Store {
         for id in &undone {
             db.pending.remove(id);
         }
-        self.ended.notify_all();
         Ok(())
     }
 }
@@ -216,7 +215,7 @@ impl Savepoints for Store {
 // ---- the handler -----------------------------------------------------------------------------
 
 /// Writes its effect into the transaction, and fails one time in five: rejected (dead-lettered
-/// as such) or retryable (with one attempt, dead-lettered as retries exhausted).
+/// as such) or retryable (retried; dead-lettered as retries exhausted after [`ATTEMPTS`]).
 #[derive(Debug, Default)]
 struct Effect {
     rejected: AtomicU64,
@@ -342,6 +341,9 @@ impl Delivery for TestDelivery {
 
 type TestCtx = Ctx<Store, StoreClock, Raw, Arc<Effect>>;
 
+/// Attempts per message before a retryable failure is dead-lettered.
+const ATTEMPTS: u32 = 3;
+
 fn context(store: Store, effect: Arc<Effect>) -> Arc<TestCtx> {
     let processor = Processor::builder(store, "schedules")
         .build()
@@ -351,8 +353,8 @@ fn context(store: Store, effect: Arc<Effect>) -> Arc<TestCtx> {
         decoder: Raw,
         handler: effect,
         id_source: IdSource::header("message-id"),
-        // One attempt: a failure is dead-lettered at once, never waits on a tokio timer.
-        retry: RetryPolicy::exponential(1, Duration::ZERO, Duration::ZERO),
+        // Retried at once (no tokio timer, which shuttle cannot drive), up to three attempts.
+        retry: RetryPolicy::exponential(ATTEMPTS, Duration::ZERO, Duration::ZERO),
         consumer: "schedules".to_owned(),
         broker: "shuttle",
         instruments: Instruments::new("schedules", "shuttle"),
@@ -443,7 +445,8 @@ fn check(store: &Store, effect: &Effect, ctx: &TestCtx, log: &Mutex<Vec<(usize, 
         );
     }
     let mut acked = 0u64;
-    let mut failures = 0u64;
+    let mut rejected = 0u64;
+    let mut exhausted = 0u64;
     let mut conflicts = 0u64;
     for (index, (id, payload)) in DELIVERIES.iter().enumerate() {
         let h = how
@@ -470,25 +473,33 @@ fn check(store: &Store, effect: &Effect, ctx: &TestCtx, log: &Mutex<Vec<(usize, 
                     "delivery #{index} dead-lettered as a conflict without one"
                 );
             }
-            How::DeadLettered(DeadLetterReason::Rejected | DeadLetterReason::RetriesExhausted) => {
-                failures += 1;
-            }
+            How::DeadLettered(DeadLetterReason::Rejected) => rejected += 1,
+            How::DeadLettered(DeadLetterReason::RetriesExhausted) => exhausted += 1,
             other => panic!("delivery #{index} settled as {other:?}"),
         }
     }
-    // Every other outcome is a handler failure, and there were exactly that many.
-    let injected = effect.rejected.load(Ordering::Relaxed) + effect.failed.load(Ordering::Relaxed);
+    // Every rejection is dead-lettered at once; every retryable failure is retried, except the
+    // last of a message that used up its attempts, which is dead-lettered instead.
     assert_eq!(
-        failures, injected,
-        "dead letters for handler failures (a processed or duplicate delivery dead-lettered?)"
+        rejected,
+        effect.rejected.load(Ordering::Relaxed),
+        "dead letters for rejections (a processed or duplicate delivery dead-lettered?)"
     );
-
+    let failed = effect.failed.load(Ordering::Relaxed);
     let stats = ctx.instruments.snapshot();
+    assert_eq!(
+        stats.retries + exhausted,
+        failed,
+        "retryable failures: each retried, or the last of {ATTEMPTS} and dead-lettered"
+    );
+    assert!(
+        failed >= exhausted * u64::from(ATTEMPTS),
+        "{exhausted} dead-lettered as retries exhausted after {failed} retryable failures in all"
+    );
     assert_eq!(stats.processed, effects.len() as u64, "processed count");
     assert_eq!(stats.duplicates, acked - stats.processed, "duplicate count");
     assert_eq!(stats.conflicts, conflicts, "conflict count");
     assert_eq!(stats.abandoned, 0, "abandoned count");
-    assert_eq!(stats.retries, 0, "retries count");
 }
 
 /// `shuttle::check_random` with room on each task's stack: the settle futures are deep in a
