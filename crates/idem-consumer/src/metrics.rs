@@ -1,5 +1,5 @@
-//! What the runner counts and times, exported through the `metrics` facade, plus a Prometheus
-//! endpoint services can expose.
+//! What the runner counts and times, exported through the `metrics` facade, plus (feature
+//! `prometheus`) a Prometheus endpoint services can expose.
 //!
 //! Names (all labelled `consumer` and `broker`):
 //! - `idem_messages_total{outcome}`: `processed`, `duplicate`, `conflict`, `dead_lettered`;
@@ -18,18 +18,21 @@
 //! - `idem_commit_seconds`: from the handler's return to the commit's return
 //!
 //! Without an installed recorder the `metrics` calls are no-ops; [`RunStats`] counts the same
-//! events for the caller either way.
+//! events for the caller either way. Any `metrics` recorder works; the `prometheus` feature
+//! adds one with an HTTP endpoint (`serve_prometheus`, `install_prometheus_recorder`).
 
-use std::net::SocketAddr;
+#[cfg(feature = "prometheus")]
+mod prometheus;
+
+#[cfg(feature = "prometheus")]
+pub use prometheus::{PrometheusHandle, install_prometheus_recorder, serve_prometheus};
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use idem_core::{Error, ErrorKind};
+use idem_core::Error;
 use metrics::{Counter, Gauge, Histogram, counter, gauge, histogram};
-/// What [`install_prometheus_recorder`] returns: `render()` gives the exposition text.
-pub use metrics_exporter_prometheus::PrometheusHandle;
-use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 
 use crate::dead_letter::DeadLetterReason;
 
@@ -197,40 +200,4 @@ impl Instruments {
             store_outages: get(&c.store_outages),
         }
     }
-}
-
-/// Latency buckets for the `_seconds` histograms: 100 µs to 10 s.
-const BUCKETS: &[f64] = &[
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
-    5.0, 10.0,
-];
-
-fn builder() -> Result<PrometheusBuilder, Error> {
-    PrometheusBuilder::new()
-        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), BUCKETS)
-        .map_err(|e| Error::new(ErrorKind::InvalidConfig, format!("metrics buckets: {e}")))
-}
-
-/// Installs the process-wide Prometheus recorder and serves `GET /metrics` on `addr`.
-///
-/// Call once at start, inside the tokio runtime. Fails if the address cannot be bound or a
-/// recorder is already installed.
-pub fn serve_prometheus(addr: SocketAddr) -> Result<(), Error> {
-    builder()?.with_http_listener(addr).install().map_err(|e| {
-        Error::new(
-            ErrorKind::InvalidConfig,
-            format!("cannot serve metrics on {addr}: {e}"),
-        )
-    })
-}
-
-/// Installs the process-wide Prometheus recorder without a listener and returns a handle whose
-/// `render()` produces the exposition text, for services that already run an HTTP server.
-pub fn install_prometheus_recorder() -> Result<PrometheusHandle, Error> {
-    builder()?.install_recorder().map_err(|e| {
-        Error::new(
-            ErrorKind::InvalidConfig,
-            format!("cannot install the metrics recorder: {e}"),
-        )
-    })
 }
