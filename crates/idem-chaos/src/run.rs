@@ -18,6 +18,9 @@ use crate::schedule::Schedule;
 
 /// How often the run looks at its consumers and the ledger.
 const TICK: Duration = Duration::from_millis(100);
+/// How long a drain may make no progress, with messages left, before the broker's group
+/// assignment is checked for partitions no member owns.
+const STALL: Duration = Duration::from_secs(20);
 /// How long a SIGTERMed consumer may take to finish its in-flight messages.
 const STOP_GRACE: Duration = Duration::from_secs(30);
 /// Publishing is spread over the fault phase in this many slices, so consumers have work
@@ -334,12 +337,19 @@ impl Run<'_> {
 
         // Drain: every replica up and unarmed, until all is committed and acknowledged.
         let drain_started = Instant::now();
+        let mut progress = (self.charged, Instant::now());
         loop {
             tokio::time::sleep(TICK * 5).await;
             self.tend(false)?;
             self.kill_all_when_due().await?;
             self.count_charged().await;
             let backlog = self.broker.backlog(self.names).await.ok().flatten();
+            if self.charged > progress.0 {
+                progress = (self.charged, Instant::now());
+            } else if progress.1.elapsed() >= STALL && backlog.is_some_and(|b| b > 0) {
+                self.unorphan().await;
+                progress.1 = Instant::now();
+            }
             let all_kills = self.kill_all_done >= self.args.kill_all_at.len();
             if all_kills && self.charged >= self.report.unique && backlog == Some(0) {
                 return Ok(());
@@ -355,6 +365,25 @@ impl Run<'_> {
                 ));
                 return Ok(());
             }
+        }
+    }
+
+    /// The drain has stalled with messages left: if the broker's group assignment leaves
+    /// partitions to no member (a tansu fault), count them and make the group rebalance.
+    async fn unorphan(&mut self) {
+        match self.broker.orphaned_partitions(self.names).await {
+            Ok(orphans) if !orphans.is_empty() => {
+                eprintln!(
+                    "idem-chaos: the broker's group assignment leaves partitions {orphans:?} to no \
+                     member (a broker fault); making the group rebalance"
+                );
+                self.report.broker_orphaned_partitions += orphans.len() as u64;
+                if let Err(e) = self.broker.nudge_group(self.names).await {
+                    eprintln!("idem-chaos: the rebalance nudge failed: {e:#}");
+                }
+            }
+            Ok(_) => {}
+            Err(e) => eprintln!("idem-chaos: describing the consumer group failed: {e:#}"),
         }
     }
 
