@@ -438,50 +438,18 @@ fn redis_group_backlog(reply: &redis::Value, group: &str) -> Option<u64> {
 }
 
 impl Broker {
-    /// Kafka only: the topic's partitions that the group's stable assignment gives to no member.
-    ///
-    /// tansu 0.6.0 can leave a partition so: a member killed while the group re-forms is still
-    /// in the join responses, so the leader assigns it a share, and its session then expires
-    /// without the group rebalancing again. Its partitions stay unowned until the group's
-    /// membership next changes, which in a drained-out run never happens. Kafka evicts such a
-    /// member by rebalancing. Partitions a live member owns but does not consume are not
-    /// reported here: that would be idem's stall, and the drain timeout catches it.
-    pub(crate) async fn orphaned_partitions(&self, names: &Names) -> Result<Vec<i32>> {
+    /// Kafka only: how many partitions the run's topic has.
+    pub(crate) async fn partitions(&self, names: &Names) -> Result<Option<usize>> {
         let Broker::Kafka(hosts) = self else {
-            return Ok(Vec::new());
+            return Ok(None);
         };
         let consumer: BaseConsumer = kafka_config(hosts).create()?;
-        let (group, topic) = (names.consumer.clone(), names.source.clone());
-        tokio::task::spawn_blocking(move || -> Result<Vec<i32>> {
-            let timeout = Duration::from_secs(10);
+        let topic = names.source.clone();
+        tokio::task::spawn_blocking(move || -> Result<Option<usize>> {
             let meta = consumer
-                .fetch_metadata(Some(&topic), timeout)
+                .fetch_metadata(Some(&topic), Duration::from_secs(10))
                 .context("topic metadata")?;
-            let Some(t) = meta.topics().first() else {
-                return Ok(Vec::new());
-            };
-            let groups = consumer
-                .fetch_group_list(Some(&group), timeout)
-                .context("describing the consumer group")?;
-            let Some(g) = groups.groups().first() else {
-                return Ok(Vec::new());
-            };
-            if g.state() != "Stable" || g.members().is_empty() {
-                return Ok(Vec::new());
-            }
-            let mut owned = std::collections::BTreeSet::new();
-            for m in g.members() {
-                for (name, partition) in assigned(m.assignment().unwrap_or_default()) {
-                    if name == topic {
-                        owned.insert(partition);
-                    }
-                }
-            }
-            Ok(t.partitions()
-                .iter()
-                .map(|p| p.id())
-                .filter(|p| !owned.contains(p))
-                .collect())
+            Ok(meta.topics().first().map(|t| t.partitions().len()))
         })
         .await?
     }
@@ -510,60 +478,5 @@ impl Broker {
             Ok(())
         })
         .await?
-    }
-}
-
-/// The (topic, partition) pairs of a consumer-protocol assignment (Kafka's
-/// `ConsumerProtocolAssignment`: version, then per topic its name and partitions, then user
-/// data). Malformed bytes give what was read before them.
-fn assigned(bytes: &[u8]) -> Vec<(String, i32)> {
-    fn take<'a>(b: &mut &'a [u8], n: usize) -> Option<&'a [u8]> {
-        let (head, rest) = (b.get(..n)?, b.get(n..)?);
-        *b = rest;
-        Some(head)
-    }
-    fn int(b: &mut &[u8]) -> Option<i32> {
-        Some(i32::from_be_bytes(take(b, 4)?.try_into().ok()?))
-    }
-    let mut out = Vec::new();
-    let mut b = bytes;
-    let _version = take(&mut b, 2);
-    let Some(topics) = int(&mut b) else {
-        return out;
-    };
-    for _ in 0..topics.max(0) {
-        let Some(len) = take(&mut b, 2).map(|l| i16::from_be_bytes([l[0], l[1]])) else {
-            return out;
-        };
-        let Some(name) = take(&mut b, len.max(0) as usize) else {
-            return out;
-        };
-        let name = String::from_utf8_lossy(name).into_owned();
-        let Some(n) = int(&mut b) else {
-            return out;
-        };
-        for _ in 0..n.max(0) {
-            let Some(p) = int(&mut b) else {
-                return out;
-            };
-            out.push((name.clone(), p));
-        }
-    }
-    out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::assigned;
-
-    #[test]
-    fn reads_a_consumer_protocol_assignment() {
-        // version 0; one topic "t" with partitions 0 and 2; no user data.
-        let bytes = [
-            0, 0, 0, 0, 0, 1, 0, 1, b't', 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 2, 255, 255, 255, 255,
-        ];
-        assert_eq!(assigned(&bytes), vec![("t".into(), 0), ("t".into(), 2)]);
-        assert_eq!(assigned(&bytes[..10]), vec![]);
-        assert_eq!(assigned(&[]), vec![]);
     }
 }

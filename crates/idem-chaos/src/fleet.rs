@@ -162,6 +162,40 @@ impl Fleet {
         ended
     }
 
+    /// Kafka: how many partitions the running replicas hold, by their own rebalance log lines
+    /// (idem-kafka logs every assignment and revocation librdkafka hands it): per replica,
+    /// its process's last `partitions assigned partitions=N`, or 0 after a revocation.
+    pub(crate) fn held_partitions(&self) -> usize {
+        let mut held = 0;
+        for (i, s) in self.slots.iter().enumerate() {
+            if s.child.is_none() {
+                continue;
+            }
+            let path = self.logs.join(format!("consumer-{i}.log"));
+            let text = std::fs::read_to_string(&path).unwrap_or_default();
+            let this_process = text
+                .rsplit("=== idem-chaos: start")
+                .next()
+                .unwrap_or_default();
+            let mut now = 0;
+            for line in this_process.lines() {
+                if line.contains("partitions revoked") {
+                    now = 0;
+                } else if let Some(n) = line
+                    .contains("partitions assigned")
+                    .then(|| line.split("partitions=").nth(1))
+                    .flatten()
+                    .and_then(|rest| rest.split_whitespace().next())
+                    .and_then(|n| n.parse::<usize>().ok())
+                {
+                    now = n;
+                }
+            }
+            held += now;
+        }
+        held
+    }
+
     /// The last `lines` lines of every replica's log, for a failure report.
     pub(crate) fn log_tails(&self, lines: usize) -> String {
         let mut out = String::new();

@@ -43,9 +43,8 @@ pub(crate) struct Report {
     pub(crate) failed_exits: u64,
     /// Repeats the broker itself dropped before any consumer saw them.
     pub(crate) broker_dropped_repeats: u64,
-    /// Kafka: partitions found owned by no group member while the drain made no progress
-    /// (a broker fault, see `Broker::orphaned_partitions`); each time the group was made to
-    /// rebalance.
+    /// Kafka: partitions no consumer held while the drain made no progress (a broker fault,
+    /// see `Run::unorphan`); each time the group was made to rebalance.
     pub(crate) broker_orphaned_partitions: u64,
     /// Messages left unacknowledged on the broker at the end.
     pub(crate) backlog: u64,

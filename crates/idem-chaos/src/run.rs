@@ -368,22 +368,32 @@ impl Run<'_> {
         }
     }
 
-    /// The drain has stalled with messages left: if the broker's group assignment leaves
-    /// partitions to no member (a tansu fault), count them and make the group rebalance.
+    /// The drain has stalled with messages left: if the running consumers together hold fewer
+    /// partitions than the topic has (by their own rebalance logs), the broker's group left
+    /// some to no member (a tansu fault, RELIABILITY.md): count them and make the group
+    /// rebalance. Partitions a consumer holds and does not consume are not touched: that would
+    /// be idem's stall, and the drain timeout reports it.
     async fn unorphan(&mut self) {
-        match self.broker.orphaned_partitions(self.names).await {
-            Ok(orphans) if !orphans.is_empty() => {
-                eprintln!(
-                    "idem-chaos: the broker's group assignment leaves partitions {orphans:?} to no \
-                     member (a broker fault); making the group rebalance"
-                );
-                self.report.broker_orphaned_partitions += orphans.len() as u64;
-                if let Err(e) = self.broker.nudge_group(self.names).await {
-                    eprintln!("idem-chaos: the rebalance nudge failed: {e:#}");
-                }
+        let total = match self.broker.partitions(self.names).await {
+            Ok(Some(n)) => n,
+            Ok(None) => return,
+            Err(e) => {
+                eprintln!("idem-chaos: reading the topic's partitions failed: {e:#}");
+                return;
             }
-            Ok(_) => {}
-            Err(e) => eprintln!("idem-chaos: describing the consumer group failed: {e:#}"),
+        };
+        let held = self.fleet.held_partitions();
+        if held >= total {
+            return;
+        }
+        eprintln!(
+            "idem-chaos: the consumers hold {held} of {total} partitions: the broker's group \
+             left {} to no member (a broker fault); making the group rebalance",
+            total - held
+        );
+        self.report.broker_orphaned_partitions += (total - held) as u64;
+        if let Err(e) = self.broker.nudge_group(self.names).await {
+            eprintln!("idem-chaos: the rebalance nudge failed: {e:#}");
         }
     }
 
