@@ -316,7 +316,10 @@ async fn serve(args: ServeArgs) -> Result<()> {
         redeliver_after: args.redeliver_after,
         shutdown: idem_consumer::shutdown::on_signal(),
     };
-    let db = Database::open_when_up(&args.database, &settings.shutdown).await?;
+    let Some(db) = Database::open_when_up(&args.database, &settings.shutdown).await? else {
+        tracing::info!("stopped before the database came up");
+        return Ok(());
+    };
     tracing::info!(broker = %broker.redacted(), source = %settings.source, database = %idem_core::redact_url(&args.database), "starting");
     let stats = brokers::serve(&broker, &settings, db).await?;
     tracing::info!(
@@ -360,7 +363,8 @@ impl Database {
     /// restarts, fails over or drops connections waits for it (as the runner waits for a
     /// broker) instead of exiting into its supervisor's crash-loop back-off. A
     /// misconfiguration (bad URL, no such database, refused credentials) still exits at once.
-    async fn open_when_up(url: &str, shutdown: &CancellationToken) -> Result<Self> {
+    /// `None` when `shutdown` came first: a stop while waiting is a clean stop.
+    async fn open_when_up(url: &str, shutdown: &CancellationToken) -> Result<Option<Self>> {
         let mut wait = std::time::Duration::from_millis(100);
         let mut waiting = false;
         loop {
@@ -369,7 +373,7 @@ impl Database {
                     if waiting {
                         tracing::info!("database reachable again");
                     }
-                    return Ok(db);
+                    return Ok(Some(db));
                 }
                 Err(e) if outage(&e) => e,
                 Err(e) => return Err(e),
@@ -381,7 +385,7 @@ impl Database {
                 waiting = true;
             }
             tokio::select! {
-                _ = shutdown.cancelled() => return Err(e.context("stopped while waiting for the database")),
+                _ = shutdown.cancelled() => return Ok(None),
                 _ = tokio::time::sleep(wait) => {}
             }
             wait = (wait * 2).min(std::time::Duration::from_secs(5));
