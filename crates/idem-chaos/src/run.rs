@@ -18,8 +18,8 @@ use crate::schedule::Schedule;
 
 /// How often the run looks at its consumers and the ledger.
 const TICK: Duration = Duration::from_millis(100);
-/// How long a drain may make no progress, with messages left, before the broker's group
-/// assignment is checked for partitions no member owns.
+/// How long a drain may make no progress, with messages left, before the harness checks
+/// whether the broker left partitions to no consumer (`Run::unorphan`).
 const STALL: Duration = Duration::from_secs(20);
 /// How long a SIGTERMed consumer may take to finish its in-flight messages.
 const STOP_GRACE: Duration = Duration::from_secs(30);
