@@ -227,12 +227,11 @@ fn redact_ports(authority: &str) -> String {
     out
 }
 
-/// Replaces the value of every credential-like `name=value` in `s`, keeping everything else,
-/// separators included, as it is; a piece with an `@` that is no `name=value` is replaced
-/// whole.
-fn redact_params(s: &str) -> (String, Tail) {
-    let mut out = String::with_capacity(s.len());
-    let mut found = Tail::Params;
+/// Walks `s` piece by piece, the way both the query-like and the `keyword=value` redactions
+/// read it: separators are copied as they are; a credential-like `name=value` keeps its name
+/// and has its value masked (a quoted value whole, with whatever is glued to its closing
+/// quote); every other piece goes to `other`, which writes it to `out`.
+fn for_each_piece(s: &str, out: &mut String, mut other: impl FnMut(&str, &mut String)) {
     let mut rest = s;
     loop {
         let start = rest
@@ -241,7 +240,7 @@ fn redact_params(s: &str) -> (String, Tail) {
         out.push_str(&rest[..start]);
         rest = &rest[start..];
         if rest.is_empty() {
-            return (out, found);
+            return;
         }
         let end = rest.find(SEPARATORS).unwrap_or(rest.len());
         let token = &rest[..end];
@@ -259,15 +258,27 @@ fn redact_params(s: &str) -> (String, Tail) {
                     consumed = quoted_value_end(rest, name.len() + 2);
                 }
             }
-            Some((name, _)) if !name.contains('@') => out.push_str(token),
-            None if !token.contains('@') => out.push_str(token),
-            _ => {
-                out.push_str(MASK);
-                found = Tail::StrayUserInfo;
-            }
+            _ => other(token, out),
         }
         rest = &rest[consumed..];
     }
+}
+
+/// Replaces the value of every credential-like `name=value` in `s`, keeping everything else,
+/// separators included, as it is; a piece with an `@` that is no `name=value` is replaced
+/// whole.
+fn redact_params(s: &str) -> (String, Tail) {
+    let mut out = String::with_capacity(s.len());
+    let mut found = Tail::Params;
+    for_each_piece(s, &mut out, |token, out| match token.split_once('=') {
+        Some((name, _)) if !name.contains('@') => out.push_str(token),
+        None if !token.contains('@') => out.push_str(token),
+        _ => {
+            out.push_str(MASK);
+            found = Tail::StrayUserInfo;
+        }
+    });
+    (out, found)
 }
 
 /// Whether `s` is a `keyword=value …` connection string (libpq): its first piece is a name
@@ -285,49 +296,27 @@ fn is_key_values(s: &str) -> bool {
 /// as a URL of its own, and any other piece with an `@` is masked whole.
 fn redact_key_values(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
-    let mut rest = s;
-    loop {
-        let start = rest
-            .find(|c| !SEPARATORS.contains(&c))
-            .unwrap_or(rest.len());
-        out.push_str(&rest[..start]);
-        rest = &rest[start..];
-        if rest.is_empty() {
-            return out;
+    for_each_piece(s, &mut out, |token, out| match token.split_once('=') {
+        // A value that is no `keyword=value` string itself never comes back here.
+        Some((name, value))
+            if !name.contains('@')
+                && (value.contains("://") || value.contains('@'))
+                && !is_key_values(value) =>
+        {
+            out.push_str(name);
+            out.push('=');
+            out.push_str(&redact_url(value));
         }
-        let end = rest.find(SEPARATORS).unwrap_or(rest.len());
-        let token = &rest[..end];
-        let mut consumed = end;
-        match token.split_once('=') {
-            Some((name, value)) if !name.contains('@') && is_secret_name(name) => {
-                out.push_str(name);
-                out.push('=');
-                out.push_str(MASK);
-                if value.starts_with('\'') {
-                    consumed = quoted_value_end(rest, name.len() + 2);
-                }
-            }
-            // A value that is no `keyword=value` string itself never comes back here.
-            Some((name, value))
-                if !name.contains('@')
-                    && (value.contains("://") || value.contains('@'))
-                    && !is_key_values(value) =>
-            {
-                out.push_str(name);
-                out.push('=');
-                out.push_str(&redact_url(value));
-            }
-            _ if !token.contains('@') => out.push_str(token),
-            // The name kept, the text stays a `keyword=value` string when redacted again.
-            Some((name, _)) if !name.contains('@') => {
-                out.push_str(name);
-                out.push('=');
-                out.push_str(MASK);
-            }
-            _ => out.push_str(MASK),
+        _ if !token.contains('@') => out.push_str(token),
+        // The name kept, the text stays a `keyword=value` string when redacted again.
+        Some((name, _)) if !name.contains('@') => {
+            out.push_str(name);
+            out.push('=');
+            out.push_str(MASK);
         }
-        rest = &rest[consumed..];
-    }
+        _ => out.push_str(MASK),
+    });
+    out
 }
 
 /// Where a quoted value whose body starts at `from` ends, with whatever is glued to its
