@@ -146,9 +146,10 @@ fn main() {
     // Interrupted, the run's future is dropped, and with it the consumer processes
     // (kill_on_drop): an aborted run leaves no replica consuming behind it.
     let outcome = runtime.block_on(async {
+        let interrupted = idem_consumer::shutdown::on_signal();
         tokio::select! {
             r = run::run(args) => r,
-            _ = interrupted() => Err(anyhow::anyhow!("interrupted; the run's database and broker objects are left for inspection")),
+            _ = interrupted.cancelled() => Err(anyhow::anyhow!("interrupted; the run's database and broker objects are left for inspection")),
         }
     });
     match outcome {
@@ -160,22 +161,6 @@ fn main() {
         Err(e) => {
             eprintln!("error: {e:#}");
             std::process::exit(2);
-        }
-    }
-}
-
-/// SIGINT or SIGTERM.
-async fn interrupted() {
-    use tokio::signal::unix::{SignalKind, signal};
-    match signal(SignalKind::terminate()) {
-        Ok(mut term) => {
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = term.recv() => {}
-            }
-        }
-        Err(_) => {
-            let _ = tokio::signal::ctrl_c().await;
         }
     }
 }
