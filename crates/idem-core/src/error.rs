@@ -150,6 +150,17 @@ impl Error {
     pub fn is_retryable(&self) -> bool {
         self.disposition() == Disposition::Retry
     }
+
+    /// Whether the store, not the message, is the problem: out of reach or refusing work for
+    /// now ([`ErrorKind::Unavailable`]), or the connection lost during a commit
+    /// ([`ErrorKind::OutcomeUnknown`]). Worth waiting out in place; it says nothing about the
+    /// message, so it should cost none of its attempts.
+    pub fn is_outage(&self) -> bool {
+        matches!(
+            self.kind,
+            ErrorKind::Unavailable | ErrorKind::OutcomeUnknown
+        )
+    }
 }
 
 impl fmt::Display for Error {

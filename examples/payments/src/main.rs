@@ -337,7 +337,7 @@ fn outage(e: &anyhow::Error) -> bool {
     e.chain().any(|cause| {
         cause
             .downcast_ref::<idem_core::Error>()
-            .is_some_and(|e| matches!(e.kind(), ErrorKind::Unavailable | ErrorKind::OutcomeUnknown))
+            .is_some_and(idem_core::Error::is_outage)
     })
 }
 

@@ -4,8 +4,8 @@ use std::sync::Mutex;
 
 use futures_util::future::join_all;
 use idem_core::{
-    ClaimStore, Clock, Disposition, Error, ErrorKind, Fingerprint, Handler, Identified, Message,
-    MessageId, Outcome, Processor, Savepoints,
+    ClaimStore, Clock, Disposition, Error, Fingerprint, Handler, Identified, Message, MessageId,
+    Outcome, Processor, Savepoints,
 };
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -268,7 +268,7 @@ where
             // the outage lasts (capped backoff), without spending the message's attempts.
             // Dead-lettering would empty the queue into the dead letters, and giving the
             // message back would have brokers that redeliver at once spin on it.
-            let outage = infrastructure(&e);
+            let outage = e.is_outage();
             if outage {
                 outage_waits = outage_waits.saturating_add(1);
                 if waiting.is_none() {
@@ -389,12 +389,6 @@ impl Drop for OutageWait<'_> {
     fn drop(&mut self) {
         self.0.outage_ended();
     }
-}
-
-/// Errors that say the store is out of reach or refusing work for now (read-only, disk full,
-/// out of connections) rather than anything about the message.
-fn infrastructure(e: &Error) -> bool {
-    matches!(e.kind(), ErrorKind::Unavailable | ErrorKind::OutcomeUnknown)
 }
 
 #[cfg(test)]
