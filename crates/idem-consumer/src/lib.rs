@@ -40,10 +40,10 @@ pub use dead_letter::{
 pub use decode::{Decode, Json, Raw};
 pub use id_source::IdSource;
 /// The handler shape, defined in idem-core and re-exported where consumers are written.
-pub use idem_core::Handler;
+pub use idem_core::{Handler, SetHandler};
 pub use in_memory::{InMemoryBroker, InMemoryDelivery, InMemorySource, Settled};
 pub use metrics::RunStats;
 pub use retry::RetryPolicy;
-pub use runner::{Consumer, Observer};
+pub use runner::{Batch, Consumer, Observer, PerMessage};
 pub use source::{Delivery, Source};
 pub use tokio_util::sync::CancellationToken;

@@ -62,12 +62,18 @@ async fn a_panicking_handler_rolls_back_and_is_dead_lettered_after_its_retries()
         broker.publish(&[("message-id", b"boom")], br#"{"n":2}"#.to_vec());
         broker.publish(&[("message-id", b"ok-2")], br#"{"n":3}"#.to_vec());
         broker.close();
-        let stats = Consumer::new(processor, broker.source())
-            .batch_size(batch)
-            .retry(quick())
-            .run(Json::<Ping>::new(), PanicsOnBoom, CancellationToken::new())
-            .await
-            .expect("run");
+        let consumer = Consumer::new(processor, broker.source()).retry(quick());
+        let stats = if batch > 1 {
+            consumer
+                .batch(batch)
+                .run(Json::<Ping>::new(), PanicsOnBoom, CancellationToken::new())
+                .await
+        } else {
+            consumer
+                .run(Json::<Ping>::new(), PanicsOnBoom, CancellationToken::new())
+                .await
+        }
+        .expect("run");
         assert_eq!(
             (stats.processed, stats.dead_lettered),
             (2, 1),
@@ -184,7 +190,7 @@ async fn a_batch_acks_what_committed_before_retrying_a_failed_neighbour() {
     broker.publish(&[("message-id", b"steady")], br#"{"n":2}"#.to_vec());
     broker.close();
     let stats = Consumer::new(processor, broker.source())
-        .batch_size(8)
+        .batch(8)
         .retry(RetryPolicy::exponential(
             3,
             Duration::from_millis(300),

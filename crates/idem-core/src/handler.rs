@@ -58,3 +58,51 @@ impl<Tx, P, H: Handler<Tx, P> + ?Sized> Handler<Tx, P> for &H {
         (**self).handle(tx, msg)
     }
 }
+
+/// Handles a whole batch's new messages at once, inside the transaction that claims them:
+/// the peak-throughput shape, where a batch's effects are a few statements (one `unnest` or
+/// multi-row insert) instead of one per message.
+///
+/// `msgs` are the batch's new messages only: duplicates and conflicts were settled by the
+/// claim and never reach it. An error rolls the whole batch back, claims included; the runner
+/// then handles each message as a batch of one, so a poison message is isolated and the rest
+/// commit. Lock shared rows in key order first (see
+/// [`Processor::process_batch_set`](crate::Processor::process_batch_set)).
+///
+/// ```
+/// use idem_core::{BoxError, Message, SetHandler};
+///
+/// /// Sums a batch of charges into a `Vec` standing in for a transaction: one write per batch.
+/// struct ChargeAll;
+///
+/// impl SetHandler<Vec<u64>, u64> for ChargeAll {
+///     type Output = usize;
+///     async fn handle_set(&self, tx: &mut Vec<u64>, msgs: &[&Message<u64>]) -> Result<usize, BoxError> {
+///         tx.push(msgs.iter().map(|m| *m.payload()).sum());
+///         Ok(msgs.len())
+///     }
+/// }
+/// ```
+pub trait SetHandler<Tx, P>: Send + Sync {
+    /// What a committed batch yields (often `()`).
+    type Output: Send;
+
+    /// Applies the effects of every message in `msgs` through `tx`.
+    fn handle_set(
+        &self,
+        tx: &mut Tx,
+        msgs: &[&Message<P>],
+    ) -> impl Future<Output = Result<Self::Output, BoxError>> + Send;
+}
+
+impl<Tx, P, H: SetHandler<Tx, P> + ?Sized> SetHandler<Tx, P> for &H {
+    type Output = H::Output;
+
+    fn handle_set(
+        &self,
+        tx: &mut Tx,
+        msgs: &[&Message<P>],
+    ) -> impl Future<Output = Result<Self::Output, BoxError>> + Send {
+        (**self).handle_set(tx, msgs)
+    }
+}

@@ -47,7 +47,7 @@ pub use clock::{Clock, ManualClock, Stamp, StoreClock, SystemClock, Timestamp};
 pub use derived::DerivedKey;
 pub use error::{BoxError, Disposition, Error, ErrorKind};
 pub use fingerprint::{Fingerprint, FingerprintHasher};
-pub use handler::Handler;
+pub use handler::{Handler, SetHandler};
 pub use id::{ConsumerName, DEFAULT_MAX_ID_LEN, MAX_CONSUMER_NAME_LEN, MessageId};
 pub use message::{Identified, Message};
 pub use outcome::{Claim, Outcome};

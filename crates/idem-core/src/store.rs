@@ -4,14 +4,15 @@
 //! |---|---|---|
 //! | [`TransactionalStore`] | begin / commit / rollback on the business database | every processing path |
 //! | [`ClaimStore`] | one claim under the unique constraint, in the caller's transaction | [`Processor::process`] |
-//! | [`Savepoints`] | roll back one message inside a batch | [`Processor::process_batch`] |
-//! | [`BatchClaimStore`] | many claims in one statement | [`Processor::process_batch_set`] |
+//! | [`Savepoints`] | roll back part of a transaction | handlers and callers of [`Processor::claim_in`] |
+//! | [`BatchClaimStore`] | many claims in one statement | [`Processor::process_batch`], [`Processor::process_batch_set`] |
 //! | [`Migrate`], [`Prune`], [`Stats`] | schema, retention, inspection | operators and `idem` CLI |
 //! | [`RequestStore`] | idempotent-request records: lease with fencing, stored result | `idem-request`, `idem-http` |
 //! | [`ReapRequests`] | expired request records removed in bounded batches | operators and `idem` CLI |
 //!
 //! [`Processor::process`]: crate::Processor::process
 //! [`Processor::process_batch`]: crate::Processor::process_batch
+//! [`Processor::claim_in`]: crate::Processor::claim_in
 //! [`Processor::process_batch_set`]: crate::Processor::process_batch_set
 
 use std::future::Future;

@@ -161,9 +161,13 @@ impl<const REAL: bool> BrokerFixture for KafkaFixture<REAL> {
 }
 
 mod mock_cluster {
-    idem_testkit::broker_conformance_tests!(super::KafkaFixture<false>);
+    use super::KafkaFixture;
+
+    idem_testkit::broker_conformance_tests!(KafkaFixture<false>);
 }
 
 mod real_brokers {
-    idem_testkit::broker_conformance_tests!(super::KafkaFixture<true>);
+    use super::KafkaFixture;
+
+    idem_testkit::broker_conformance_tests!(KafkaFixture<true>);
 }

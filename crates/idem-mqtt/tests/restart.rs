@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use idem_consumer::{DeadLetter, Delivery, IdSource, Source};
 use idem_core::Error;
 use idem_mqtt::{MESSAGE_ID_PROPERTY, MqttDelivery, MqttProducer, MqttSource, Protocol};
-use idem_testkit::broker_conformance::{EffectHandler, Harness, eventually};
+use idem_testkit::broker_conformance::{EffectHandler, Harness, Mode, eventually};
 use idem_testkit::unique_name;
 use tokio::sync::watch;
 
@@ -318,7 +318,11 @@ async fn consumer_keeps_running_through_a_graceful_broker_restart() {
     let started = Instant::now();
     let s = Setup::new(&broker, test).await;
     let h = Harness::new(test).await;
-    let run = h.spawn(s.source(&broker).await, EffectHandler(Arc::default()), 1);
+    let run = h.spawn(
+        s.source(&broker).await,
+        EffectHandler(Arc::default()),
+        Mode::PerMessage,
+    );
     let obs = run.observer.clone();
 
     const N: usize = 10;
@@ -427,7 +431,7 @@ async fn message_committed_but_unacked_when_the_broker_stops_comes_back_as_a_dup
         gate,
         held: held.clone(),
     };
-    let run = h.spawn(source, EffectHandler(Arc::default()), 1);
+    let run = h.spawn(source, EffectHandler(Arc::default()), Mode::PerMessage);
     let obs = run.observer.clone();
 
     s.publish("before", 0).await;

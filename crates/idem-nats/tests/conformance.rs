@@ -1,5 +1,5 @@
 //! The shared broker conformance suite against a real JetStream server
-//! (`IDEM_TEST_NATS_URL`), once with one message per transaction and once with batches.
+//! (`IDEM_TEST_NATS_URL`), in every consumer mode.
 
 mod common;
 
@@ -20,15 +20,14 @@ const EMPTY_NATS_MSG_ID: &str = "empty Nats-Msg-Id header";
 const ACK_WAIT: Duration = Duration::from_secs(2);
 
 /// A stream and its dead-letter stream per test; every source shares one durable consumer.
-struct NatsFixture<const BATCH: usize> {
+struct NatsFixture {
     streams: Streams,
 }
 
-impl<const BATCH: usize> BrokerFixture for NatsFixture<BATCH> {
+impl BrokerFixture for NatsFixture {
     type Source = JetStreamSource;
 
     const URL_VAR: &'static str = idem_testkit::services::NATS;
-    const BATCH_SIZE: usize = BATCH;
     /// The ID is a header, and JetStream refuses a header block over 65 535 bytes: that is
     /// `NATS/1.0\r\nNats-Msg-Id: <id>\r\n\r\n` with an ID of 65 508 bytes.
     const MAX_ID_BYTES: usize = u16::MAX as usize - 27;
@@ -116,14 +115,4 @@ impl<const BATCH: usize> BrokerFixture for NatsFixture<BATCH> {
     }
 }
 
-mod per_message {
-    use super::NatsFixture;
-
-    idem_testkit::broker_conformance_tests!(NatsFixture<1>);
-}
-
-mod batched {
-    use super::NatsFixture;
-
-    idem_testkit::broker_conformance_tests!(NatsFixture<8>);
-}
+idem_testkit::broker_conformance_tests!(NatsFixture);

@@ -17,7 +17,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use idem_nats::{DEFAULT_PULL_EXPIRES, JetStreamSource, async_nats};
-use idem_testkit::broker_conformance::{Behaviour, EffectHandler, Harness, eventually};
+use idem_testkit::broker_conformance::{Behaviour, EffectHandler, Harness, Mode, eventually};
 use idem_testkit::{service_url, services::NATS, unique_name};
 
 const STREAM: &str = "ORDERS";
@@ -238,7 +238,7 @@ async fn consume_across_restart(test: &str, scenario: Scenario) {
         },
         ..Behaviour::default()
     }));
-    let run = h.spawn(source, handler, 1);
+    let run = h.spawn(source, handler, Mode::PerMessage);
 
     for i in 0..PER_PHASE {
         publish_retrying(&js, &format!("before-{i}"), i).await;

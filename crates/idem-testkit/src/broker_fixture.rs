@@ -29,11 +29,6 @@ pub trait BrokerFixture: Sized + Send + Sync + 'static {
     /// `setup` then receives an empty URL.
     const URL_VAR: &'static str;
 
-    /// Deliveries per transaction the suite's consumers use ([`Consumer::batch_size`
-    /// ](idem_consumer::Consumer::batch_size)); brokers that hand out batches (Kafka, JetStream,
-    /// Redis Streams) run the suite a second time with a fixture that sets this above 1.
-    const BATCH_SIZE: usize = 1;
-
     /// The longest message ID, in bytes, that the adapter's producer helper and the broker
     /// carry (AMQP's `message_id` short string: 255; an MQTT string: 65 535); IDs are also
     /// bounded by [`MAX_MESSAGE_BYTES`](Self::MAX_MESSAGE_BYTES).

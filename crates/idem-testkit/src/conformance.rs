@@ -229,8 +229,9 @@ impl<F: StoreFixture> Handler<TxOf<F>, Vec<u8>> for RecordOrDecline<F> {
     }
 }
 
-/// Per-message savepoints: the failing message rolls back alone, the rest commit together, and
-/// duplicates (earlier in the batch, or from before) and conflicts are reported per message.
+/// One claim statement, a handler per new message: the failing message is left out (the batch
+/// is redone without it, so nothing of it commits), the rest commit together, and duplicates
+/// (earlier in the batch, or from before) and conflicts are reported per message.
 pub async fn batch_with_one_failing_message_rolls_back_only_that_message<F: StoreFixture>(
     test: &str,
 ) {
@@ -309,6 +310,86 @@ pub async fn batch_with_one_failing_message_rolls_back_only_that_message<F: Stor
         .await;
     assert!(matches!(retry, Ok(Outcome::Processed(()))), "{retry:?}");
     fx.teardown().await;
+}
+
+/// Records the effect, then fails: `t-deadlock` with a transient error (not its message's:
+/// the whole batch fails), any `t-bad…` with a handler error (its message's).
+struct RecordThenFail<F>(std::marker::PhantomData<fn() -> F>);
+
+impl<F: StoreFixture> Handler<TxOf<F>, Vec<u8>> for RecordThenFail<F> {
+    type Output = ();
+
+    async fn handle(&self, tx: &mut TxOf<F>, m: &Msg) -> Result<(), BoxError> {
+        let key = m.message_id().to_string();
+        F::record_effect(tx, &key).await?;
+        if key == "t-deadlock" {
+            return Err(Error::new(ErrorKind::Transient, "deadlock (injected)").into());
+        }
+        if key.starts_with("t-bad") {
+            return Err("declined".into());
+        }
+        Ok(())
+    }
+}
+
+/// A handler error that is not its message's (a deadlock, an outage) fails the whole batch and
+/// commits nothing; a message whose every delivery in the batch fails is reported failed for
+/// each of them, and the others still commit.
+pub async fn batch_fails_whole_on_an_error_that_is_not_one_messages<F: StoreFixture>(test: &str) {
+    let fx = fixture!(test);
+    let p = processor(&fx, "billing");
+    let handler = RecordThenFail::<F>(std::marker::PhantomData);
+    let batch = vec![msg("t-1", "1"), msg("t-deadlock", "d"), msg("t-2", "2")];
+    let whole = p.process_batch(&batch, &handler).await;
+    assert!(
+        matches!(&whole, Err(e) if e.kind() == ErrorKind::Transient),
+        "{whole:?}"
+    );
+    assert_eq!(fx.count_claims().await, 0, "nothing of the batch committed");
+    for key in ["t-1", "t-deadlock", "t-2"] {
+        assert_eq!(fx.count_effects(key).await, 0, "effects of {key}");
+    }
+    // `t-bad` twice: its repeat becomes the first occurrence once `t-bad` is left out, runs,
+    // and fails too; both are reported, and `t-3` commits in the third pass.
+    let batch = vec![msg("t-bad", "b"), msg("t-3", "3"), msg("t-bad", "b")];
+    let results = p.process_batch(&batch, &handler).await.expect("commits");
+    assert!(
+        matches!(&results[0], Err(e) if e.kind() == ErrorKind::Handler),
+        "{:?}",
+        results[0]
+    );
+    assert!(
+        matches!(&results[1], Ok(Outcome::Processed(()))),
+        "{:?}",
+        results[1]
+    );
+    assert!(
+        matches!(&results[2], Err(e) if e.kind() == ErrorKind::Handler),
+        "{:?}",
+        results[2]
+    );
+    assert_eq!(fx.count_effects("t-3").await, 1);
+    assert_eq!(fx.count_effects("t-bad").await, 0);
+    assert_eq!(fx.count_claims().await, 1, "t-3 only");
+    fx.teardown().await;
+}
+
+/// Collects the new messages' IDs: the [`SetHandler`](idem_core::SetHandler) form of a set
+/// batch, which the runner's set mode runs.
+struct RecordAll<F>(std::marker::PhantomData<fn() -> F>);
+
+impl<F: StoreFixture> idem_core::SetHandler<TxOf<F>, Vec<u8>> for RecordAll<F> {
+    type Output = Vec<String>;
+
+    async fn handle_set(&self, tx: &mut TxOf<F>, fresh: &[&Msg]) -> Result<Vec<String>, BoxError> {
+        let mut keys = Vec::new();
+        for m in fresh {
+            let key = m.message_id().to_string();
+            F::record_effect(tx, &key).await?;
+            keys.push(key);
+        }
+        Ok(keys)
+    }
 }
 
 /// The set-based form: the handler receives exactly the new messages, once; duplicates,
@@ -410,6 +491,26 @@ pub async fn set_batch_claims_in_one_statement_and_hands_over_only_new_messages<
         "{:?}",
         r.outcomes[1]
     );
+    // The trait form settles the same way: only `s-4` is new.
+    let trait_form = vec![msg("s-4", "4"), msg("s-1", "1"), msg("s-4", "4")];
+    let r = p
+        .process_batch_set_with(&trait_form, &RecordAll::<F>(std::marker::PhantomData))
+        .await
+        .expect("trait-form batch");
+    assert_eq!(r.output.as_deref(), Some(&["s-4".to_owned()][..]));
+    assert!(
+        matches!(
+            r.outcomes[..],
+            [
+                Ok(Outcome::Processed(())),
+                Ok(Outcome::Duplicate),
+                Ok(Outcome::Duplicate)
+            ]
+        ),
+        "{:?}",
+        r.outcomes
+    );
+    assert_eq!(fx.count_effects("s-4").await, 1);
     // Redelivering the whole batch: nothing is new, the handler does not run.
     let again = p
         .process_batch_set(&batch, async |_tx, fresh: &[&Msg]| {
@@ -424,7 +525,7 @@ pub async fn set_batch_claims_in_one_statement_and_hands_over_only_new_messages<
             .iter()
             .all(|o| !matches!(o, Ok(Outcome::Processed(_))))
     );
-    assert_eq!(fx.count_claims().await, 4);
+    assert_eq!(fx.count_claims().await, 5, "s-1, s-2, s-3, s-4, s-old");
     fx.teardown().await;
 }
 

@@ -56,26 +56,42 @@ macro_rules! request_conformance_tests {
 }
 pub use services::{service_url, unique_name};
 
-/// Expands to one `#[tokio::test]` per broker conformance check for a [`BrokerFixture`], each
-/// on its own destination and effects database.
+/// Expands to one `#[tokio::test]` per broker conformance check and consumer mode for a
+/// [`BrokerFixture`], each on its own destination and effects database: the checks run in the
+/// modules `per_message`, `batched` (a handler per message, batches of 8) and `set_batched`
+/// (a set handler per batch of 8), so every adapter is proven on every processing path.
 #[macro_export]
 macro_rules! broker_conformance_tests {
     ($fixture:ty) => {
-        $crate::broker_conformance_tests!(@tests $fixture;
-            duplicate_publish_is_one_effect_and_one_duplicate,
-            killed_after_commit_before_ack_redelivers_as_duplicate,
-            two_consumers_with_overlapping_redeliveries_commit_each_message_once,
-            poison_messages_are_dead_lettered_with_reason_and_intact_payload,
-            graceful_shutdown_in_flight_loses_nothing_and_doubles_nothing,
-            retries_then_dead_letter_when_exhausted,
-            bad_input_corpus_is_dead_lettered_and_consuming_continues,
-        );
+        $crate::broker_conformance_tests!(@mode per_message, $crate::broker_conformance::Mode::PerMessage, $fixture);
+        $crate::broker_conformance_tests!(@mode batched, $crate::broker_conformance::Mode::Batch(8), $fixture);
+        $crate::broker_conformance_tests!(@mode set_batched, $crate::broker_conformance::Mode::Set(8), $fixture);
     };
-    (@tests $fixture:ty; $($name:ident),* $(,)?) => {
+    (@mode $module:ident, $mode:expr, $fixture:ty) => {
+        mod $module {
+            #[allow(unused_imports)]
+            use super::*;
+
+            $crate::broker_conformance_tests!(@tests $fixture; $module; $mode;
+                duplicate_publish_is_one_effect_and_one_duplicate,
+                killed_after_commit_before_ack_redelivers_as_duplicate,
+                two_consumers_with_overlapping_redeliveries_commit_each_message_once,
+                poison_messages_are_dead_lettered_with_reason_and_intact_payload,
+                graceful_shutdown_in_flight_loses_nothing_and_doubles_nothing,
+                retries_then_dead_letter_when_exhausted,
+                bad_input_corpus_is_dead_lettered_and_consuming_continues,
+            );
+        }
+    };
+    (@tests $fixture:ty; $module:ident; $mode:expr; $($name:ident),* $(,)?) => {
         $(
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn $name() {
-                $crate::broker_conformance::$name::<$fixture>(stringify!($name)).await;
+                $crate::broker_conformance::$name::<$fixture>(
+                    concat!(stringify!($module), "_", stringify!($name)),
+                    $mode,
+                )
+                .await;
             }
         )*
     };
@@ -95,6 +111,7 @@ macro_rules! conformance_tests {
             fingerprint_conflict_is_reported_not_skipped,
             each_consumer_processes_a_message_once,
             batch_with_one_failing_message_rolls_back_only_that_message,
+            batch_fails_whole_on_an_error_that_is_not_one_messages,
             set_batch_claims_in_one_statement_and_hands_over_only_new_messages,
             set_batch_handler_error_rolls_back_the_whole_batch,
             concurrent_set_batches_sharing_ids_commit_each_effect_once,

@@ -70,38 +70,3 @@ impl BrokerFixture for InMemoryFixture {
 }
 
 idem_testkit::broker_conformance_tests!(InMemoryFixture);
-
-/// The same suite through the runner's batch path (one transaction per fetched batch).
-mod batched {
-    use super::*;
-
-    #[derive(Debug)]
-    struct BatchedFixture(InMemoryFixture);
-
-    impl BrokerFixture for BatchedFixture {
-        type Source = InMemorySource;
-        const URL_VAR: &'static str = "";
-        const BATCH_SIZE: usize = 8;
-        const MAX_ID_BYTES: usize = usize::MAX;
-        const MAX_MESSAGE_BYTES: usize = usize::MAX;
-
-        async fn setup(url: String, name: String) -> Self {
-            Self(InMemoryFixture::setup(url, name).await)
-        }
-        async fn try_publish(&self, id: Option<&[u8]>, payload: &[u8]) -> Result<(), Error> {
-            self.0.try_publish(id, payload).await
-        }
-        async fn source(&self) -> InMemorySource {
-            self.0.source().await
-        }
-        async fn dead_letters(&self, n: usize, timeout: Duration) -> Vec<DeadLettered> {
-            self.0.dead_letters(n, timeout).await
-        }
-        fn redelivery_timeout(&self) -> Duration {
-            self.0.redelivery_timeout()
-        }
-        async fn teardown(self) {}
-    }
-
-    idem_testkit::broker_conformance_tests!(BatchedFixture);
-}

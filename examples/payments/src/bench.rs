@@ -9,10 +9,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use idem_consumer::{CancellationToken, Consumer, Delivery, Handler, Json, Source};
-use idem_core::{ClaimStore, Processor, Savepoints};
+use idem_consumer::{CancellationToken, Consumer, Delivery, Handler, SetHandler, Source};
+use idem_core::{BatchClaimStore, Processor};
 
 use crate::brokers::{self, BrokerUrl, WithSource};
+use crate::charge_batch::ChargeBatch;
 use crate::ledger::{Charge, PaymentRequested};
 use crate::{Database, Settings};
 
@@ -108,19 +109,23 @@ impl WithSource for Idem<'_> {
 
 async fn timed<S, Src>(store: S, src: Src, settings: &Settings, n: u64) -> Result<Duration>
 where
-    S: ClaimStore + Savepoints + Send + Sync + 'static,
+    S: BatchClaimStore + Send + Sync + 'static,
     S::Tx: Send,
     Src: Source,
     Charge: Handler<S::Tx, PaymentRequested>,
+    ChargeBatch: SetHandler<S::Tx, PaymentRequested>,
 {
     let processor = Arc::new(Processor::builder(store, settings.consumer.as_str()).build()?);
-    let consumer = Consumer::new(processor, src)
-        .concurrency(settings.concurrency)
-        .batch_size(settings.batch);
+    let consumer = Consumer::new(processor, src).concurrency(settings.concurrency);
     let observer = consumer.observer();
     let stop = CancellationToken::new();
     let started = Instant::now();
-    let run = tokio::spawn(consumer.run(Json::<PaymentRequested>::new(), Charge, stop.clone()));
+    let run = tokio::spawn(crate::run_consumer(
+        consumer,
+        settings.batch,
+        settings.set,
+        stop.clone(),
+    ));
     let mut last = (0, Instant::now());
     loop {
         let s = observer.snapshot();

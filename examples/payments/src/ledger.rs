@@ -19,7 +19,7 @@ pub(crate) struct PaymentRequested {
 impl PaymentRequested {
     /// Checks what the JSON types cannot: a message that fails here can never succeed, so it is
     /// rejected (dead-lettered) instead of retried.
-    fn validate(&self) -> Result<(), Error> {
+    pub(crate) fn validate(&self) -> Result<(), Error> {
         if self.account.trim().is_empty() || self.account.len() > 255 {
             return Err(Error::reject("account must be 1 to 255 bytes"));
         }
@@ -213,60 +213,69 @@ mod tests {
     ];
     const EXPECTED: &[(&str, i64)] = &[("ALICE", 200), ("alice", 1100), ("alice ", 400)];
 
-    /// Consumes `PAYMENTS` into the database at `url`, then checks the balances and charges
-    /// that `read` returns.
+    /// Consumes `PAYMENTS` into the database at `url` in each mode in turn (per message,
+    /// batches with `Charge`, batches with `ChargeBatch`; each its own consumer, so each
+    /// processes them anew), then checks the balances and charges that `read` returns.
     async fn accounts_stay_distinct<F, Fut>(url: &str, read: F)
     where
         F: Fn(&'static str) -> Fut,
         Fut: std::future::Future<Output = Vec<(String, i64)>>,
     {
         let db = Database::open(url).await.expect("open the database");
-        let broker = InMemoryBroker::new();
-        for (i, (account, amount)) in PAYMENTS.iter().enumerate() {
-            let payload = serde_json::json!({ "account": account, "amount_cents": amount });
-            let id = format!("pay-{i}");
-            broker.publish(&[("message-id", id.as_bytes())], payload.to_string());
-        }
-        broker.close();
-        let settings = Settings {
-            source: "payments".to_owned(),
-            consumer: "payments".to_owned(),
-            instance: "test".to_owned(),
-            concurrency: 1,
-            batch: 1,
-            retention: idem_core::Retention::default(),
-            redeliver_after: None,
-            shutdown: CancellationToken::new(),
-        };
-        let stats = db
-            .consume(broker.source(), &settings)
-            .await
-            .expect("consume");
-        assert_eq!(stats.processed, 4, "{stats:?}");
-
         let sorted = |mut rows: Vec<(String, i64)>| {
             rows.sort();
             rows
         };
-        let expected: Vec<(String, i64)> = EXPECTED
-            .iter()
-            .map(|(a, n)| ((*a).to_owned(), *n))
-            .collect();
-        assert_eq!(
-            sorted(read("SELECT account, balance_cents FROM accounts").await),
-            expected,
-            "balances on {}",
-            idem_core::redact_url(url)
-        );
-        let sent: Vec<(String, i64)> = PAYMENTS
-            .iter()
-            .map(|(a, n)| ((*a).to_owned(), *n))
-            .collect();
-        assert_eq!(
-            sorted(read("SELECT account, amount_cents FROM charges").await),
-            sorted(sent),
-            "charges keep the account as sent"
-        );
+        let modes = [
+            ("per-message", 1, false),
+            ("batch", 4, false),
+            ("set", 4, true),
+        ];
+        for (runs, (mode, batch, set)) in (1i64..).zip(modes) {
+            let broker = InMemoryBroker::new();
+            for (i, (account, amount)) in PAYMENTS.iter().enumerate() {
+                let payload = serde_json::json!({ "account": account, "amount_cents": amount });
+                let id = format!("pay-{i}");
+                broker.publish(&[("message-id", id.as_bytes())], payload.to_string());
+            }
+            broker.close();
+            let settings = Settings {
+                source: "payments".to_owned(),
+                consumer: format!("payments-{mode}"),
+                instance: "test".to_owned(),
+                concurrency: 1,
+                batch,
+                set,
+                retention: idem_core::Retention::default(),
+                redeliver_after: None,
+                shutdown: CancellationToken::new(),
+            };
+            let stats = db
+                .clone()
+                .consume(broker.source(), &settings)
+                .await
+                .expect("consume");
+            assert_eq!(stats.processed, 4, "{mode}: {stats:?}");
+
+            let expected: Vec<(String, i64)> = EXPECTED
+                .iter()
+                .map(|(a, n)| ((*a).to_owned(), *n * runs))
+                .collect();
+            assert_eq!(
+                sorted(read("SELECT account, balance_cents FROM accounts").await),
+                expected,
+                "balances after {mode} on {}",
+                idem_core::redact_url(url)
+            );
+            let sent: Vec<(String, i64)> = (0..runs)
+                .flat_map(|_| PAYMENTS.iter().map(|(a, n)| ((*a).to_owned(), *n)))
+                .collect();
+            assert_eq!(
+                sorted(read("SELECT account, amount_cents FROM charges").await),
+                sorted(sent),
+                "{mode}: charges keep the account as sent"
+            );
+        }
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -13,6 +13,7 @@
 
 mod bench;
 mod brokers;
+mod charge_batch;
 mod ledger;
 
 use std::net::SocketAddr;
@@ -20,11 +21,12 @@ use std::sync::Arc;
 
 use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
-use idem_consumer::{CancellationToken, Consumer, Handler, Json, RunStats, Source};
-use idem_core::{ClaimStore, ErrorKind, Migrate, Processor, Savepoints, TransactionalStore};
+use idem_consumer::{CancellationToken, Consumer, Handler, Json, RunStats, SetHandler, Source};
+use idem_core::{BatchClaimStore, ClaimStore, ErrorKind, Migrate, Processor, TransactionalStore};
 use idem_sql::{MySqlStore, PostgresStore, SqliteOptions, SqliteStore};
 
 use crate::brokers::BrokerUrl;
+use crate::charge_batch::ChargeBatch;
 use crate::ledger::{Charge, PaymentRequested};
 
 #[derive(Debug, Parser)]
@@ -80,6 +82,9 @@ struct BenchArgs {
     /// Messages per transaction in the idem leg.
     #[arg(long, default_value_t = 1)]
     batch: usize,
+    /// Charge each batch with the set handler (two statements per batch).
+    #[arg(long)]
+    set: bool,
     /// Print one Markdown table row.
     #[arg(long)]
     markdown: bool,
@@ -125,6 +130,11 @@ struct ServeArgs {
     /// Messages per transaction, where the broker hands out batches (1 = one per transaction).
     #[arg(long, default_value_t = 1)]
     batch: usize,
+    /// Charge each batch with the set handler: every charge row in one insert and every
+    /// balance in one upsert, instead of two statements per message. A batch that fails is
+    /// processed again message by message, so one bad payment is dead-lettered alone.
+    #[arg(long)]
+    set: bool,
     /// How soon a message a dead consumer held goes to another one: NATS's ack wait, the idle
     /// time after which Redis Streams entries are claimed, Kafka's session timeout. RabbitMQ
     /// and MQTT redeliver as soon as the connection drops. Unset: the broker's default.
@@ -168,6 +178,8 @@ pub(crate) struct Settings {
     pub(crate) instance: String,
     concurrency: usize,
     batch: usize,
+    /// `--set`: the set handler per batch.
+    set: bool,
     /// How long claims are kept, checked against the redelivery window.
     retention: idem_core::Retention,
     /// `--redeliver-after`.
@@ -243,6 +255,7 @@ async fn run(cli: Cli) -> Result<()> {
                 instance: t.instance.unwrap_or_else(host_name),
                 concurrency: 1,
                 batch: 1,
+                set: false,
                 retention: idem_core::Retention::default(),
                 redeliver_after: None,
                 shutdown: CancellationToken::new(),
@@ -257,6 +270,7 @@ async fn run(cli: Cli) -> Result<()> {
                 instance: format!("bench-{}", std::process::id()),
                 concurrency: b.concurrency,
                 batch: b.batch,
+                set: b.set,
                 retention: idem_core::Retention::default(),
                 redeliver_after: None,
                 shutdown: CancellationToken::new(),
@@ -312,6 +326,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         instance: args.instance.unwrap_or_else(host_name),
         concurrency: args.concurrency,
         batch: args.batch,
+        set: args.set,
         retention: idem_core::Retention::new(args.keep_claims_for, args.redelivery_window)?,
         redeliver_after: args.redeliver_after,
         shutdown: idem_consumer::shutdown::on_signal(),
@@ -351,7 +366,7 @@ fn ddl_error<S: TransactionalStore>(store: &S, e: sqlx::Error) -> anyhow::Error 
 }
 
 /// The database, opened and migrated: claims table plus the service's own tables.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) enum Database {
     Sqlite(SqliteStore),
     Postgres(PostgresStore),
@@ -447,10 +462,11 @@ impl Database {
 
 async fn consume<S, Src>(store: S, source: Src, settings: &Settings) -> Result<RunStats>
 where
-    S: ClaimStore + Savepoints + idem_core::Prune + Send + Sync + 'static,
+    S: BatchClaimStore + idem_core::Prune + Send + Sync + 'static,
     S::Tx: Send,
     Src: Source,
     Charge: Handler<S::Tx, PaymentRequested>,
+    ChargeBatch: SetHandler<S::Tx, PaymentRequested>,
 {
     let processor = Processor::builder(store, settings.consumer.as_str())
         .keep_claims_for(settings.retention.keep_for())
@@ -461,17 +477,44 @@ where
         processor.clone(),
         settings.shutdown.clone(),
     ));
-    let stats = Consumer::new(processor, source)
-        .concurrency(settings.concurrency)
-        .batch_size(settings.batch)
-        .run(
-            Json::<PaymentRequested>::new(),
-            Charge,
-            settings.shutdown.clone(),
-        )
-        .await;
+    let consumer = Consumer::new(processor, source).concurrency(settings.concurrency);
+    let stats = run_consumer(
+        consumer,
+        settings.batch,
+        settings.set,
+        settings.shutdown.clone(),
+    )
+    .await;
     pruner.abort();
     Ok(stats?)
+}
+
+/// Runs `consumer` in the mode `--batch` and `--set` choose: per message, batches with
+/// `Charge` per message, or batches with `ChargeBatch` per batch.
+pub(crate) async fn run_consumer<S, Src>(
+    consumer: Consumer<S, Src>,
+    batch: usize,
+    set: bool,
+    shutdown: CancellationToken,
+) -> Result<RunStats, idem_core::Error>
+where
+    S: BatchClaimStore + Send + Sync + 'static,
+    S::Tx: Send,
+    Src: Source,
+    Charge: Handler<S::Tx, PaymentRequested>,
+    ChargeBatch: SetHandler<S::Tx, PaymentRequested>,
+{
+    let json = Json::<PaymentRequested>::new();
+    if set {
+        consumer
+            .batch(batch)
+            .run_set(json, ChargeBatch, shutdown)
+            .await
+    } else if batch > 1 {
+        consumer.batch(batch).run(json, Charge, shutdown).await
+    } else {
+        consumer.run(json, Charge, shutdown).await
+    }
 }
 
 /// Deletes claims older than the retention, at start and then hourly, in bounded batches.

@@ -1,14 +1,15 @@
 //! The user's handler as the runner runs it: the decorator that carries what the runner adds
 //! around every call — panics caught, handler time measured, crash points reached — so the
-//! processor's own paths (`process`, `process_batch`) are the ones that run in production.
+//! processor's own paths (`process`, `process_batch`, `process_batch_set`) are the ones that run in production.
 
+use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use futures_util::FutureExt;
-use idem_core::{BoxError, Error, Handler, Message};
+use idem_core::{BoxError, Error, Handler, Message, SetHandler};
 
 use crate::crash::{self, CrashPoint};
 use crate::metrics::Instruments;
@@ -40,15 +41,12 @@ impl<'a, H> Instrumented<'a, H> {
     }
 }
 
-impl<Tx, P, H> Handler<Tx, P> for Instrumented<'_, H>
-where
-    Tx: Send,
-    P: Sync,
-    H: Handler<Tx, P>,
-{
-    type Output = H::Output;
-
-    async fn handle(&self, tx: &mut Tx, msg: &Message<P>) -> Result<H::Output, BoxError> {
+impl<H> Instrumented<'_, H> {
+    /// Runs one handler call: panics caught, time measured, the after-handler crash point.
+    async fn call<T>(
+        &self,
+        call: impl Future<Output = Result<T, BoxError>>,
+    ) -> Result<T, BoxError> {
         if self.calls.fetch_add(1, Ordering::Relaxed) > 0 {
             crash::reached(CrashPoint::InBatch);
         }
@@ -56,10 +54,7 @@ where
         // A panic becomes a retryable error: the transaction then rolls back and the delivery
         // is settled like any failure (retried, then dead-lettered), instead of being dropped
         // unsettled where it would hold a prefetch slot until a reconnect.
-        let r = match AssertUnwindSafe(self.inner.handle(tx, msg))
-            .catch_unwind()
-            .await
-        {
+        let r = match AssertUnwindSafe(call).catch_unwind().await {
             Ok(r) => r,
             Err(panic) => {
                 let what = panic
@@ -77,5 +72,31 @@ where
             crash::reached(CrashPoint::AfterHandler);
         }
         r
+    }
+}
+
+impl<Tx, P, H> Handler<Tx, P> for Instrumented<'_, H>
+where
+    Tx: Send,
+    P: Sync,
+    H: Handler<Tx, P>,
+{
+    type Output = H::Output;
+
+    async fn handle(&self, tx: &mut Tx, msg: &Message<P>) -> Result<H::Output, BoxError> {
+        self.call(self.inner.handle(tx, msg)).await
+    }
+}
+
+impl<Tx, P, H> SetHandler<Tx, P> for Instrumented<'_, H>
+where
+    Tx: Send,
+    P: Sync,
+    H: SetHandler<Tx, P>,
+{
+    type Output = H::Output;
+
+    async fn handle_set(&self, tx: &mut Tx, msgs: &[&Message<P>]) -> Result<H::Output, BoxError> {
+        self.call(self.inner.handle_set(tx, msgs)).await
     }
 }

@@ -10,10 +10,14 @@ mod instrumented;
 mod settle;
 #[cfg(test)]
 mod settle_schedules;
+mod work;
 
 use std::sync::{Arc, Mutex};
 
-use idem_core::{ClaimStore, Clock, Error, ErrorKind, Handler, Processor, Savepoints, StoreClock};
+use idem_core::{
+    BatchClaimStore, ClaimStore, Clock, Error, ErrorKind, Handler, Processor, SetHandler,
+    StoreClock,
+};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -62,26 +66,48 @@ const MAX_FETCH: usize = 256;
 /// println!("{} processed, {} duplicates", stats.processed, stats.duplicates);
 /// # Ok(()) }
 /// ```
+///
+/// The mode is part of the type: [`Consumer::new`] processes one message per transaction and
+/// needs only a [`ClaimStore`]; [`Consumer::batch`] turns it into a batching consumer, whose
+/// `run` (a [`Handler`] per message) and `run_set` (a [`SetHandler`] per batch) need a
+/// [`BatchClaimStore`].
 #[derive(Debug)]
-pub struct Consumer<S, Src, C = StoreClock> {
+pub struct Consumer<S, Src, C = StoreClock, M = PerMessage> {
     processor: Arc<Processor<S, C>>,
     source: Src,
     concurrency: usize,
-    batch_size: usize,
+    mode: M,
     retry: RetryPolicy,
     id_source: Option<IdSource>,
     instruments: Instruments,
 }
 
-impl<S, Src, C> Consumer<S, Src, C>
+/// [`Consumer`]'s default mode: one message per transaction.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PerMessage;
+
+/// [`Consumer`]'s batch mode: up to this many deliveries per transaction.
+#[derive(Debug, Clone, Copy)]
+pub struct Batch {
+    size: usize,
+}
+
+impl Batch {
+    /// Deliveries fetched and processed per transaction, at most.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+}
+
+impl<S, Src, C> Consumer<S, Src, C, PerMessage>
 where
-    S: ClaimStore + Savepoints + Send + Sync + 'static,
+    S: ClaimStore + Send + Sync + 'static,
     S::Tx: Send,
     C: Clock + Send + Sync + 'static,
     Src: Source,
 {
-    /// A runner for `processor` fed by `source`: one message at a time, default retries, the
-    /// adapter's default ID source.
+    /// A runner for `processor` fed by `source`: one message per transaction, default retries,
+    /// the adapter's default ID source.
     pub fn new(processor: Arc<Processor<S, C>>, source: Src) -> Self {
         let instruments = Instruments::new(processor.consumer().as_str(), source.broker());
         Self {
@@ -89,12 +115,88 @@ where
             processor,
             source,
             concurrency: 1,
-            batch_size: 1,
+            mode: PerMessage,
             retry: RetryPolicy::default(),
             id_source: None,
         }
     }
 
+    /// Consumes until `shutdown` is cancelled (or the source ends), then settles in-flight work
+    /// and closes the source.
+    ///
+    /// Returns what was done, or the error that stopped consumption: a [`Fatal`
+    /// ](idem_core::Disposition::Fatal) processing error such as a misconfiguration. Broker
+    /// errors do not end the run: the runner backs off and fetches again.
+    pub async fn run<D, H>(
+        self,
+        decoder: D,
+        handler: H,
+        shutdown: CancellationToken,
+    ) -> Result<RunStats, Error>
+    where
+        D: Decode,
+        H: Handler<S::Tx, D::Payload> + 'static,
+    {
+        self.drive(decoder, work::OneByOne(handler), 1, shutdown)
+            .await
+    }
+}
+
+impl<S, Src, C> Consumer<S, Src, C, Batch>
+where
+    S: BatchClaimStore + Send + Sync + 'static,
+    S::Tx: Send,
+    C: Clock + Send + Sync + 'static,
+    Src: Source,
+{
+    /// [`Consumer::run`] in batches: each fetched batch is claimed in one statement, `handler`
+    /// runs for its new messages, and it commits once ([`Processor::process_batch`]). A message
+    /// whose handler fails is left out of the batch (which is redone without it) and retried
+    /// on its own; a batch that fails as a whole (a deadlock, a lost connection) is processed
+    /// again message by message, costing none of them an attempt.
+    pub async fn run<D, H>(
+        self,
+        decoder: D,
+        handler: H,
+        shutdown: CancellationToken,
+    ) -> Result<RunStats, Error>
+    where
+        D: Decode,
+        H: Handler<S::Tx, D::Payload> + 'static,
+    {
+        let size = self.mode.size;
+        self.drive(decoder, work::Batched(handler), size, shutdown)
+            .await
+    }
+
+    /// [`Consumer::run`] with a [`SetHandler`]: each fetched batch is claimed in one statement
+    /// and its new messages go to `handler` at once ([`Processor::process_batch_set_with`]),
+    /// the peak-throughput mode. When the handler fails, the batch rolls back whole and each of
+    /// its messages is processed again as a batch of one, so a poison message is isolated (and
+    /// retried, then dead-lettered) while the others commit.
+    pub async fn run_set<D, H>(
+        self,
+        decoder: D,
+        handler: H,
+        shutdown: CancellationToken,
+    ) -> Result<RunStats, Error>
+    where
+        D: Decode,
+        H: SetHandler<S::Tx, D::Payload> + 'static,
+    {
+        let size = self.mode.size;
+        self.drive(decoder, work::SetBatched(handler), size, shutdown)
+            .await
+    }
+}
+
+impl<S, Src, C, M> Consumer<S, Src, C, M>
+where
+    S: ClaimStore + Send + Sync + 'static,
+    S::Tx: Send,
+    C: Clock + Send + Sync + 'static,
+    Src: Source,
+{
     /// How many messages (or batches) are processed at once (default 1). Above 1, messages from
     /// the same partition or stream may commit out of order; keep 1 where order matters.
     pub fn concurrency(mut self, n: usize) -> Self {
@@ -102,12 +204,19 @@ where
         self
     }
 
-    /// Above 1, fetch up to `n` deliveries at a time and process them in one transaction with a
-    /// savepoint per message ([`Processor::process_batch`]): one commit per batch. A message
-    /// that fails inside a batch is retried on its own.
-    pub fn batch_size(mut self, n: usize) -> Self {
-        self.batch_size = n.max(1);
-        self
+    /// Batch mode: fetch up to `n` deliveries at a time and process them in one transaction,
+    /// with one claim statement and one commit per batch (see the batch mode's `run` and
+    /// `run_set`). At 1, each message still has its own transaction.
+    pub fn batch(self, n: usize) -> Consumer<S, Src, C, Batch> {
+        Consumer {
+            processor: self.processor,
+            source: self.source,
+            concurrency: self.concurrency,
+            mode: Batch { size: n.max(1) },
+            retry: self.retry,
+            id_source: self.id_source,
+            instruments: self.instruments,
+        }
     }
 
     /// Attempts and backoff for retryable errors.
@@ -127,31 +236,26 @@ where
         self
     }
 
-    /// Consumes until `shutdown` is cancelled (or the source ends), then settles in-flight work
-    /// and closes the source.
-    ///
-    /// Returns what was done, or the error that stopped consumption: a [`Fatal`
-    /// ](idem_core::Disposition::Fatal) processing error such as a misconfiguration. Broker
-    /// errors do not end the run: the runner backs off and fetches again.
-    pub async fn run<D, H>(
+    /// The run loop every mode shares; `work` is the mode's transactions.
+    async fn drive<D, W>(
         self,
         decoder: D,
-        handler: H,
+        work: W,
+        batch_size: usize,
         shutdown: CancellationToken,
     ) -> Result<RunStats, Error>
     where
         D: Decode,
-        H: Handler<S::Tx, D::Payload> + 'static,
-        H::Output: 'static,
+        W: work::Work<S, C, D::Payload>,
     {
         let Consumer {
             processor,
             mut source,
             concurrency,
-            batch_size,
             retry,
             id_source,
             instruments,
+            ..
         } = self;
         let broker = source.broker();
         let consumer = processor.consumer().as_str().to_owned();
@@ -163,7 +267,7 @@ where
             broker,
             processor,
             decoder,
-            handler,
+            work,
             retry,
             stop: stop.clone(),
             fatal: Mutex::new(None),

@@ -4,8 +4,8 @@ use std::sync::Mutex;
 
 use futures_util::future::join_all;
 use idem_core::{
-    ClaimStore, Clock, Disposition, Error, Fingerprint, Handler, Identified, Message, MessageId,
-    Outcome, Processor, Savepoints,
+    ClaimStore, Clock, Disposition, Error, Fingerprint, Identified, Message, MessageId, Outcome,
+    Processor,
 };
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -18,13 +18,14 @@ use crate::metrics::Instruments;
 use crate::retry::RetryPolicy;
 use crate::source::Delivery;
 
-use super::instrumented::Instrumented;
+use super::work::Work;
 
 /// Everything a message task needs, shared by all tasks of one run.
-pub(crate) struct Ctx<S, C, D, H> {
+pub(crate) struct Ctx<S, C, D, W> {
     pub(crate) processor: std::sync::Arc<Processor<S, C>>,
     pub(crate) decoder: D,
-    pub(crate) handler: H,
+    /// The mode's transactions, around the user's handler.
+    pub(crate) work: W,
     pub(crate) id_source: IdSource,
     pub(crate) retry: RetryPolicy,
     pub(crate) consumer: String,
@@ -57,19 +58,13 @@ impl std::fmt::Display for ShownId<'_> {
     }
 }
 
-/// What became of one processing attempt.
-enum Step<T> {
-    Done(Outcome<T>),
-    Failed(Error),
-}
-
-impl<S, C, D, H> Ctx<S, C, D, H>
+impl<S, C, D, W> Ctx<S, C, D, W>
 where
-    S: ClaimStore + Savepoints + Send + Sync + 'static,
+    S: ClaimStore + Send + Sync + 'static,
     S::Tx: Send,
     C: Clock + Send + Sync + 'static,
     D: Decode,
-    H: Handler<S::Tx, D::Payload> + 'static,
+    W: Work<S, C, D::Payload>,
 {
     fn span<Dl: Delivery>(&self, delivery: &Dl) -> tracing::Span {
         tracing::info_span!(
@@ -124,7 +119,7 @@ where
         .await
     }
 
-    /// Many deliveries, one transaction with a savepoint each; failures retried one by one.
+    /// Many deliveries, one transaction; failures retried one by one.
     pub(crate) async fn settle_batch<Dl: Delivery>(&self, deliveries: Vec<Dl>) {
         let mut ready = Vec::with_capacity(deliveries.len());
         let mut msgs = Vec::with_capacity(deliveries.len());
@@ -145,18 +140,13 @@ where
         }
         let size = msgs.len();
         let span = tracing::info_span!("idem.batch", consumer = %self.consumer, broker = self.broker, size);
-        let handler = Instrumented::new(&self.handler, &self.instruments);
-        crash::reached(CrashPoint::BeforeClaim);
         let result = self
-            .processor
-            .process_batch(&msgs, &handler)
+            .work
+            .many(&self.processor, &msgs, &self.instruments)
             .instrument(span.clone())
             .await;
         match result {
             Ok(results) => {
-                if let Some(t) = handler.last_done() {
-                    self.instruments.commit_time(t.elapsed());
-                }
                 // Settle what committed first: a failing neighbour's retries must not delay
                 // those acks past the broker's ack deadline. Then retry the failures together.
                 let mut done = Vec::new();
@@ -203,18 +193,8 @@ where
         }
     }
 
-    async fn attempt(&self, msg: &Message<D::Payload>) -> Step<H::Output> {
-        let handler = Instrumented::new(&self.handler, &self.instruments);
-        crash::reached(CrashPoint::BeforeClaim);
-        match self.processor.process_with(msg, &handler).await {
-            Ok(outcome) => {
-                if let (Outcome::Processed(_), Some(t)) = (&outcome, handler.last_done()) {
-                    self.instruments.commit_time(t.elapsed());
-                }
-                Step::Done(outcome)
-            }
-            Err(e) => Step::Failed(e),
-        }
+    async fn attempt(&self, msg: &Message<D::Payload>) -> Result<Outcome<()>, Error> {
+        self.work.one(&self.processor, msg, &self.instruments).await
     }
 
     async fn process_with_retries<Dl: Delivery>(
@@ -224,8 +204,8 @@ where
         attempt: u32,
     ) {
         match self.attempt(&msg).await {
-            Step::Done(outcome) => self.finish(delivery, &msg, outcome).await,
-            Step::Failed(e) => self.after_failure(delivery, msg, e, attempt).await,
+            Ok(outcome) => self.finish(delivery, &msg, outcome).await,
+            Err(e) => self.after_failure(delivery, msg, e, attempt).await,
         }
     }
 
@@ -306,21 +286,21 @@ where
                 attempt += 1;
             }
             match self.attempt(&msg).await {
-                Step::Done(outcome) => {
+                Ok(outcome) => {
                     drop(waiting.take());
                     return self.finish(delivery, &msg, outcome).await;
                 }
-                Step::Failed(next) => e = next,
+                Err(next) => e = next,
             }
         }
     }
 
     /// Settles a delivery whose processing reached an outcome.
-    async fn finish<Dl: Delivery, T>(
+    async fn finish<Dl: Delivery>(
         &self,
         delivery: Dl,
         msg: &Message<D::Payload>,
-        outcome: Outcome<T>,
+        outcome: Outcome<()>,
     ) {
         match outcome {
             Outcome::Processed(_) => {

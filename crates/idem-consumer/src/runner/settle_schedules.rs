@@ -30,8 +30,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use idem_core::{
-    BoxError, ClaimRequest, ClaimStore, Error, Fingerprint, Identified, Message, Processor,
-    Savepoints, StoreClock, TransactionalStore,
+    BatchClaimStore, BoxError, ClaimRequest, ClaimStore, ConsumerName, Error, Fingerprint,
+    Identified, Message, MessageId, Processor, Stamp, StoreClock, TransactionalStore,
 };
 use shuttle::future::{self, yield_now};
 use shuttle::rand::{Rng, thread_rng};
@@ -100,8 +100,6 @@ struct Tx {
     id: u64,
     claims: Vec<Vec<u8>>,
     effects: Vec<(Vec<u8>, Vec<u8>)>,
-    /// Lengths of `claims` and `effects` at the savepoint.
-    savepoint: Option<(usize, usize)>,
 }
 
 impl Db {
@@ -125,7 +123,6 @@ impl TransactionalStore for Store {
             id: db.next_tx,
             claims: Vec::new(),
             effects: Vec::new(),
-            savepoint: None,
         })
     }
 
@@ -189,26 +186,27 @@ impl ClaimStore for Store {
     }
 }
 
-impl Savepoints for Store {
-    async fn savepoint(&self, tx: &mut Tx) -> Result<(), Error> {
-        tx.savepoint = Some((tx.claims.len(), tx.effects.len()));
-        Ok(())
-    }
-
-    async fn release_savepoint(&self, tx: &mut Tx) -> Result<(), Error> {
-        tx.savepoint = None;
-        Ok(())
-    }
-
-    async fn rollback_to_savepoint(&self, tx: &mut Tx) -> Result<(), Error> {
-        let (claims, effects) = tx.savepoint.expect("a savepoint was set");
-        let undone = tx.claims.split_off(claims);
-        tx.effects.truncate(effects);
-        let mut db = self.db();
-        for id in &undone {
-            db.pending.remove(id);
+impl BatchClaimStore for Store {
+    /// One claim after another, each waiting as [`Store::claim`] does: the batch's claims are
+    /// one statement in a real database, which waits for held keys the same way.
+    async fn claim_many(
+        &self,
+        tx: &mut Tx,
+        consumer: &ConsumerName,
+        items: &[(&MessageId, Fingerprint)],
+        at: Stamp,
+    ) -> Result<Vec<Option<Fingerprint>>, Error> {
+        let mut found = Vec::with_capacity(items.len());
+        for (id, fingerprint) in items {
+            let request = ClaimRequest {
+                consumer,
+                id,
+                fingerprint,
+                at,
+            };
+            found.push(self.claim(tx, request).await?);
         }
-        Ok(())
+        Ok(found)
     }
 }
 
@@ -339,7 +337,7 @@ impl Delivery for TestDelivery {
 
 // ---- one schedule ----------------------------------------------------------------------------
 
-type TestCtx = Ctx<Store, StoreClock, Raw, Arc<Effect>>;
+type TestCtx = Ctx<Store, StoreClock, Raw, super::work::Batched<Arc<Effect>>>;
 
 /// Attempts per message before a retryable failure is dead-lettered.
 const ATTEMPTS: u32 = 3;
@@ -351,7 +349,7 @@ fn context(store: Store, effect: Arc<Effect>) -> Arc<TestCtx> {
     Arc::new(Ctx {
         processor: Arc::new(processor),
         decoder: Raw,
-        handler: effect,
+        work: super::work::Batched(effect),
         id_source: IdSource::header("message-id"),
         // Retried at once (no tokio timer, which shuttle cannot drive), up to three attempts.
         retry: RetryPolicy::exponential(ATTEMPTS, Duration::ZERO, Duration::ZERO),

@@ -1,20 +1,22 @@
-//! Batches: N messages, one transaction, one commit.
+//! Batches: N messages, one claim statement, one transaction, one commit.
 //!
-//! Two forms. [`Processor::process_batch`] runs a per-message [`Handler`] under a savepoint
-//! per message, so one failing or conflicting message rolls back only itself. [`Processor::
-//! process_batch_set`] claims the whole batch in one statement and hands the new messages to a
-//! set-based handler at once: the fast path for high-volume consumers.
+//! Both forms claim the whole batch at once ([`BatchClaimStore::claim_many`]) and run the
+//! handler for the new messages only. [`Processor::process_batch`] runs a per-message
+//! [`Handler`]; a message whose handler fails is isolated optimistically: the batch rolls back
+//! and is redone without it (failures are rare; `BENCHMARKS.md` measures this against a
+//! savepoint per message). [`Processor::process_batch_set`] hands all new messages to one
+//! set-based handler: the fast path for high-volume consumers.
 
 use std::collections::HashMap;
 
 use crate::clock::Clock;
-use crate::error::{BoxError, Error};
+use crate::error::{BoxError, Disposition, Error, ErrorKind};
 use crate::fingerprint::Fingerprint;
-use crate::handler::Handler;
+use crate::handler::{Handler, SetHandler};
 use crate::id::MessageId;
 use crate::message::{Identified, Message};
 use crate::outcome::{Claim, Outcome};
-use crate::store::{BatchClaimStore, ClaimStore, Savepoints};
+use crate::store::{BatchClaimStore, ClaimStore};
 
 use super::{ClaimMode, Processor};
 
@@ -28,12 +30,120 @@ pub struct SetBatch<T> {
     pub output: Option<T>,
 }
 
+/// One message's place in a claimed batch.
+enum Slot {
+    /// Claimed by this transaction: the handler runs for it.
+    Fresh,
+    /// Not run: the claim found a duplicate or a conflict (never `Claim::New`).
+    Skipped(Claim),
+    /// Left out of this pass: an invalid ID, or a handler failure in an earlier pass.
+    Out,
+}
+
+/// Whether a handler's error belongs to its message, so the batch can be redone without it.
+/// A deadlock, a lost connection or a store outage says nothing about any one message (and
+/// may have aborted the transaction for all of them); a misconfiguration stops the consumer.
+fn belongs_to_message(e: &Error) -> bool {
+    !e.is_outage() && e.kind() != ErrorKind::Transient && e.disposition() != Disposition::Fatal
+}
+
 impl<S: ClaimStore, C: Clock> Processor<S, C> {
-    /// Processes `msgs` in one transaction with a savepoint per message.
+    /// Claims the batch's messages not `out` in one statement, inside `tx`, and says which are
+    /// new. Repeats of an ID inside the batch are decided here against its first occurrence,
+    /// because one statement cannot see its own rows; claims go in ID order so two batches
+    /// sharing IDs lock rows in the same order and wait for each other instead of deadlocking.
+    async fn claim_batch<M: Identified>(
+        &self,
+        tx: &mut S::Tx,
+        msgs: &[M],
+        fingerprints: &[Fingerprint],
+        out: &[bool],
+    ) -> Result<Vec<Slot>, Error>
+    where
+        S: BatchClaimStore,
+    {
+        let mut first: HashMap<&MessageId, usize> = HashMap::new();
+        let mut to_claim: Vec<usize> = Vec::with_capacity(msgs.len());
+        let mut repeats: Vec<(usize, usize)> = Vec::new(); // (repeat, its first occurrence)
+        for (i, msg) in msgs.iter().enumerate() {
+            if out[i] {
+                continue;
+            }
+            match first.get(msg.message_id()) {
+                Some(&j) => repeats.push((i, j)),
+                None => {
+                    first.insert(msg.message_id(), i);
+                    to_claim.push(i);
+                }
+            }
+        }
+        // Per message index: the fingerprint of a claim that existed before this batch.
+        let mut stored: Vec<Option<Fingerprint>> = vec![None; msgs.len()];
+        if self.mode == ClaimMode::Claim && !to_claim.is_empty() {
+            let mut order = to_claim.clone();
+            order.sort_by(|&a, &b| msgs[a].message_id().cmp(msgs[b].message_id()));
+            let items: Vec<(&MessageId, Fingerprint)> = order
+                .iter()
+                .map(|&i| (msgs[i].message_id(), fingerprints[i]))
+                .collect();
+            let found = self
+                .store
+                .claim_many(tx, &self.consumer, &items, self.clock.stamp())
+                .await?;
+            if found.len() != order.len() {
+                return Err(Error::new(
+                    ErrorKind::Store,
+                    format!(
+                        "store returned {} claim results for {} messages",
+                        found.len(),
+                        order.len()
+                    ),
+                ));
+            }
+            for (&i, fp) in order.iter().zip(found) {
+                stored[i] = fp;
+            }
+        }
+        let mut slots: Vec<Slot> = (0..msgs.len()).map(|_| Slot::Out).collect();
+        for &i in &to_claim {
+            slots[i] = match Claim::from_stored(stored[i], fingerprints[i]) {
+                Claim::New => Slot::Fresh,
+                found => Slot::Skipped(found),
+            };
+        }
+        for (i, j) in repeats {
+            slots[i] = if self.mode == ClaimMode::Skip {
+                Slot::Fresh
+            } else {
+                // What the store holds for this ID once the batch commits: the earlier claim,
+                // else the first occurrence's own fingerprint — never another unclaimed copy.
+                let holds = stored[j].unwrap_or(fingerprints[j]);
+                Slot::Skipped(Claim::from_stored(Some(holds), fingerprints[i]))
+            };
+        }
+        Ok(slots)
+    }
+
+    /// Validates every ID: the invalid ones get their error and are left out of the batch.
+    fn check_batch<M: Identified>(&self, msgs: &[M]) -> (Vec<Option<Error>>, Vec<bool>) {
+        let errors: Vec<Option<Error>> = msgs
+            .iter()
+            .map(|m| self.check_id(m.message_id()).err())
+            .collect();
+        let out = errors.iter().map(Option::is_some).collect();
+        (errors, out)
+    }
+
+    /// Processes `msgs` in one transaction: one claim statement for the whole batch, then
+    /// `handler` for each new message in input order, then one commit.
     ///
-    /// Returns one result per message, in input order. A message whose handler fails is rolled
-    /// back to its savepoint (its claim too) and reported as `Err` with its kind; the others
-    /// commit together. The outer `Err` means nothing committed (e.g. the commit failed).
+    /// Returns one result per message, in input order: `Processed` with the handler's value,
+    /// `Duplicate` or `Conflict` (a repeat of an ID earlier in the batch is a duplicate of it),
+    /// or the message's own error. A message whose handler fails is reported as `Err` with its
+    /// kind and nothing of it commits: the batch is rolled back and redone without it, so one
+    /// failure costs one more pass, and the others commit together. The outer `Err` means
+    /// nothing committed: the claim or the commit failed, or a handler hit an error that is
+    /// not its message's (a deadlock, a lost connection, a store outage, a misconfiguration).
     ///
     /// This is the batch path the runner takes (`Consumer::batch`): its future is `Send`
     /// whenever the store's transaction and the payload are, because [`Handler`]'s is.
@@ -43,61 +153,68 @@ impl<S: ClaimStore, C: Clock> Processor<S, C> {
         handler: &H,
     ) -> Result<Vec<Result<Outcome<H::Output>, Error>>, Error>
     where
-        S: Savepoints,
+        S: BatchClaimStore,
         H: Handler<S::Tx, P> + ?Sized,
     {
-        let mut results = Vec::with_capacity(msgs.len());
-        if msgs.is_empty() {
-            return Ok(results);
-        }
-        let mut tx = self.store.begin().await?;
-        for msg in msgs {
-            if let Err(e) = self.check_id(msg.message_id()) {
-                results.push(Err(e));
-                continue;
+        let (mut errors, mut out) = self.check_batch(msgs);
+        let fingerprints: Vec<Fingerprint> = msgs.iter().map(Identified::fingerprint).collect();
+        'pass: loop {
+            if out.iter().all(|&o| o) {
+                break 'pass;
             }
-            if let Err(e) = self.store.savepoint(&mut tx).await {
-                let _ = self.store.rollback(tx).await;
-                return Err(e);
-            }
-            // A later duplicate of an ID earlier in this batch finds that claim: same transaction.
-            let claim = match self.claim_checked(&mut tx, msg).await {
-                Ok(claim) => claim,
+            let mut tx = self.store.begin().await?;
+            let slots = match self.claim_batch(&mut tx, msgs, &fingerprints, &out).await {
+                Ok(slots) => slots,
                 Err(e) => {
-                    // As below: if the engine aborted the whole transaction (InnoDB deadlock),
-                    // the savepoint is gone and the claim's own error is the one to report.
-                    if self.store.rollback_to_savepoint(&mut tx).await.is_err() {
-                        let _ = self.store.rollback(tx).await;
-                        return Err(e);
-                    }
-                    results.push(Err(e));
-                    continue;
+                    let _ = self.store.rollback(tx).await;
+                    return Err(e);
                 }
             };
-            if let Some(skipped) = claim.skipped() {
-                self.store.release_savepoint(&mut tx).await?;
-                results.push(Ok(skipped));
-                continue;
-            }
-            match handler.handle(&mut tx, msg).await {
-                Ok(value) => {
-                    self.store.release_savepoint(&mut tx).await?;
-                    results.push(Ok(Outcome::Processed(value)));
+            let mut values: Vec<Option<H::Output>> = (0..msgs.len()).map(|_| None).collect();
+            for (i, slot) in slots.iter().enumerate() {
+                if !matches!(slot, Slot::Fresh) {
+                    continue;
                 }
-                Err(e) => {
-                    let err = self.handler_error(e);
-                    // Some engines (InnoDB on deadlock) abort the whole transaction, savepoint
-                    // included; then nothing in the batch can commit and the caller retries it.
-                    if let Err(undo) = self.store.rollback_to_savepoint(&mut tx).await {
+                match handler.handle(&mut tx, &msgs[i]).await {
+                    Ok(v) => values[i] = Some(v),
+                    Err(e) => {
                         let _ = self.store.rollback(tx).await;
-                        return Err(if err.is_retryable() { err } else { undo });
+                        let e = self.handler_error(e);
+                        if !belongs_to_message(&e) {
+                            return Err(e);
+                        }
+                        // Everything this pass wrote is gone; redo it without this message.
+                        errors[i] = Some(e);
+                        out[i] = true;
+                        continue 'pass;
                     }
-                    results.push(Err(err));
                 }
             }
+            if slots.iter().any(|s| matches!(s, Slot::Fresh)) {
+                self.store.commit(tx).await?;
+            } else {
+                // Nothing was written; end the transaction.
+                let _ = self.store.rollback(tx).await;
+            }
+            let results = slots
+                .into_iter()
+                .zip(values)
+                .zip(errors)
+                .map(|((slot, value), error)| match (slot, value, error) {
+                    (_, _, Some(e)) => Err(e),
+                    (Slot::Fresh, Some(v), _) => Ok(Outcome::Processed(v)),
+                    (Slot::Skipped(c), _, _) => Ok(c.skipped().unwrap_or(Outcome::Duplicate)),
+                    // A fresh slot always has its value, and an out one its error.
+                    _ => Err(lost_result()),
+                })
+                .collect();
+            return Ok(results);
         }
-        self.store.commit(tx).await?;
-        Ok(results)
+        // Every message was left out: report each one's error.
+        Ok(errors
+            .into_iter()
+            .map(|e| Err(e.unwrap_or_else(lost_result)))
+            .collect())
     }
 
     /// Processes `msgs` in one transaction with one claim statement for all of them, then runs
@@ -121,108 +238,125 @@ impl<S: ClaimStore, C: Clock> Processor<S, C> {
         F: AsyncFnOnce(&mut S::Tx, &[&M]) -> Result<T, E>,
         E: Into<BoxError>,
     {
-        let mut outcomes: Vec<Option<Result<Outcome<()>, Error>>> =
-            (0..msgs.len()).map(|_| None).collect();
-        // The first occurrence of each ID goes to the store; repeats inside the batch are
-        // decided here against it, because one statement cannot see its own rows.
-        let mut first: HashMap<&MessageId, usize> = HashMap::new();
-        let mut to_claim: Vec<usize> = Vec::with_capacity(msgs.len());
-        let mut repeats: Vec<(usize, usize)> = Vec::new(); // (repeat, its first occurrence)
-        for (i, msg) in msgs.iter().enumerate() {
-            if let Err(e) = self.check_id(msg.message_id()) {
-                outcomes[i] = Some(Err(e));
-                continue;
-            }
-            match first.get(msg.message_id()) {
-                Some(&j) => repeats.push((i, j)),
-                None => {
-                    first.insert(msg.message_id(), i);
-                    to_claim.push(i);
-                }
-            }
-        }
+        let mut claimed = self.claim_set(msgs).await?;
+        let output = match &mut claimed.tx {
+            Some(tx) => Some(handler(tx, &claimed.fresh).await.map_err(Into::into)),
+            None => None,
+        };
+        self.finish_set(claimed, output).await
+    }
+
+    /// [`Processor::process_batch_set`] with a [`SetHandler`]: the runner's set-batch path,
+    /// whose future is `Send` whenever the store's transaction and the payload are.
+    pub async fn process_batch_set_with<P, H>(
+        &self,
+        msgs: &[Message<P>],
+        handler: &H,
+    ) -> Result<SetBatch<H::Output>, Error>
+    where
+        S: BatchClaimStore,
+        H: SetHandler<S::Tx, P> + ?Sized,
+    {
+        // The two halves around a direct call, not a closure over the handler: rustc cannot
+        // prove such a closure's future `Send` (rust-lang/rust#151398).
+        let mut claimed = self.claim_set(msgs).await?;
+        let output = match &mut claimed.tx {
+            Some(tx) => Some(handler.handle_set(tx, &claimed.fresh).await),
+            None => None,
+        };
+        self.finish_set(claimed, output).await
+    }
+
+    /// The first half of a set batch: begin, claim, and the new messages for the handler.
+    async fn claim_set<'m, M: Identified>(
+        &self,
+        msgs: &'m [M],
+    ) -> Result<ClaimedSet<'m, M, S::Tx>, Error>
+    where
+        S: BatchClaimStore,
+    {
+        let (errors, out) = self.check_batch(msgs);
         let fingerprints: Vec<Fingerprint> = msgs.iter().map(Identified::fingerprint).collect();
-        // Per message index: the fingerprint of a claim that existed before this batch.
-        let mut stored: Vec<Option<Fingerprint>> = vec![None; msgs.len()];
         let mut tx = self.store.begin().await?;
-        if self.mode == ClaimMode::Claim && !to_claim.is_empty() {
-            // Claims go in ID order so two batches sharing IDs lock rows in the same order and
-            // wait for each other instead of deadlocking.
-            let mut order = to_claim.clone();
-            order.sort_by(|&a, &b| msgs[a].message_id().cmp(msgs[b].message_id()));
-            let items: Vec<(&MessageId, Fingerprint)> = order
-                .iter()
-                .map(|&i| (msgs[i].message_id(), fingerprints[i]))
-                .collect();
-            let found = match self
-                .store
-                .claim_many(&mut tx, &self.consumer, &items, self.clock.stamp())
-                .await
-            {
-                Ok(found) => found,
-                Err(e) => {
-                    let _ = self.store.rollback(tx).await;
-                    return Err(e);
-                }
-            };
-            if found.len() != order.len() {
+        let slots = match self.claim_batch(&mut tx, msgs, &fingerprints, &out).await {
+            Ok(slots) => slots,
+            Err(e) => {
                 let _ = self.store.rollback(tx).await;
-                return Err(Error::new(
-                    crate::error::ErrorKind::Store,
-                    format!(
-                        "store returned {} claim results for {} messages",
-                        found.len(),
-                        order.len()
-                    ),
-                ));
+                return Err(e);
             }
-            for (&i, fp) in order.iter().zip(found) {
-                stored[i] = fp;
-            }
-        }
-        let mut fresh: Vec<&M> = Vec::with_capacity(to_claim.len());
-        for &i in &to_claim {
-            let claim = Claim::from_stored(stored[i], fingerprints[i]);
-            outcomes[i] = Some(Ok(match claim.skipped() {
-                Some(skipped) => skipped,
-                None => {
-                    fresh.push(&msgs[i]);
-                    Outcome::Processed(())
-                }
-            }));
-        }
-        for (i, j) in repeats {
-            outcomes[i] = Some(Ok(if self.mode == ClaimMode::Skip {
-                fresh.push(&msgs[i]);
-                Outcome::Processed(())
-            } else {
-                // What the store holds for this ID once the batch commits: the earlier claim,
-                // else the first occurrence's own fingerprint — never another unclaimed copy.
-                let holds = stored[j].unwrap_or(fingerprints[j]);
-                Claim::from_stored(Some(holds), fingerprints[i])
-                    .skipped()
-                    .unwrap_or(Outcome::Duplicate)
-            }));
-        }
-        let output = if fresh.is_empty() {
+        };
+        let fresh: Vec<&M> = slots
+            .iter()
+            .zip(msgs)
+            .filter(|(s, _)| matches!(s, Slot::Fresh))
+            .map(|(_, m)| m)
+            .collect();
+        let tx = if fresh.is_empty() {
+            // Nothing new: nothing to write, and the handler does not run.
             let _ = self.store.rollback(tx).await;
             None
         } else {
-            match handler(&mut tx, &fresh).await {
-                Ok(v) => {
-                    self.store.commit(tx).await?;
-                    Some(v)
-                }
-                Err(e) => {
-                    let _ = self.store.rollback(tx).await;
-                    return Err(self.handler_error(e.into()));
-                }
-            }
+            Some(tx)
         };
-        let outcomes = outcomes
+        Ok(ClaimedSet {
+            tx,
+            fresh,
+            slots,
+            errors,
+        })
+    }
+
+    /// The second half: commit or roll back on the handler's result, and report.
+    async fn finish_set<M, T>(
+        &self,
+        claimed: ClaimedSet<'_, M, S::Tx>,
+        output: Option<Result<T, BoxError>>,
+    ) -> Result<SetBatch<T>, Error> {
+        let ClaimedSet {
+            tx, slots, errors, ..
+        } = claimed;
+        let output = match (tx, output) {
+            (Some(tx), Some(Ok(v))) => {
+                self.store.commit(tx).await?;
+                Some(v)
+            }
+            (Some(tx), Some(Err(e))) => {
+                let _ = self.store.rollback(tx).await;
+                return Err(self.handler_error(e));
+            }
+            (Some(tx), None) => {
+                let _ = self.store.rollback(tx).await;
+                None
+            }
+            (None, _) => None,
+        };
+        let outcomes = slots
             .into_iter()
-            .map(|o| o.unwrap_or(Ok(Outcome::Duplicate)))
+            .zip(errors)
+            .map(|(slot, error)| match (slot, error) {
+                (_, Some(e)) => Err(e),
+                (Slot::Fresh, None) => Ok(Outcome::Processed(())),
+                (Slot::Skipped(c), None) => Ok(c.skipped().unwrap_or(Outcome::Duplicate)),
+                (Slot::Out, None) => Err(lost_result()),
+            })
             .collect();
         Ok(SetBatch { outcomes, output })
     }
+}
+
+/// A set batch between its claim and its handler.
+struct ClaimedSet<'m, M, Tx> {
+    /// Open while there are new messages; `None` when the batch had none.
+    tx: Option<Tx>,
+    fresh: Vec<&'m M>,
+    slots: Vec<Slot>,
+    errors: Vec<Option<Error>>,
+}
+
+/// A result the batch bookkeeping should always have; reported rather than panicked on.
+fn lost_result() -> Error {
+    Error::new(
+        ErrorKind::Store,
+        "batch bookkeeping lost a message's result",
+    )
 }

@@ -1,9 +1,11 @@
-//! P2: batches in one transaction — set-based and per-message (savepoint) forms.
+//! P2: batches in one transaction — set-based and per-message forms, and the two ways of
+//! isolating a failing message in the per-message form (redo the batch without it, as
+//! `process_batch` does, or a savepoint per message) with and without a failure per batch.
 
 use std::sync::Arc;
 
 use anyhow::bail;
-use idem_core::{BoxError, Handler, Identified, Message};
+use idem_core::{BoxError, Claim, Handler, Identified, Message, Savepoints, TransactionalStore};
 use idem_sql::PgTx;
 use sqlx::postgres::PgConnection;
 
@@ -29,7 +31,15 @@ const NARROW_CLAIM_SET: &str = "INSERT INTO idem_bench_narrow_claims (message_id
 impl Bench {
     /// P2: batches of `--batch` messages per transaction.
     pub(crate) async fn p2(&self, worker_counts: &[usize]) -> anyhow::Result<Vec<Group>> {
-        let mut variants = vec![P2::BareSet, P2::IdemSet, P2::BareLoop, P2::IdemSavepoints];
+        let mut variants = vec![
+            P2::BareSet,
+            P2::IdemSet,
+            P2::BareLoop,
+            P2::IdemBatch,
+            P2::Savepoints,
+            P2::IdemBatchFailing,
+            P2::SavepointsFailing,
+        ];
         if self.settings.experimental {
             variants.extend([P2::HandSet, P2::HandSetCount, P2::NarrowSet]);
         }
@@ -58,7 +68,9 @@ impl Bench {
                     at_least: 100_000.0,
                 },
                 Target::compare("idem-set", "bare-set"),
-                Target::compare("idem-savepoints", "bare-loop"),
+                Target::compare("idem-batch", "bare-loop"),
+                Target::compare("idem-batch", "savepoints"),
+                Target::compare("idem-batch-failing", "savepoints-failing"),
             ]);
             let group = if self.settings.experimental {
                 group.targets([
@@ -122,7 +134,10 @@ enum P2 {
     BareSet,
     IdemSet,
     BareLoop,
-    IdemSavepoints,
+    IdemBatch,
+    Savepoints,
+    IdemBatchFailing,
+    SavepointsFailing,
     HandSet,
     HandSetCount,
     NarrowSet,
@@ -134,7 +149,10 @@ impl Variant for P2 {
             P2::BareSet => "bare-set",
             P2::IdemSet => "idem-set",
             P2::BareLoop => "bare-loop",
-            P2::IdemSavepoints => "idem-savepoints",
+            P2::IdemBatch => "idem-batch",
+            P2::Savepoints => "savepoints",
+            P2::IdemBatchFailing => "idem-batch-failing",
+            P2::SavepointsFailing => "savepoints-failing",
             P2::HandSet => "hand-set",
             P2::HandSetCount => "hand-set-count",
             P2::NarrowSet => "narrow-set",
@@ -146,7 +164,10 @@ impl Variant for P2 {
             P2::BareSet => "bare set-based batch (no claim)",
             P2::IdemSet => "idem `process_batch_set`",
             P2::BareLoop => "bare per-message statements (no claim)",
-            P2::IdemSavepoints => "idem `process_batch` (savepoint per message)",
+            P2::IdemBatch => "idem `process_batch` (one claim statement, redo on failure)",
+            P2::Savepoints => "alternative: claim + savepoint per message",
+            P2::IdemBatchFailing => "idem `process_batch`, one message per batch fails",
+            P2::SavepointsFailing => "alternative: savepoints, one message per batch fails",
             P2::HandSet => "exp: hand-written set claim (the store's SQL)",
             P2::HandSetCount => "exp: hand-written set claim, no RETURNING",
             P2::NarrowSet => "exp: hand-written set claim, id-only row",
@@ -158,7 +179,10 @@ impl Variant for P2 {
             P2::BareSet => "6 per batch = 4 + 2 pings",
             P2::IdemSet => "7 per batch = 5 + 2 pings",
             P2::BareLoop => "2N + 4 per batch",
-            P2::IdemSavepoints => "5N + 4 per batch",
+            P2::IdemBatch => "2N + 5 per batch",
+            P2::Savepoints => "5N + 4 per batch",
+            P2::IdemBatchFailing => "about 2 × (2N + 5) per batch",
+            P2::SavepointsFailing => "5N + 4 per batch",
             P2::HandSet | P2::HandSetCount | P2::NarrowSet => "7 per batch = 5 + 2 pings",
         }
     }
@@ -220,30 +244,103 @@ impl Op for P2Op {
                 }
                 tx.commit().await?;
             }
-            P2::IdemSavepoints => {
+            P2::IdemBatch | P2::IdemBatchFailing => {
                 batch.sort_by(|a, b| a.account.cmp(&b.account));
-                let msgs: Vec<Message<Delivery>> = batch
-                    .into_iter()
-                    .map(|d| Message::with_fingerprint(d.id.clone(), d.fingerprint(), d))
-                    .collect();
-                let results = ctx.processor.process_batch(&msgs, &Charge).await?;
+                let failing = self.failing(&batch);
+                let msgs = messages(batch);
+                let handler = Charge {
+                    failing: failing.clone(),
+                };
+                let results = ctx.processor.process_batch(&msgs, &handler).await?;
+                let mut committed = 0;
                 for (m, outcome) in msgs.iter().zip(results) {
-                    expect_processed(m.payload(), outcome?)?;
+                    match outcome {
+                        Err(_) if Some(m.message_id()) == failing.as_ref() => {}
+                        outcome => {
+                            expect_processed(m.payload(), outcome?)?;
+                            committed += 1;
+                        }
+                    }
                 }
-                return Ok(msgs.len() as u64);
+                return Ok(committed);
+            }
+            P2::Savepoints | P2::SavepointsFailing => {
+                batch.sort_by(|a, b| a.account.cmp(&b.account));
+                let failing = self.failing(&batch);
+                return savepoints(ctx, &messages(batch), failing.as_ref()).await;
             }
         }
         Ok(batch.len() as u64)
     }
 }
 
-/// The per-message handler of the savepoint variant, as the runner would run it.
-struct Charge;
+impl P2Op {
+    /// The message of `batch` whose handler fails, in the failing variants: the middle one,
+    /// after its statements ran, so undoing it costs what a real failure costs.
+    fn failing(&self, batch: &[Delivery]) -> Option<idem_core::MessageId> {
+        match self.variant {
+            P2::IdemBatchFailing | P2::SavepointsFailing => {
+                batch.get(batch.len() / 2).map(|d| d.id.clone())
+            }
+            _ => None,
+        }
+    }
+}
+
+fn messages(batch: Vec<Delivery>) -> Vec<Message<Delivery>> {
+    batch
+        .into_iter()
+        .map(|d| Message::with_fingerprint(d.id.clone(), d.fingerprint(), d))
+        .collect()
+}
+
+/// The per-message handler, as the runner runs it; fails for `failing` after its writes.
+struct Charge {
+    failing: Option<idem_core::MessageId>,
+}
 
 impl Handler<PgTx, Delivery> for Charge {
     type Output = ();
 
     async fn handle(&self, tx: &mut PgTx, msg: &Message<Delivery>) -> Result<(), BoxError> {
-        Ok(charge(tx, msg.payload()).await?)
+        charge(tx, msg.payload()).await?;
+        if Some(msg.message_id()) == self.failing.as_ref() {
+            return Err("declined (injected)".into());
+        }
+        Ok(())
     }
+}
+
+/// The isolation `process_batch` does not use, measured against it: per message a savepoint,
+/// its own claim, the handler, then release (or roll back to the savepoint on failure); one
+/// commit. Returns how many committed.
+async fn savepoints(
+    ctx: &Ctx,
+    msgs: &[Message<Delivery>],
+    failing: Option<&idem_core::MessageId>,
+) -> anyhow::Result<u64> {
+    let store = ctx.processor.store();
+    let handler = Charge {
+        failing: failing.cloned(),
+    };
+    let mut tx = store.begin().await?;
+    let mut committed = 0;
+    for m in msgs {
+        store.savepoint(&mut tx).await?;
+        if ctx.processor.claim_in(&mut tx, m).await? != Claim::New {
+            bail!("fresh message {:?} was not new", m.message_id());
+        }
+        match handler.handle(&mut tx, m).await {
+            Ok(()) => {
+                store.release_savepoint(&mut tx).await?;
+                committed += 1;
+            }
+            Err(_) if failing == Some(m.message_id()) => {
+                store.rollback_to_savepoint(&mut tx).await?;
+            }
+            Err(e) => bail!("handler failed: {e}"),
+        }
+    }
+    store.commit(tx).await?;
+    Ok(committed)
 }
