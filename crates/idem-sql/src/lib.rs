@@ -53,6 +53,8 @@ mod any;
 mod capabilities;
 mod common;
 mod errors;
+#[cfg(feature = "postgres")]
+mod held;
 #[cfg(feature = "mysql")]
 mod mysql;
 #[cfg(feature = "postgres")]

@@ -10,35 +10,57 @@
 use std::fmt;
 use std::ops::{Deref, DerefMut};
 
+use std::sync::Arc;
+
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnection, PgPool};
 use sqlx::{Executor, Postgres};
 
+use crate::held::{Held, HeldConnections};
+
 /// An open PostgreSQL transaction holding the claim until commit. Handlers run their queries
 /// on `&mut **tx` (the connection).
 pub struct PgTx {
-    conn: PoolConnection<Postgres>,
+    conn: Conn,
     open: bool,
+}
+
+/// Where the transaction's connection comes from.
+enum Conn {
+    /// sqlx's pool: a ping when acquired and another when returned.
+    Pooled(PoolConnection<Postgres>),
+    /// The store's own held connections (`PostgresStore::hold_connections`): no pings.
+    Held(Held),
 }
 
 impl PgTx {
     pub(crate) async fn begin(pool: &PgPool) -> Result<Self, sqlx::Error> {
         let mut conn = pool.acquire().await?;
         conn.execute("BEGIN").await?;
-        Ok(Self { conn, open: true })
+        Ok(Self {
+            conn: Conn::Pooled(conn),
+            open: true,
+        })
+    }
+
+    pub(crate) async fn begin_held(held: &Arc<HeldConnections>) -> Result<Self, sqlx::Error> {
+        Ok(Self {
+            conn: Conn::Held(held.begin().await?),
+            open: true,
+        })
     }
 
     /// Commits; fails with SQLSTATE 25P02 if a statement of this transaction failed.
     pub async fn commit(mut self) -> Result<(), sqlx::Error> {
         // No bind arguments: sqlx sends this as one simple query, both statements in one flight.
-        self.conn.execute("SELECT 1; COMMIT").await?;
+        (*self).execute("SELECT 1; COMMIT").await?;
         self.open = false;
         Ok(())
     }
 
     /// Rolls back.
     pub async fn rollback(mut self) -> Result<(), sqlx::Error> {
-        self.conn.execute("ROLLBACK").await?;
+        (*self).execute("ROLLBACK").await?;
         self.open = false;
         Ok(())
     }
@@ -49,7 +71,10 @@ impl Drop for PgTx {
         // Dropped while open (a cancelled future, a failed commit): closing the connection is
         // the one way to end the transaction without an await; the server rolls it back.
         if self.open {
-            self.conn.close_on_drop();
+            match &mut self.conn {
+                Conn::Pooled(c) => c.close_on_drop(),
+                Conn::Held(h) => h.spoil(),
+            }
         }
     }
 }
@@ -58,13 +83,19 @@ impl Deref for PgTx {
     type Target = PgConnection;
 
     fn deref(&self) -> &PgConnection {
-        &self.conn
+        match &self.conn {
+            Conn::Pooled(c) => c,
+            Conn::Held(h) => h.conn(),
+        }
     }
 }
 
 impl DerefMut for PgTx {
     fn deref_mut(&mut self) -> &mut PgConnection {
-        &mut self.conn
+        match &mut self.conn {
+            Conn::Pooled(c) => c,
+            Conn::Held(h) => h.conn_mut(),
+        }
     }
 }
 

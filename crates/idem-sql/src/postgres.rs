@@ -36,6 +36,8 @@ pub const MAX_MESSAGE_ID_LEN: usize = 1024;
 #[derive(Debug, Clone)]
 pub struct PostgresStore {
     pool: PgPool,
+    /// Set by [`PostgresStore::hold_connections`]: transactions run on these instead.
+    held: Option<std::sync::Arc<crate::held::HeldConnections>>,
     table: TableName,
     sql: Statements,
     requests: TableName,
@@ -152,9 +154,25 @@ impl PostgresStore {
             sql: Statements::new(&table),
             rsql: request_statements(&requests),
             pool,
+            held: None,
             table,
             requests,
         }
+    }
+
+    /// Runs transactions on up to `max` connections the store keeps for them, instead of on
+    /// the pool: a finished transaction's connection goes straight to the next one, without
+    /// the two pings (acquire and return) sqlx's pool sends, which are a third of a
+    /// one-message transaction's round trips. The connections are opened on demand with the
+    /// pool's connect options and wait up to its acquire timeout; one that failed is closed
+    /// and replaced, and a stale idle one (after a server restart) is replaced when its
+    /// `BEGIN` fails. Give a consumer as many as it has messages in flight. The pool still
+    /// serves pruning, statistics and migrations.
+    pub fn hold_connections(mut self, max: u32) -> Self {
+        let options = (*self.pool.connect_options()).clone();
+        let wait = self.pool.options().get_acquire_timeout();
+        self.held = Some(crate::held::HeldConnections::new(options, max, wait));
+        self
     }
 
     /// Stores idempotent-request records in `table` instead of `idem_requests`.
@@ -188,9 +206,11 @@ impl PostgresStore {
 
     /// Begins a transaction for a caller that claims with [`claim_on`](Self::claim_on).
     pub async fn begin_tx(&self) -> Result<crate::PgTx, Error> {
-        crate::PgTx::begin(&self.pool)
-            .await
-            .map_err(|e| store_error("begin", e))
+        match &self.held {
+            Some(held) => crate::PgTx::begin_held(held).await,
+            None => crate::PgTx::begin(&self.pool).await,
+        }
+        .map_err(|e| store_error("begin", e))
     }
 }
 

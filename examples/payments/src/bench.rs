@@ -6,11 +6,12 @@
 //! row, balance update and commit per message. Publishing is not timed.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use idem_consumer::{CancellationToken, Consumer, Delivery, Handler, SetHandler, Source};
-use idem_core::{BatchClaimStore, Processor};
+use idem_core::{BatchClaimStore, Fingerprint, Message, MessageId, Processor, TransactionalStore};
 
 use crate::brokers::{self, BrokerUrl, WithSource};
 use crate::charge_batch::ChargeBatch;
@@ -24,9 +25,13 @@ pub(crate) struct Rates {
     pub(crate) raw: f64,
     /// Broker to committed effect through idem.
     pub(crate) idem: f64,
-    /// The same consumer over the in-memory fake broker: what the database allows when the
-    /// broker costs nothing.
+    /// The same consumer over the in-memory fake broker: what the database allows idem when
+    /// the broker costs nothing.
     pub(crate) ceiling: f64,
+    /// The DB ceiling: the same handler in the same transactions (per message, or per batch
+    /// with `--batch`, set-based with `--set`) and the same number of workers, with no claim
+    /// and no broker — what a hand-written consumer could at best reach.
+    pub(crate) bare: f64,
 }
 
 fn backlog(prefix: &str, n: usize) -> Vec<(String, Vec<u8>)> {
@@ -101,7 +106,10 @@ impl WithSource for Idem<'_> {
     async fn run<Src: Source>(self, src: Src) -> Result<Duration> {
         match self.db {
             Database::Sqlite(s) => timed(s, src, self.settings, self.n).await,
-            Database::Postgres(s) => timed(s, src, self.settings, self.n).await,
+            Database::Postgres(s) => {
+                let s = s.hold_connections(crate::workers(self.settings));
+                timed(s, src, self.settings, self.n).await
+            }
             Database::MySql(s) => timed(s, src, self.settings, self.n).await,
         }
     }
@@ -214,6 +222,11 @@ pub(crate) async fn run(
     .run(fake.source())
     .await?;
 
+    let db = Database::open(database).await?;
+    let bare = db
+        .bare(&idem_settings, &backlog(&format!("bare-{tag}"), n))
+        .await?;
+
     brokers::teardown(broker, &raw_settings).await?;
     brokers::teardown(broker, &idem_settings).await?;
 
@@ -221,6 +234,92 @@ pub(crate) async fn run(
         raw: n as f64 / raw.as_secs_f64(),
         idem: n as f64 / idem.as_secs_f64(),
         ceiling: n as f64 / ceiling.as_secs_f64(),
+        bare: n as f64 / bare.as_secs_f64(),
     };
     Ok(rates)
+}
+
+impl Database {
+    /// Times [`Rates::bare`] over `backlog`: decoded up front, then `concurrency` workers each
+    /// taking the next message (or `--batch` of them) and committing its effects with
+    /// `Charge` (or `ChargeBatch` with `--set`) in a transaction of the store's own, no claim.
+    async fn bare(self, settings: &Settings, backlog: &[(String, Vec<u8>)]) -> Result<Duration> {
+        let msgs = backlog
+            .iter()
+            .map(|(id, payload)| {
+                let payment: PaymentRequested = serde_json::from_slice(payload)?;
+                let id = MessageId::new(id.as_str())?;
+                Ok(Message::with_fingerprint(
+                    id,
+                    Fingerprint::of(payload),
+                    payment,
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        match self {
+            Database::Sqlite(s) => bare_leg(s, settings, msgs).await,
+            Database::Postgres(s) => {
+                let s = s.hold_connections(crate::workers(settings));
+                bare_leg(s, settings, msgs).await
+            }
+            Database::MySql(s) => bare_leg(s, settings, msgs).await,
+        }
+    }
+}
+
+async fn bare_leg<S>(
+    store: S,
+    settings: &Settings,
+    msgs: Vec<Message<PaymentRequested>>,
+) -> Result<Duration>
+where
+    S: TransactionalStore + Clone + 'static,
+    S::Tx: Send,
+    Charge: Handler<S::Tx, PaymentRequested, Output = ()>,
+    ChargeBatch: SetHandler<S::Tx, PaymentRequested, Output = ()>,
+{
+    let msgs = Arc::new(msgs);
+    let next = Arc::new(AtomicUsize::new(0));
+    let per_tx = settings.batch.max(1);
+    let set = settings.set;
+    let started = Instant::now();
+    let workers: Vec<_> = (0..settings.concurrency.max(1))
+        .map(|_| {
+            let (store, msgs, next) = (store.clone(), msgs.clone(), next.clone());
+            tokio::spawn(async move {
+                loop {
+                    let from = next.fetch_add(per_tx, Ordering::Relaxed);
+                    if from >= msgs.len() {
+                        return Ok::<_, anyhow::Error>(());
+                    }
+                    let chunk = &msgs[from..(from + per_tx).min(msgs.len())];
+                    let mut tx = store.begin().await?;
+                    let done = if set {
+                        let refs: Vec<&Message<PaymentRequested>> = chunk.iter().collect();
+                        ChargeBatch.handle_set(&mut tx, &refs).await
+                    } else {
+                        let mut r = Ok(());
+                        for m in chunk {
+                            r = Charge.handle(&mut tx, m).await;
+                            if r.is_err() {
+                                break;
+                            }
+                        }
+                        r
+                    };
+                    match done {
+                        Ok(()) => store.commit(tx).await?,
+                        Err(e) => {
+                            let _ = store.rollback(tx).await;
+                            anyhow::bail!("the bare leg's handler failed: {e}");
+                        }
+                    }
+                }
+            })
+        })
+        .collect();
+    for w in workers {
+        w.await.context("bare worker")??;
+    }
+    Ok(started.elapsed())
 }

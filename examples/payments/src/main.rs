@@ -281,27 +281,33 @@ async fn run(cli: Cli) -> Result<()> {
             let db = b.database.split(':').next().unwrap_or_default();
             if b.markdown {
                 println!(
-                    "| {scheme} | {db} | {} | {} | {} | {:.0} | {:.0} | {:.0} | {:.3} | {:.2} |",
+                    "| {scheme} | {db} | {} | {} | {}{} | {:.0} | {:.0} | {:.0} | {:.0} | {:.3} | {:.2} | {:.2} |",
                     b.messages,
                     b.concurrency,
                     b.batch,
+                    if b.set { " set" } else { "" },
                     r.raw,
                     r.idem,
                     r.ceiling,
+                    r.bare,
                     r.idem / r.raw,
-                    r.idem / r.ceiling
+                    r.idem / r.ceiling,
+                    r.idem / r.bare
                 );
             } else {
                 println!(
-                    "{scheme}: broker consume+ack {:.0} msg/s; idem + {db} {:.0} msg/s end to end ({:.3}× the broker), {:.0} msg/s from the in-memory fake ({:.2}× of that ceiling); {} messages, concurrency {}, batch {}",
+                    "{scheme}: broker consume+ack {:.0} msg/s; idem + {db} {:.0} msg/s end to end ({:.3}× the broker), {:.0} msg/s from the in-memory fake ({:.2}× of that), bare handler without claim {:.0} msg/s ({:.2}× of that DB ceiling); {} messages, concurrency {}, batch {}{}",
                     r.raw,
                     r.idem,
                     r.idem / r.raw,
                     r.ceiling,
                     r.idem / r.ceiling,
+                    r.bare,
+                    r.idem / r.bare,
                     b.messages,
                     b.concurrency,
-                    b.batch
+                    b.batch,
+                    if b.set { ", set handler" } else { "" }
                 );
             }
             Ok(())
@@ -454,7 +460,10 @@ impl Database {
     ) -> Result<RunStats> {
         match self {
             Database::Sqlite(store) => consume(store, source, settings).await,
-            Database::Postgres(store) => consume(store, source, settings).await,
+            Database::Postgres(store) => {
+                let store = store.hold_connections(workers(settings));
+                consume(store, source, settings).await
+            }
             Database::MySql(store) => consume(store, source, settings).await,
         }
     }
@@ -487,6 +496,12 @@ where
     .await;
     pruner.abort();
     Ok(stats?)
+}
+
+/// Connections a PostgreSQL consumer holds for its transactions (`hold_connections`): one
+/// per message or batch in flight, so no transaction waits for one or pays sqlx's pool pings.
+pub(crate) fn workers(settings: &Settings) -> u32 {
+    u32::try_from(settings.concurrency).unwrap_or(u32::MAX)
 }
 
 /// Runs `consumer` in the mode `--batch` and `--set` choose: per message, batches with

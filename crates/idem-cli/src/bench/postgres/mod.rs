@@ -192,6 +192,14 @@ impl Bench {
     async fn context(&self, workers: usize, lean: bool) -> anyhow::Result<Arc<Ctx>> {
         let (pool, mut pids) = self.pool(workers, true).await?;
         let processor = processor_on(&pool)?;
+        let held = Processor::builder(
+            processor
+                .store()
+                .clone()
+                .hold_connections(u32::try_from(workers)?),
+            CONSUMER,
+        )
+        .build()?;
         let lean = if lean {
             let (pool, lean_pids) = self.pool(workers, false).await?;
             pids.extend(lean_pids);
@@ -203,6 +211,7 @@ impl Bench {
         Ok(Arc::new(Ctx {
             pool,
             processor,
+            held,
             lean,
             cpu: CpuProbe::new(pids),
             consumer: ConsumerName::new(CONSUMER)?,
@@ -226,6 +235,9 @@ fn processor_on(pool: &PgPool) -> anyhow::Result<Processor<PostgresStore>> {
 struct Ctx {
     pool: PgPool,
     processor: Processor<PostgresStore>,
+    /// The same store with `hold_connections(workers)`: transactions without pool pings.
+    /// Its connections open on first use, so the CPU column does not see their backends.
+    held: Processor<PostgresStore>,
     /// Experimental: the same, on a pool that does not ping on acquire.
     lean: Option<(PgPool, Processor<PostgresStore>)>,
     /// Both pools' backends (idle ones add nothing).

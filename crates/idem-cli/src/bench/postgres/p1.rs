@@ -29,10 +29,16 @@ const NARROW_CLAIM: &str =
 impl Bench {
     /// P1: one message per transaction.
     pub(crate) async fn p1(&self, worker_counts: &[usize]) -> anyhow::Result<Vec<Group>> {
-        let mut variants = vec![P1::Bare, P1::Hand, P1::Idem, P1::Naive];
+        let mut variants = vec![
+            P1::Bare,
+            P1::Hand,
+            P1::Idem,
+            P1::Naive,
+            P1::BareHeld,
+            P1::IdemHeld,
+        ];
         if self.settings.experimental {
             variants.extend([
-                P1::BareHeld,
                 P1::ClaimOnHeld,
                 P1::BareLean,
                 P1::IdemLean,
@@ -61,6 +67,8 @@ impl Bench {
             .targets([
                 Target::at_least("idem", "bare", 0.90),
                 Target::at_least("idem", "hand", 0.95),
+                Target::at_least("idem-held", "bare", 1.0),
+                Target::at_least("idem-held", "bare-held", 0.9),
                 Target::Ratio {
                     of: "idem",
                     to: "naive",
@@ -104,6 +112,7 @@ enum P1 {
     Idem,
     Naive,
     BareHeld,
+    IdemHeld,
     ClaimOnHeld,
     BareLean,
     IdemLean,
@@ -120,6 +129,7 @@ impl Variant for P1 {
             P1::Idem => "idem",
             P1::Naive => "naive",
             P1::BareHeld => "bare-held",
+            P1::IdemHeld => "idem-held",
             P1::ClaimOnHeld => "claim_on-held",
             P1::BareLean => "bare-lean",
             P1::IdemLean => "idem-lean",
@@ -135,7 +145,8 @@ impl Variant for P1 {
             P1::Hand => "hand-written claim",
             P1::Idem => "idem `Processor::process`",
             P1::Naive => "naive check-then-act (3 transactions)",
-            P1::BareHeld => "exp: bare, held connection",
+            P1::BareHeld => "bare, connection held by the worker",
+            P1::IdemHeld => "idem `process`, store with `hold_connections`",
             P1::ClaimOnHeld => "exp: idem `claim_on`, held connection",
             P1::BareLean => "exp: bare, lean pool",
             P1::IdemLean => "exp: idem `process`, lean pool",
@@ -151,7 +162,7 @@ impl Variant for P1 {
             P1::Hand | P1::Idem | P1::Narrow => "7 = 5 + 2 pings",
             P1::Naive => "12 = 6 + 6 pings, 2 commits",
             P1::BareHeld | P1::PipelinedHeld => "4",
-            P1::ClaimOnHeld => "5",
+            P1::ClaimOnHeld | P1::IdemHeld => "5",
             P1::BareLean => "5 = 4 + 1 ping",
             P1::IdemLean => "6 = 5 + 1 ping",
             P1::Pipelined => "6 = 4 + 2 pings",
@@ -191,6 +202,7 @@ impl Op for P1Op {
             P1::Hand => hand_claim(&ctx.pool, &d, false).await?,
             P1::Narrow => hand_claim(&ctx.pool, &d, true).await?,
             P1::Idem => idem(&ctx.processor, &d).await?,
+            P1::IdemHeld => idem(&ctx.held, &d).await?,
             P1::Naive => naive(&ctx.pool, &d).await?,
             P1::BareLean => bare(&ctx.lean()?.0, &d).await?,
             P1::IdemLean => idem(&ctx.lean()?.1, &d).await?,

@@ -34,6 +34,7 @@ impl Bench {
         let mut variants = vec![
             P2::BareSet,
             P2::IdemSet,
+            P2::IdemSetHeld,
             P2::BareLoop,
             P2::IdemBatch,
             P2::Savepoints,
@@ -67,7 +68,8 @@ impl Bench {
                     of: "idem-set",
                     at_least: 100_000.0,
                 },
-                Target::compare("idem-set", "bare-set"),
+                Target::at_least("idem-set", "bare-set", 0.85),
+                Target::at_least("idem-set-held", "bare-set", 0.85),
                 Target::compare("idem-batch", "bare-loop"),
                 Target::compare("idem-batch", "savepoints"),
                 Target::compare("idem-batch-failing", "savepoints-failing"),
@@ -133,6 +135,7 @@ async fn claim_set(conn: &mut PgConnection, form: P2, ds: &[&Delivery]) -> anyho
 enum P2 {
     BareSet,
     IdemSet,
+    IdemSetHeld,
     BareLoop,
     IdemBatch,
     Savepoints,
@@ -148,6 +151,7 @@ impl Variant for P2 {
         match self {
             P2::BareSet => "bare-set",
             P2::IdemSet => "idem-set",
+            P2::IdemSetHeld => "idem-set-held",
             P2::BareLoop => "bare-loop",
             P2::IdemBatch => "idem-batch",
             P2::Savepoints => "savepoints",
@@ -163,6 +167,7 @@ impl Variant for P2 {
         match self {
             P2::BareSet => "bare set-based batch (no claim)",
             P2::IdemSet => "idem `process_batch_set`",
+            P2::IdemSetHeld => "idem `process_batch_set`, `hold_connections`",
             P2::BareLoop => "bare per-message statements (no claim)",
             P2::IdemBatch => "idem `process_batch` (one claim statement, redo on failure)",
             P2::Savepoints => "alternative: claim + savepoint per message",
@@ -178,6 +183,7 @@ impl Variant for P2 {
         match self {
             P2::BareSet => "6 per batch = 4 + 2 pings",
             P2::IdemSet => "7 per batch = 5 + 2 pings",
+            P2::IdemSetHeld => "5 per batch",
             P2::BareLoop => "2N + 4 per batch",
             P2::IdemBatch => "2N + 5 per batch",
             P2::Savepoints => "5N + 4 per batch",
@@ -212,9 +218,13 @@ impl Op for P2Op {
                 charge_set(&mut tx, &refs).await?;
                 tx.commit().await?;
             }
-            P2::IdemSet => {
-                let out = ctx
-                    .processor
+            P2::IdemSet | P2::IdemSetHeld => {
+                let processor = if matches!(self.variant, P2::IdemSet) {
+                    &ctx.processor
+                } else {
+                    &ctx.held
+                };
+                let out = processor
                     .process_batch_set(&batch, async |tx, fresh: &[&Delivery]| {
                         charge_set(tx, fresh).await
                     })
