@@ -2,12 +2,10 @@
 //!
 //! `idem demo` runs the payments scenario on the embedded SQLite store; `migrate`, `prune` and
 //! `stats` administer a claims table on any SQL store, `reap-requests` removes expired
-//! idempotent-request records; `bench` measures the claim's overhead.
+//! idempotent-request records.
 
 mod admin;
-mod bench;
 mod demo;
-mod format;
 
 use std::process::ExitCode;
 
@@ -33,8 +31,6 @@ enum Command {
     Stats(admin::StatsArgs),
     /// Delete expired idempotent-request records, in bounded batches.
     ReapRequests(admin::ReapRequestsArgs),
-    /// Measure the claim's overhead against the same handler without it.
-    Bench(bench::BenchArgs),
 }
 
 fn main() -> ExitCode {
@@ -56,7 +52,6 @@ fn main() -> ExitCode {
             Command::Prune(args) => admin::prune(args).await,
             Command::Stats(args) => admin::stats(args).await,
             Command::ReapRequests(args) => admin::reap_requests(args).await,
-            Command::Bench(args) => bench::run(args).await,
         }
     });
     match result {

@@ -224,7 +224,18 @@ pub(crate) async fn with_source<J: WithSource>(
         BrokerUrl::Amqp(url) => {
             let (publisher, topology) = amqp_topology(url, name).await?;
             publisher.close().await?;
-            let source = topology.source(url.as_str()).connect().await?;
+            // Room for every batch in flight: with the default prefetch (64) a `--batch 100`
+            // consumer would never see a full batch.
+            let in_flight = settings
+                .batch
+                .max(1)
+                .saturating_mul(settings.concurrency.max(1));
+            let prefetch = u16::try_from(in_flight).unwrap_or(u16::MAX).max(64);
+            let source = topology
+                .source(url.as_str())
+                .prefetch(prefetch)
+                .connect()
+                .await?;
             job.run(source).await
         }
         BrokerUrl::Kafka(brokers) => {

@@ -10,9 +10,9 @@ use idem_sql::PgTx;
 use sqlx::postgres::PgConnection;
 
 use super::{Bench, Ctx, charge, charge_set, expect_processed, now_micros};
-use crate::bench::measure::Op;
-use crate::bench::workload::{CONSUMER, Delivery, Ids};
-use crate::bench::{Group, Target, Variant, plural};
+use crate::measure::Op;
+use crate::workload::{CONSUMER, Delivery, Ids};
+use crate::{Group, Target, Variant, plural};
 
 /// `PostgresStore::claim_many`'s statement.
 const CLAIM_SET: &str = "INSERT INTO idem_bench_claims \

@@ -1,7 +1,7 @@
-//! `idem bench`: the same handler (insert a charge, update a balance) with and without the
+//! `idem-bench`: the same handler (insert a charge, update a balance) with and without the
 //! idempotency claim, measured side by side in one run.
 //!
-//! This module owns the options, the order in which scenarios run and the report. The
+//! This file owns the options, the order in which scenarios run and the report. The
 //! scenarios live in [`postgres`] (P1 per message, P2 batched) and [`sqlite`] (P3); the timing
 //! loop and the interleaving of rounds in [`measure`]; the message stream in [`workload`].
 //!
@@ -16,11 +16,13 @@ mod workload;
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
+use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, SystemTime};
 
 use anyhow::bail;
+use clap::Parser as _;
 use idem_core::Timestamp;
 
 use measure::{Sample, Window};
@@ -28,9 +30,10 @@ use measure::{Sample, Window};
 /// Default PostgreSQL when neither `--postgres` nor `IDEM_TEST_POSTGRES_URL` is given.
 const DEFAULT_POSTGRES: &str = "postgres://postgres@127.0.0.1:5432/test";
 
-/// Options of `idem bench`.
-#[derive(Debug, clap::Args)]
-pub(crate) struct BenchArgs {
+/// Measure the claim's overhead against the same handler without it.
+#[derive(Debug, clap::Parser)]
+#[command(name = "idem-bench", version)]
+struct BenchArgs {
     /// PostgreSQL for P1 and P2 [default: $IDEM_TEST_POSTGRES_URL, else
     /// postgres://postgres@127.0.0.1:5432/test]. The bench creates, truncates and finally drops
     /// its own idem_bench_* tables there.
@@ -70,6 +73,28 @@ pub(crate) struct BenchArgs {
     /// profiling one variant. Experimental keys need --experimental.
     #[arg(long, value_delimiter = ',', value_name = "KEYS")]
     variants: Vec<String>,
+}
+
+fn main() -> ExitCode {
+    let args = BenchArgs::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match runtime.block_on(run(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // `{:#}`: the error and its causes, on one line.
+            eprintln!("error: {}", format!("{e:#}").replace('\n', " "));
+            ExitCode::from(2)
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -322,8 +347,8 @@ fn verdict(met: bool) -> &'static str {
     if met { "met" } else { "MISSED" }
 }
 
-/// Runs `idem bench`.
-pub(crate) async fn run(args: BenchArgs) -> anyhow::Result<()> {
+/// Runs the scenarios `args` selects and prints the report.
+async fn run(args: BenchArgs) -> anyhow::Result<()> {
     if !(args.seconds.is_finite() && args.seconds > 0.0 && args.seconds <= 3600.0) {
         bail!("--seconds must be a positive number of seconds (at most 3600)");
     }
@@ -550,7 +575,7 @@ fn markdown(
     skipped: &[String],
 ) -> String {
     let mut out = String::new();
-    let _ = writeln!(out, "## `idem bench`\n");
+    let _ = writeln!(out, "## `idem-bench`\n");
     let _ = writeln!(out, "- command: `{}`", env.command);
     for line in env.lines(settings) {
         let _ = writeln!(out, "- {line}");
@@ -593,7 +618,7 @@ fn markdown(
 
 fn plain(env: &Environment, settings: &Settings, groups: &[Group], skipped: &[String]) -> String {
     let mut out = String::new();
-    let _ = writeln!(out, "idem bench: {}", env.command);
+    let _ = writeln!(out, "idem-bench: {}", env.command);
     for line in env.lines(settings).iter().chain(skipped) {
         let _ = writeln!(out, "  {line}");
     }
@@ -644,7 +669,7 @@ fn ratio(x: f64, base: Option<f64>) -> String {
 
 /// `12345.6` as `12,346`: rates are read, not computed with.
 fn thousands(x: f64) -> String {
-    crate::format::group_digits(x.round().max(0.0) as u64)
+    idem_core::group_digits(x.round().max(0.0) as u64)
 }
 
 #[cfg(test)]

@@ -12,9 +12,9 @@ use sqlx::postgres::{PgConnection, PgPool};
 use sqlx::{Connection, Postgres};
 
 use super::{Bench, CLAIMS, Ctx, charge, expect_processed, now_micros};
-use crate::bench::measure::Op;
-use crate::bench::workload::{CONSUMER, Delivery, Ids};
-use crate::bench::{Group, Target, Variant, plural};
+use crate::measure::Op;
+use crate::workload::{CONSUMER, Delivery, Ids};
+use crate::{Group, Target, Variant, plural};
 
 /// The claim as a user would write it by hand: the same statement `PostgresStore` runs.
 const CLAIM: &str = "INSERT INTO idem_bench_claims (consumer, message_id, fingerprint, processed_at) \
