@@ -20,13 +20,14 @@
 //! Nothing is acknowledged that did not commit, and nothing is acknowledged silently: every
 //! dead letter carries its reason in headers ([`DeadLetter::headers`]).
 //!
-//! [`InMemoryBroker`] is an in-memory fake for unit tests of handlers; real adapters are tested
-//! against real brokers.
+//! `InMemoryBroker` (feature `test-util`) is an in-memory fake for unit tests of handlers and for
+//! the demo; real adapters are tested against real brokers.
 
 pub mod crash;
 mod dead_letter;
 mod decode;
 mod id_source;
+#[cfg(feature = "test-util")]
 mod in_memory;
 pub mod metrics;
 mod retry;
@@ -41,7 +42,8 @@ pub use decode::{Decode, Json, Raw};
 pub use id_source::IdSource;
 /// The handler shape, defined in idem-core and re-exported where consumers are written.
 pub use idem_core::{Handler, SetHandler};
-pub use in_memory::{InMemoryBroker, InMemoryDelivery, InMemorySource, Settled};
+#[cfg(feature = "test-util")]
+pub use in_memory::{InMemoryBroker, InMemoryDelivery, InMemorySource, InMemoryStats, Settled};
 pub use metrics::RunStats;
 pub use retry::RetryPolicy;
 pub use runner::{Batch, Consumer, Observer, PerMessage};

@@ -26,10 +26,10 @@ impl BrokerFixture for InMemoryFixture {
     }
 
     async fn try_publish(&self, id: Option<&[u8]>, payload: &[u8]) -> Result<(), Error> {
-        match id {
+        let _seq = match id {
             Some(id) => self.broker.publish(&[("message-id", id)], payload),
             None => self.broker.publish(&[], payload),
-        }
+        };
         Ok(())
     }
 
