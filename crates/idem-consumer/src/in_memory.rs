@@ -51,6 +51,10 @@ pub struct InMemoryStats {
     /// Deliveries handed out again: after an abandon, a dropped source, or the visibility
     /// timeout.
     pub redelivered: u64,
+    /// Deliveries whose visibility timeout passed before they were settled.
+    pub expired: u64,
+    /// Settlements refused because the delivery had been handed out again meanwhile.
+    pub refused: u64,
     /// Acks lost on the way ([`InMemoryBroker::lose_acks`]).
     pub lost_acks: u64,
     /// Settled (acked or dead-lettered).
@@ -112,6 +116,7 @@ impl State {
             });
         }
         expired.sort_by_key(|m| m.seq);
+        self.stats.expired += expired.len() as u64;
         for m in expired {
             self.requeue(m);
         }
@@ -298,6 +303,11 @@ pub struct InMemoryDelivery {
 }
 
 impl InMemoryDelivery {
+    /// The message's publish sequence, as [`InMemoryBroker::publish`] returned it.
+    pub fn sequence(&self) -> u64 {
+        self.msg.seq
+    }
+
     /// Settles it unless its source was dropped first (then it is already back in the queue,
     /// as on a real broker after the connection closed).
     fn settle(self, how: Settled) -> Result<(), Error> {
@@ -317,6 +327,7 @@ impl InMemoryDelivery {
             .and_then(|m| m.remove(&self.msg.seq))
             .is_some();
         if !held {
+            s.stats.refused += 1;
             return Err(Error::new(
                 idem_core::ErrorKind::Unavailable,
                 "the in-memory delivery was handed out again (its source was dropped or its                  visibility timeout passed)",

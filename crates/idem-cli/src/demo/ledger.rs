@@ -143,20 +143,21 @@ pub(crate) async fn charge(
     Ok(())
 }
 
-/// Records a message the consumer gave up on, with the reason; the caller then acks it.
+/// Records a message the consumer gave up on, with the reason.
 pub(crate) async fn dead_letter(
     pool: &SqlitePool,
-    envelope: &Envelope,
+    message_id: &str,
+    payload: &[u8],
     reason: &str,
 ) -> anyhow::Result<()> {
-    let payload = String::from_utf8_lossy(envelope.message.payload());
+    let payload = String::from_utf8_lossy(payload);
     sqlx::query("INSERT INTO dead_letters (message_id, reason, payload) VALUES (?1, ?2, ?3)")
-        .bind(&envelope.id)
+        .bind(message_id)
         .bind(reason)
         .bind(payload.as_ref())
         .execute(pool)
         .await
-        .with_context(|| format!("recording dead letter {}", envelope.id))?;
+        .with_context(|| format!("recording dead letter {message_id}"))?;
     Ok(())
 }
 

@@ -1,12 +1,14 @@
-//! `idem demo`: a payments consumer on the embedded SQLite store, fed by a simulated
-//! at-least-once broker that duplicates, redelivers and watches workers crash between commit
-//! and ack — and a ledger that shows, afterwards, whether anybody was charged twice.
+//! `idem demo`: a payments consumer on the embedded SQLite store, fed by an at-least-once broker
+//! (idem-consumer's in-memory broker) that duplicates, redelivers after a visibility timeout and
+//! loses acks as a consumer crashing between commit and ack would — and a ledger that shows,
+//! afterwards, whether anybody was charged twice.
 //!
-//! The pieces: `producer` emits `PaymentRequested` messages through the `broker`; workers
-//! run either idem's `consumer` or the `naive` one; `ledger` holds the SQL; `report`
-//! counts from the database. All randomness comes from `--seed` (`faults`).
+//! The pieces: `producer` emits `PaymentRequested` messages; idem's `consumer` is the real
+//! runner (`Consumer`) with the charge as its handler, exactly what a service runs on a real
+//! broker; `naive` is the hand-written check / charge / mark consumer, with its own rules in
+//! `worker`; `ledger` holds the SQL; `report` counts from the database. All randomness comes
+//! from `--seed` (`faults`).
 
-mod broker;
 mod consumer;
 mod faults;
 mod ledger;
@@ -21,14 +23,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use idem_consumer::{InMemoryBroker, REASON_HEADER, Settled};
 use idem_core::{ConsumerName, Migrate, Processor};
 use idem_sql::{SqliteOptions, SqliteStore};
 use tokio::task::JoinSet;
 
-use broker::SimulatedBroker;
 use faults::CrashPlan;
+use producer::Published;
 use progress::Progress;
-use report::{Report, RunConfig};
+use report::{Counts, Report, RunConfig};
 use worker::{Tally, WorkerContext};
 
 /// How long a delivered, unacked message stays invisible. Short, so a crashed delivery comes
@@ -45,11 +48,12 @@ const MAX_MESSAGES: usize = 10_000_000;
 /// Options of `idem demo`.
 #[derive(Debug, clap::Args)]
 #[command(after_help = "\
-A producer emits PaymentRequested messages with stable IDs into an in-process broker
-simulation that behaves at-least-once: some messages are published twice, unacked deliveries
-come back after a visibility timeout, and workers \"crash\" after committing, before acking.
-Workers charge accounts in an SQLite ledger through idem's processor, which commits the claim
-together with the charge. --naive runs the same traffic through check / charge / mark in three
+A producer emits PaymentRequested messages with stable IDs into an in-process broker that
+behaves at-least-once: some messages are published twice, unacked deliveries come back after a
+visibility timeout, and some acks are lost, as when a consumer \"crashes\" after committing,
+before acking. idem's real consumer (the runner services use on Kafka, NATS, RabbitMQ, Redis
+or MQTT) charges accounts in an SQLite ledger; its processor commits the claim together with
+the charge. --naive runs the same traffic through check / charge / mark in three
 transactions, and shows the double charges that causes.
 
 The report is counted from the database afterwards. Check it yourself:
@@ -75,7 +79,8 @@ pub(crate) struct DemoArgs {
     /// Probability (0..=1) that the producer publishes a message twice.
     #[arg(long, value_name = "F", default_value_t = 0.2)]
     duplicate_rate: f64,
-    /// Probability (0..=1) that a worker crashes after its commit and before its ack.
+    /// Probability (0..=1) that a delivery's consumer crashes after its commit and before its
+    /// ack (idem: the broker loses the ack; --naive: the worker stops after the charge).
     #[arg(long, value_name = "F", default_value_t = 0.05)]
     crash_rate: f64,
     /// Use the classic non-idempotent consumer instead: check, charge and mark processed in
@@ -144,61 +149,98 @@ pub(crate) async fn run(args: DemoArgs) -> anyhow::Result<()> {
     let requests = producer::payment_requests(args.messages, args.seed)?;
     ledger::record_requests(&store, &requests).await?;
 
-    let broker = Arc::new(SimulatedBroker::new(args.messages, VISIBILITY_TIMEOUT));
-    let tally = Arc::new(Tally::default());
-    let progress = Progress::start(
-        u64::try_from(args.messages).unwrap_or(u64::MAX),
-        Arc::clone(&broker),
-        Arc::clone(&tally),
-    );
+    let crashes = CrashPlan::new(args.seed, args.crash_rate);
+    let broker = InMemoryBroker::new().visibility_timeout(VISIBILITY_TIMEOUT);
+    // idem's consumer is the real runner, so its crash between commit and ack is the broker
+    // losing the ack; the naive consumer crashes at the same point of its own code.
+    let broker = if args.naive {
+        broker
+    } else {
+        broker.lose_acks(move |seq, attempt| {
+            crashes.crashes_after_commit(usize::try_from(seq).unwrap_or(usize::MAX), attempt)
+        })
+    };
+    let progress = Progress::start(broker.clone());
 
     let producer = tokio::spawn({
-        let broker = Arc::clone(&broker);
+        let broker = broker.clone();
         let (rate, seed) = (args.duplicate_rate, args.seed);
         async move { producer::publish_all(&broker, &requests, rate, seed).await }
     });
 
-    let ctx = WorkerContext {
-        broker: Arc::clone(&broker),
-        store: store.clone(),
-        crashes: CrashPlan::new(args.seed, args.crash_rate),
-        tally: Arc::clone(&tally),
+    let counts = if args.naive {
+        let tally = Arc::new(Tally::default());
+        let ctx = WorkerContext {
+            broker: broker.clone(),
+            store: store.clone(),
+            crashes,
+            tally: Arc::clone(&tally),
+        };
+        let mut workers = JoinSet::new();
+        for _ in 0..args.workers {
+            workers.spawn(naive::run(ctx.clone()));
+        }
+        // The workers return once the broker is closed and every copy settled; the first
+        // failure is what the run reports (the others then run out of work or fail alike).
+        let mut failure: Option<anyhow::Error> = None;
+        while let Some(joined) = workers.join_next().await {
+            let result = joined
+                .map_err(anyhow::Error::from)
+                .and_then(|r| r)
+                .context("a demo worker failed");
+            if let Err(e) = result {
+                workers.abort_all();
+                failure.get_or_insert(e);
+            }
+        }
+        if let Some(e) = failure {
+            progress.finish();
+            return Err(e);
+        }
+        let b = broker.stats();
+        Counts {
+            deliveries: b.published + b.redelivered,
+            redeliveries: b.redelivered,
+            visibility_timeouts: b.expired,
+            late_acks: b.refused,
+            simulated_crashes: Tally::get(&tally.crashes),
+            duplicates_skipped: Tally::get(&tally.duplicates_skipped),
+            conflicts: 0,
+            retries: Tally::get(&tally.retries),
+        }
+    } else {
+        let processor = Arc::new(Processor::builder(store.clone(), consumer::CONSUMER).build()?);
+        let run = consumer::run(&broker, processor, args.workers).await;
+        let stats = match run {
+            Ok(stats) => stats,
+            Err(e) => {
+                progress.finish();
+                return Err(e.context("idem's consumer stopped"));
+            }
+        };
+        let b = broker.stats();
+        Counts {
+            deliveries: b.published + b.redelivered,
+            redeliveries: b.redelivered,
+            visibility_timeouts: b.expired,
+            late_acks: b.refused,
+            simulated_crashes: b.lost_acks,
+            duplicates_skipped: stats.duplicates,
+            conflicts: stats.conflicts,
+            retries: stats.retries,
+        }
     };
-    let processor = Arc::new(Processor::builder(store.clone(), consumer::CONSUMER).build()?);
-    let mut workers = JoinSet::new();
-    for _ in 0..args.workers {
-        let ctx = ctx.clone();
-        if args.naive {
-            workers.spawn(naive::run(ctx));
-        } else {
-            workers.spawn(consumer::run(ctx, Arc::clone(&processor)));
-        }
-    }
-    // The workers return once every published copy is settled; the first failure stops the
-    // rest (the broker hands out nothing more) and is what the run reports.
-    let mut failure: Option<anyhow::Error> = None;
-    while let Some(joined) = workers.join_next().await {
-        let result = joined
-            .map_err(anyhow::Error::from)
-            .and_then(|r| r)
-            .context("a demo worker failed");
-        if let Err(e) = result {
-            broker.abort();
-            failure.get_or_insert(e);
-        }
-    }
-    let duplicate_publishes = producer.await.context("the demo producer failed")?;
+    let published = producer.await.context("the demo producer failed")?;
     progress.finish();
-    if let Some(e) = failure {
-        return Err(e);
+    if !args.naive {
+        record_dead_letters(&store, &broker, &published).await?;
     }
 
     let audit = ledger::audit(store.pool()).await?;
     let report = Report::new(
         args.config(),
-        duplicate_publishes,
-        broker.stats(),
-        &tally,
+        published.duplicates,
+        counts,
         audit,
         started.elapsed(),
         &args.db,
@@ -215,6 +257,39 @@ pub(crate) async fn run(args: DemoArgs) -> anyhow::Result<()> {
             "idem's consumer did not charge every payment exactly once: {}",
             report.verdict()
         );
+    }
+    Ok(())
+}
+
+/// The runner dead-letters to the broker, as on a real one; the demo keeps them in its ledger's
+/// `dead_letters` table too, so the report and `sqlite3` see them where the naive consumer's
+/// go.
+async fn record_dead_letters(
+    store: &SqliteStore,
+    broker: &InMemoryBroker,
+    published: &Published,
+) -> anyhow::Result<()> {
+    for (seq, payload, how) in broker.settled() {
+        let Settled::DeadLettered(headers) = how else {
+            continue;
+        };
+        let field = |name: &str| {
+            headers
+                .iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| v.as_str())
+                .unwrap_or_default()
+        };
+        let reason = format!(
+            "{}: {}",
+            field(REASON_HEADER),
+            field(idem_consumer::DETAIL_HEADER)
+        );
+        let id = published
+            .copy(seq)
+            .map(|e| e.id.as_str())
+            .unwrap_or_default();
+        ledger::dead_letter(store.pool(), id, &payload, &reason).await?;
     }
     Ok(())
 }

@@ -10,12 +10,12 @@
 //!
 //! idem closes both gaps by making the mark (the claim) part of the charge's transaction.
 
+use idem_consumer::{Delivery, InMemoryDelivery, Source};
 use idem_core::BoxError;
 
-use super::broker::Delivery;
 use super::ledger;
 use super::producer::PaymentRequested;
-use super::worker::WorkerContext;
+use super::worker::{self, WorkerContext};
 
 /// Where one naive attempt ended.
 enum Step {
@@ -27,28 +27,36 @@ enum Step {
     Crashed,
 }
 
-/// One naive worker: takes deliveries until the broker has nothing left.
+/// One naive worker: takes deliveries one at a time until the broker has nothing left.
 pub(crate) async fn run(ctx: WorkerContext) -> anyhow::Result<()> {
-    while let Some(delivery) = ctx.broker.receive().await {
-        match attempt(&ctx, &delivery).await {
-            Ok(Step::AlreadyProcessed) => ctx.skip_duplicate(&delivery),
-            Ok(Step::Charged) => ctx.broker.ack(&delivery),
-            Ok(Step::Crashed) => {}
-            Err(e) => ctx.failed(&delivery, ctx.classify(e)).await?,
+    let mut source = ctx.broker.source();
+    loop {
+        let fetched = source.next(1).await?;
+        if fetched.is_empty() {
+            return Ok(());
+        }
+        for delivery in fetched {
+            match attempt(&ctx, &delivery).await {
+                Ok(Step::AlreadyProcessed) => ctx.skip_duplicate(delivery).await,
+                Ok(Step::Charged) => worker::ack(delivery).await,
+                // Gone without a word: the delivery stays in flight until its visibility
+                // timeout, then comes back.
+                Ok(Step::Crashed) => drop(delivery),
+                Err(e) => ctx.failed(delivery, ctx.classify(e)).await?,
+            }
         }
     }
-    Ok(())
 }
 
-async fn attempt(ctx: &WorkerContext, delivery: &Delivery) -> Result<Step, BoxError> {
-    let envelope = delivery.envelope();
+async fn attempt(ctx: &WorkerContext, delivery: &InMemoryDelivery) -> Result<Step, BoxError> {
+    let id = worker::message_id(delivery);
     let pool = ctx.store.pool();
 
     // Transaction 1: the check.
     let mut tx = pool.begin().await?;
     let seen: bool =
         sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM naive_processed WHERE message_id = ?1)")
-            .bind(&envelope.id)
+            .bind(&id)
             .fetch_one(&mut *tx)
             .await?;
     tx.commit().await?;
@@ -58,9 +66,9 @@ async fn attempt(ctx: &WorkerContext, delivery: &Delivery) -> Result<Step, BoxEr
     // From here until transaction 3 commits, another delivery of this ID passes the check too.
 
     // Transaction 2: the charge (the same ledger code idem's consumer runs).
-    let payment = PaymentRequested::decode(envelope.message.payload())?;
+    let payment = PaymentRequested::decode(delivery.payload())?;
     let mut tx = ctx.store.begin_immediate().await?;
-    ledger::charge(&mut tx, &envelope.id, &payment).await?;
+    ledger::charge(&mut tx, &id, &payment).await?;
     tx.commit().await?;
 
     // The same crash point as idem's consumer: after the charge's commit, before anything else.
@@ -70,7 +78,7 @@ async fn attempt(ctx: &WorkerContext, delivery: &Delivery) -> Result<Step, BoxEr
 
     // Transaction 3: the mark. OR IGNORE: a racing duplicate may have marked it already.
     sqlx::query("INSERT OR IGNORE INTO naive_processed (message_id) VALUES (?1)")
-        .bind(&envelope.id)
+        .bind(&id)
         .execute(pool)
         .await?;
     Ok(Step::Charged)

@@ -1,5 +1,5 @@
 //! The producer side: `PaymentRequested` messages with stable, producer-set IDs, published
-//! through the simulated broker with the duplicate publishes a real producer makes (a publish
+//! through the in-memory broker (header `message-id`) with the duplicate publishes a real producer makes (a publish
 //! whose confirm was lost is published again, same ID, same payload).
 
 use std::sync::Arc;
@@ -9,7 +9,8 @@ use idem_core::{Error, Message, MessageId};
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 
-use super::broker::SimulatedBroker;
+use idem_consumer::InMemoryBroker;
+
 use super::faults::{Stream, seeded_rng};
 
 /// How many accounts the traffic spreads over: few enough that workers contend on the same
@@ -40,8 +41,6 @@ impl PaymentRequested {
 /// A message as the producer hands it to the broker.
 #[derive(Debug)]
 pub(crate) struct Envelope {
-    /// The producer's sequence number, 0-based.
-    pub(crate) number: usize,
     /// The producer-set ID as text, for the ledger's `message_id` column.
     pub(crate) id: String,
     /// ID, payload bytes and their fingerprint, as the core processes them.
@@ -68,7 +67,6 @@ pub(crate) fn payment_requests(messages: usize, seed: u64) -> anyhow::Result<Vec
             let payload = serde_json::to_vec(&payment).context("encoding a payment")?;
             let message = Message::new(MessageId::new(&id)?, payload);
             Ok(Arc::new(Envelope {
-                number,
                 id,
                 message,
                 payment,
@@ -77,30 +75,56 @@ pub(crate) fn payment_requests(messages: usize, seed: u64) -> anyhow::Result<Vec
         .collect()
 }
 
-/// Publishes every request, some of them twice, then closes the broker. Returns how many
-/// duplicate publishes it made.
+/// What the producer published: every copy by its publish sequence (duplicates included), and
+/// how many were duplicate publishes.
+#[derive(Debug, Default)]
+pub(crate) struct Published {
+    pub(crate) copies: Vec<Arc<Envelope>>,
+    pub(crate) duplicates: u64,
+}
+
+impl Published {
+    fn publish(&mut self, broker: &InMemoryBroker, envelope: &Arc<Envelope>) {
+        let seq = broker.publish(
+            &[("message-id", envelope.id.as_bytes())],
+            envelope.message.payload().clone(),
+        );
+        debug_assert_eq!(seq as usize, self.copies.len());
+        self.copies.push(Arc::clone(envelope));
+    }
+
+    /// The message published as copy `seq`.
+    pub(crate) fn copy(&self, seq: u64) -> Option<&Envelope> {
+        usize::try_from(seq)
+            .ok()
+            .and_then(|i| self.copies.get(i))
+            .map(|e| &**e)
+    }
+}
+
+/// Publishes every request, some of them twice, then closes the broker.
 pub(crate) async fn publish_all(
-    broker: &SimulatedBroker,
+    broker: &InMemoryBroker,
     requests: &[Arc<Envelope>],
     duplicate_rate: f64,
     seed: u64,
-) -> u64 {
+) -> Published {
+    let mut out = Published::default();
     let mut rng = seeded_rng(seed, Stream::Publishing, 0, 0);
     // Duplicates waiting for their turn: (publish count at which they go out, message).
     let mut pending: Vec<(usize, Arc<Envelope>)> = Vec::new();
     let mut published = 0usize;
-    let mut duplicates = 0u64;
     for envelope in requests {
-        broker.publish(Arc::clone(envelope));
+        out.publish(broker, envelope);
         published += 1;
         if rng.gen_bool(duplicate_rate) {
-            duplicates += 1;
+            out.duplicates += 1;
             let lag = rng.gen_range(0..=MAX_DUPLICATE_LAG);
             pending.push((published + lag, Arc::clone(envelope)));
         }
         while let Some(i) = pending.iter().position(|(due, _)| *due <= published) {
             let (_, again) = pending.remove(i);
-            broker.publish(again);
+            out.publish(broker, &again);
             published += 1;
         }
         // Let the workers start on the queue while it fills, as with a live producer.
@@ -109,8 +133,8 @@ pub(crate) async fn publish_all(
         }
     }
     for (_, again) in pending {
-        broker.publish(again);
+        out.publish(broker, &again);
     }
     broker.close();
-    duplicates
+    out
 }

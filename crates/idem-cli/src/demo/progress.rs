@@ -1,16 +1,13 @@
 //! The progress bar on stderr while the demo runs (indicatif hides it when stderr is not a
 //! terminal, so `--json` output and tests stay clean).
 
-use std::sync::Arc;
 use std::time::Duration;
 
+use idem_consumer::InMemoryBroker;
 use indicatif::{ProgressBar, ProgressStyle};
 use tokio::task::JoinHandle;
 
-use super::broker::SimulatedBroker;
-use super::worker::Tally;
-
-/// A bar of messages settled, refreshed from the broker's and workers' counters.
+/// A bar of published copies settled, refreshed from the broker's counters.
 #[derive(Debug)]
 pub(crate) struct Progress {
     bar: ProgressBar,
@@ -18,9 +15,9 @@ pub(crate) struct Progress {
 }
 
 impl Progress {
-    /// Starts drawing; `messages` is the bar's length.
-    pub(crate) fn start(messages: u64, broker: Arc<SimulatedBroker>, tally: Arc<Tally>) -> Self {
-        let bar = ProgressBar::new(messages);
+    /// Starts drawing; the bar grows with what the producer publishes.
+    pub(crate) fn start(broker: InMemoryBroker) -> Self {
+        let bar = ProgressBar::new(0);
         if let Ok(style) = ProgressStyle::with_template(
             "{spinner} [{bar:24}] {pos}/{len} settled · {msg} · {elapsed}",
         ) {
@@ -28,18 +25,17 @@ impl Progress {
         }
         bar.set_message("starting");
         let drawn = bar.clone();
-        // Polling the counters keeps the workers free of any drawing work.
+        // Polling the counters keeps the consumer free of any drawing work.
         let refresher = tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_millis(100));
             loop {
                 tick.tick().await;
                 let stats = broker.stats();
-                drawn.set_position(stats.messages_settled);
+                drawn.set_length(stats.published);
+                drawn.set_position(stats.settled);
                 drawn.set_message(format!(
-                    "{} deliveries, {} dups skipped, {} crashes",
-                    stats.deliveries,
-                    Tally::get(&tally.duplicates_skipped),
-                    Tally::get(&tally.crashes),
+                    "{} redelivered, {} acks lost",
+                    stats.redelivered, stats.lost_acks,
                 ));
             }
         });

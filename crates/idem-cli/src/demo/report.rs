@@ -7,9 +7,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use super::broker::BrokerStats;
 use super::ledger::Audit;
-use super::worker::Tally;
 
 /// Everything the run found; serialised as is for `--json`.
 #[derive(Debug, Clone, Serialize)]
@@ -30,20 +28,22 @@ pub(crate) struct Report {
     pub(crate) duplicate_publishes: u64,
     /// Deliveries to workers, redeliveries included.
     pub(crate) deliveries: u64,
-    /// Deliveries of a copy delivered before (after a visibility timeout or a nack).
+    /// Deliveries of a copy delivered before (after a visibility timeout or a retry).
     pub(crate) redeliveries: u64,
     /// Deliveries not acked within the visibility timeout.
     pub(crate) visibility_timeouts: u64,
     /// Acks that came after their delivery's visibility timeout (a slow worker, not a crash):
     /// the copy had usually been handed out again already.
     pub(crate) late_acks: u64,
-    /// Workers that crashed between commit and ack.
+    /// Crashes between commit and ack: for idem, acks the broker lost on purpose (the consumer
+    /// "died" before its ack arrived); for the naive consumer, workers that stopped after the
+    /// charge committed.
     pub(crate) simulated_crashes: u64,
     /// Deliveries acked without charging because the ID was already processed.
     pub(crate) duplicates_skipped: u64,
     /// Same ID, different payload: dead-lettered.
     pub(crate) conflicts: u64,
-    /// Deliveries nacked for another attempt after a retryable error.
+    /// Deliveries retried after a retryable error.
     pub(crate) retries: u64,
     /// Rows in `dead_letters`.
     pub(crate) dead_letters: u64,
@@ -71,6 +71,28 @@ pub(crate) struct Report {
     pub(crate) db: String,
 }
 
+/// What the consumer and the broker counted while the run went on; the ledger figures come
+/// from the database instead.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Counts {
+    /// Deliveries handed out, redeliveries included.
+    pub(crate) deliveries: u64,
+    /// Deliveries of a copy handed out before.
+    pub(crate) redeliveries: u64,
+    /// Deliveries whose visibility timeout passed before they were settled.
+    pub(crate) visibility_timeouts: u64,
+    /// Settlements that came after their delivery's visibility timeout.
+    pub(crate) late_acks: u64,
+    /// See [`Report::simulated_crashes`].
+    pub(crate) simulated_crashes: u64,
+    /// Acked without charging: the ID was already processed.
+    pub(crate) duplicates_skipped: u64,
+    /// Same ID, different payload.
+    pub(crate) conflicts: u64,
+    /// Retries after retryable errors.
+    pub(crate) retries: u64,
+}
+
 /// What the run was configured with.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct RunConfig {
@@ -93,8 +115,7 @@ impl Report {
     pub(crate) fn new(
         config: RunConfig,
         duplicate_publishes: u64,
-        broker: BrokerStats,
-        tally: &Tally,
+        counts: Counts,
         audit: Audit,
         elapsed: Duration,
         db: &Path,
@@ -112,14 +133,14 @@ impl Report {
             crash_rate: config.crash_rate,
             messages,
             duplicate_publishes,
-            deliveries: broker.deliveries,
-            redeliveries: broker.redeliveries,
-            visibility_timeouts: broker.timeouts,
-            late_acks: broker.late_acks,
-            simulated_crashes: Tally::get(&tally.crashes),
-            duplicates_skipped: Tally::get(&tally.duplicates_skipped),
-            conflicts: Tally::get(&tally.conflicts),
-            retries: Tally::get(&tally.retries),
+            deliveries: counts.deliveries,
+            redeliveries: counts.redeliveries,
+            visibility_timeouts: counts.visibility_timeouts,
+            late_acks: counts.late_acks,
+            simulated_crashes: counts.simulated_crashes,
+            duplicates_skipped: counts.duplicates_skipped,
+            conflicts: counts.conflicts,
+            retries: counts.retries,
             dead_letters: audit.dead_letters,
             charges: audit.charges,
             charged_messages: audit.charged_messages,
@@ -169,7 +190,7 @@ impl Report {
             (
                 "redeliveries",
                 &self.redeliveries,
-                "after a visibility timeout or a nack",
+                "after a visibility timeout or a retry",
             ),
             (
                 "late acks",
@@ -187,7 +208,7 @@ impl Report {
                 "acked without charging",
             ),
             ("conflicts", &self.conflicts, "same ID, different payload"),
-            ("retries", &self.retries, "nacked after a retryable error"),
+            ("retries", &self.retries, "after a retryable error"),
             ("dead letters", &self.dead_letters, "rows in dead_letters"),
             ("charges", &self.charges, "rows in charges"),
             (
