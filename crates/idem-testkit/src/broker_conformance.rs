@@ -48,10 +48,9 @@ pub struct Behaviour {
 #[derive(Debug, Clone)]
 pub struct EffectHandler(pub Arc<Behaviour>);
 
-impl idem_consumer::Handler<Tx<Sqlite>, Order> for EffectHandler {
-    type Output = ();
-
-    async fn handle(&self, tx: &mut Tx<Sqlite>, msg: &Message<Order>) -> Result<(), BoxError> {
+impl EffectHandler {
+    /// What [`Behaviour`] says for `msg`: wait, fail, or go on (with its ID as text).
+    async fn behave(&self, msg: &Message<Order>) -> Result<String, BoxError> {
         let id = msg.message_id().to_string();
         if !self.0.delay.is_zero() {
             tokio::time::sleep(self.0.delay).await;
@@ -68,6 +67,15 @@ impl idem_consumer::Handler<Tx<Sqlite>, Order> for EffectHandler {
         if first_failure {
             return Err(Error::retry("this test message fails once").into());
         }
+        Ok(id)
+    }
+}
+
+impl idem_consumer::Handler<Tx<Sqlite>, Order> for EffectHandler {
+    type Output = ();
+
+    async fn handle(&self, tx: &mut Tx<Sqlite>, msg: &Message<Order>) -> Result<(), BoxError> {
+        let id = self.behave(msg).await?;
         sqlx::query("INSERT INTO effects (message_id, n) VALUES (?, ?)")
             .bind(&id)
             .bind(msg.payload().n)
@@ -88,22 +96,7 @@ impl idem_consumer::SetHandler<Tx<Sqlite>, Order> for EffectHandler {
         msgs: &[&Message<Order>],
     ) -> Result<(), BoxError> {
         for msg in msgs {
-            let id = msg.message_id().to_string();
-            if !self.0.delay.is_zero() {
-                tokio::time::sleep(self.0.delay).await;
-            }
-            if self.0.always_fail.contains(&id) {
-                return Err(Error::retry("this test message always fails").into());
-            }
-            let first_failure = self
-                .0
-                .fail_once
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .remove(&id);
-            if first_failure {
-                return Err(Error::retry("this test message fails once").into());
-            }
+            self.behave(msg).await?;
         }
         let mut insert = sqlx::QueryBuilder::<Sqlite>::new("INSERT INTO effects (message_id, n) ");
         insert.push_values(msgs, |mut row, msg| {

@@ -197,16 +197,11 @@ pub(crate) async fn run(args: DemoArgs) -> anyhow::Result<()> {
             progress.finish();
             return Err(e);
         }
-        let b = broker.stats();
         Counts {
-            deliveries: b.published + b.redelivered,
-            redeliveries: b.redelivered,
-            visibility_timeouts: b.expired,
-            late_acks: b.refused,
             simulated_crashes: Tally::get(&tally.crashes),
             duplicates_skipped: Tally::get(&tally.duplicates_skipped),
-            conflicts: 0,
             retries: Tally::get(&tally.retries),
+            ..Counts::default()
         }
     } else {
         let processor = Arc::new(Processor::builder(store.clone(), consumer::CONSUMER).build()?);
@@ -218,17 +213,22 @@ pub(crate) async fn run(args: DemoArgs) -> anyhow::Result<()> {
                 return Err(e.context("idem's consumer stopped"));
             }
         };
-        let b = broker.stats();
         Counts {
-            deliveries: b.published + b.redelivered,
-            redeliveries: b.redelivered,
-            visibility_timeouts: b.expired,
-            late_acks: b.refused,
-            simulated_crashes: b.lost_acks,
+            simulated_crashes: broker.stats().lost_acks,
             duplicates_skipped: stats.duplicates,
             conflicts: stats.conflicts,
             retries: stats.retries,
+            ..Counts::default()
         }
+    };
+    // What the broker saw, the same for both consumers.
+    let b = broker.stats();
+    let counts = Counts {
+        deliveries: b.published + b.redelivered,
+        redeliveries: b.redelivered,
+        visibility_timeouts: b.expired,
+        late_acks: b.refused,
+        ..counts
     };
     let published = producer.await.context("the demo producer failed")?;
     progress.finish();

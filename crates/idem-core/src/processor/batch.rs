@@ -134,6 +134,27 @@ impl<S: ClaimStore, C: Clock> Processor<S, C> {
         (errors, out)
     }
 
+    /// Begins a transaction and claims the batch in it ([`Self::claim_batch`]); on a failed
+    /// claim the transaction is rolled back and the claim's error returned.
+    async fn begin_claimed<M: Identified>(
+        &self,
+        msgs: &[M],
+        fingerprints: &[Fingerprint],
+        out: &[bool],
+    ) -> Result<(S::Tx, Vec<Slot>), Error>
+    where
+        S: BatchClaimStore,
+    {
+        let mut tx = self.store.begin().await?;
+        match self.claim_batch(&mut tx, msgs, fingerprints, out).await {
+            Ok(slots) => Ok((tx, slots)),
+            Err(e) => {
+                let _ = self.store.rollback(tx).await;
+                Err(e)
+            }
+        }
+    }
+
     /// Processes `msgs` in one transaction: one claim statement for the whole batch, then
     /// `handler` for each new message in input order, then one commit.
     ///
@@ -162,14 +183,7 @@ impl<S: ClaimStore, C: Clock> Processor<S, C> {
             if out.iter().all(|&o| o) {
                 break 'pass;
             }
-            let mut tx = self.store.begin().await?;
-            let slots = match self.claim_batch(&mut tx, msgs, &fingerprints, &out).await {
-                Ok(slots) => slots,
-                Err(e) => {
-                    let _ = self.store.rollback(tx).await;
-                    return Err(e);
-                }
-            };
+            let (mut tx, slots) = self.begin_claimed(msgs, &fingerprints, &out).await?;
             let mut values: Vec<Option<H::Output>> = (0..msgs.len()).map(|_| None).collect();
             for (i, slot) in slots.iter().enumerate() {
                 if !matches!(slot, Slot::Fresh) {
@@ -277,14 +291,7 @@ impl<S: ClaimStore, C: Clock> Processor<S, C> {
     {
         let (errors, out) = self.check_batch(msgs);
         let fingerprints: Vec<Fingerprint> = msgs.iter().map(Identified::fingerprint).collect();
-        let mut tx = self.store.begin().await?;
-        let slots = match self.claim_batch(&mut tx, msgs, &fingerprints, &out).await {
-            Ok(slots) => slots,
-            Err(e) => {
-                let _ = self.store.rollback(tx).await;
-                return Err(e);
-            }
-        };
+        let (tx, slots) = self.begin_claimed(msgs, &fingerprints, &out).await?;
         let fresh: Vec<&M> = slots
             .iter()
             .zip(msgs)
