@@ -759,6 +759,15 @@ pub async fn retention_shorter_than_the_redelivery_window_is_refused<F: StoreFix
         .build()
         .expect_err("retention without a declared window must be refused");
     assert_eq!(err.kind(), ErrorKind::InvalidConfig);
+    // A validated `Retention` goes through whole, clock margin included.
+    let retention = idem_core::Retention::new(10 * day, 3 * day)
+        .expect("valid retention")
+        .with_clock_margin(Duration::from_secs(120));
+    let p = Processor::builder(fx.store(), "billing")
+        .retention(retention)
+        .build()
+        .expect("valid processor");
+    assert_eq!(p.retention(), retention);
     fx.teardown().await;
 }
 

@@ -478,8 +478,7 @@ where
     ChargeBatch: SetHandler<S::Tx, PaymentRequested>,
 {
     let processor = Processor::builder(store, settings.consumer.as_str())
-        .keep_claims_for(settings.retention.keep_for())
-        .redelivery_window(settings.retention.redelivery_window())
+        .retention(settings.retention)
         .build()?;
     let processor = Arc::new(processor);
     let pruner = tokio::spawn(prune_periodically(

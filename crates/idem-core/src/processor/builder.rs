@@ -47,6 +47,15 @@ impl<S: ClaimStore, C: Clock> ProcessorBuilder<S, C> {
         self
     }
 
+    /// A retention validated already ([`Retention::new`], e.g. parsed from configuration):
+    /// its keep-for, its redelivery window and its clock margin, in one.
+    pub fn retention(mut self, retention: Retention) -> Self {
+        self.keep_for = Some(retention.keep_for());
+        self.redelivery_window = Some(retention.redelivery_window());
+        self.clock_margin = Some(retention.clock_margin());
+        self
+    }
+
     /// The broker's longest redelivery window. [`build`](Self::build) refuses a retention
     /// shorter than this.
     pub fn redelivery_window(mut self, window: Duration) -> Self {
