@@ -30,6 +30,7 @@ mod id_source;
 #[cfg(feature = "test-util")]
 mod in_memory;
 pub mod metrics;
+mod prune;
 mod retry;
 mod runner;
 pub mod shutdown;
@@ -45,6 +46,7 @@ pub use idem_core::{Handler, SetHandler};
 #[cfg(feature = "test-util")]
 pub use in_memory::{InMemoryBroker, InMemoryDelivery, InMemorySource, InMemoryStats, Settled};
 pub use metrics::RunStats;
+pub use prune::prune_periodically;
 pub use retry::RetryPolicy;
 pub use runner::{Batch, Consumer, Observer, PerMessage};
 pub use source::{Delivery, Source};

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
 use idem_consumer::{CancellationToken, Consumer, Handler, Json, RunStats, SetHandler, Source};
-use idem_core::{BatchClaimStore, ClaimStore, ErrorKind, Migrate, Processor, TransactionalStore};
+use idem_core::{BatchClaimStore, ErrorKind, Migrate, Processor, TransactionalStore};
 use idem_sql::{MySqlStore, PostgresStore, SqliteOptions, SqliteStore};
 
 use crate::brokers::BrokerUrl;
@@ -481,8 +481,9 @@ where
         .retention(settings.retention)
         .build()?;
     let processor = Arc::new(processor);
-    let pruner = tokio::spawn(prune_periodically(
+    let pruner = tokio::spawn(idem_consumer::prune_periodically(
         processor.clone(),
+        PRUNE_EVERY,
         settings.shutdown.clone(),
     ));
     let consumer = Consumer::new(processor, source).concurrency(settings.concurrency);
@@ -528,23 +529,5 @@ where
         consumer.batch(batch).run(json, Charge, shutdown).await
     } else {
         consumer.run(json, Charge, shutdown).await
-    }
-}
-
-/// Deletes claims older than the retention, at start and then hourly, in bounded batches.
-async fn prune_periodically<S>(processor: Arc<Processor<S>>, shutdown: CancellationToken)
-where
-    S: ClaimStore + idem_core::Prune + Send + Sync + 'static,
-{
-    loop {
-        match processor.prune().await {
-            Ok(0) => {}
-            Ok(n) => tracing::info!(pruned = n, "pruned expired claims"),
-            Err(e) => tracing::warn!(error = %e, "pruning claims failed; retrying next round"),
-        }
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = tokio::time::sleep(PRUNE_EVERY) => {}
-        }
     }
 }
