@@ -25,13 +25,27 @@ pub(crate) trait Work<S: ClaimStore, C, P>: Send + Sync + 'static {
     ) -> impl Future<Output = Result<Outcome<()>, Error>> + Send;
 
     /// Many messages in one transaction: one result per message, in order, or the batch's own
-    /// error when nothing committed.
+    /// error when nothing committed. By default (per-message mode, which never fetches a
+    /// batch) each message in a transaction of its own.
     fn many(
         &self,
         processor: &Processor<S, C>,
         msgs: &[Message<P>],
         instruments: &Instruments,
-    ) -> impl Future<Output = Result<Vec<Result<Outcome<()>, Error>>, Error>> + Send;
+    ) -> impl Future<Output = Result<Vec<Result<Outcome<()>, Error>>, Error>> + Send
+    where
+        S: Sync,
+        C: Sync,
+        Message<P>: Sync,
+    {
+        async move {
+            let mut results = Vec::with_capacity(msgs.len());
+            for msg in msgs {
+                results.push(self.one(processor, msg, instruments).await);
+            }
+            Ok(results)
+        }
+    }
 }
 
 /// Per-message mode: a [`Handler`], one message per transaction.
@@ -82,20 +96,6 @@ where
         instruments: &Instruments,
     ) -> Result<Outcome<()>, Error> {
         alone(processor, msg, &self.0, instruments).await
-    }
-
-    /// Never asked of per-message mode; done honestly anyway, a transaction per message.
-    async fn many(
-        &self,
-        processor: &Processor<S, C>,
-        msgs: &[Message<P>],
-        instruments: &Instruments,
-    ) -> Result<Vec<Result<Outcome<()>, Error>>, Error> {
-        let mut results = Vec::with_capacity(msgs.len());
-        for msg in msgs {
-            results.push(alone(processor, msg, &self.0, instruments).await);
-        }
-        Ok(results)
     }
 }
 
