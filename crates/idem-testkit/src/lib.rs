@@ -96,39 +96,3 @@ macro_rules! broker_conformance_tests {
         )*
     };
 }
-
-/// Expands to one `#[tokio::test]` per conformance check, each running against a fresh fixture
-/// (its own tables), so the checks run in parallel and fail independently.
-#[macro_export]
-macro_rules! conformance_tests {
-    ($fixture:ty) => {
-        $crate::conformance_tests!(@tests $fixture;
-            duplicate_delivery_runs_the_handler_once,
-            concurrent_duplicates_commit_exactly_one_effect,
-            handler_error_rolls_back_the_claim_and_the_effect,
-            a_swallowed_database_error_never_reports_an_uncommitted_message,
-            rejected_message_is_dead_lettered_and_leaves_no_claim,
-            fingerprint_conflict_is_reported_not_skipped,
-            each_consumer_processes_a_message_once,
-            batch_with_one_failing_message_rolls_back_only_that_message,
-            batch_fails_whole_on_an_error_that_is_not_one_messages,
-            set_batch_claims_in_one_statement_and_hands_over_only_new_messages,
-            set_batch_handler_error_rolls_back_the_whole_batch,
-            concurrent_set_batches_sharing_ids_commit_each_effect_once,
-            naturally_idempotent_mode_writes_no_claim,
-            low_level_claim_composes_with_the_callers_transaction,
-            oversized_and_empty_ids_are_rejected,
-            prune_deletes_only_expired_claims_in_bounded_batches,
-            retention_shorter_than_the_redelivery_window_is_refused,
-            migrate_is_idempotent_and_stats_report_per_consumer,
-        );
-    };
-    (@tests $fixture:ty; $($name:ident),* $(,)?) => {
-        $(
-            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-            async fn $name() {
-                $crate::conformance::$name::<$fixture>(stringify!($name)).await;
-            }
-        )*
-    };
-}
