@@ -123,7 +123,7 @@ impl Bench {
 
     /// Empties the tables, reseeds the accounts and truncates the WAL.
     async fn reset(&self) -> anyhow::Result<()> {
-        let mut tx = self.store.begin_immediate().await?;
+        let mut tx = self.store.begin_tx().await?;
         sqlx::raw_sql(
             "DELETE FROM idem_bench_charges;
              DELETE FROM idem_bench_claims;
@@ -376,7 +376,7 @@ impl Op for P3Op {
         match self.variant {
             P3::Bare => {
                 let d = self.ids.delivery(worker, seq)?;
-                let mut tx = ctx.store.begin_immediate().await?;
+                let mut tx = ctx.store.begin_tx().await?;
                 charge(&mut tx, &d).await?;
                 tx.commit().await?;
                 Ok(1)
@@ -399,7 +399,7 @@ impl Op for P3Op {
                     "INSERT INTO {table} (consumer, message_id, fingerprint, processed_at) \
                      VALUES (?1, ?2, ?3, ?4) ON CONFLICT (consumer, message_id) DO NOTHING"
                 );
-                let mut tx = ctx.store.begin_immediate().await?;
+                let mut tx = ctx.store.begin_tx().await?;
                 let n = sqlx::query(&sql)
                     .bind(CONSUMER)
                     .bind(d.id.as_bytes())
@@ -418,7 +418,7 @@ impl Op for P3Op {
             P3::HandSet | P3::HandSetCount | P3::HandSetLean => {
                 let batch = self.ids.batch(worker, seq, ctx.batch)?;
                 let refs: Vec<&Delivery> = batch.iter().collect();
-                let mut tx = ctx.store.begin_immediate().await?;
+                let mut tx = ctx.store.begin_tx().await?;
                 let n = claim_set(&mut tx, self.variant, &refs).await?;
                 if n != refs.len() {
                     bail!("{n} of {} fresh claims were new", refs.len());
@@ -430,7 +430,7 @@ impl Op for P3Op {
             P3::BareSet => {
                 let batch = self.ids.batch(worker, seq, ctx.batch)?;
                 let refs: Vec<&Delivery> = batch.iter().collect();
-                let mut tx = ctx.store.begin_immediate().await?;
+                let mut tx = ctx.store.begin_tx().await?;
                 charge_set(&mut tx, &refs).await?;
                 tx.commit().await?;
                 Ok(batch.len() as u64)

@@ -13,7 +13,7 @@ use idem_consumer::{
     CancellationToken, Consumer, Handler, InMemoryBroker, Json, RetryPolicy, RunStats, metrics,
 };
 use idem_core::{BoxError, ErrorKind, Message, Migrate, Processor};
-use idem_sql::{PgTx, PostgresStore, SqliteOptions, SqliteStore, TableName, Tx};
+use idem_sql::{PostgresTx, PostgresStore, SqliteOptions, SqliteStore, TableName, Tx};
 use idem_testkit::{service_url, services, unique_name};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
@@ -37,9 +37,9 @@ impl Handler<Tx<sqlx::Sqlite>, Ping> for Record {
     }
 }
 
-impl Handler<PgTx, Ping> for Record {
+impl Handler<PostgresTx, Ping> for Record {
     type Output = ();
-    async fn handle(&self, tx: &mut PgTx, msg: &Message<Ping>) -> Result<(), BoxError> {
+    async fn handle(&self, tx: &mut PostgresTx, msg: &Message<Ping>) -> Result<(), BoxError> {
         sqlx::query("INSERT INTO pings (n) VALUES ($1)")
             .bind(msg.payload().n)
             .execute(&mut **tx)

@@ -1,5 +1,10 @@
 //! One error type for the whole toolkit: a [`ErrorKind`] to match on, a message, a boxed source,
 //! and a [`Disposition`] that tells a broker adapter whether to redeliver or dead-letter.
+//!
+//! Messages read the same in every crate: an error a database or broker reported starts with
+//! that system's name ([`Error::from_system`]: `PostgreSQL: claim: …`, `NATS: publishing the
+//! dead letter to orders.dead-letter: …`); an error idem raises itself (a bad ID, a refused
+//! configuration) is a plain lower-case sentence.
 
 use std::borrow::Cow;
 use std::fmt;
@@ -84,9 +89,12 @@ impl ErrorKind {
 }
 
 /// The error type of every idem crate.
+#[derive(thiserror::Error)]
+#[error("{message}")]
 pub struct Error {
     kind: ErrorKind,
     message: Cow<'static, str>,
+    #[source]
     source: Option<BoxError>,
     retry_after: Option<std::time::Duration>,
 }
@@ -100,6 +108,20 @@ impl Error {
             source: None,
             retry_after: None,
         }
+    }
+
+    /// An error a database or broker reported while idem was doing `what`, in the one message
+    /// style of every idem crate: `"{system}: {what}: {source}"` (`"Redis: XACK: connection
+    /// refused"`). `system` is the server's proper name (`PostgreSQL`, `MySQL`, `SQLite`,
+    /// `Redis`, `NATS`, `AMQP`, `Kafka`, `MQTT`); the source stays attached.
+    pub fn from_system(
+        kind: ErrorKind,
+        system: &str,
+        what: impl fmt::Display,
+        source: impl Into<BoxError>,
+    ) -> Self {
+        let source = source.into();
+        Self::new(kind, format!("{system}: {what}: {source}")).with_source(source)
     }
 
     /// Says when retrying may succeed (an execution in progress ends its lease by then).
@@ -163,12 +185,6 @@ impl Error {
     }
 }
 
-impl fmt::Display for Error {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.message)
-    }
-}
-
 impl fmt::Debug for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut d = f.debug_struct("Error");
@@ -177,12 +193,6 @@ impl fmt::Debug for Error {
             d.field("source", source);
         }
         d.finish()
-    }
-}
-
-impl std::error::Error for Error {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        self.source.as_deref().map(|e| e as _)
     }
 }
 
@@ -201,6 +211,16 @@ mod tests {
         assert_eq!(ErrorKind::InvalidConfig.disposition(), Disposition::Fatal);
         assert_eq!(ErrorKind::Misconfigured.disposition(), Disposition::Fatal);
         assert_eq!(ErrorKind::Unavailable.disposition(), Disposition::Retry);
+    }
+
+    #[test]
+    fn system_errors_name_the_system_and_keep_the_source() {
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
+        let err = Error::from_system(ErrorKind::Unavailable, "Redis", "XACK", io);
+        assert_eq!(err.to_string(), "Redis: XACK: refused");
+        assert_eq!(err.kind(), ErrorKind::Unavailable);
+        let source = std::error::Error::source(&err).expect("source kept");
+        assert!(source.downcast_ref::<std::io::Error>().is_some());
     }
 
     #[test]

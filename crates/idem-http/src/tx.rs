@@ -54,7 +54,7 @@ pub enum TxError {
 /// The transaction of an idempotent execution, for the handler: its writes commit together
 /// with the stored response, or roll back with a response that is not stored.
 ///
-/// Dereferences to the store's transaction (`idem_sql::Tx`, `idem_sql::PgTx`), so sqlx
+/// Dereferences to the store's transaction (`idem_sql::Tx<E>`), so sqlx
 /// queries run on `&mut **tx`. In axum it is an extractor (feature `axum`); elsewhere take it
 /// from the request's extensions with [`IdemTx::take`]. It must not outlive the request's
 /// handling: dropping it gives the transaction back to the layer, and a transaction still held

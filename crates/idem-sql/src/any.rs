@@ -1,8 +1,9 @@
-//! A store chosen at run time from a URL, for operators' tools (`idem migrate/prune/stats/
-//! reap-requests`).
+//! A store chosen at run time from a URL: the one place that maps URL schemes to engines, for
+//! operators' tools (`idem migrate/prune/stats/reap-requests`) and for services that take a
+//! `--database` URL (match on the variant to get the typed [`SqlStore`](crate::SqlStore) a
+//! `Processor` needs).
 //!
-//! Processing code should name its concrete store type; this enum only forwards the
-//! administrative capabilities.
+//! The enum forwards only the administrative capabilities; processing code names its engine.
 
 use idem_core::{ConsumerName, ConsumerStats, Error, ErrorKind, Migrate, Retention, Stamp, Stats};
 
@@ -43,15 +44,14 @@ impl AnyStore {
             )),
             #[cfg(feature = "postgres")]
             "postgres" | "postgresql" => Ok(Self::Postgres(
-                crate::PostgresStore::connect(url).await?.with_table(table),
+                crate::PostgresStore::connect(url)
+                    .await?
+                    .with_table(table)?,
             )),
             #[cfg(feature = "mysql")]
-            "mysql" | "mariadb" => {
-                let url = url.replacen("mariadb:", "mysql:", 1);
-                Ok(Self::MySql(
-                    crate::MySqlStore::connect(&url).await?.with_table(table),
-                ))
-            }
+            "mysql" | "mariadb" => Ok(Self::MySql(
+                crate::MySqlStore::connect(url).await?.with_table(table)?,
+            )),
             _ => Err(Error::new(
                 ErrorKind::InvalidConfig,
                 format!(
@@ -62,7 +62,8 @@ impl AnyStore {
         }
     }
 
-    /// Like [`connect`](Self::connect), but creates a missing SQLite file (for `migrate`).
+    /// Like [`connect`](Self::connect), but creates a missing SQLite file (for `migrate`, and
+    /// for a service that owns its embedded database).
     pub async fn connect_or_create(url: &str, table: TableName) -> Result<Self, Error> {
         #[cfg(feature = "sqlite")]
         if url.to_ascii_lowercase().starts_with("sqlite:") {
@@ -81,10 +82,23 @@ impl AnyStore {
             #[cfg(feature = "sqlite")]
             Self::Sqlite(s) => Self::Sqlite(s.with_requests_table(table)?),
             #[cfg(feature = "postgres")]
-            Self::Postgres(s) => Self::Postgres(s.with_requests_table(table)),
+            Self::Postgres(s) => Self::Postgres(s.with_requests_table(table)?),
             #[cfg(feature = "mysql")]
-            Self::MySql(s) => Self::MySql(s.with_requests_table(table)),
+            Self::MySql(s) => Self::MySql(s.with_requests_table(table)?),
         })
+    }
+
+    /// The engine's name (`SQLite`, `PostgreSQL`, `MySQL`).
+    pub fn engine(&self) -> &'static str {
+        use sqlx::Database;
+        match self {
+            #[cfg(feature = "sqlite")]
+            Self::Sqlite(_) => sqlx::Sqlite::NAME,
+            #[cfg(feature = "postgres")]
+            Self::Postgres(_) => sqlx::Postgres::NAME,
+            #[cfg(feature = "mysql")]
+            Self::MySql(_) => sqlx::MySql::NAME,
+        }
     }
 
     /// Creates the claims table and the requests table (both idempotent).

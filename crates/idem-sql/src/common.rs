@@ -71,20 +71,19 @@ const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 /// timed out"; one direct connection first surfaces "connection refused" or "database does not
 /// exist" at once, which is what an operator needs to see.
 #[cfg(any(feature = "postgres", feature = "mysql"))]
-pub(crate) async fn connect_pool<DB: sqlx::Database>(
+pub(crate) async fn connect_pool<E: crate::engine::Engine>(
     url: &str,
-    what: &str,
     max_connections: u32,
-) -> Result<sqlx::Pool<DB>, Error> {
+) -> Result<sqlx::Pool<E>, Error> {
     use sqlx::ConnectOptions;
     use sqlx::Connection;
-    type Opts<DB> = <<DB as sqlx::Database>::Connection as Connection>::Options;
+    type Opts<E> = <<E as sqlx::Database>::Connection as Connection>::Options;
 
-    let place = format!("{what} at {}", idem_core::redact_url(url));
-    let options: Opts<DB> = url.parse().map_err(|e: sqlx::Error| {
+    let shown = idem_core::redact_url(url);
+    let options: Opts<E> = url.parse().map_err(|e: sqlx::Error| {
         Error::new(
             ErrorKind::InvalidConfig,
-            format!("invalid {what} URL {}: {e}", idem_core::redact_url(url)),
+            format!("invalid {} URL {shown}: {e}", <E as sqlx::Database>::NAME),
         )
         .with_source(e)
     })?;
@@ -94,14 +93,15 @@ pub(crate) async fn connect_pool<DB: sqlx::Database>(
             return Err(Error::new(
                 ErrorKind::Unavailable,
                 format!(
-                    "connecting to {place} timed out after {}s",
+                    "{}: connecting to {shown} timed out after {}s",
+                    <E as sqlx::Database>::NAME,
                     CONNECT_TIMEOUT.as_secs()
                 ),
             ));
         }
         Ok(Err(e)) => {
-            return Err(crate::errors::store_error(
-                &format!("connecting to {place}"),
+            return Err(crate::errors::store_error::<E>(
+                &format!("connecting to {shown}"),
                 e,
             ));
         }
@@ -109,9 +109,9 @@ pub(crate) async fn connect_pool<DB: sqlx::Database>(
             let _ = conn.close().await;
         }
     }
-    sqlx::pool::PoolOptions::<DB>::new()
+    sqlx::pool::PoolOptions::<E>::new()
         .max_connections(max_connections)
         .connect_with(options)
         .await
-        .map_err(|e| crate::errors::store_error(&format!("connecting to {place}"), e))
+        .map_err(|e| crate::errors::store_error::<E>(&format!("connecting to {shown}"), e))
 }

@@ -1,9 +1,13 @@
-//! Maps sqlx errors onto idem's [`ErrorKind`]s by driver code, never by message text.
+//! Maps sqlx errors onto idem's [`ErrorKind`]s by driver code, never by message text: the
+//! kinds every driver shares here, each engine's database codes in its own function (called
+//! through [`Engine::database_kind`]).
 
 use idem_core::{Error, ErrorKind};
 
+use crate::engine::Engine;
+
 /// Classifies a driver error: what a consumer should do about it.
-pub(crate) fn kind_of(err: &sqlx::Error) -> ErrorKind {
+pub(crate) fn kind_of<E: Engine>(err: &sqlx::Error) -> ErrorKind {
     match err {
         sqlx::Error::Io(_)
         | sqlx::Error::Tls(_)
@@ -12,24 +16,12 @@ pub(crate) fn kind_of(err: &sqlx::Error) -> ErrorKind {
         | sqlx::Error::WorkerCrashed
         | sqlx::Error::Protocol(_) => ErrorKind::Unavailable,
         sqlx::Error::Configuration(_) => ErrorKind::InvalidConfig,
-        sqlx::Error::Database(db) => database_kind(db.as_ref()),
+        sqlx::Error::Database(db) => E::database_kind(db.as_ref()),
         _ => ErrorKind::Store,
     }
 }
 
-fn database_kind(db: &dyn sqlx::error::DatabaseError) -> ErrorKind {
-    #[cfg(feature = "mysql")]
-    if let Some(my) = db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
-        return mysql_kind(my.number());
-    }
-    #[cfg(feature = "sqlite")]
-    if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() {
-        let code = db.code().and_then(|c| c.parse::<u32>().ok()).unwrap_or(1);
-        return sqlite_kind(code, db.message());
-    }
-    postgres_kind(db.code().as_deref().unwrap_or(""))
-}
-
+#[cfg(feature = "postgres")]
 /// PostgreSQL SQLSTATEs (appendix A of its manual). What a database in trouble answers is an
 /// outage to wait out, not a verdict on the message; what a wrong deployment answers stops the
 /// consumer, because every message would fail the same way.
@@ -118,41 +110,39 @@ pub(crate) fn sqlite_kind(code: u32, message: &str) -> ErrorKind {
     }
 }
 
-/// Wraps a driver error from `what` (e.g. "claim") into an idem error.
-pub(crate) fn store_error(what: &str, err: sqlx::Error) -> Error {
-    let kind = kind_of(&err);
-    Error::new(kind, format!("{what} failed: {err}")).with_source(err)
+/// Wraps a driver error from `what` (e.g. "claim") into an idem error: `"PostgreSQL: claim:
+/// …"`.
+pub(crate) fn store_error<E: Engine>(what: &str, err: sqlx::Error) -> Error {
+    Error::from_system(kind_of::<E>(&err), <E as sqlx::Database>::NAME, what, err)
 }
 
 /// A failed COMMIT: a broken connection leaves the outcome unknown; an error the server
 /// returned means it rolled back.
-pub(crate) fn commit_error(err: sqlx::Error) -> Error {
+pub(crate) fn commit_error<E: Engine>(err: sqlx::Error) -> Error {
     if let sqlx::Error::Database(db) = &err
-        && db.code().as_deref() == Some("25P02")
+        && E::aborted(db.as_ref())
     {
         return Error::new(
             ErrorKind::Handler,
             "nothing was committed: a statement in the handler failed and the handler went \
-                 on without returning the error, so PostgreSQL aborted the transaction \
-                 (claim included); handlers must propagate database errors",
+             on without returning the error, so the database aborted the transaction \
+             (claim included); handlers must propagate database errors",
         )
         .with_source(err);
     }
-    let kind = match kind_of(&err) {
-        ErrorKind::Unavailable => ErrorKind::OutcomeUnknown,
-        other => other,
-    };
-    let message = match kind {
-        ErrorKind::OutcomeUnknown => format!(
+    match kind_of::<E>(&err) {
+        ErrorKind::Unavailable => Error::from_system(
+            ErrorKind::OutcomeUnknown,
+            <E as sqlx::Database>::NAME,
             "connection lost during commit, outcome unknown (retrying is safe: the claim \
-             committed with the effect or not at all): {err}"
+             committed with the effect or not at all)",
+            err,
         ),
-        _ => format!("commit failed: {err}"),
-    };
-    Error::new(kind, message).with_source(err)
+        kind => Error::from_system(kind, <E as sqlx::Database>::NAME, "commit", err),
+    }
 }
 
 /// Classifies an arbitrary handler error if it is a sqlx error.
-pub(crate) fn classify(err: &(dyn std::error::Error + 'static)) -> Option<ErrorKind> {
-    err.downcast_ref::<sqlx::Error>().map(kind_of)
+pub(crate) fn classify<E: Engine>(err: &(dyn std::error::Error + 'static)) -> Option<ErrorKind> {
+    err.downcast_ref::<sqlx::Error>().map(kind_of::<E>)
 }

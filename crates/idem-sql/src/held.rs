@@ -1,8 +1,8 @@
-//! Connections a PostgreSQL store keeps for its transactions, without sqlx's pool pings.
+//! Connections a store keeps for its transactions, without sqlx's pool pings (any engine).
 //!
 //! sqlx's pool sends a ping when a connection is acquired (`test_before_acquire`) and another,
-//! unconditionally, when it is returned: two of the six round trips a one-message transaction
-//! costs (`BENCHMARKS.md`, P1). A consumer's workers run transaction after transaction, so
+//! unconditionally, when it is returned: two of the six round trips a one-message PostgreSQL
+//! transaction costs (`BENCHMARKS.md`, P1). A consumer's workers run transaction after transaction, so
 //! here a finished transaction's connection goes straight back on a stack and the next `begin`
 //! takes it as it is. A connection that failed is never put back: its transaction was ended
 //! by closing it (the server rolls back), and the next `begin` opens a new one; a stale idle
@@ -12,32 +12,42 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use sqlx::postgres::{PgConnectOptions, PgConnection};
-use sqlx::{Connection, Executor};
+use sqlx::Connection;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use crate::engine::Engine;
+
+type Options<E> = <<E as sqlx::Database>::Connection as Connection>::Options;
+
 /// At most `max` connections, opened on demand, kept between transactions.
-#[derive(Debug)]
-pub(crate) struct HeldConnections {
-    options: PgConnectOptions,
-    idle: Mutex<Vec<PgConnection>>,
+pub(crate) struct HeldConnections<E: Engine> {
+    options: Options<E>,
+    idle: Mutex<Vec<E::Connection>>,
     permits: Arc<Semaphore>,
     /// How long a `begin` waits for a free connection or for a new one to open.
     wait: Duration,
 }
 
+impl<E: Engine> std::fmt::Debug for HeldConnections<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HeldConnections")
+            .field("free", &self.permits.available_permits())
+            .field("wait", &self.wait)
+            .finish_non_exhaustive()
+    }
+}
+
 /// One connection on loan to a transaction; goes back to the stack when dropped, unless it
 /// was spoiled.
-#[derive(Debug)]
-pub(crate) struct Held {
-    conn: Option<PgConnection>,
-    home: Arc<HeldConnections>,
+pub(crate) struct Held<E: Engine> {
+    conn: Option<E::Connection>,
+    home: Arc<HeldConnections<E>>,
     spoiled: bool,
     _permit: OwnedSemaphorePermit,
 }
 
-impl HeldConnections {
-    pub(crate) fn new(options: PgConnectOptions, max: u32, wait: Duration) -> Arc<Self> {
+impl<E: Engine> HeldConnections<E> {
+    pub(crate) fn new(options: Options<E>, max: u32, wait: Duration) -> Arc<Self> {
         Arc::new(Self {
             options,
             idle: Mutex::new(Vec::new()),
@@ -46,8 +56,8 @@ impl HeldConnections {
         })
     }
 
-    /// A connection with `BEGIN` run on it.
-    pub(crate) async fn begin(self: &Arc<Self>) -> Result<Held, sqlx::Error> {
+    /// A connection with the engine's `BEGIN` run on it.
+    pub(crate) async fn begin(self: &Arc<Self>) -> Result<Held<E>, sqlx::Error> {
         let permit = tokio::time::timeout(self.wait, self.permits.clone().acquire_owned())
             .await
             .map_err(|_| sqlx::Error::PoolTimedOut)?
@@ -60,43 +70,43 @@ impl HeldConnections {
             _permit: permit,
         };
         if let Some(conn) = held.conn.as_mut() {
-            if conn.execute("BEGIN").await.is_ok() {
+            if E::execute_simple(conn, E::BEGIN).await.is_ok() {
                 held.spoiled = false;
                 return Ok(held);
             }
             // Went stale while idle: replace it now rather than fail this transaction.
             held.conn = None;
         }
-        let mut conn = tokio::time::timeout(self.wait, PgConnection::connect_with(&self.options))
+        let mut conn = tokio::time::timeout(self.wait, E::Connection::connect_with(&self.options))
             .await
             .map_err(|_| sqlx::Error::PoolTimedOut)??;
-        conn.execute("BEGIN").await?;
+        E::execute_simple(&mut conn, E::BEGIN).await?;
         held.conn = Some(conn);
         held.spoiled = false;
         Ok(held)
     }
 }
 
-impl Held {
+impl<E: Engine> Held<E> {
     /// Its transaction ended in a way that leaves the connection in doubt: close it.
     pub(crate) fn spoil(&mut self) {
         self.spoiled = true;
     }
 
-    pub(crate) fn conn(&self) -> &PgConnection {
+    pub(crate) fn conn(&self) -> &E::Connection {
         self.conn
             .as_ref()
             .expect("a held connection is present until dropped")
     }
 
-    pub(crate) fn conn_mut(&mut self) -> &mut PgConnection {
+    pub(crate) fn conn_mut(&mut self) -> &mut E::Connection {
         self.conn
             .as_mut()
             .expect("a held connection is present until dropped")
     }
 }
 
-impl Drop for Held {
+impl<E: Engine> Drop for Held<E> {
     fn drop(&mut self) {
         if let Some(conn) = self.conn.take()
             && !self.spoiled

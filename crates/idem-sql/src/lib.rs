@@ -1,9 +1,12 @@
 //! SQL claim stores for idem, on sqlx 0.8: SQLite (the embedded default), PostgreSQL and
 //! MySQL/MariaDB, each behind a cargo feature of the same name.
 //!
-//! Each store implements the capabilities of [`idem_core::store`] on the *same* database as
-//! your data, so a claim and the handler's writes commit in one transaction. Handlers receive
-//! the `sqlx::Transaction` and run their queries on `&mut **tx`.
+//! One store, [`SqlStore<E>`](SqlStore), generic over a sealed [`Engine`](engine::Engine)
+//! (`sqlx::Sqlite`, `sqlx::Postgres`, `sqlx::MySql`), with the aliases [`SqliteStore`],
+//! [`PostgresStore`] and [`MySqlStore`]. It implements the capabilities of
+//! [`idem_core::store`] on the *same* database as your data, so a claim and the handler's writes
+//! commit in one transaction. Handlers receive a [`Tx<E>`](Tx) and run their queries on
+//! `&mut **tx`. [`AnyStore`] picks the engine from a URL at run time.
 //!
 //! The same stores keep idempotent-request records ([`RequestStore`], [`ReapRequests`]) for
 //! `idem-request` and `idem-http`, in their own table (`idem_requests`, see
@@ -50,22 +53,19 @@
 //! ```
 
 mod any;
-mod capabilities;
 mod common;
+pub mod engine;
 mod errors;
-#[cfg(feature = "postgres")]
 mod held;
 #[cfg(feature = "mysql")]
 mod mysql;
-#[cfg(feature = "postgres")]
-mod pg_tx;
 #[cfg(feature = "postgres")]
 mod postgres;
 mod requests;
 #[cfg(feature = "sqlite")]
 mod sqlite;
+mod store;
 mod table;
-#[cfg(any(feature = "sqlite", feature = "mysql"))]
 mod tx;
 
 pub use any::{AnyStore, SCHEMES};
@@ -74,14 +74,18 @@ pub use idem_core::redact_url;
 #[cfg(feature = "mysql")]
 pub use mysql::{MAX_MESSAGE_ID_LEN as MYSQL_MAX_MESSAGE_ID_LEN, MySqlStore};
 #[cfg(feature = "postgres")]
-pub use pg_tx::PgTx;
-#[cfg(feature = "postgres")]
 pub use postgres::{MAX_MESSAGE_ID_LEN as POSTGRES_MAX_MESSAGE_ID_LEN, PostgresStore};
 pub use requests::MAX_REQUEST_KEY_LEN;
 #[cfg(feature = "sqlite")]
 pub use sqlite::{MAX_MESSAGE_ID_LEN as SQLITE_MAX_MESSAGE_ID_LEN, SqliteOptions, SqliteStore};
+pub use store::SqlStore;
 pub use table::{DEFAULT_REQUESTS_TABLE, DEFAULT_TABLE, TableName};
-#[cfg(any(feature = "sqlite", feature = "mysql"))]
+#[cfg(feature = "mysql")]
+pub use tx::MySqlTx;
+#[cfg(feature = "postgres")]
+pub use tx::PostgresTx;
+#[cfg(feature = "sqlite")]
+pub use tx::SqliteTx;
 pub use tx::Tx;
 
 /// The README's library example, compiled and run as a doc test so it cannot rot.

@@ -19,14 +19,18 @@
 //! count is right under either flag. A stored result is bounded by the server's
 //! `max_allowed_packet` (16 MiB by default on MariaDB, 64 MiB on MySQL 8).
 
-use idem_core::{BatchClaimStore, ConsumerName, Error, Fingerprint, MessageId, Migrate, Stamp};
+use idem_core::{ConsumerName, Error, ErrorKind, Fingerprint, MessageId, Stamp};
 use sqlx::QueryBuilder;
-use sqlx::mysql::{MySql, MySqlPool};
+use sqlx::error::DatabaseError;
+use sqlx::mysql::MySql;
 
 use crate::common::{server_stamp, stored_fingerprint};
+use crate::engine::{Driver, Engine};
 use crate::errors::store_error;
 use crate::requests::{MAX_REQUEST_KEY_LEN, RequestStatements};
+use crate::store::{ClaimStatements, SqlStore};
 use crate::table::TableName;
+use crate::tx::Tx;
 
 /// The server's clock in `processed_at` units: microseconds since the Unix epoch, computed on
 /// UTC so the session's time zone (and its daylight-saving jumps) cannot shift it.
@@ -39,29 +43,23 @@ pub const MAX_MESSAGE_ID_LEN: usize = 1024;
 const CHUNK: usize = 1000;
 
 /// Claims stored in a MySQL or MariaDB table (default `idem_processed`).
-#[derive(Debug, Clone)]
-pub struct MySqlStore {
-    pool: MySqlPool,
-    table: TableName,
-    sql: Statements,
-    requests: TableName,
-    rsql: RequestStatements,
-}
+pub type MySqlStore = SqlStore<MySql>;
 
-#[derive(Debug, Clone)]
-struct Statements {
-    table: String,
-    claim: String,
-    read_fingerprint: String,
-    prune_all: String,
-    prune_consumer: String,
-    stats: String,
-}
+impl crate::engine::sealed::Sealed for MySql {}
 
-impl Statements {
-    fn new(t: &TableName) -> Self {
-        Self {
-            table: t.to_string(),
+impl Engine for MySql {
+    const MAX_MESSAGE_ID_LEN: usize = MAX_MESSAGE_ID_LEN;
+    const BEGIN: &'static str = "BEGIN";
+    const COMMIT: &'static str = "COMMIT";
+
+    fn claim_statements(t: &TableName) -> ClaimStatements {
+        ClaimStatements {
+            claim_many: format!(
+                "INSERT INTO {t} (consumer, message_id, fingerprint, processed_at) "
+            ),
+            read_fingerprints: format!(
+                "SELECT message_id, fingerprint FROM {t} WHERE duplicates > 0 AND consumer = "
+            ),
             claim: format!(
                 "INSERT INTO {t} (consumer, message_id, fingerprint, processed_at) \
                  VALUES (?, ?, ?, COALESCE(?, {SERVER_NOW})) \
@@ -83,226 +81,193 @@ impl Statements {
             ),
         }
     }
-}
 
-/// The request statements, on the server's clock (`UTC_TIMESTAMP(6)` is fixed for the whole
-/// statement). MySQL binds `?` in the order they appear, which is the order listed on
-/// [`RequestStatements`].
-fn request_statements(t: &TableName) -> RequestStatements {
-    let now = SERVER_NOW;
-    RequestStatements {
-        read: format!(
-            "SELECT r.fingerprint, r.state, r.fence, r.lease_until, r.expires_at, n.now, \
+    /// On the server's clock (`UTC_TIMESTAMP(6)` is fixed for the whole statement). MySQL
+    /// binds `?` in the order they appear, which is the order listed on [`RequestStatements`].
+    fn request_statements(t: &TableName) -> RequestStatements {
+        let now = SERVER_NOW;
+        RequestStatements {
+            read: format!(
+                "SELECT r.fingerprint, r.state, r.fence, r.lease_until, r.expires_at, n.now, \
              CASE WHEN r.fingerprint = ? AND r.state = 1 THEN r.result END \
              FROM (SELECT {now} AS now) n LEFT JOIN {t} r ON r.scope = ? AND r.idem_key = ?"
-        ),
-        insert: format!(
-            "INSERT INTO {t} (scope, idem_key, fingerprint, state, fence, lease_until, expires_at) \
+            ),
+            insert: format!(
+                "INSERT INTO {t} (scope, idem_key, fingerprint, state, fence, lease_until, expires_at) \
              VALUES (?, ?, ?, 0, ?, {now} + ?, {now} + ?)"
-        ),
-        reset: format!(
-            "UPDATE {t} SET fingerprint = ?, state = 0, fence = fence + 1, \
+            ),
+            reset: format!(
+                "UPDATE {t} SET fingerprint = ?, state = 0, fence = fence + 1, \
              lease_until = {now} + ?, expires_at = {now} + ?, result = NULL \
              WHERE scope = ? AND idem_key = ? AND fence = ? \
              AND expires_at <= {now} AND (state = 1 OR lease_until <= {now})"
-        ),
-        take_over: format!(
-            "UPDATE {t} SET fence = fence + 1, lease_until = {now} + ? \
+            ),
+            take_over: format!(
+                "UPDATE {t} SET fence = fence + 1, lease_until = {now} + ? \
              WHERE scope = ? AND idem_key = ? AND fence = ? AND state = 0 \
              AND lease_until <= {now}"
-        ),
-        complete: format!(
-            "UPDATE {t} SET state = 1, result = ?, expires_at = {now} + ? \
+            ),
+            complete: format!(
+                "UPDATE {t} SET state = 1, result = ?, expires_at = {now} + ? \
              WHERE scope = ? AND idem_key = ? AND fence = ? AND state = 0"
-        ),
-        release: format!(
-            "DELETE FROM {t} WHERE scope = ? AND idem_key = ? AND fence = ? AND state = 0"
-        ),
-        extend: format!(
-            "UPDATE {t} SET lease_until = {now} + ? \
+            ),
+            release: format!(
+                "DELETE FROM {t} WHERE scope = ? AND idem_key = ? AND fence = ? AND state = 0"
+            ),
+            extend: format!(
+                "UPDATE {t} SET lease_until = {now} + ? \
              WHERE scope = ? AND idem_key = ? AND fence = ? AND state = 0"
-        ),
-        reap: format!(
-            "DELETE FROM {t} WHERE expires_at < {now} AND (state = 1 OR lease_until < {now}) \
+            ),
+            reap: format!(
+                "DELETE FROM {t} WHERE expires_at < {now} AND (state = 1 OR lease_until < {now}) \
              LIMIT ?"
-        ),
-    }
-}
-
-impl MySqlStore {
-    /// Connects a pool to `url` (`mysql://user:pass@host/db`) with the default table.
-    pub async fn connect(url: &str) -> Result<Self, Error> {
-        let pool = crate::common::connect_pool::<MySql>(url, "MySQL", 16).await?;
-        Ok(Self::from_pool(pool))
-    }
-
-    /// Uses an existing pool.
-    pub fn from_pool(pool: MySqlPool) -> Self {
-        let (table, requests) = (TableName::default(), TableName::default_requests());
-        Self {
-            sql: Statements::new(&table),
-            rsql: request_statements(&requests),
-            pool,
-            table,
-            requests,
+            ),
         }
     }
 
-    /// Stores idempotent-request records in `table` instead of `idem_requests` (`db.table`
-    /// selects a database).
-    pub fn with_requests_table(mut self, table: TableName) -> Self {
-        self.rsql = request_statements(&table);
-        self.requests = table;
-        self
+    fn stamp(stamp: Stamp) -> Option<i64> {
+        server_stamp(stamp)
     }
 
-    /// Stores claims in `table` instead of `idem_processed` (`db.table` selects a database).
-    pub fn with_table(mut self, table: TableName) -> Self {
-        self.sql = Statements::new(&table);
-        self.table = table;
-        self
+    fn database_kind(db: &dyn DatabaseError) -> ErrorKind {
+        match db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
+            Some(my) => crate::errors::mysql_kind(my.number()),
+            None => ErrorKind::Store,
+        }
     }
 
-    /// The pool.
-    pub fn pool(&self) -> &MySqlPool {
-        &self.pool
-    }
-
-    /// The claims table.
-    pub fn table(&self) -> &TableName {
-        &self.table
-    }
-
-    /// The idempotent-request records table.
-    pub fn requests_table(&self) -> &TableName {
-        &self.requests
-    }
-
-    /// Begins a transaction for a caller that claims with [`claim_on`](Self::claim_on).
-    pub async fn begin_tx(&self) -> Result<crate::Tx<MySql>, Error> {
-        self.pool
-            .begin()
-            .await
-            .map(crate::Tx::new)
-            .map_err(|e| store_error("begin", e))
-    }
-}
-
-impl BatchClaimStore for MySqlStore {
     async fn claim_many(
-        &self,
-        tx: &mut Self::Tx,
+        store: &SqlStore<Self>,
+        tx: &mut Tx<Self>,
         consumer: &ConsumerName,
         items: &[(&MessageId, Fingerprint)],
         at: Stamp,
     ) -> Result<Vec<Option<Fingerprint>>, Error> {
-        let at = server_stamp(at);
-        let t = &self.sql.table;
-        let mut affected = 0;
-        for chunk in items.chunks(CHUNK) {
-            let mut q = QueryBuilder::<MySql>::new(format!(
-                "INSERT INTO {t} (consumer, message_id, fingerprint, processed_at) "
-            ));
-            q.push_values(chunk, |mut row, (id, fp)| {
-                row.push_bind(consumer.as_str())
-                    .push_bind(id.as_bytes())
-                    .push_bind(&fp.as_bytes()[..]);
-                match at {
-                    Some(micros) => row.push_bind(micros),
-                    None => row.push(SERVER_NOW),
-                };
-            });
-            q.push(" ON DUPLICATE KEY UPDATE duplicates = duplicates + 1");
-            affected += q
-                .build()
-                .execute(&mut **tx)
-                .await
-                .map_err(|e| store_error("batch claim", e))?
-                .rows_affected();
-        }
-        if affected == items.len() as u64 {
-            return Ok(vec![None; items.len()]);
-        }
-        // Every row of the batch is now locked by this transaction: inserted ones still have
-        // duplicates = 0, pre-existing ones were just incremented. No other writer can change
-        // that before commit, so the split is exact.
-        let mut existing = std::collections::HashMap::new();
-        for chunk in items.chunks(CHUNK) {
-            let mut q = QueryBuilder::<MySql>::new(format!(
-                "SELECT message_id, fingerprint FROM {t} WHERE duplicates > 0 AND consumer = "
-            ));
-            q.push_bind(consumer.as_str()).push(" AND message_id IN (");
-            let mut sep = q.separated(", ");
-            for (id, _) in chunk {
-                sep.push_bind(id.as_bytes());
-            }
-            q.push(")");
-            let rows: Vec<(Vec<u8>, Vec<u8>)> = q
-                .build_query_as()
-                .fetch_all(&mut **tx)
-                .await
-                .map_err(|e| store_error("reading stored fingerprints", e))?;
-            existing.extend(rows);
-        }
-        items
-            .iter()
-            .map(|(id, _)| match existing.remove(id.as_bytes()) {
-                None => Ok(None),
-                Some(fp) => stored_fingerprint(Some(fp)),
-            })
-            .collect()
+        claim_many(store, tx, consumer, items, at).await
+    }
+
+    async fn migrate(store: &SqlStore<Self>) -> Result<(), Error> {
+        migrate(store).await
     }
 }
 
-crate::capabilities::impl_sql_capabilities!(
-    MySqlStore,
-    MySql,
-    crate::Tx<MySql>,
-    MAX_MESSAGE_ID_LEN,
-    server_stamp
-);
-
-crate::requests::impl_request_capabilities!(MySqlStore, MySql, MAX_REQUEST_KEY_LEN, server_stamp);
-
-impl Migrate for MySqlStore {
-    async fn migrate(&self) -> Result<(), Error> {
-        let t = &self.table;
-        let name = t.table();
-        let (r, rname) = (&self.requests, self.requests.table());
-        crate::requests::check_distinct(t, r)?;
-        // MySQL DDL commits implicitly, so there is no transaction to hold; CREATE … IF NOT
-        // EXISTS is atomic per statement, which is enough for concurrent starts.
-        let sql = format!(
-            "CREATE TABLE IF NOT EXISTS {t} (
-                consumer     VARCHAR(100) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
-                message_id   VARBINARY({MAX_MESSAGE_ID_LEN}) NOT NULL,
-                fingerprint  BINARY(32)   NOT NULL,
-                processed_at BIGINT       NOT NULL COMMENT 'microseconds since the Unix epoch',
-                duplicates   INT UNSIGNED NOT NULL DEFAULT 0,
-                PRIMARY KEY (consumer, message_id),
-                KEY {name}_processed_at (processed_at)
-            ) ENGINE = InnoDB"
-        );
-        let requests = format!(
-            "CREATE TABLE IF NOT EXISTS {r} (
-                scope       BINARY(32) NOT NULL,
-                idem_key    VARBINARY({MAX_REQUEST_KEY_LEN}) NOT NULL,
-                fingerprint BINARY(32) NOT NULL,
-                state       SMALLINT   NOT NULL COMMENT '0 in progress, 1 completed',
-                fence       BIGINT     NOT NULL,
-                lease_until BIGINT     NOT NULL COMMENT 'microseconds since the Unix epoch',
-                expires_at  BIGINT     NOT NULL COMMENT 'microseconds since the Unix epoch',
-                result      LONGBLOB   NULL,
-                PRIMARY KEY (scope, idem_key),
-                KEY {rname}_expires_at (expires_at)
-            ) ENGINE = InnoDB"
-        );
-        for sql in [sql, requests] {
-            sqlx::query(&sql)
-                .execute(&self.pool)
-                .await
-                .map_err(|e| store_error("migrate", e))?;
-        }
-        Ok(())
+impl SqlStore<MySql> {
+    /// Connects a pool to `url` (`mysql://user:pass@host/db`; `mariadb://` is read as
+    /// `mysql://`) with the default tables.
+    pub async fn connect(url: &str) -> Result<Self, Error> {
+        let url = mysql_url(url);
+        let pool = crate::common::connect_pool::<MySql>(&url, 16).await?;
+        Ok(Self::from_pool(pool))
     }
+}
+
+/// sqlx knows only `mysql://`; MariaDB users write `mariadb://`.
+fn mysql_url(url: &str) -> std::borrow::Cow<'_, str> {
+    match url.get(..8) {
+        Some(scheme) if scheme.eq_ignore_ascii_case("mariadb:") => {
+            format!("mysql:{}", &url[8..]).into()
+        }
+        _ => url.into(),
+    }
+}
+
+/// The batch claim: multi-row `INSERT … ON DUPLICATE KEY UPDATE`, then one read of the rows
+/// the batch found already there.
+async fn claim_many(
+    store: &MySqlStore,
+    tx: &mut Tx<MySql>,
+    consumer: &ConsumerName,
+    items: &[(&MessageId, Fingerprint)],
+    at: Stamp,
+) -> Result<Vec<Option<Fingerprint>>, Error> {
+    let at = server_stamp(at);
+    let mut affected = 0;
+    for chunk in items.chunks(CHUNK) {
+        let mut q = QueryBuilder::<MySql>::new(&store.sql.claim_many);
+        q.push_values(chunk, |mut row, (id, fp)| {
+            row.push_bind(consumer.as_str())
+                .push_bind(id.as_bytes())
+                .push_bind(&fp.as_bytes()[..]);
+            match at {
+                Some(micros) => row.push_bind(micros),
+                None => row.push(SERVER_NOW),
+            };
+        });
+        q.push(" ON DUPLICATE KEY UPDATE duplicates = duplicates + 1");
+        affected += q
+            .build()
+            .execute(&mut **tx)
+            .await
+            .map_err(|e| store_error::<MySql>("batch claim", e))?
+            .rows_affected();
+    }
+    if affected == items.len() as u64 {
+        return Ok(vec![None; items.len()]);
+    }
+    // Every row of the batch is now locked by this transaction: inserted ones still have
+    // duplicates = 0, pre-existing ones were just incremented. No other writer can change
+    // that before commit, so the split is exact.
+    let mut existing = std::collections::HashMap::new();
+    for chunk in items.chunks(CHUNK) {
+        let mut q = QueryBuilder::<MySql>::new(&store.sql.read_fingerprints);
+        q.push_bind(consumer.as_str()).push(" AND message_id IN (");
+        let mut sep = q.separated(", ");
+        for (id, _) in chunk {
+            sep.push_bind(id.as_bytes());
+        }
+        q.push(")");
+        let rows: Vec<(Vec<u8>, Vec<u8>)> = q
+            .build_query_as()
+            .fetch_all(&mut **tx)
+            .await
+            .map_err(|e| store_error::<MySql>("reading stored fingerprints", e))?;
+        existing.extend(rows);
+    }
+    items
+        .iter()
+        .map(|(id, _)| match existing.remove(id.as_bytes()) {
+            None => Ok(None),
+            Some(fp) => stored_fingerprint(Some(fp)),
+        })
+        .collect()
+}
+
+/// Both tables; MySQL commits DDL implicitly, so each statement stands alone.
+async fn migrate(store: &MySqlStore) -> Result<(), Error> {
+    let t = store.table();
+    let name = t.table();
+    let (r, rname) = (store.requests_table(), store.requests_table().table());
+    // MySQL DDL commits implicitly, so there is no transaction to hold; CREATE … IF NOT
+    // EXISTS is atomic per statement, which is enough for concurrent starts.
+    let sql = format!(
+        "CREATE TABLE IF NOT EXISTS {t} (
+            consumer     VARCHAR(100) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
+            message_id   VARBINARY({MAX_MESSAGE_ID_LEN}) NOT NULL,
+            fingerprint  BINARY(32)   NOT NULL,
+            processed_at BIGINT       NOT NULL COMMENT 'microseconds since the Unix epoch',
+            duplicates   INT UNSIGNED NOT NULL DEFAULT 0,
+            PRIMARY KEY (consumer, message_id),
+            KEY {name}_processed_at (processed_at)
+        ) ENGINE = InnoDB"
+    );
+    let requests = format!(
+        "CREATE TABLE IF NOT EXISTS {r} (
+            scope       BINARY(32) NOT NULL,
+            idem_key    VARBINARY({MAX_REQUEST_KEY_LEN}) NOT NULL,
+            fingerprint BINARY(32) NOT NULL,
+            state       SMALLINT   NOT NULL COMMENT '0 in progress, 1 completed',
+            fence       BIGINT     NOT NULL,
+            lease_until BIGINT     NOT NULL COMMENT 'microseconds since the Unix epoch',
+            expires_at  BIGINT     NOT NULL COMMENT 'microseconds since the Unix epoch',
+            result      LONGBLOB   NULL,
+            PRIMARY KEY (scope, idem_key),
+            KEY {rname}_expires_at (expires_at)
+        ) ENGINE = InnoDB"
+    );
+    for sql in [sql, requests] {
+        MySql::execute_pool(store.pool(), &sql, &[])
+            .await
+            .map_err(|e| store_error::<MySql>("migrate", e))?;
+    }
+    Ok(())
 }

@@ -11,14 +11,17 @@
 //! lookup's `SELECT` is an MVCC read that never waits for the row lock a completing executor
 //! holds; their `expires_at` index is a btree, as completion moves a row's expiry.
 
-use idem_core::{BatchClaimStore, ConsumerName, Error, Fingerprint, MessageId, Migrate, Stamp};
+use idem_core::{ConsumerName, Error, ErrorKind, Fingerprint, MessageId, Stamp};
 use sqlx::Postgres;
-use sqlx::postgres::PgPool;
+use sqlx::error::DatabaseError;
 
 use crate::common::{server_stamp, stored_fingerprint};
+use crate::engine::{Driver, Engine};
 use crate::errors::{commit_error, store_error};
-use crate::requests::{MAX_REQUEST_KEY_LEN, RequestStatements};
+use crate::requests::RequestStatements;
+use crate::store::{ClaimStatements, SqlStore};
 use crate::table::TableName;
+use crate::tx::Tx;
 
 /// The server's clock in `processed_at` units: the transaction's start, in microseconds since
 /// the Unix epoch (`now()` is fixed for the whole transaction, so a batch shares one stamp).
@@ -33,31 +36,19 @@ const STATEMENT_NOW: &str = "(extract(epoch from statement_timestamp()) * 100000
 pub const MAX_MESSAGE_ID_LEN: usize = 1024;
 
 /// Claims stored in a PostgreSQL table (default `idem_processed`).
-#[derive(Debug, Clone)]
-pub struct PostgresStore {
-    pool: PgPool,
-    /// Set by [`PostgresStore::hold_connections`]: transactions run on these instead.
-    held: Option<std::sync::Arc<crate::held::HeldConnections>>,
-    table: TableName,
-    sql: Statements,
-    requests: TableName,
-    rsql: RequestStatements,
-}
+pub type PostgresStore = SqlStore<Postgres>;
 
-#[derive(Debug, Clone)]
-struct Statements {
-    claim: String,
-    read_fingerprint: String,
-    claim_many: String,
-    read_fingerprints: String,
-    prune_all: String,
-    prune_consumer: String,
-    stats: String,
-}
+impl crate::engine::sealed::Sealed for Postgres {}
 
-impl Statements {
-    fn new(t: &TableName) -> Self {
-        Self {
+impl Engine for Postgres {
+    const MAX_MESSAGE_ID_LEN: usize = MAX_MESSAGE_ID_LEN;
+    const BEGIN: &'static str = "BEGIN";
+    // In an aborted transaction the SELECT fails with 25P02 and the COMMIT never runs; both
+    // travel in one simple-query round trip.
+    const COMMIT: &'static str = "SELECT 1; COMMIT";
+
+    fn claim_statements(t: &TableName) -> ClaimStatements {
+        ClaimStatements {
             claim: format!(
                 "INSERT INTO {t} (consumer, message_id, fingerprint, processed_at) \
                  VALUES ($1, $2, $3, COALESCE($4, {SERVER_NOW})) \
@@ -93,254 +84,191 @@ impl Statements {
             ),
         }
     }
-}
 
-/// The request statements, on the server's clock.
-fn request_statements(t: &TableName) -> RequestStatements {
-    let now = STATEMENT_NOW;
-    RequestStatements {
-        read: format!(
-            "SELECT r.fingerprint, r.state, r.fence, r.lease_until, r.expires_at, n.now, \
+    /// On the server's clock.
+    fn request_statements(t: &TableName) -> RequestStatements {
+        let now = STATEMENT_NOW;
+        RequestStatements {
+            read: format!(
+                "SELECT r.fingerprint, r.state, r.fence, r.lease_until, r.expires_at, n.now, \
              CASE WHEN r.fingerprint = $1 AND r.state = 1 THEN r.result END \
              FROM (SELECT {now} AS now) n LEFT JOIN {t} r ON r.scope = $2 AND r.idem_key = $3"
-        ),
-        insert: format!(
-            "INSERT INTO {t} (scope, idem_key, fingerprint, state, fence, lease_until, expires_at) \
+            ),
+            insert: format!(
+                "INSERT INTO {t} (scope, idem_key, fingerprint, state, fence, lease_until, expires_at) \
              VALUES ($1, $2, $3, 0, $4, {now} + $5, {now} + $6) \
              ON CONFLICT (scope, idem_key) DO NOTHING"
-        ),
-        reset: format!(
-            "UPDATE {t} SET fingerprint = $1, state = 0, fence = fence + 1, \
+            ),
+            reset: format!(
+                "UPDATE {t} SET fingerprint = $1, state = 0, fence = fence + 1, \
              lease_until = {now} + $2, expires_at = {now} + $3, result = NULL \
              WHERE scope = $4 AND idem_key = $5 AND fence = $6 \
              AND expires_at <= {now} AND (state = 1 OR lease_until <= {now})"
-        ),
-        take_over: format!(
-            "UPDATE {t} SET fence = fence + 1, lease_until = {now} + $1 \
+            ),
+            take_over: format!(
+                "UPDATE {t} SET fence = fence + 1, lease_until = {now} + $1 \
              WHERE scope = $2 AND idem_key = $3 AND fence = $4 AND state = 0 \
              AND lease_until <= {now}"
-        ),
-        complete: format!(
-            "UPDATE {t} SET state = 1, result = $1, expires_at = {now} + $2 \
+            ),
+            complete: format!(
+                "UPDATE {t} SET state = 1, result = $1, expires_at = {now} + $2 \
              WHERE scope = $3 AND idem_key = $4 AND fence = $5 AND state = 0"
-        ),
-        release: format!(
-            "DELETE FROM {t} WHERE scope = $1 AND idem_key = $2 AND fence = $3 AND state = 0"
-        ),
-        extend: format!(
-            "UPDATE {t} SET lease_until = {now} + $1 \
+            ),
+            release: format!(
+                "DELETE FROM {t} WHERE scope = $1 AND idem_key = $2 AND fence = $3 AND state = 0"
+            ),
+            extend: format!(
+                "UPDATE {t} SET lease_until = {now} + $1 \
              WHERE scope = $2 AND idem_key = $3 AND fence = $4 AND state = 0"
-        ),
-        // The outer condition is checked again on a row a lookup restarted meanwhile.
-        reap: format!(
-            "DELETE FROM {t} WHERE ctid = ANY(ARRAY( \
+            ),
+            // The outer condition is checked again on a row a lookup restarted meanwhile.
+            reap: format!(
+                "DELETE FROM {t} WHERE ctid = ANY(ARRAY( \
              SELECT ctid FROM {t} WHERE expires_at < {now} AND (state = 1 OR lease_until < {now}) \
              LIMIT $1)) AND expires_at < {now} AND (state = 1 OR lease_until < {now})"
-        ),
-    }
-}
-
-impl PostgresStore {
-    /// Connects a pool to `url` (`postgres://user@host/db`) with the default table.
-    pub async fn connect(url: &str) -> Result<Self, Error> {
-        let pool = crate::common::connect_pool::<Postgres>(url, "PostgreSQL", 16).await?;
-        Ok(Self::from_pool(pool))
-    }
-
-    /// Uses an existing pool: claims then share connections with the application's own queries.
-    pub fn from_pool(pool: PgPool) -> Self {
-        let (table, requests) = (TableName::default(), TableName::default_requests());
-        Self {
-            sql: Statements::new(&table),
-            rsql: request_statements(&requests),
-            pool,
-            held: None,
-            table,
-            requests,
+            ),
         }
     }
 
-    /// Runs transactions on up to `max` connections the store keeps for them, instead of on
-    /// the pool: a finished transaction's connection goes straight to the next one, without
-    /// the two pings (acquire and return) sqlx's pool sends, which are a third of a
-    /// one-message transaction's round trips. The connections are opened on demand with the
-    /// pool's connect options and wait up to its acquire timeout; one that failed is closed
-    /// and replaced, and a stale idle one (after a server restart) is replaced when its
-    /// `BEGIN` fails. Give a consumer as many as it has messages in flight. The pool still
-    /// serves pruning, statistics and migrations.
-    pub fn hold_connections(mut self, max: u32) -> Self {
-        let options = (*self.pool.connect_options()).clone();
-        let wait = self.pool.options().get_acquire_timeout();
-        self.held = Some(crate::held::HeldConnections::new(options, max, wait));
-        self
+    fn stamp(stamp: Stamp) -> Option<i64> {
+        server_stamp(stamp)
     }
 
-    /// Stores idempotent-request records in `table` instead of `idem_requests`.
-    pub fn with_requests_table(mut self, table: TableName) -> Self {
-        self.rsql = request_statements(&table);
-        self.requests = table;
-        self
+    fn database_kind(db: &dyn DatabaseError) -> ErrorKind {
+        crate::errors::postgres_kind(db.code().as_deref().unwrap_or(""))
     }
 
-    /// Stores claims in `table` instead of `idem_processed`.
-    pub fn with_table(mut self, table: TableName) -> Self {
-        self.sql = Statements::new(&table);
-        self.table = table;
-        self
+    fn aborted(db: &dyn DatabaseError) -> bool {
+        db.code().as_deref() == Some("25P02")
     }
 
-    /// The pool.
-    pub fn pool(&self) -> &PgPool {
-        &self.pool
-    }
-
-    /// The claims table.
-    pub fn table(&self) -> &TableName {
-        &self.table
-    }
-
-    /// The idempotent-request records table.
-    pub fn requests_table(&self) -> &TableName {
-        &self.requests
-    }
-
-    /// Begins a transaction for a caller that claims with [`claim_on`](Self::claim_on).
-    pub async fn begin_tx(&self) -> Result<crate::PgTx, Error> {
-        match &self.held {
-            Some(held) => crate::PgTx::begin_held(held).await,
-            None => crate::PgTx::begin(&self.pool).await,
-        }
-        .map_err(|e| store_error("begin", e))
-    }
-}
-
-impl BatchClaimStore for PostgresStore {
     async fn claim_many(
-        &self,
-        tx: &mut Self::Tx,
+        store: &SqlStore<Self>,
+        tx: &mut Tx<Self>,
         consumer: &ConsumerName,
         items: &[(&MessageId, Fingerprint)],
         at: Stamp,
     ) -> Result<Vec<Option<Fingerprint>>, Error> {
-        let ids: Vec<&[u8]> = items.iter().map(|(id, _)| id.as_bytes()).collect();
-        let fps: Vec<&[u8]> = items.iter().map(|(_, fp)| &fp.as_bytes()[..]).collect();
-        let inserted: Vec<Vec<u8>> = sqlx::query_scalar(&self.sql.claim_many)
-            .bind(consumer.as_str())
-            .bind(&ids)
-            .bind(&fps)
-            .bind(server_stamp(at))
-            .fetch_all(&mut **tx)
-            .await
-            .map_err(|e| store_error("batch claim", e))?;
-        if inserted.len() == items.len() {
-            return Ok(vec![None; items.len()]);
-        }
-        let inserted: std::collections::HashSet<Vec<u8>> = inserted.into_iter().collect();
-        let existing: Vec<&[u8]> = ids
-            .iter()
-            .copied()
-            .filter(|id| !inserted.contains(*id))
-            .collect();
-        let rows: Vec<(Vec<u8>, Vec<u8>)> = sqlx::query_as(&self.sql.read_fingerprints)
-            .bind(consumer.as_str())
-            .bind(&existing)
-            .fetch_all(&mut **tx)
-            .await
-            .map_err(|e| store_error("reading stored fingerprints", e))?;
-        let mut stored: std::collections::HashMap<Vec<u8>, Vec<u8>> = rows.into_iter().collect();
-        ids.iter()
-            .map(|id| {
-                if inserted.contains(*id) {
-                    Ok(None)
-                } else {
-                    stored_fingerprint(stored.remove(*id))
-                }
-            })
-            .collect()
+        claim_many(store, tx, consumer, items, at).await
+    }
+
+    async fn migrate(store: &SqlStore<Self>) -> Result<(), Error> {
+        migrate(store).await
     }
 }
 
-crate::capabilities::impl_sql_capabilities!(
-    PostgresStore,
-    Postgres,
-    crate::PgTx,
-    MAX_MESSAGE_ID_LEN,
-    server_stamp
-);
-
-crate::requests::impl_request_capabilities!(
-    PostgresStore,
-    Postgres,
-    MAX_REQUEST_KEY_LEN,
-    server_stamp
-);
-
-impl Migrate for PostgresStore {
-    async fn migrate(&self) -> Result<(), Error> {
-        let t = &self.table;
-        let name = t.table();
-        let (r, rname) = (&self.requests, self.requests.table());
-        crate::requests::check_distinct(t, r)?;
-        let mut tx = self
-            .pool
-            .begin()
-            .await
-            .map_err(|e| store_error("migrate", e))?;
-        // Several replicas may start at once; CREATE … IF NOT EXISTS alone can still race on
-        // the catalog, so serialise migrations on an advisory lock.
-        sqlx::query("SELECT pg_advisory_xact_lock(hashtext('idem-migrate'))")
-            .execute(&mut *tx)
-            .await
-            .map_err(|e| store_error("migrate lock", e))?;
-        for schema in t.schema().into_iter().chain(r.schema()) {
-            let sql = format!("CREATE SCHEMA IF NOT EXISTS {schema}");
-            sqlx::query(&sql)
-                .execute(&mut *tx)
-                .await
-                .map_err(|e| store_error("migrate", e))?;
-        }
-        for sql in [
-            format!(
-                "CREATE TABLE IF NOT EXISTS {t} (
-                    consumer     text   NOT NULL,
-                    message_id   bytea  NOT NULL,
-                    fingerprint  bytea  NOT NULL,
-                    processed_at bigint NOT NULL,
-                    PRIMARY KEY (consumer, message_id)
-                )"
-            ),
-            format!(
-                "CREATE INDEX IF NOT EXISTS {name}_processed_at ON {t} USING brin (processed_at)"
-            ),
-            format!(
-                "COMMENT ON TABLE {t} IS 'idem claims: one row per (consumer, message_id) \
-                 processed; processed_at in microseconds since the Unix epoch'"
-            ),
-            format!(
-                "CREATE TABLE IF NOT EXISTS {r} (
-                    scope       bytea    NOT NULL,
-                    idem_key    bytea    NOT NULL,
-                    fingerprint bytea    NOT NULL,
-                    state       smallint NOT NULL,
-                    fence       bigint   NOT NULL,
-                    lease_until bigint   NOT NULL,
-                    expires_at  bigint   NOT NULL,
-                    result      bytea,
-                    PRIMARY KEY (scope, idem_key)
-                )"
-            ),
-            format!("CREATE INDEX IF NOT EXISTS {rname}_expires_at ON {r} (expires_at)"),
-            format!(
-                "COMMENT ON TABLE {r} IS 'idem idempotent requests: one row per (scope, idem_key); \
-                 state 0 in progress, 1 completed; lease_until and expires_at in microseconds \
-                 since the Unix epoch'"
-            ),
-        ] {
-            sqlx::query(&sql)
-                .execute(&mut *tx)
-                .await
-                .map_err(|e| store_error("migrate", e))?;
-        }
-        tx.commit().await.map_err(commit_error)
+impl SqlStore<Postgres> {
+    /// Connects a pool to `url` (`postgres://user@host/db`) with the default tables.
+    pub async fn connect(url: &str) -> Result<Self, Error> {
+        let pool = crate::common::connect_pool::<Postgres>(url, 16).await?;
+        Ok(Self::from_pool(pool))
     }
+}
+
+/// The batch claim: one `INSERT … SELECT FROM unnest(…) ON CONFLICT DO NOTHING RETURNING`
+/// for the whole batch, and one read of the stored fingerprints of the rest.
+async fn claim_many(
+    store: &PostgresStore,
+    tx: &mut Tx<Postgres>,
+    consumer: &ConsumerName,
+    items: &[(&MessageId, Fingerprint)],
+    at: Stamp,
+) -> Result<Vec<Option<Fingerprint>>, Error> {
+    let ids: Vec<&[u8]> = items.iter().map(|(id, _)| id.as_bytes()).collect();
+    let fps: Vec<&[u8]> = items.iter().map(|(_, fp)| &fp.as_bytes()[..]).collect();
+    let inserted: Vec<Vec<u8>> = sqlx::query_scalar(&store.sql.claim_many)
+        .bind(consumer.as_str())
+        .bind(&ids)
+        .bind(&fps)
+        .bind(server_stamp(at))
+        .fetch_all(&mut **tx)
+        .await
+        .map_err(|e| store_error::<Postgres>("batch claim", e))?;
+    if inserted.len() == items.len() {
+        return Ok(vec![None; items.len()]);
+    }
+    let inserted: std::collections::HashSet<Vec<u8>> = inserted.into_iter().collect();
+    let existing: Vec<&[u8]> = ids
+        .iter()
+        .copied()
+        .filter(|id| !inserted.contains(*id))
+        .collect();
+    let rows: Vec<(Vec<u8>, Vec<u8>)> = sqlx::query_as(&store.sql.read_fingerprints)
+        .bind(consumer.as_str())
+        .bind(&existing)
+        .fetch_all(&mut **tx)
+        .await
+        .map_err(|e| store_error::<Postgres>("reading stored fingerprints", e))?;
+    let mut stored: std::collections::HashMap<Vec<u8>, Vec<u8>> = rows.into_iter().collect();
+    ids.iter()
+        .map(|id| {
+            if inserted.contains(*id) {
+                Ok(None)
+            } else {
+                stored_fingerprint(stored.remove(*id))
+            }
+        })
+        .collect()
+}
+
+/// Both tables in one transaction, serialised across replicas by an advisory lock.
+async fn migrate(store: &PostgresStore) -> Result<(), Error> {
+    let t = store.table();
+    let name = t.table();
+    let (r, rname) = (store.requests_table(), store.requests_table().table());
+    let mut tx = Tx::begin(store.pool())
+        .await
+        .map_err(|e| store_error::<Postgres>("migrate", e))?;
+    // Several replicas may start at once; CREATE … IF NOT EXISTS alone can still race on
+    // the catalog, so serialise migrations on an advisory lock.
+    let lock = "SELECT pg_advisory_xact_lock(hashtext('idem-migrate'))";
+    Postgres::execute_simple(&mut tx, lock)
+        .await
+        .map_err(|e| store_error::<Postgres>("migrate lock", e))?;
+    for schema in t.schema().into_iter().chain(r.schema()) {
+        let sql = format!("CREATE SCHEMA IF NOT EXISTS {schema}");
+        Postgres::execute_simple(&mut tx, &sql)
+            .await
+            .map_err(|e| store_error::<Postgres>("migrate", e))?;
+    }
+    for sql in [
+        format!(
+            "CREATE TABLE IF NOT EXISTS {t} (
+                consumer     text   NOT NULL,
+                message_id   bytea  NOT NULL,
+                fingerprint  bytea  NOT NULL,
+                processed_at bigint NOT NULL,
+                PRIMARY KEY (consumer, message_id)
+            )"
+        ),
+        format!("CREATE INDEX IF NOT EXISTS {name}_processed_at ON {t} USING brin (processed_at)"),
+        format!(
+            "COMMENT ON TABLE {t} IS 'idem claims: one row per (consumer, message_id) \
+             processed; processed_at in microseconds since the Unix epoch'"
+        ),
+        format!(
+            "CREATE TABLE IF NOT EXISTS {r} (
+                scope       bytea    NOT NULL,
+                idem_key    bytea    NOT NULL,
+                fingerprint bytea    NOT NULL,
+                state       smallint NOT NULL,
+                fence       bigint   NOT NULL,
+                lease_until bigint   NOT NULL,
+                expires_at  bigint   NOT NULL,
+                result      bytea,
+                PRIMARY KEY (scope, idem_key)
+            )"
+        ),
+        format!("CREATE INDEX IF NOT EXISTS {rname}_expires_at ON {r} (expires_at)"),
+        format!(
+            "COMMENT ON TABLE {r} IS 'idem idempotent requests: one row per (scope, idem_key); \
+             state 0 in progress, 1 completed; lease_until and expires_at in microseconds \
+             since the Unix epoch'"
+        ),
+    ] {
+        Postgres::execute_simple(&mut tx, &sql)
+            .await
+            .map_err(|e| store_error::<Postgres>("migrate", e))?;
+    }
+    tx.commit().await.map_err(commit_error::<Postgres>)
 }

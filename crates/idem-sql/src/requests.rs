@@ -1,6 +1,6 @@
 //! Idempotent-request records ([`RequestStore`](idem_core::store::RequestStore),
 //! [`ReapRequests`](idem_core::store::ReapRequests)) on every engine: the decision a lookup
-//! leads to, and one impl generated per store from its engine-specific statements.
+//! leads to, and the one implementation over every engine's statements.
 //!
 //! One row per (scope, key): the fingerprint, a state (in progress / completed), the fencing
 //! token, the lease and the expiry in microseconds since the Unix epoch on the store's clock,
@@ -17,7 +17,13 @@
 
 use std::time::Duration;
 
-use idem_core::{Begin, Error, ErrorKind, Fence, Fingerprint};
+use idem_core::store::{ReapRequests, RequestStore};
+use idem_core::{Begin, Error, ErrorKind, Fence, Fingerprint, RequestKey};
+
+use crate::engine::{Engine, Param};
+use crate::errors::store_error;
+use crate::store::SqlStore;
+use crate::tx::Tx;
 
 /// Longest idempotency key the requests tables hold (the HTTP layer's default is 255).
 pub const MAX_REQUEST_KEY_LEN: usize = 1024;
@@ -44,7 +50,7 @@ pub(crate) const MAX_ATTEMPTS: usize = 8;
 /// order listed, then — on a store that stamps on the host (SQLite) — `now` last, which the
 /// statement may use several times; on the servers the statements read the server's clock.
 #[derive(Debug, Clone)]
-pub(crate) struct RequestStatements {
+pub struct RequestStatements {
     /// fingerprint, scope, key → always one row: fingerprint, state, fence, lease_until,
     /// expires_at (all NULL when there is no record), now, result (only for a completed record
     /// with this fingerprint).
@@ -185,231 +191,175 @@ pub(crate) fn check_distinct(
     Ok(())
 }
 
-/// Implements `RequestStore` and `ReapRequests` for a store struct with fields `pool` and
-/// `rsql` ([`RequestStatements`]) and an inherent `run_take_over(query)` that executes the
-/// take-over statement and returns its rows affected, or `None` when it could not run without
-/// waiting for another executor (SQLite's write lock). `$stamp` as for
-/// `impl_sql_capabilities!`: `Some(now)` is bound last to every statement but `release`.
-/// The first form also generates `run_take_over` as a plain execution on the pool; the second
-/// (`…, custom_take_over`) expects the store to define it.
-macro_rules! impl_request_capabilities {
-    ($store:ty, $db:ty, $max_key_len:expr, $stamp:path) => {
-        impl $store {
-            /// Runs the take-over statement on the pool. A row lock it meets is the old
-            /// executor's completion, about to commit, so waiting for it is short.
-            async fn run_take_over<'q>(
-                &self,
-                q: sqlx::query::Query<'q, $db, <$db as sqlx::Database>::Arguments<'q>>,
-            ) -> Result<Option<u64>, sqlx::Error> {
-                q.execute(&self.pool).await.map(|r| Some(r.rows_affected()))
-            }
-        }
+impl<E: Engine> RequestStore for SqlStore<E> {
+    fn max_key_len(&self) -> usize {
+        MAX_REQUEST_KEY_LEN
+    }
 
-        $crate::requests::impl_request_capabilities!(
-            $store,
-            $db,
-            $max_key_len,
-            $stamp,
-            custom_take_over
-        );
-    };
-    ($store:ty, $db:ty, $max_key_len:expr, $stamp:path, custom_take_over) => {
-        impl $store {
-            fn request_now() -> Option<i64> {
-                $stamp(idem_core::Stamp::StoreClock)
-            }
-        }
-
-        impl idem_core::store::RequestStore for $store {
-            fn max_key_len(&self) -> usize {
-                $max_key_len
-            }
-
-            async fn begin_request(
-                &self,
-                key: &idem_core::RequestKey,
-                fingerprint: &idem_core::Fingerprint,
-                lease: std::time::Duration,
-                ttl: std::time::Duration,
-            ) -> Result<idem_core::Begin, idem_core::Error> {
-                use $crate::requests::{Next, decide, is_unique_violation, next_fence};
-                let err = |e| $crate::errors::store_error("beginning an idempotent request", e);
-                let (scope, id) = (&key.scope.as_bytes()[..], key.key.as_str().as_bytes());
-                let fp = &fingerprint.as_bytes()[..];
-                let (lease, ttl) = ($crate::requests::span(lease), $crate::requests::span(ttl));
-                for _ in 0..$crate::requests::MAX_ATTEMPTS {
-                    let now = Self::request_now();
-                    let mut q = sqlx::query_as::<$db, $crate::requests::RecordRow>(&self.rsql.read)
-                        .bind(fp)
-                        .bind(scope)
-                        .bind(id);
-                    if let Some(now) = now {
-                        q = q.bind(now);
+    async fn begin_request(
+        &self,
+        key: &RequestKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Begin, Error> {
+        let err = |e| store_error::<E>("beginning an idempotent request", e);
+        let (scope, id) = (&key.scope.as_bytes()[..], key.key.as_str().as_bytes());
+        let fp = &fingerprint.as_bytes()[..];
+        let (lease, ttl) = (Param::Int(span(lease)), Param::Int(span(ttl)));
+        let (scope, id, fp) = (Param::Bytes(scope), Param::Bytes(id), Param::Bytes(fp));
+        for _ in 0..MAX_ATTEMPTS {
+            let now = Clocked::<E>::now();
+            let row = E::fetch_record(&self.pool, &self.rsql.read, &now.params([fp, scope, id]))
+                .await
+                .map_err(err)?;
+            match decide(row, fingerprint)? {
+                Next::Answer(answer) => return Ok(answer),
+                Next::Insert { fence } => {
+                    let params = now.params([scope, id, fp, Param::Int(fence), lease, ttl]);
+                    let inserted =
+                        match E::execute_pool(&self.pool, &self.rsql.insert, &params).await {
+                            Ok(rows) => rows == 1,
+                            Err(e) if is_unique_violation(&e) => false,
+                            Err(e) => return Err(err(e)),
+                        };
+                    if inserted {
+                        return Ok(Begin::Acquired {
+                            fence: stored_fence(fence)?,
+                            takeover: false,
+                        });
                     }
-                    let row = q.fetch_one(&self.pool).await.map_err(err)?;
-                    match decide(row, fingerprint)? {
-                        Next::Answer(answer) => return Ok(answer),
-                        Next::Insert { fence } => {
-                            let mut q = sqlx::query::<$db>(&self.rsql.insert)
-                                .bind(scope)
-                                .bind(id)
-                                .bind(fp)
-                                .bind(fence)
-                                .bind(lease)
-                                .bind(ttl);
-                            if let Some(now) = now {
-                                q = q.bind(now);
-                            }
-                            let inserted = match q.execute(&self.pool).await {
-                                Ok(r) => r.rows_affected() == 1,
-                                Err(e) if is_unique_violation(&e) => false,
-                                Err(e) => return Err(err(e)),
-                            };
-                            if inserted {
-                                return Ok(idem_core::Begin::Acquired {
-                                    fence: $crate::requests::stored_fence(fence)?,
-                                    takeover: false,
-                                });
-                            }
+                }
+                Next::Reset { fence, takeover } => {
+                    let params = now.params([fp, lease, ttl, scope, id, Param::Int(fence)]);
+                    let reset = E::execute_pool(&self.pool, &self.rsql.reset, &params)
+                        .await
+                        .map_err(err)?;
+                    if reset == 1 {
+                        return Ok(Begin::Acquired {
+                            fence: next_fence(fence)?,
+                            takeover,
+                        });
+                    }
+                }
+                Next::TakeOver { fence } => {
+                    let params = now.params([lease, scope, id, Param::Int(fence)]);
+                    match E::take_over(&self.pool, &self.rsql.take_over, &params)
+                        .await
+                        .map_err(err)?
+                    {
+                        Some(1) => {
+                            return Ok(Begin::Acquired {
+                                fence: next_fence(fence)?,
+                                takeover: true,
+                            });
                         }
-                        Next::Reset { fence, takeover } => {
-                            let mut q = sqlx::query::<$db>(&self.rsql.reset)
-                                .bind(fp)
-                                .bind(lease)
-                                .bind(ttl)
-                                .bind(scope)
-                                .bind(id)
-                                .bind(fence);
-                            if let Some(now) = now {
-                                q = q.bind(now);
-                            }
-                            if q.execute(&self.pool).await.map_err(err)?.rows_affected() == 1 {
-                                return Ok(idem_core::Begin::Acquired {
-                                    fence: next_fence(fence)?,
-                                    takeover,
-                                });
-                            }
-                        }
-                        Next::TakeOver { fence } => {
-                            let mut q = sqlx::query::<$db>(&self.rsql.take_over)
-                                .bind(lease)
-                                .bind(scope)
-                                .bind(id)
-                                .bind(fence);
-                            if let Some(now) = now {
-                                q = q.bind(now);
-                            }
-                            match self.run_take_over(q).await.map_err(err)? {
-                                Some(1) => {
-                                    return Ok(idem_core::Begin::Acquired {
-                                        fence: next_fence(fence)?,
-                                        takeover: true,
-                                    });
-                                }
-                                Some(_) => {}
-                                // The lease ran out, but its executor may still be writing:
-                                // report it in progress rather than wait for it.
-                                None => {
-                                    return Ok(idem_core::Begin::InProgress {
-                                        retry_after: idem_core::retry_after(
-                                            std::time::Duration::ZERO,
-                                        ),
-                                    });
-                                }
-                            }
+                        Some(_) => {}
+                        // The lease ran out, but its executor may still be writing: report it
+                        // in progress rather than wait for it.
+                        None => {
+                            return Ok(Begin::InProgress {
+                                retry_after: idem_core::retry_after(Duration::ZERO),
+                            });
                         }
                     }
                 }
-                Err(idem_core::Error::new(
-                    idem_core::ErrorKind::Transient,
-                    "the request record kept changing under concurrent lookups; retry",
-                ))
-            }
-
-            async fn complete_in(
-                &self,
-                tx: &mut Self::Tx,
-                key: &idem_core::RequestKey,
-                fence: idem_core::Fence,
-                result: &[u8],
-                ttl: std::time::Duration,
-            ) -> Result<(), idem_core::Error> {
-                let conn: &mut <$db as sqlx::Database>::Connection = tx;
-                let mut q = sqlx::query::<$db>(&self.rsql.complete)
-                    .bind(result)
-                    .bind($crate::requests::span(ttl))
-                    .bind(&key.scope.as_bytes()[..])
-                    .bind(key.key.as_str().as_bytes())
-                    .bind($crate::requests::bound_fence(fence));
-                if let Some(now) = Self::request_now() {
-                    q = q.bind(now);
-                }
-                let updated = q
-                    .execute(&mut *conn)
-                    .await
-                    .map_err(|e| {
-                        $crate::errors::store_error("completing an idempotent request", e)
-                    })?
-                    .rows_affected();
-                if updated == 1 {
-                    Ok(())
-                } else {
-                    Err($crate::requests::lease_lost(fence))
-                }
-            }
-
-            async fn release(
-                &self,
-                key: &idem_core::RequestKey,
-                fence: idem_core::Fence,
-            ) -> Result<(), idem_core::Error> {
-                sqlx::query::<$db>(&self.rsql.release)
-                    .bind(&key.scope.as_bytes()[..])
-                    .bind(key.key.as_str().as_bytes())
-                    .bind($crate::requests::bound_fence(fence))
-                    .execute(&self.pool)
-                    .await
-                    .map(drop)
-                    .map_err(|e| $crate::errors::store_error("releasing an idempotent request", e))
-            }
-
-            async fn extend_lease(
-                &self,
-                key: &idem_core::RequestKey,
-                fence: idem_core::Fence,
-                lease: std::time::Duration,
-            ) -> Result<bool, idem_core::Error> {
-                let mut q = sqlx::query::<$db>(&self.rsql.extend)
-                    .bind($crate::requests::span(lease))
-                    .bind(&key.scope.as_bytes()[..])
-                    .bind(key.key.as_str().as_bytes())
-                    .bind($crate::requests::bound_fence(fence));
-                if let Some(now) = Self::request_now() {
-                    q = q.bind(now);
-                }
-                q.execute(&self.pool)
-                    .await
-                    .map(|r| r.rows_affected() == 1)
-                    .map_err(|e| $crate::errors::store_error("extending a request's lease", e))
             }
         }
+        Err(Error::new(
+            ErrorKind::Transient,
+            "the request record kept changing under concurrent lookups; retry",
+        ))
+    }
 
-        impl idem_core::store::ReapRequests for $store {
-            async fn reap_batch(&self, limit: u32) -> Result<u64, idem_core::Error> {
-                let mut q = sqlx::query::<$db>(&self.rsql.reap).bind(i64::from(limit));
-                if let Some(now) = Self::request_now() {
-                    q = q.bind(now);
-                }
-                q.execute(&self.pool)
-                    .await
-                    .map(|r| r.rows_affected())
-                    .map_err(|e| $crate::errors::store_error("reaping expired requests", e))
-            }
+    async fn complete_in(
+        &self,
+        tx: &mut Tx<E>,
+        key: &RequestKey,
+        fence: Fence,
+        result: &[u8],
+        ttl: Duration,
+    ) -> Result<(), Error> {
+        let params = Clocked::<E>::now().params([
+            Param::Bytes(result),
+            Param::Int(span(ttl)),
+            Param::Bytes(&key.scope.as_bytes()[..]),
+            Param::Bytes(key.key.as_str().as_bytes()),
+            Param::Int(bound_fence(fence)),
+        ]);
+        let updated = E::execute(tx, &self.rsql.complete, &params)
+            .await
+            .map_err(|e| store_error::<E>("completing an idempotent request", e))?;
+        if updated == 1 {
+            Ok(())
+        } else {
+            Err(lease_lost(fence))
         }
-    };
+    }
+
+    async fn release(&self, key: &RequestKey, fence: Fence) -> Result<(), Error> {
+        let params = [
+            Param::Bytes(&key.scope.as_bytes()[..]),
+            Param::Bytes(key.key.as_str().as_bytes()),
+            Param::Int(bound_fence(fence)),
+        ];
+        E::execute_pool(&self.pool, &self.rsql.release, &params)
+            .await
+            .map(drop)
+            .map_err(|e| store_error::<E>("releasing an idempotent request", e))
+    }
+
+    async fn extend_lease(
+        &self,
+        key: &RequestKey,
+        fence: Fence,
+        lease: Duration,
+    ) -> Result<bool, Error> {
+        let params = Clocked::<E>::now().params([
+            Param::Int(span(lease)),
+            Param::Bytes(&key.scope.as_bytes()[..]),
+            Param::Bytes(key.key.as_str().as_bytes()),
+            Param::Int(bound_fence(fence)),
+        ]);
+        E::execute_pool(&self.pool, &self.rsql.extend, &params)
+            .await
+            .map(|rows| rows == 1)
+            .map_err(|e| store_error::<E>("extending a request's lease", e))
+    }
 }
 
-pub(crate) use impl_request_capabilities;
+impl<E: Engine> ReapRequests for SqlStore<E> {
+    async fn reap_batch(&self, limit: u32) -> Result<u64, Error> {
+        let params = Clocked::<E>::now().params([Param::Int(i64::from(limit))]);
+        E::execute_pool(&self.pool, &self.rsql.reap, &params)
+            .await
+            .map_err(|e| store_error::<E>("reaping expired requests", e))
+    }
+}
+
+/// The clock a request statement reads: on a server, its own (the statements say `now()`);
+/// on an embedded engine, this host's, bound as the last parameter.
+struct Clocked<E> {
+    now: Option<i64>,
+    engine: std::marker::PhantomData<E>,
+}
+
+impl<E: Engine> Clocked<E> {
+    fn now() -> Self {
+        Self {
+            now: E::stamp(idem_core::Stamp::StoreClock),
+            engine: std::marker::PhantomData,
+        }
+    }
+
+    /// `params`, then `now` where the engine binds it.
+    fn params<'a, const N: usize>(&self, params: [Param<'a>; N]) -> Vec<Param<'a>> {
+        let mut all = Vec::with_capacity(N + 1);
+        all.extend(params);
+        all.extend(self.now.map(Param::Int));
+        all
+    }
+}
 
 #[cfg(test)]
 mod tests {

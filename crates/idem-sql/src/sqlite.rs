@@ -18,18 +18,18 @@ use std::path::Path;
 use std::str::FromStr;
 use std::time::Duration;
 
-use idem_core::{
-    BatchClaimStore, ConsumerName, Error, ErrorKind, Fingerprint, MessageId, Migrate, Stamp,
-};
-use sqlx::sqlite::{
-    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
-};
+use idem_core::{ConsumerName, Error, ErrorKind, Fingerprint, MessageId, Stamp};
+use sqlx::error::DatabaseError;
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::{QueryBuilder, Sqlite};
 
 use crate::common::{host_stamp, stored_fingerprint};
+use crate::engine::{Driver, Engine, Param};
 use crate::errors::{commit_error, store_error};
-use crate::requests::{MAX_REQUEST_KEY_LEN, RequestStatements};
+use crate::requests::RequestStatements;
+use crate::store::{ClaimStatements, SqlStore};
 use crate::table::TableName;
+use crate::tx::Tx;
 
 /// SQLite has no practical limit; this bound keeps rows and the index reasonable.
 pub const MAX_MESSAGE_ID_LEN: usize = 4096;
@@ -38,29 +38,21 @@ pub const MAX_MESSAGE_ID_LEN: usize = 4096;
 const CHUNK: usize = 500;
 
 /// Claims stored in an SQLite database file.
-#[derive(Debug, Clone)]
-pub struct SqliteStore {
-    pool: SqlitePool,
-    table: TableName,
-    sql: Statements,
-    requests: TableName,
-    rsql: RequestStatements,
-}
+pub type SqliteStore = SqlStore<Sqlite>;
 
-#[derive(Debug, Clone)]
-struct Statements {
-    table: String,
-    claim: String,
-    read_fingerprint: String,
-    prune_all: String,
-    prune_consumer: String,
-    stats: String,
-}
+impl crate::engine::sealed::Sealed for Sqlite {}
 
-impl Statements {
-    fn new(t: &TableName) -> Self {
-        Self {
-            table: t.to_string(),
+impl Engine for Sqlite {
+    const MAX_MESSAGE_ID_LEN: usize = MAX_MESSAGE_ID_LEN;
+    const BEGIN: &'static str = "BEGIN IMMEDIATE";
+    const COMMIT: &'static str = "COMMIT";
+
+    fn claim_statements(t: &TableName) -> ClaimStatements {
+        ClaimStatements {
+            claim_many: format!(
+                "INSERT INTO {t} (consumer, message_id, fingerprint, processed_at) "
+            ),
+            read_fingerprints: String::new(),
             claim: format!(
                 "INSERT INTO {t} (consumer, message_id, fingerprint, processed_at) \
                  VALUES (?1, ?2, ?3, ?4) ON CONFLICT (consumer, message_id) DO NOTHING"
@@ -82,45 +74,86 @@ impl Statements {
             ),
         }
     }
-}
 
-/// The request statements; `now` (host microseconds) is the last parameter.
-fn request_statements(t: &TableName) -> RequestStatements {
-    RequestStatements {
-        read: format!(
-            "SELECT r.fingerprint, r.state, r.fence, r.lease_until, r.expires_at, n.now, \
+    /// `now` (host microseconds) is the last parameter.
+    fn request_statements(t: &TableName) -> RequestStatements {
+        RequestStatements {
+            read: format!(
+                "SELECT r.fingerprint, r.state, r.fence, r.lease_until, r.expires_at, n.now, \
              CASE WHEN r.fingerprint = ?1 AND r.state = 1 THEN r.result END \
              FROM (SELECT ?4 AS now) n LEFT JOIN {t} r ON r.scope = ?2 AND r.idem_key = ?3"
-        ),
-        insert: format!(
-            "INSERT INTO {t} (scope, idem_key, fingerprint, state, fence, lease_until, expires_at) \
+            ),
+            insert: format!(
+                "INSERT INTO {t} (scope, idem_key, fingerprint, state, fence, lease_until, expires_at) \
              VALUES (?1, ?2, ?3, 0, ?4, ?7 + ?5, ?7 + ?6) ON CONFLICT (scope, idem_key) DO NOTHING"
-        ),
-        reset: format!(
-            "UPDATE {t} SET fingerprint = ?1, state = 0, fence = fence + 1, lease_until = ?7 + ?2, \
+            ),
+            reset: format!(
+                "UPDATE {t} SET fingerprint = ?1, state = 0, fence = fence + 1, lease_until = ?7 + ?2, \
              expires_at = ?7 + ?3, result = NULL \
              WHERE scope = ?4 AND idem_key = ?5 AND fence = ?6 \
              AND expires_at <= ?7 AND (state = 1 OR lease_until <= ?7)"
-        ),
-        take_over: format!(
-            "UPDATE {t} SET fence = fence + 1, lease_until = ?5 + ?1 \
+            ),
+            take_over: format!(
+                "UPDATE {t} SET fence = fence + 1, lease_until = ?5 + ?1 \
              WHERE scope = ?2 AND idem_key = ?3 AND fence = ?4 AND state = 0 AND lease_until <= ?5"
-        ),
-        complete: format!(
-            "UPDATE {t} SET state = 1, result = ?1, expires_at = ?6 + ?2 \
+            ),
+            complete: format!(
+                "UPDATE {t} SET state = 1, result = ?1, expires_at = ?6 + ?2 \
              WHERE scope = ?3 AND idem_key = ?4 AND fence = ?5 AND state = 0"
-        ),
-        release: format!(
-            "DELETE FROM {t} WHERE scope = ?1 AND idem_key = ?2 AND fence = ?3 AND state = 0"
-        ),
-        extend: format!(
-            "UPDATE {t} SET lease_until = ?5 + ?1 \
+            ),
+            release: format!(
+                "DELETE FROM {t} WHERE scope = ?1 AND idem_key = ?2 AND fence = ?3 AND state = 0"
+            ),
+            extend: format!(
+                "UPDATE {t} SET lease_until = ?5 + ?1 \
              WHERE scope = ?2 AND idem_key = ?3 AND fence = ?4 AND state = 0"
-        ),
-        reap: format!(
-            "DELETE FROM {t} WHERE rowid IN (SELECT rowid FROM {t} \
+            ),
+            reap: format!(
+                "DELETE FROM {t} WHERE rowid IN (SELECT rowid FROM {t} \
              WHERE expires_at < ?2 AND (state = 1 OR lease_until < ?2) LIMIT ?1)"
-        ),
+            ),
+        }
+    }
+
+    fn check_table(table: &TableName) -> Result<(), Error> {
+        if table.schema().is_some() {
+            return Err(Error::new(
+                ErrorKind::InvalidConfig,
+                "SQLite tables cannot be schema-qualified here; use a plain table name",
+            ));
+        }
+        Ok(())
+    }
+
+    fn stamp(stamp: Stamp) -> Option<i64> {
+        host_stamp(stamp)
+    }
+
+    fn database_kind(db: &dyn DatabaseError) -> ErrorKind {
+        let code = db.code().and_then(|c| c.parse::<u32>().ok()).unwrap_or(1);
+        crate::errors::sqlite_kind(code, db.message())
+    }
+
+    async fn claim_many(
+        store: &SqlStore<Self>,
+        tx: &mut Tx<Self>,
+        consumer: &ConsumerName,
+        items: &[(&MessageId, Fingerprint)],
+        at: Stamp,
+    ) -> Result<Vec<Option<Fingerprint>>, Error> {
+        claim_many(store, tx, consumer, items, at).await
+    }
+
+    async fn migrate(store: &SqlStore<Self>) -> Result<(), Error> {
+        migrate(store).await
+    }
+
+    async fn take_over<'e>(
+        pool: &'e sqlx::Pool<Self>,
+        sql: &'e str,
+        params: &'e [Param<'e>],
+    ) -> Result<Option<u64>, sqlx::Error> {
+        take_over_now(pool, sql, params).await
     }
 }
 
@@ -173,7 +206,7 @@ impl SqliteOptions {
     }
 }
 
-impl SqliteStore {
+impl SqlStore<Sqlite> {
     /// Opens (creating if needed) the database file at `path` with WAL, a busy timeout and
     /// full durability.
     pub async fn open(path: impl AsRef<Path>, options: SqliteOptions) -> Result<Self, Error> {
@@ -197,7 +230,7 @@ impl SqliteStore {
             )
             .with_source(e)
         })?;
-        Self::open_with(connect, options, url).await
+        Self::open_with(connect, options, &idem_core::redact_url(url)).await
     }
 
     async fn open_with(
@@ -215,67 +248,8 @@ impl SqliteStore {
             .max_connections(o.max_connections)
             .connect_with(connect)
             .await
-            .map_err(|e| store_error(&format!("opening SQLite database {what}"), e))?;
+            .map_err(|e| store_error::<Sqlite>(&format!("opening {what}"), e))?;
         Ok(Self::from_pool(pool))
-    }
-
-    /// Uses an existing pool. It should use WAL and a busy timeout, as [`SqliteStore::open`]
-    /// configures.
-    pub fn from_pool(pool: SqlitePool) -> Self {
-        let (table, requests) = (TableName::default(), TableName::default_requests());
-        Self {
-            sql: Statements::new(&table),
-            rsql: request_statements(&requests),
-            pool,
-            table,
-            requests,
-        }
-    }
-
-    /// Stores claims in `table` instead of `idem_processed`.
-    pub fn with_table(mut self, table: TableName) -> Result<Self, Error> {
-        plain(&table)?;
-        self.sql = Statements::new(&table);
-        self.table = table;
-        Ok(self)
-    }
-
-    /// Stores idempotent-request records in `table` instead of `idem_requests`.
-    pub fn with_requests_table(mut self, table: TableName) -> Result<Self, Error> {
-        plain(&table)?;
-        self.rsql = request_statements(&table);
-        self.requests = table;
-        Ok(self)
-    }
-
-    /// The pool.
-    pub fn pool(&self) -> &SqlitePool {
-        &self.pool
-    }
-
-    /// The claims table.
-    pub fn table(&self) -> &TableName {
-        &self.table
-    }
-
-    /// The idempotent-request records table.
-    pub fn requests_table(&self) -> &TableName {
-        &self.requests
-    }
-
-    /// Begins a transaction that holds the write lock (`BEGIN IMMEDIATE`). Use it for your own
-    /// transactions that call the low-level claim.
-    pub async fn begin_tx(&self) -> Result<crate::Tx<Sqlite>, Error> {
-        self.begin_immediate().await
-    }
-
-    /// Begins a transaction holding the write lock; the same as [`begin_tx`](Self::begin_tx).
-    pub async fn begin_immediate(&self) -> Result<crate::Tx<Sqlite>, Error> {
-        self.pool
-            .begin_with("BEGIN IMMEDIATE")
-            .await
-            .map(crate::Tx::new)
-            .map_err(|e| store_error("BEGIN IMMEDIATE", e))
     }
 }
 
@@ -294,163 +268,129 @@ impl Drop for ClosedUnlessRestored {
     }
 }
 
-fn plain(table: &TableName) -> Result<(), Error> {
-    if table.schema().is_some() {
-        return Err(Error::new(
-            ErrorKind::InvalidConfig,
-            "SQLite tables cannot be schema-qualified here; use a plain table name",
-        ));
+/// Runs the take-over without waiting for the write lock (`busy_timeout` 0 for this one
+/// statement): `None` when a transaction holds it — possibly the old executor's, still
+/// running — so that the lookup reports the record in progress instead of blocking.
+async fn take_over_now(
+    pool: &sqlx::Pool<Sqlite>,
+    sql: &str,
+    params: &[Param<'_>],
+) -> Result<Option<u64>, sqlx::Error> {
+    let mut conn = pool.acquire().await?;
+    let waits: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
+        .fetch_one(&mut *conn)
+        .await?;
+    // Never hand a connection that gives up at once back to the pool: until its busy
+    // timeout is restored, dropping it (an error, a cancelled lookup) closes it.
+    let mut nowait = ClosedUnlessRestored {
+        conn,
+        restored: false,
+    };
+    sqlx::query("PRAGMA busy_timeout = 0")
+        .execute(&mut *nowait.conn)
+        .await?;
+    let outcome = Sqlite::execute(&mut nowait.conn, sql, params).await;
+    let restore = format!("PRAGMA busy_timeout = {waits}");
+    nowait.restored = sqlx::query(&restore)
+        .execute(&mut *nowait.conn)
+        .await
+        .is_ok();
+    match outcome {
+        Ok(rows) => Ok(Some(rows)),
+        Err(sqlx::Error::Database(db))
+            if db
+                .code()
+                .and_then(|c| c.parse::<u32>().ok())
+                .map(|c| c & 0xff)
+                == Some(5) =>
+        {
+            Ok(None)
+        }
+        Err(e) => Err(e),
     }
-    Ok(())
 }
 
-impl SqliteStore {
-    /// Runs the take-over without waiting for the write lock (`busy_timeout` 0 for this one
-    /// statement): `None` when a transaction holds it — possibly the old executor's, still
-    /// running — so that the lookup reports the record in progress instead of blocking.
-    async fn run_take_over<'q>(
-        &self,
-        q: sqlx::query::Query<'q, Sqlite, sqlx::sqlite::SqliteArguments<'q>>,
-    ) -> Result<Option<u64>, sqlx::Error> {
-        let mut conn = self.pool.acquire().await?;
-        let waits: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
-            .fetch_one(&mut *conn)
-            .await?;
-        // Never hand a connection that gives up at once back to the pool: until its busy
-        // timeout is restored, dropping it (an error, a cancelled lookup) closes it.
-        let mut nowait = ClosedUnlessRestored {
-            conn,
-            restored: false,
-        };
-        sqlx::query("PRAGMA busy_timeout = 0")
-            .execute(&mut *nowait.conn)
-            .await?;
-        let outcome = q.execute(&mut *nowait.conn).await;
-        let restore = format!("PRAGMA busy_timeout = {waits}");
-        nowait.restored = sqlx::query(&restore)
-            .execute(&mut *nowait.conn)
+/// The batch claim: multi-row `INSERT … ON CONFLICT DO NOTHING RETURNING`, in chunks under
+/// SQLite's parameter limit; the fingerprints of the rest are read one by one (no round trip
+/// on an embedded database).
+async fn claim_many(
+    store: &SqliteStore,
+    tx: &mut Tx<Sqlite>,
+    consumer: &ConsumerName,
+    items: &[(&MessageId, Fingerprint)],
+    at: Stamp,
+) -> Result<Vec<Option<Fingerprint>>, Error> {
+    let at = host_stamp(at);
+    let mut inserted = std::collections::HashSet::new();
+    for chunk in items.chunks(CHUNK) {
+        let mut q = QueryBuilder::<Sqlite>::new(&store.sql.claim_many);
+        q.push_values(chunk, |mut row, (id, fp)| {
+            row.push_bind(consumer.as_str())
+                .push_bind(id.as_bytes())
+                .push_bind(&fp.as_bytes()[..])
+                .push_bind(at);
+        });
+        q.push(" ON CONFLICT (consumer, message_id) DO NOTHING RETURNING message_id");
+        let rows: Vec<Vec<u8>> = q
+            .build_query_scalar()
+            .fetch_all(&mut **tx)
             .await
-            .is_ok();
-        match outcome {
-            Ok(r) => Ok(Some(r.rows_affected())),
-            Err(sqlx::Error::Database(db))
-                if db
-                    .code()
-                    .and_then(|c| c.parse::<u32>().ok())
-                    .map(|c| c & 0xff)
-                    == Some(5) =>
-            {
-                Ok(None)
-            }
-            Err(e) => Err(e),
+            .map_err(|e| store_error::<Sqlite>("batch claim", e))?;
+        inserted.extend(rows);
+    }
+    let mut out = Vec::with_capacity(items.len());
+    for (id, _) in items {
+        if inserted.contains(id.as_bytes()) {
+            out.push(None);
+        } else {
+            let params = [Param::Text(consumer.as_str()), Param::Bytes(id.as_bytes())];
+            let row = Sqlite::fetch_bytes(tx, &store.sql.read_fingerprint, &params)
+                .await
+                .map_err(|e| store_error::<Sqlite>("reading the stored fingerprint", e))?;
+            out.push(stored_fingerprint(row)?);
         }
     }
+    Ok(out)
 }
 
-impl BatchClaimStore for SqliteStore {
-    async fn claim_many(
-        &self,
-        tx: &mut Self::Tx,
-        consumer: &ConsumerName,
-        items: &[(&MessageId, Fingerprint)],
-        at: Stamp,
-    ) -> Result<Vec<Option<Fingerprint>>, Error> {
-        let at = host_stamp(at);
-        let t = &self.sql.table;
-        let mut inserted = std::collections::HashSet::new();
-        for chunk in items.chunks(CHUNK) {
-            let mut q = QueryBuilder::<Sqlite>::new(format!(
-                "INSERT INTO {t} (consumer, message_id, fingerprint, processed_at) "
-            ));
-            q.push_values(chunk, |mut row, (id, fp)| {
-                row.push_bind(consumer.as_str())
-                    .push_bind(id.as_bytes())
-                    .push_bind(&fp.as_bytes()[..])
-                    .push_bind(at);
-            });
-            q.push(" ON CONFLICT (consumer, message_id) DO NOTHING RETURNING message_id");
-            let rows: Vec<Vec<u8>> = q
-                .build_query_scalar()
-                .fetch_all(&mut **tx)
-                .await
-                .map_err(|e| store_error("batch claim", e))?;
-            inserted.extend(rows);
-        }
-        let mut out = Vec::with_capacity(items.len());
-        for (id, _) in items {
-            if inserted.contains(id.as_bytes()) {
-                out.push(None);
-            } else {
-                let row: Option<Vec<u8>> = sqlx::query_scalar(&self.sql.read_fingerprint)
-                    .bind(consumer.as_str())
-                    .bind(id.as_bytes())
-                    .fetch_optional(&mut **tx)
-                    .await
-                    .map_err(|e| store_error("reading the stored fingerprint", e))?;
-                out.push(stored_fingerprint(row)?);
-            }
-        }
-        Ok(out)
+/// Both tables in one `BEGIN IMMEDIATE` transaction: concurrent starts take turns.
+async fn migrate(store: &SqliteStore) -> Result<(), Error> {
+    let t = store.table();
+    let name = t.table();
+    let (r, rname) = (store.requests_table(), store.requests_table().table());
+    let mut tx = store.begin_tx().await?;
+    for sql in [
+        // processed_at: microseconds since the Unix epoch.
+        format!(
+            "CREATE TABLE IF NOT EXISTS {t} (
+                consumer     TEXT    NOT NULL,
+                message_id   BLOB    NOT NULL,
+                fingerprint  BLOB    NOT NULL,
+                processed_at INTEGER NOT NULL,
+                PRIMARY KEY (consumer, message_id)
+            )"
+        ),
+        format!("CREATE INDEX IF NOT EXISTS {name}_processed_at ON {t} (processed_at)"),
+        // Idempotent-request records: state 0 in progress, 1 completed; lease_until and
+        // expires_at in microseconds since the Unix epoch; result NULL while in progress.
+        format!(
+            "CREATE TABLE IF NOT EXISTS {r} (
+                scope       BLOB    NOT NULL,
+                idem_key    BLOB    NOT NULL,
+                fingerprint BLOB    NOT NULL,
+                state       INTEGER NOT NULL,
+                fence       INTEGER NOT NULL,
+                lease_until INTEGER NOT NULL,
+                expires_at  INTEGER NOT NULL,
+                result      BLOB,
+                PRIMARY KEY (scope, idem_key)
+            )"
+        ),
+        format!("CREATE INDEX IF NOT EXISTS {rname}_expires_at ON {r} (expires_at)"),
+    ] {
+        Sqlite::execute(&mut tx, &sql, &[])
+            .await
+            .map_err(|e| store_error::<Sqlite>("migrate", e))?;
     }
-}
-
-crate::capabilities::impl_sql_capabilities!(
-    SqliteStore,
-    Sqlite,
-    crate::Tx<Sqlite>,
-    MAX_MESSAGE_ID_LEN,
-    host_stamp
-);
-
-crate::requests::impl_request_capabilities!(
-    SqliteStore,
-    Sqlite,
-    MAX_REQUEST_KEY_LEN,
-    host_stamp,
-    custom_take_over
-);
-
-impl Migrate for SqliteStore {
-    async fn migrate(&self) -> Result<(), Error> {
-        let t = &self.table;
-        let name = t.table();
-        let (r, rname) = (&self.requests, self.requests.table());
-        crate::requests::check_distinct(t, r)?;
-        let mut tx = self.begin_immediate().await?;
-        for sql in [
-            // processed_at: microseconds since the Unix epoch.
-            format!(
-                "CREATE TABLE IF NOT EXISTS {t} (
-                    consumer     TEXT    NOT NULL,
-                    message_id   BLOB    NOT NULL,
-                    fingerprint  BLOB    NOT NULL,
-                    processed_at INTEGER NOT NULL,
-                    PRIMARY KEY (consumer, message_id)
-                )"
-            ),
-            format!("CREATE INDEX IF NOT EXISTS {name}_processed_at ON {t} (processed_at)"),
-            // Idempotent-request records: state 0 in progress, 1 completed; lease_until and
-            // expires_at in microseconds since the Unix epoch; result NULL while in progress.
-            format!(
-                "CREATE TABLE IF NOT EXISTS {r} (
-                    scope       BLOB    NOT NULL,
-                    idem_key    BLOB    NOT NULL,
-                    fingerprint BLOB    NOT NULL,
-                    state       INTEGER NOT NULL,
-                    fence       INTEGER NOT NULL,
-                    lease_until INTEGER NOT NULL,
-                    expires_at  INTEGER NOT NULL,
-                    result      BLOB,
-                    PRIMARY KEY (scope, idem_key)
-                )"
-            ),
-            format!("CREATE INDEX IF NOT EXISTS {rname}_expires_at ON {r} (expires_at)"),
-        ] {
-            sqlx::query(&sql)
-                .execute(&mut *tx)
-                .await
-                .map_err(|e| store_error("migrate", e))?;
-        }
-        tx.commit().await.map_err(commit_error)
-    }
+    tx.commit().await.map_err(commit_error::<Sqlite>)
 }

@@ -136,7 +136,8 @@ async fn a_store_whose_migration_never_ran_is_misconfigured() {
     let store = db
         .store(MySqlPoolOptions::new().max_connections(2))
         .await
-        .with_table(TableName::new("never_migrated").expect("name"));
+        .with_table(TableName::new("never_migrated").expect("name"))
+        .expect("table");
     let p = Processor::builder(store, "states").build().expect("p");
     let err = failure(&p, "m-1", async |_tx| Ok::<_, BoxError>(())).await;
     assert_state("missing table", &err, ErrorKind::Misconfigured);

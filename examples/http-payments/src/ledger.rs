@@ -4,7 +4,7 @@
 use std::future::Future;
 
 use anyhow::{Context, Result};
-use idem_sql::{PgTx, Tx};
+use idem_sql::{PostgresTx, Tx};
 use serde::Serialize;
 use sqlx::{MySql, MySqlConnection, PgConnection, Sqlite, SqliteConnection};
 
@@ -83,28 +83,14 @@ impl Ledger {
     pub(crate) async fn open(url: &str) -> Result<Self> {
         let shown = idem_core::redact_url(url);
         let context = || format!("opening the ledger {shown}");
-        match crate::stores::scheme(url).as_str() {
-            "sqlite" => {
-                let store = idem_sql::SqliteStore::connect(url, idem_sql::SqliteOptions::default())
-                    .await
-                    .with_context(context)?;
-                Self::sqlite(store.pool().clone()).await
-            }
-            "postgres" | "postgresql" => {
-                let store = idem_sql::PostgresStore::connect(url)
-                    .await
-                    .with_context(context)?;
-                Self::postgres(store.pool().clone()).await
-            }
-            "mysql" | "mariadb" => {
-                let store = idem_sql::MySqlStore::connect(&url.replacen("mariadb:", "mysql:", 1))
-                    .await
-                    .with_context(context)?;
-                Self::mysql(store.pool().clone()).await
-            }
-            _ => anyhow::bail!(
-                "unsupported ledger URL {shown:?}: expected sqlite:PATH, postgres://… or mysql://…"
-            ),
+        let store = idem_sql::AnyStore::connect_or_create(url, idem_sql::TableName::default())
+            .await
+            .with_context(context)?;
+        match store {
+            idem_sql::AnyStore::Sqlite(s) => Self::sqlite(s.pool().clone()).await,
+            idem_sql::AnyStore::Postgres(s) => Self::postgres(s.pool().clone()).await,
+            idem_sql::AnyStore::MySql(s) => Self::mysql(s.pool().clone()).await,
+            other => anyhow::bail!("this build has no {} support", other.engine()),
         }
     }
 
@@ -371,7 +357,7 @@ impl WriteCharge for Tx<Sqlite> {
     }
 }
 
-impl WriteCharge for PgTx {
+impl WriteCharge for PostgresTx {
     fn insert_charge<'a>(
         &'a mut self,
         principal: &'a str,

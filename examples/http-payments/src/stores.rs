@@ -4,7 +4,7 @@
 use anyhow::{Context, Result};
 use axum::Router;
 use axum::routing::post;
-use idem_sql::{MySqlStore, PostgresStore, SqliteOptions, SqliteStore};
+use idem_sql::{AnyStore, TableName};
 
 use crate::app::{self, AppState};
 use crate::ledger::Ledger;
@@ -90,40 +90,32 @@ pub(crate) async fn build(args: &ServeArgs) -> Result<Router> {
         };
         return Ok(app::router(state, post_charges));
     }
-    match scheme.as_str() {
-        "sqlite" => {
-            let store = SqliteStore::connect(url, SqliteOptions::default())
-                .await
-                .with_context(|| format!("opening {shown}"))?;
-            idem_core::Migrate::migrate(&store).await?;
+    if scheme == "redis" || scheme == "rediss" {
+        let ledger_url = args
+            .ledger
+            .as_deref()
+            .context("--database redis://… needs --ledger URL: the SQL database for the charges")?;
+        let ledger = Ledger::open(ledger_url).await?;
+        return crate::layer::redis(url, ledger, args).await;
+    }
+    // Every SQL scheme: AnyStore maps it to its engine (and refuses an unknown one).
+    let store = AnyStore::connect_or_create(url, TableName::default())
+        .await
+        .with_context(|| format!("opening {shown}"))?;
+    store.migrate().await?;
+    match store {
+        AnyStore::Sqlite(store) => {
             let ledger = Ledger::sqlite(store.pool().clone()).await?;
             crate::layer::sql(store, ledger, args)
         }
-        "postgres" | "postgresql" => {
-            let store = PostgresStore::connect(url)
-                .await
-                .with_context(|| format!("opening {shown}"))?;
-            idem_core::Migrate::migrate(&store).await?;
+        AnyStore::Postgres(store) => {
             let ledger = Ledger::postgres(store.pool().clone()).await?;
             crate::layer::sql(store, ledger, args)
         }
-        "mysql" | "mariadb" => {
-            let store = MySqlStore::connect(&url.replacen("mariadb:", "mysql:", 1))
-                .await
-                .with_context(|| format!("opening {shown}"))?;
-            idem_core::Migrate::migrate(&store).await?;
+        AnyStore::MySql(store) => {
             let ledger = Ledger::mysql(store.pool().clone()).await?;
             crate::layer::sql(store, ledger, args)
         }
-        "redis" | "rediss" => {
-            let ledger_url = args.ledger.as_deref().context(
-                "--database redis://… needs --ledger URL: the SQL database for the charges",
-            )?;
-            let ledger = Ledger::open(ledger_url).await?;
-            crate::layer::redis(url, ledger, args).await
-        }
-        _ => anyhow::bail!(
-            "unsupported database URL {shown:?}: expected sqlite:PATH, postgres://…, mysql://… or redis://…"
-        ),
+        other => anyhow::bail!("this build has no {} support", other.engine()),
     }
 }

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use idem_consumer::SetHandler;
 use idem_core::{BoxError, Identified, Message};
-use idem_sql::{PgTx, Tx};
+use idem_sql::{PostgresTx, Tx};
 use sqlx::{MySql, QueryBuilder, Sqlite};
 
 use crate::ledger::PaymentRequested;
@@ -64,14 +64,14 @@ impl SetHandler<Tx<Sqlite>, PaymentRequested> for ChargeBatch {
     }
 }
 
-impl SetHandler<PgTx, PaymentRequested> for ChargeBatch {
+impl SetHandler<PostgresTx, PaymentRequested> for ChargeBatch {
     type Output = ();
 
     /// Arrays bound once each (`unnest`): the statement text is the same for every batch size,
     /// so it is prepared once.
     async fn handle_set(
         &self,
-        tx: &mut PgTx,
+        tx: &mut PostgresTx,
         msgs: &[&Message<PaymentRequested>],
     ) -> Result<(), BoxError> {
         let sums = balances(msgs)?;

@@ -3,7 +3,7 @@
 
 use idem_consumer::Handler;
 use idem_core::{BoxError, Error, Identified, Message};
-use idem_sql::{PgTx, Tx};
+use idem_sql::{PostgresTx, Tx};
 use serde::Deserialize;
 use sqlx::{MySql, Sqlite};
 
@@ -144,9 +144,13 @@ impl Handler<Tx<Sqlite>, PaymentRequested> for Charge {
     }
 }
 
-impl Handler<PgTx, PaymentRequested> for Charge {
+impl Handler<PostgresTx, PaymentRequested> for Charge {
     type Output = ();
-    async fn handle(&self, tx: &mut PgTx, msg: &Message<PaymentRequested>) -> Result<(), BoxError> {
+    async fn handle(
+        &self,
+        tx: &mut PostgresTx,
+        msg: &Message<PaymentRequested>,
+    ) -> Result<(), BoxError> {
         let p = msg.payload();
         p.validate()?;
         sqlx::query("INSERT INTO charges (message_id, account, amount_cents) VALUES ($1, $2, $3)")

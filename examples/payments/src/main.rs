@@ -23,7 +23,7 @@ use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
 use idem_consumer::{CancellationToken, Consumer, Handler, Json, RunStats, SetHandler, Source};
 use idem_core::{BatchClaimStore, ErrorKind, Migrate, Processor, TransactionalStore};
-use idem_sql::{MySqlStore, PostgresStore, SqliteOptions, SqliteStore};
+use idem_sql::{AnyStore, MySqlStore, PostgresStore, SqliteStore, TableName};
 
 use crate::brokers::BrokerUrl;
 use crate::charge_batch::ChargeBatch;
@@ -371,7 +371,9 @@ fn ddl_error<S: TransactionalStore>(store: &S, e: sqlx::Error) -> anyhow::Error 
         .into()
 }
 
-/// The database, opened and migrated: claims table plus the service's own tables.
+/// The database, opened and migrated: claims table plus the service's own tables. Which
+/// engine a `--database` URL means is `AnyStore`'s decision, the one place idem maps schemes;
+/// this keeps the typed store each engine's `Processor` needs.
 #[derive(Debug, Clone)]
 pub(crate) enum Database {
     Sqlite(SqliteStore),
@@ -414,42 +416,29 @@ impl Database {
     }
 
     async fn open(url: &str) -> Result<Self> {
-        let shown = idem_core::redact_url(url);
-        let scheme = url
-            .split(':')
-            .next()
-            .unwrap_or_default()
-            .to_ascii_lowercase();
-        let db = match scheme.as_str() {
-            "sqlite" => {
-                let store = SqliteStore::connect(url, SqliteOptions::default()).await?;
-                store.migrate().await?;
-                ledger::create_sqlite(store.pool())
+        let store = AnyStore::connect_or_create(url, TableName::default()).await?;
+        store.migrate().await?;
+        Ok(match store {
+            AnyStore::Sqlite(s) => {
+                ledger::create_sqlite(s.pool())
                     .await
-                    .map_err(|e| ddl_error(&store, e))?;
-                Database::Sqlite(store)
+                    .map_err(|e| ddl_error(&s, e))?;
+                Database::Sqlite(s)
             }
-            "postgres" | "postgresql" => {
-                let store = PostgresStore::connect(url).await?;
-                store.migrate().await?;
-                ledger::create_postgres(store.pool())
+            AnyStore::Postgres(s) => {
+                ledger::create_postgres(s.pool())
                     .await
-                    .map_err(|e| ddl_error(&store, e))?;
-                Database::Postgres(store)
+                    .map_err(|e| ddl_error(&s, e))?;
+                Database::Postgres(s)
             }
-            "mysql" | "mariadb" => {
-                let store = MySqlStore::connect(&url.replacen("mariadb:", "mysql:", 1)).await?;
-                store.migrate().await?;
-                ledger::create_mysql(store.pool())
+            AnyStore::MySql(s) => {
+                ledger::create_mysql(s.pool())
                     .await
-                    .map_err(|e| ddl_error(&store, e))?;
-                Database::MySql(store)
+                    .map_err(|e| ddl_error(&s, e))?;
+                Database::MySql(s)
             }
-            _ => anyhow::bail!(
-                "unsupported database URL {shown:?}: expected sqlite:PATH, postgres://… or mysql://…"
-            ),
-        };
-        Ok(db)
+            other => anyhow::bail!("this build of payments has no {} support", other.engine()),
+        })
     }
 
     /// Consumes `source` into this database until shutdown.
@@ -461,6 +450,7 @@ impl Database {
         match self {
             Database::Sqlite(store) => consume(store, source, settings).await,
             Database::Postgres(store) => {
+                // Connections held for the consumer's transactions: no pool pings per message.
                 let store = store.hold_connections(workers(settings));
                 consume(store, source, settings).await
             }

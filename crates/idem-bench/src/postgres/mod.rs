@@ -108,7 +108,7 @@ impl Bench {
         .context("creating the benchmark tables")?;
         use idem_core::Migrate as _;
         PostgresStore::from_pool(self.admin.clone())
-            .with_table(TableName::new(CLAIMS)?)
+            .with_table(TableName::new(CLAIMS)?)?
             .migrate()
             .await?;
         Ok(())
@@ -226,7 +226,7 @@ impl Bench {
 }
 
 fn processor_on(pool: &PgPool) -> anyhow::Result<Processor<PostgresStore>> {
-    let store = PostgresStore::from_pool(pool.clone()).with_table(TableName::new(CLAIMS)?);
+    let store = PostgresStore::from_pool(pool.clone()).with_table(TableName::new(CLAIMS)?)?;
     Ok(Processor::builder(store, CONSUMER).build()?)
 }
 

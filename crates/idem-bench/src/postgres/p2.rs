@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use anyhow::bail;
 use idem_core::{BoxError, Claim, Handler, Identified, Message, Savepoints, TransactionalStore};
-use idem_sql::PgTx;
+use idem_sql::PostgresTx;
 use sqlx::postgres::PgConnection;
 
 use super::{Bench, Ctx, charge, charge_set, expect_processed, now_micros};
@@ -309,10 +309,10 @@ struct Charge {
     failing: Option<idem_core::MessageId>,
 }
 
-impl Handler<PgTx, Delivery> for Charge {
+impl Handler<PostgresTx, Delivery> for Charge {
     type Output = ();
 
-    async fn handle(&self, tx: &mut PgTx, msg: &Message<Delivery>) -> Result<(), BoxError> {
+    async fn handle(&self, tx: &mut PostgresTx, msg: &Message<Delivery>) -> Result<(), BoxError> {
         charge(tx, msg.payload()).await?;
         if Some(msg.message_id()) == self.failing.as_ref() {
             return Err("declined (injected)".into());

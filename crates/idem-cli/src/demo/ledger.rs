@@ -59,20 +59,20 @@ const SCHEMA: [&str; 6] = [
 /// Drops and recreates the demo's tables and deletes the demo consumer's claims, so every run
 /// starts from an empty ledger. Other consumers' claims in the same file are left alone.
 pub(crate) async fn reset(store: &SqliteStore, consumer: &ConsumerName) -> anyhow::Result<()> {
-    let mut tx = store.begin_immediate().await?;
+    let mut tx = store.begin_tx().await?;
     for table in DEMO_TABLES {
         sqlx::query(&format!("DROP TABLE IF EXISTS {table}"))
             .execute(&mut *tx)
             .await
-            .with_context(|| format!("dropping the demo table {table}"))?;
+            .with_context(|| format!("SQLite: dropping the demo table {table}"))?;
     }
     for sql in SCHEMA {
         sqlx::query(sql)
             .execute(&mut *tx)
             .await
-            .context("creating the demo tables")?;
+            .context("SQLite: creating the demo tables")?;
     }
-    tx.commit().await.context("committing the demo schema")?;
+    tx.commit().await.context("SQLite: committing the demo schema")?;
     // A rerun uses the same message IDs: last run's claims would turn all of them into
     // duplicates. Pruning "everything older than the end of time" removes them.
     prune_all(
@@ -92,13 +92,13 @@ pub(crate) async fn record_requests(
     store: &SqliteStore,
     requests: &[std::sync::Arc<Envelope>],
 ) -> anyhow::Result<()> {
-    let mut tx = store.begin_immediate().await?;
+    let mut tx = store.begin_tx().await?;
     for i in 0..ACCOUNTS {
         sqlx::query("INSERT INTO accounts (account) VALUES (?1)")
             .bind(account_name(i))
             .execute(&mut *tx)
             .await
-            .context("opening the demo accounts")?;
+            .context("SQLite: opening the demo accounts")?;
     }
     for r in requests {
         sqlx::query(
@@ -109,11 +109,11 @@ pub(crate) async fn record_requests(
         .bind(r.payment.amount_cents)
         .execute(&mut *tx)
         .await
-        .context("recording the payment requests")?;
+        .context("SQLite: recording the payment requests")?;
     }
     tx.commit()
         .await
-        .context("committing the payment requests")?;
+        .context("SQLite: committing the payment requests")?;
     Ok(())
 }
 
@@ -157,7 +157,7 @@ pub(crate) async fn dead_letter(
         .bind(payload.as_ref())
         .execute(pool)
         .await
-        .with_context(|| format!("recording dead letter {message_id}"))?;
+        .with_context(|| format!("SQLite: recording dead letter {message_id}"))?;
     Ok(())
 }
 
@@ -191,7 +191,7 @@ pub(crate) async fn audit(pool: &SqlitePool) -> anyhow::Result<Audit> {
     )
     .fetch_one(pool)
     .await
-    .context("counting charges")?;
+    .context("SQLite: counting charges")?;
     let double_charged_messages: i64 = scalar(
         pool,
         "SELECT count(*) FROM \
@@ -230,7 +230,7 @@ async fn scalar(pool: &SqlitePool, sql: &str) -> anyhow::Result<i64> {
     sqlx::query_scalar(sql)
         .fetch_one(pool)
         .await
-        .with_context(|| format!("auditing the ledger ({sql})"))
+        .with_context(|| format!("SQLite: auditing the ledger ({sql})"))
 }
 
 /// SQL counts are never negative; clamp rather than fail if one somehow were.

@@ -67,7 +67,7 @@ async fn attempt(ctx: &WorkerContext, delivery: &InMemoryDelivery) -> Result<Ste
 
     // Transaction 2: the charge (the same ledger code idem's consumer runs).
     let payment = PaymentRequested::decode(delivery.payload())?;
-    let mut tx = ctx.store.begin_immediate().await?;
+    let mut tx = ctx.store.begin_tx().await?;
     ledger::charge(&mut tx, &id, &payment).await?;
     tx.commit().await?;
 

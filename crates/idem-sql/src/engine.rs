@@ -1,0 +1,291 @@
+//! What differs between SQL engines, as one sealed trait: [`Engine`]. Everything else — the
+//! store, its transactions, every capability of `idem_core::store` — is written once, in
+//! [`crate::store`], [`crate::tx`] and [`crate::requests`], generic over the engine.
+//!
+//! An engine is a sqlx database type (`sqlx::Sqlite`, `sqlx::Postgres`, `sqlx::MySql`; its
+//! `sqlx::Database::NAME` starts every error message it causes) with:
+//! its SQL dialect (the claim, prune, stats and request statements and the schema `migrate`
+//! creates), whose clock stamps claims (the server's, or this host's for an embedded file), how
+//! a transaction begins and commits, how the driver's error codes map onto [`ErrorKind`]s, and
+//! the batch claim, whose best form differs per engine (`unnest` arrays, multi-row `VALUES`).
+//! `CONTRIBUTING.md` walks through adding one.
+//!
+//! The driver glue ([`Driver`]) is implemented once for every sqlx database, so generic code
+//! can run a statement with idem's few parameter types without restating sqlx's trait bounds
+//! at every use (Rust does not carry a trait's `where` clauses to its users; a supertrait with a
+//! blanket impl does).
+
+use std::future::Future;
+
+use idem_core::{ConsumerName, ConsumerStats, Error, ErrorKind, Fingerprint, MessageId, Stamp};
+use sqlx::error::DatabaseError;
+
+use crate::requests::RecordRow;
+pub use crate::requests::RequestStatements;
+pub use crate::store::ClaimStatements;
+use crate::store::SqlStore;
+use crate::table::TableName;
+use crate::tx::Tx;
+
+/// An SQL engine idem stores claims on: implemented for `sqlx::Sqlite`, `sqlx::Postgres` and
+/// `sqlx::MySql` (each behind the cargo feature of the same name). Sealed: a new engine is
+/// added inside this crate (see `CONTRIBUTING.md`), where the conformance suites prove it.
+pub trait Engine: Driver + sealed::Sealed {
+    /// Longest message ID the schema holds.
+    const MAX_MESSAGE_ID_LEN: usize;
+
+    /// Begins a transaction: `BEGIN`, or SQLite's `BEGIN IMMEDIATE`, which takes the write lock
+    /// up front so a concurrent duplicate waits for the first claim instead of failing.
+    const BEGIN: &'static str;
+
+    /// Commits, as one simple query. PostgreSQL's is `SELECT 1; COMMIT`: after any failed
+    /// statement it aborts the transaction and a bare `COMMIT` would roll back *and report
+    /// success*; the `SELECT` fails first instead (see [`Engine::aborted`]).
+    const COMMIT: &'static str;
+
+    /// The claim statements for `table`, parameters bound in the order
+    /// [`ClaimStatements`] documents.
+    fn claim_statements(table: &TableName) -> ClaimStatements;
+
+    /// The request-record statements for `table` (see [`RequestStatements`]).
+    fn request_statements(table: &TableName) -> RequestStatements;
+
+    /// Refuses a table name this engine cannot use (SQLite: a schema-qualified one).
+    fn check_table(_table: &TableName) -> Result<(), Error> {
+        Ok(())
+    }
+
+    /// The `processed_at` / `now` bound for `stamp`: `None` makes a statement read the
+    /// server's clock (`COALESCE(?, <server now>)`), so every host stamps and prunes on one
+    /// clock; an embedded engine stamps with this host's clock, the only one writing the file.
+    fn stamp(stamp: Stamp) -> Option<i64>;
+
+    /// What a database error means for a consumer, by the driver's code — never its message
+    /// text, except where the engine has no code for it (SQLite's `no such table`).
+    fn database_kind(error: &dyn DatabaseError) -> ErrorKind;
+
+    /// Whether a failed commit says the transaction had already aborted (PostgreSQL's 25P02):
+    /// nothing committed because the handler swallowed a failed statement.
+    fn aborted(_error: &dyn DatabaseError) -> bool {
+        false
+    }
+
+    /// Claims many messages in one statement inside `tx` (see
+    /// [`BatchClaimStore`](idem_core::BatchClaimStore)): `None` for each inserted, the stored
+    /// fingerprint for each already there.
+    fn claim_many(
+        store: &SqlStore<Self>,
+        tx: &mut Tx<Self>,
+        consumer: &ConsumerName,
+        items: &[(&MessageId, Fingerprint)],
+        at: Stamp,
+    ) -> impl Future<Output = Result<Vec<Option<Fingerprint>>, Error>> + Send;
+
+    /// Creates the claims and requests tables and their indexes, idempotently and safely when
+    /// several replicas start at once.
+    fn migrate(store: &SqlStore<Self>) -> impl Future<Output = Result<(), Error>> + Send;
+
+    /// Runs a request record's take-over statement: its rows affected, or `None` when it could
+    /// not run without waiting for another executor. On a server a row lock it meets is the old
+    /// executor's completion about to commit, so waiting is short and this just runs it.
+    fn take_over<'e>(
+        pool: &'e sqlx::Pool<Self>,
+        sql: &'e str,
+        params: &'e [Param<'e>],
+    ) -> impl Future<Output = Result<Option<u64>, sqlx::Error>> + Send + 'e {
+        async move { Self::execute_pool(pool, sql, params).await.map(Some) }
+    }
+}
+
+pub(crate) mod sealed {
+    /// Only this crate's engines implement [`Engine`](super::Engine).
+    #[allow(unreachable_pub)] // nameable by no one outside: the sealed-trait pattern
+    pub trait Sealed {}
+}
+
+/// A bound parameter of one of idem's statements: idem binds nothing else.
+#[derive(Debug, Clone, Copy)]
+pub enum Param<'a> {
+    /// A consumer name.
+    Text(&'a str),
+    /// A message ID, fingerprint, scope, key or stored result.
+    Bytes(&'a [u8]),
+    /// Microseconds, a fence, a limit.
+    Int(i64),
+    /// A stamp: `None` reads the server's clock.
+    OptInt(Option<i64>),
+}
+
+/// Rows affected, which sqlx reports through each driver's own result type.
+#[allow(unreachable_pub)] // sealed: named only through Driver's bounds
+pub trait RowsAffected {
+    /// Rows the statement inserted, updated or deleted.
+    fn rows(&self) -> u64;
+}
+
+#[cfg(feature = "sqlite")]
+impl RowsAffected for sqlx::sqlite::SqliteQueryResult {
+    fn rows(&self) -> u64 {
+        self.rows_affected()
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl RowsAffected for sqlx::postgres::PgQueryResult {
+    fn rows(&self) -> u64 {
+        self.rows_affected()
+    }
+}
+
+#[cfg(feature = "mysql")]
+impl RowsAffected for sqlx::mysql::MySqlQueryResult {
+    fn rows(&self) -> u64 {
+        self.rows_affected()
+    }
+}
+
+/// Runs idem's statements on a sqlx database: implemented once, for every database whose
+/// driver takes idem's parameter and column types.
+#[allow(unreachable_pub)] // sealed: a supertrait of Engine, not exported
+pub trait Driver: sqlx::Database {
+    /// Runs `sql` on a connection; rows affected.
+    fn execute<'e>(
+        conn: &'e mut Self::Connection,
+        sql: &'e str,
+        params: &'e [Param<'e>],
+    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send + 'e;
+
+    /// Runs `sql` on a pooled connection; rows affected.
+    fn execute_pool<'e>(
+        pool: &'e sqlx::Pool<Self>,
+        sql: &'e str,
+        params: &'e [Param<'e>],
+    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send + 'e;
+
+    /// Runs parameterless `sql` as one simple query (it may hold several statements).
+    fn execute_simple<'e>(
+        conn: &'e mut Self::Connection,
+        sql: &'e str,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'e;
+
+    /// The one `bytea`/`BLOB` column of the row `sql` returns, if it returns one.
+    fn fetch_bytes<'e>(
+        conn: &'e mut Self::Connection,
+        sql: &'e str,
+        params: &'e [Param<'e>],
+    ) -> impl Future<Output = Result<Option<Vec<u8>>, sqlx::Error>> + Send + 'e;
+
+    /// The request record `sql` reads (always one row).
+    fn fetch_record<'e>(
+        pool: &'e sqlx::Pool<Self>,
+        sql: &'e str,
+        params: &'e [Param<'e>],
+    ) -> impl Future<Output = Result<RecordRow, sqlx::Error>> + Send + 'e;
+
+    /// `(consumer, count, oldest, newest)` rows.
+    fn fetch_stats<'e>(
+        pool: &'e sqlx::Pool<Self>,
+        sql: &'e str,
+    ) -> impl Future<Output = Result<Vec<ConsumerStats>, sqlx::Error>> + Send + 'e;
+}
+
+type Query<'q, DB> = sqlx::query::Query<'q, DB, <DB as sqlx::Database>::Arguments<'q>>;
+
+impl<DB> Driver for DB
+where
+    DB: sqlx::Database,
+    DB::QueryResult: RowsAffected,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'q> DB::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
+    for<'q> &'q str: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    for<'q> &'q [u8]: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    i64: for<'q> sqlx::Encode<'q, DB> + for<'r> sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+    Option<i64>: for<'q> sqlx::Encode<'q, DB>,
+    i16: for<'r> sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+    Vec<u8>: for<'r> sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+    String: for<'r> sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+    usize: sqlx::ColumnIndex<DB::Row>,
+{
+    async fn execute<'e>(
+        conn: &'e mut Self::Connection,
+        sql: &'e str,
+        params: &'e [Param<'e>],
+    ) -> Result<u64, sqlx::Error> {
+        let r = bind(sqlx::query::<DB>(sql), params).execute(conn).await?;
+        Ok(r.rows())
+    }
+
+    async fn execute_pool<'e>(
+        pool: &'e sqlx::Pool<Self>,
+        sql: &'e str,
+        params: &'e [Param<'e>],
+    ) -> Result<u64, sqlx::Error> {
+        let r = bind(sqlx::query::<DB>(sql), params).execute(pool).await?;
+        Ok(r.rows())
+    }
+
+    async fn execute_simple<'e>(
+        conn: &'e mut Self::Connection,
+        sql: &'e str,
+    ) -> Result<(), sqlx::Error> {
+        // A bare &str carries no arguments, so sqlx sends it unprepared (PostgreSQL's simple
+        // query protocol, MySQL's COM_QUERY): several statements travel in one round trip.
+        sqlx::Executor::execute(conn, sql).await.map(drop)
+    }
+
+    async fn fetch_bytes<'e>(
+        conn: &'e mut Self::Connection,
+        sql: &'e str,
+        params: &'e [Param<'e>],
+    ) -> Result<Option<Vec<u8>>, sqlx::Error> {
+        let row = bind(sqlx::query::<DB>(sql), params)
+            .fetch_optional(conn)
+            .await?;
+        row.map(|r| sqlx::Row::try_get(&r, 0)).transpose()
+    }
+
+    async fn fetch_record<'e>(
+        pool: &'e sqlx::Pool<Self>,
+        sql: &'e str,
+        params: &'e [Param<'e>],
+    ) -> Result<RecordRow, sqlx::Error> {
+        let r = bind(sqlx::query::<DB>(sql), params).fetch_one(pool).await?;
+        use sqlx::Row;
+        Ok((
+            r.try_get(0)?,
+            r.try_get(1)?,
+            r.try_get(2)?,
+            r.try_get(3)?,
+            r.try_get(4)?,
+            r.try_get(5)?,
+            r.try_get(6)?,
+        ))
+    }
+
+    async fn fetch_stats<'e>(
+        pool: &'e sqlx::Pool<Self>,
+        sql: &'e str,
+    ) -> Result<Vec<ConsumerStats>, sqlx::Error> {
+        let rows = sqlx::query::<DB>(sql).fetch_all(pool).await?;
+        rows.iter().map(crate::common::stats_row).collect()
+    }
+}
+
+fn bind<'q, DB>(mut q: Query<'q, DB>, params: &'q [Param<'q>]) -> Query<'q, DB>
+where
+    DB: sqlx::Database,
+    &'q str: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    &'q [u8]: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    i64: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    Option<i64>: sqlx::Encode<'q, DB>,
+{
+    for p in params {
+        q = match *p {
+            Param::Text(s) => q.bind(s),
+            Param::Bytes(b) => q.bind(b),
+            Param::Int(i) => q.bind(i),
+            Param::OptInt(i) => q.bind(i),
+        };
+    }
+    q
+}
