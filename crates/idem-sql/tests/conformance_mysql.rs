@@ -1,4 +1,5 @@
-//! The store conformance suite against the real MySQL/MariaDB server in `IDEM_TEST_MYSQL_URL`.
+//! The store conformance suite against the real MySQL/MariaDB server in `IDEM_TEST_MYSQL_URL`,
+//! with transactions on sqlx's pool and on the store's held connections (`hold_connections`).
 //! Each test gets its own database, so tests run in parallel.
 
 use idem_core::{BoxError, Migrate};
@@ -6,19 +7,25 @@ use idem_sql::MySqlStore;
 use idem_testkit::isolated::MySqlDatabase;
 use idem_testkit::{StoreFixture, TxOf};
 
+/// `HELD`: transactions on the store's held connections instead of the pool.
 #[derive(Debug)]
-struct MySqlFixture {
+struct MySqlFixture<const HELD: bool> {
     store: MySqlStore,
     database: MySqlDatabase,
 }
 
-impl StoreFixture for MySqlFixture {
+impl<const HELD: bool> StoreFixture for MySqlFixture<HELD> {
     type Store = MySqlStore;
 
     async fn setup(test: &str) -> Option<Self> {
         let database = MySqlDatabase::create("idem", test).await?;
         let pool = database.pool(20).await;
         let store = MySqlStore::from_pool(pool);
+        let store = if HELD {
+            store.hold_connections(8)
+        } else {
+            store
+        };
         store.migrate().await.expect("migrate");
         sqlx::query("CREATE TABLE effects (k VARCHAR(255) NOT NULL) ENGINE = InnoDB")
             .execute(store.pool())
@@ -67,4 +74,14 @@ impl StoreFixture for MySqlFixture {
     }
 }
 
-idem_testkit::conformance_tests!(MySqlFixture);
+mod pooled {
+    use super::MySqlFixture;
+
+    idem_testkit::conformance_tests!(MySqlFixture<false>);
+}
+
+mod held {
+    use super::MySqlFixture;
+
+    idem_testkit::conformance_tests!(MySqlFixture<true>);
+}

@@ -1,4 +1,5 @@
-//! The store conformance suite on a real SQLite database file (always runs: SQLite is embedded).
+//! The store conformance suite on a real SQLite database file (always runs: SQLite is embedded),
+//! with transactions on sqlx's pool and on the store's held connections (`hold_connections`).
 
 use std::path::PathBuf;
 
@@ -6,13 +7,14 @@ use idem_core::{BoxError, Migrate};
 use idem_sql::{SqliteOptions, SqliteStore, TableName};
 use idem_testkit::{StoreFixture, TxOf, unique_name};
 
+/// `HELD`: transactions on the store's held connections instead of the pool.
 #[derive(Debug)]
-struct SqliteFixture {
+struct SqliteFixture<const HELD: bool> {
     store: SqliteStore,
     dir: PathBuf,
 }
 
-impl StoreFixture for SqliteFixture {
+impl<const HELD: bool> StoreFixture for SqliteFixture<HELD> {
     type Store = SqliteStore;
 
     async fn setup(test: &str) -> Option<Self> {
@@ -23,6 +25,11 @@ impl StoreFixture for SqliteFixture {
             .expect("open sqlite")
             .with_table(TableName::new("claims").expect("valid"))
             .expect("plain table");
+        let store = if HELD {
+            store.hold_connections(8)
+        } else {
+            store
+        };
         store.migrate().await.expect("migrate");
         sqlx::query("CREATE TABLE effects (key TEXT NOT NULL)")
             .execute(store.pool())
@@ -71,4 +78,14 @@ impl StoreFixture for SqliteFixture {
     }
 }
 
-idem_testkit::conformance_tests!(SqliteFixture);
+mod pooled {
+    use super::SqliteFixture;
+
+    idem_testkit::conformance_tests!(SqliteFixture<false>);
+}
+
+mod held {
+    use super::SqliteFixture;
+
+    idem_testkit::conformance_tests!(SqliteFixture<true>);
+}
