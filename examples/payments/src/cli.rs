@@ -1,0 +1,144 @@
+//! The command line: `payments [serve flags]`, `payments publish`, `payments bench` (and the
+//! hidden `teardown` for tests).
+
+use std::net::SocketAddr;
+
+use clap::{Args, Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "payments",
+    version,
+    about,
+    args_conflicts_with_subcommands = true
+)]
+pub(crate) struct Cli {
+    #[command(subcommand)]
+    pub(crate) command: Option<Command>,
+    #[command(flatten)]
+    pub(crate) serve: ServeArgs,
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum Command {
+    /// Publish one PaymentRequested message with a stable ID (for trying the service out).
+    Publish(PublishArgs),
+    /// Delete the broker-side objects for --source (streams, queues, topics, sessions): for
+    /// tests and benches on shared brokers.
+    #[command(hide = true)]
+    Teardown(TeardownArgs),
+    /// Measure broker-to-committed-effect throughput next to the broker's own consume-and-ack
+    /// rate, in one run.
+    Bench(BenchArgs),
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct TeardownArgs {
+    #[command(flatten)]
+    pub(crate) endpoint: Endpoint,
+    #[arg(long, default_value = "payments")]
+    pub(crate) consumer: String,
+    #[arg(long)]
+    pub(crate) instance: Option<String>,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct BenchArgs {
+    #[command(flatten)]
+    pub(crate) endpoint: Endpoint,
+    /// Database URL for the idem leg.
+    #[arg(long, value_name = "URL", default_value = "sqlite:payments-bench.db")]
+    pub(crate) database: String,
+    /// Backlog size per leg.
+    #[arg(long, default_value_t = 20_000)]
+    pub(crate) messages: usize,
+    /// Messages processed at once in the idem leg.
+    #[arg(long, default_value_t = 8)]
+    pub(crate) concurrency: usize,
+    /// Messages per transaction in the idem leg.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) batch: usize,
+    /// Charge each batch with the set handler (two statements per batch).
+    #[arg(long)]
+    pub(crate) set: bool,
+    /// Print one Markdown table row.
+    #[arg(long)]
+    pub(crate) markdown: bool,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct Endpoint {
+    /// Broker URL: nats://, amqp://, kafka://host:port, redis://, mqtt://
+    #[arg(long, value_name = "URL")]
+    pub(crate) broker: Option<String>,
+    /// Stream (NATS, Redis), queue (RabbitMQ) or topic (Kafka, MQTT) to consume from.
+    #[arg(long, value_name = "NAME", default_value = "payments")]
+    pub(crate) source: String,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct ServeArgs {
+    #[command(flatten)]
+    pub(crate) endpoint: Endpoint,
+    /// Database URL: sqlite:PATH, postgres://…, mysql://…
+    #[arg(long, value_name = "URL", default_value = "sqlite:payments.db")]
+    pub(crate) database: String,
+    /// Serve Prometheus metrics at http://ADDR/metrics.
+    #[arg(long, value_name = "ADDR")]
+    pub(crate) metrics: Option<SocketAddr>,
+    /// Consumer name: the claim namespace, consumer group and durable name.
+    #[arg(long, default_value = "payments")]
+    pub(crate) consumer: String,
+    /// This instance's name, where the broker needs one per process (Redis Streams consumer,
+    /// MQTT client ID): unique per replica, the same across restarts of one replica (a
+    /// StatefulSet pod name, say). Defaults to the host name.
+    #[arg(long)]
+    pub(crate) instance: Option<String>,
+    /// Keep claims this long (e.g. 7d, 36h); must outlast the broker's redelivery window.
+    #[arg(long, value_name = "DURATION", default_value = "7d", value_parser = parse_duration)]
+    pub(crate) keep_claims_for: std::time::Duration,
+    /// The broker's longest redelivery window: how late a redelivery can arrive.
+    #[arg(long, value_name = "DURATION", default_value = "7d", value_parser = parse_duration)]
+    pub(crate) redelivery_window: std::time::Duration,
+    /// Messages processed at once.
+    #[arg(long, default_value_t = 4)]
+    pub(crate) concurrency: usize,
+    /// Messages per transaction, where the broker hands out batches (1 = one per transaction).
+    #[arg(long, default_value_t = 1)]
+    pub(crate) batch: usize,
+    /// Charge each batch with the set handler: every charge row in one insert and every
+    /// balance in one upsert, instead of two statements per message. A batch that fails is
+    /// processed again message by message, so one bad payment is dead-lettered alone.
+    #[arg(long)]
+    pub(crate) set: bool,
+    /// How soon a message a dead consumer held goes to another one: NATS's ack wait, the idle
+    /// time after which Redis Streams entries are claimed, Kafka's session timeout. RabbitMQ
+    /// and MQTT redeliver as soon as the connection drops. Unset: the broker's default.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub(crate) redeliver_after: Option<std::time::Duration>,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct PublishArgs {
+    #[command(flatten)]
+    pub(crate) endpoint: Endpoint,
+    /// The message ID. Publishing the same ID twice is a redelivery, not a second charge.
+    #[arg(long)]
+    pub(crate) id: String,
+    /// The JSON body, e.g. '{"account":"alice","amount_cents":1250}'.
+    pub(crate) payload: String,
+}
+
+pub(crate) fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    idem_core::parse_duration(s).map_err(|e| e.to_string())
+}
+
+/// The host name, the default instance name.
+pub(crate) fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "payments-1".to_owned())
+}

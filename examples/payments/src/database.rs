@@ -1,0 +1,189 @@
+//! The service's database: opened (waiting out an outage at start), migrated, and consumed
+//! into with the processor, the periodic pruner and the mode `--batch`/`--set` choose.
+
+use std::sync::Arc;
+
+use anyhow::Result;
+use idem_consumer::{CancellationToken, Consumer, Handler, Json, RunStats, SetHandler, Source};
+use idem_core::{BatchClaimStore, ErrorKind, Processor, TransactionalStore};
+use idem_sql::{AnyStore, MySqlStore, PostgresStore, SqliteStore, TableName};
+
+use crate::Settings;
+use crate::charge_batch::ChargeBatch;
+use crate::ledger::{self, Charge, PaymentRequested};
+
+/// How often the service prunes claims older than the retention.
+const PRUNE_EVERY: std::time::Duration = std::time::Duration::from_secs(3600);
+
+/// Whether opening the database failed for want of it (unreachable, restarting, read-only,
+/// a connection cut mid-statement) rather than from a mistake that waiting cannot mend.
+fn outage(e: &anyhow::Error) -> bool {
+    e.chain().any(|cause| {
+        cause
+            .downcast_ref::<idem_core::Error>()
+            .is_some_and(idem_core::Error::is_outage)
+    })
+}
+
+/// The service's own DDL failed: classified by the store like any statement on it, so an
+/// outage at start is told apart from a schema the database refuses.
+fn ddl_error<S: TransactionalStore>(store: &S, e: sqlx::Error) -> anyhow::Error {
+    let kind = store.classify(&e).unwrap_or(ErrorKind::InvalidConfig);
+    idem_core::Error::new(kind, format!("creating the service's tables: {e}"))
+        .with_source(e)
+        .into()
+}
+
+/// The database, opened and migrated: claims table plus the service's own tables. Which
+/// engine a `--database` URL means is `AnyStore`'s decision, the one place idem maps schemes;
+/// this keeps the typed store each engine's `Processor` needs.
+#[derive(Debug, Clone)]
+pub(crate) enum Database {
+    Sqlite(SqliteStore),
+    Postgres(PostgresStore),
+    MySql(MySqlStore),
+}
+
+impl Database {
+    /// [`Database::open`], waiting out an outage: a replica started while the database
+    /// restarts, fails over or drops connections waits for it (as the runner waits for a
+    /// broker) instead of exiting into its supervisor's crash-loop back-off. A
+    /// misconfiguration (bad URL, no such database, refused credentials) still exits at once.
+    /// `None` when `shutdown` came first: a stop while waiting is a clean stop.
+    pub(crate) async fn open_when_up(
+        url: &str,
+        shutdown: &CancellationToken,
+    ) -> Result<Option<Self>> {
+        let mut wait = std::time::Duration::from_millis(100);
+        let mut waiting = false;
+        loop {
+            let e = match Self::open(url).await {
+                Ok(db) => {
+                    if waiting {
+                        tracing::info!("database reachable again");
+                    }
+                    return Ok(Some(db));
+                }
+                Err(e) if outage(&e) => e,
+                Err(e) => return Err(e),
+            };
+            if waiting {
+                tracing::debug!(error = %format!("{e:#}"), retry_in = ?wait, "database still unavailable");
+            } else {
+                tracing::warn!(error = %format!("{e:#}"), database = %idem_core::redact_url(url), "database unavailable at start; waiting for it");
+                waiting = true;
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => return Ok(None),
+                _ = tokio::time::sleep(wait) => {}
+            }
+            wait = (wait * 2).min(std::time::Duration::from_secs(5));
+        }
+    }
+
+    pub(crate) async fn open(url: &str) -> Result<Self> {
+        let store = AnyStore::connect_or_create(url, TableName::default()).await?;
+        store.migrate().await?;
+        Ok(match store {
+            AnyStore::Sqlite(s) => {
+                ledger::create_sqlite(s.pool())
+                    .await
+                    .map_err(|e| ddl_error(&s, e))?;
+                Database::Sqlite(s)
+            }
+            AnyStore::Postgres(s) => {
+                ledger::create_postgres(s.pool())
+                    .await
+                    .map_err(|e| ddl_error(&s, e))?;
+                Database::Postgres(s)
+            }
+            AnyStore::MySql(s) => {
+                ledger::create_mysql(s.pool())
+                    .await
+                    .map_err(|e| ddl_error(&s, e))?;
+                Database::MySql(s)
+            }
+            other => anyhow::bail!("this build of payments has no {} support", other.engine()),
+        })
+    }
+
+    /// Consumes `source` into this database until shutdown.
+    pub(crate) async fn consume<Src: Source>(
+        self,
+        source: Src,
+        settings: &Settings,
+    ) -> Result<RunStats> {
+        match self {
+            Database::Sqlite(store) => consume(store, source, settings).await,
+            Database::Postgres(store) => {
+                // Connections held for the consumer's transactions: no pool pings per message.
+                let store = store.hold_connections(workers(settings));
+                consume(store, source, settings).await
+            }
+            Database::MySql(store) => consume(store, source, settings).await,
+        }
+    }
+}
+
+async fn consume<S, Src>(store: S, source: Src, settings: &Settings) -> Result<RunStats>
+where
+    S: BatchClaimStore + idem_core::Prune + Send + Sync + 'static,
+    S::Tx: Send,
+    Src: Source,
+    Charge: Handler<S::Tx, PaymentRequested>,
+    ChargeBatch: SetHandler<S::Tx, PaymentRequested>,
+{
+    let processor = Processor::builder(store, settings.consumer.as_str())
+        .retention(settings.retention)
+        .build()?;
+    let processor = Arc::new(processor);
+    let pruner = tokio::spawn(idem_consumer::prune_periodically(
+        processor.clone(),
+        PRUNE_EVERY,
+        settings.shutdown.clone(),
+    ));
+    let consumer = Consumer::new(processor, source).concurrency(settings.concurrency);
+    let stats = run_consumer(
+        consumer,
+        settings.batch,
+        settings.set,
+        settings.shutdown.clone(),
+    )
+    .await;
+    pruner.abort();
+    Ok(stats?)
+}
+
+/// Connections a PostgreSQL consumer holds for its transactions (`hold_connections`): one
+/// per message or batch in flight, so no transaction waits for one or pays sqlx's pool pings.
+pub(crate) fn workers(settings: &Settings) -> u32 {
+    u32::try_from(settings.concurrency).unwrap_or(u32::MAX)
+}
+
+/// Runs `consumer` in the mode `--batch` and `--set` choose: per message, batches with
+/// `Charge` per message, or batches with `ChargeBatch` per batch.
+pub(crate) async fn run_consumer<S, Src>(
+    consumer: Consumer<S, Src>,
+    batch: usize,
+    set: bool,
+    shutdown: CancellationToken,
+) -> Result<RunStats, idem_core::Error>
+where
+    S: BatchClaimStore + Send + Sync + 'static,
+    S::Tx: Send,
+    Src: Source,
+    Charge: Handler<S::Tx, PaymentRequested>,
+    ChargeBatch: SetHandler<S::Tx, PaymentRequested>,
+{
+    let json = Json::<PaymentRequested>::new();
+    if set {
+        consumer
+            .batch(batch)
+            .run_set(json, ChargeBatch, shutdown)
+            .await
+    } else if batch > 1 {
+        consumer.batch(batch).run(json, Charge, shutdown).await
+    } else {
+        consumer.run(json, Charge, shutdown).await
+    }
+}
