@@ -1,4 +1,4 @@
-//! MySQL / MariaDB store (InnoDB).
+//! The MySQL / MariaDB engine (InnoDB).
 //!
 //! The claim is `INSERT … ON DUPLICATE KEY UPDATE duplicates = duplicates + 1`: one statement
 //! that cannot race, and — unlike `INSERT IGNORE` — it does not turn truncation or other errors

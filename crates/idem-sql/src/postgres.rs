@@ -1,4 +1,4 @@
-//! PostgreSQL store.
+//! The PostgreSQL engine.
 //!
 //! The claim is `INSERT … ON CONFLICT (consumer, message_id) DO NOTHING`: one statement that
 //! cannot race. A concurrent transaction holding an uncommitted claim for the same key makes it

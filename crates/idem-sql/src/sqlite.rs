@@ -1,4 +1,4 @@
-//! SQLite store: the embedded default.
+//! The SQLite engine: the embedded default.
 //!
 //! SQLite allows one writer at a time. Every transaction here starts with `BEGIN IMMEDIATE`,
 //! which takes the write lock up front, so a concurrent duplicate waits (up to the busy timeout)
