@@ -1,5 +1,5 @@
 //! Classification of Redis errors into idem's kinds, by the error's kind and code rather than
-//! its text.
+//! its text, in idem's message style (`Redis: <what idem was doing>: <what Redis said>`).
 
 use idem_core::{Error, ErrorKind};
 use redis::{RedisError, ServerErrorKind};
@@ -38,16 +38,21 @@ pub(crate) fn kind_of(e: &RedisError) -> ErrorKind {
     }
 }
 
+/// The name every error Redis reported starts with.
+pub(crate) const SYSTEM: &str = "Redis";
+
 /// An idem error for a failed `what`.
 pub(crate) fn redis_error(what: &str, e: RedisError) -> Error {
-    Error::new(kind_of(&e), format!("redis {what} failed: {e}")).with_source(e)
+    Error::from_system(kind_of(&e), SYSTEM, what, e)
 }
 
 /// A reply this crate's scripts never send: a version skew or someone else's data.
 pub(crate) fn unexpected(what: &str, reply: &redis::Value) -> Error {
-    Error::new(
+    Error::from_system(
         ErrorKind::Store,
-        format!("unexpected reply from redis to {what}: {reply:?}"),
+        SYSTEM,
+        what,
+        format!("unexpected reply {reply:?}"),
     )
 }
 
@@ -74,5 +79,25 @@ mod tests {
             "ERR something",
         ));
         assert_eq!(kind_of(&other), ErrorKind::Store);
+    }
+
+    #[test]
+    fn messages_start_with_the_system_and_say_what_idem_was_doing() {
+        let refused = RedisError::from(std::io::Error::new(
+            std::io::ErrorKind::ConnectionRefused,
+            "refused",
+        ));
+        let err = redis_error("begin request", refused);
+        assert_eq!(err.kind(), ErrorKind::Unavailable);
+        assert!(
+            err.to_string().starts_with("Redis: begin request: "),
+            "{err}"
+        );
+        let err = unexpected("the begin script", &redis::Value::Int(7));
+        assert_eq!(err.kind(), ErrorKind::Store);
+        assert_eq!(
+            err.to_string(),
+            "Redis: the begin script: unexpected reply int(7)"
+        );
     }
 }

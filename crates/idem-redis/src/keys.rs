@@ -55,15 +55,15 @@ pub(crate) fn validate_prefix(prefix: &str) -> Result<(), Error> {
     if prefix.is_empty() {
         return Err(Error::new(
             ErrorKind::InvalidConfig,
-            "redis request store: the key prefix must not be empty",
+            "the Redis request store's key prefix must not be empty",
         ));
     }
     if prefix.contains(['{', '}']) {
         return Err(Error::new(
             ErrorKind::InvalidConfig,
             format!(
-                "redis request store: the key prefix {prefix:?} contains a brace, which would \
-                 become the Redis Cluster hash tag of every record"
+                "the Redis request store's key prefix {prefix:?} contains a brace, which \
+                 would become the Redis Cluster hash tag of every record"
             ),
         ));
     }

@@ -12,7 +12,7 @@ use idem_core::{
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::{FromRedisValue, Script};
 
-use crate::error::{kind_of, redis_error};
+use crate::error::{SYSTEM, kind_of, redis_error};
 use crate::keys::{DEFAULT_KEY_PREFIX, RecordKeys, validate_prefix};
 use crate::scripts::{self, millis};
 
@@ -135,7 +135,7 @@ impl RedisRequestStoreBuilder {
         let client = redis::Client::open(self.url.as_str()).map_err(|e| {
             Error::new(
                 ErrorKind::InvalidConfig,
-                format!("invalid redis URL {shown}: {e}"),
+                format!("invalid Redis URL {shown}: {e}"),
             )
             .with_source(e)
         })?;
@@ -151,8 +151,7 @@ impl RedisRequestStoreBuilder {
                     ErrorKind::Store => ErrorKind::Unavailable,
                     kind => kind,
                 };
-                Error::new(kind, format!("could not connect to redis at {shown}: {e}"))
-                    .with_source(e)
+                Error::from_system(kind, SYSTEM, format_args!("connecting to {shown}"), e)
             })?;
         Ok(RedisRequestStore {
             conn,

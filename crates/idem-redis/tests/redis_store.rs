@@ -454,11 +454,17 @@ async fn an_unreachable_server_is_unavailable_and_its_password_never_shown() {
     let shown = format!("{err} {err:?}");
     assert!(!shown.contains("hunter2"), "{shown}");
     assert!(shown.contains("127.0.0.1:1"), "{shown}");
+    assert!(
+        err.to_string()
+            .starts_with("Redis: connecting to redis://app:***@127.0.0.1:1/0: "),
+        "{err}"
+    );
 
     let err = RedisRequestStore::connect("http://app:hunter2@127.0.0.1/")
         .await
         .expect_err("not a redis URL");
     assert_eq!(err.kind(), ErrorKind::InvalidConfig, "{err}");
+    assert!(err.to_string().starts_with("invalid Redis URL "), "{err}");
     assert!(!format!("{err} {err:?}").contains("hunter2"), "{err:?}");
 
     let builder = RedisRequestStore::builder("redis://app:hunter2@127.0.0.1:1/0");
