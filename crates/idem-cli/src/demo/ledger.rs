@@ -72,7 +72,9 @@ pub(crate) async fn reset(store: &SqliteStore, consumer: &ConsumerName) -> anyho
             .await
             .context("SQLite: creating the demo tables")?;
     }
-    tx.commit().await.context("SQLite: committing the demo schema")?;
+    tx.commit()
+        .await
+        .context("SQLite: committing the demo schema")?;
     // A rerun uses the same message IDs: last run's claims would turn all of them into
     // duplicates. Pruning "everything older than the end of time" removes them.
     prune_all(

@@ -16,7 +16,12 @@ const BUCKETS: &[f64] = &[
 fn builder() -> Result<PrometheusBuilder, Error> {
     PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), BUCKETS)
-        .map_err(|e| Error::new(ErrorKind::InvalidConfig, format!("metrics buckets: {e}")))
+        .map_err(|e| {
+            Error::new(
+                ErrorKind::InvalidConfig,
+                format!("invalid metrics buckets: {e}"),
+            )
+        })
 }
 
 /// Installs the process-wide Prometheus recorder and serves `GET /metrics` on `addr`.
