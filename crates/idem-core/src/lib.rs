@@ -42,6 +42,7 @@ mod processor;
 mod redact;
 mod request;
 mod retention;
+pub mod sqlstate;
 pub mod store;
 
 pub use clock::{Clock, ManualClock, Stamp, StoreClock, SystemClock, Timestamp};

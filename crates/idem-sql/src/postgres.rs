@@ -135,7 +135,7 @@ impl Engine for Postgres {
     }
 
     fn database_kind(db: &dyn DatabaseError) -> ErrorKind {
-        crate::errors::postgres_kind(db.code().as_deref().unwrap_or(""))
+        idem_core::sqlstate::kind(db.code().as_deref().unwrap_or(""))
     }
 
     fn aborted(db: &dyn DatabaseError) -> bool {
