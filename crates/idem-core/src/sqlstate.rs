@@ -37,7 +37,7 @@ mod tests {
 
     #[test]
     fn classes_and_codes_map_to_kinds() {
-        for (code, kind) in [
+        for (code, expected) in [
             ("40001", ErrorKind::Transient),
             ("40P01", ErrorKind::Transient),
             ("25006", ErrorKind::Unavailable),
@@ -50,7 +50,7 @@ mod tests {
             ("23505", ErrorKind::Store),
             ("", ErrorKind::Store),
         ] {
-            assert_eq!(kind(code), kind, "{code}");
+            assert_eq!(kind(code), expected, "{code}");
         }
     }
 }
