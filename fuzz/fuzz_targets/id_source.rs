@@ -79,8 +79,8 @@ impl Delivery for Fake {
         self.broker_id.as_deref().map(Cow::Borrowed)
     }
 
-    fn origin(&self) -> String {
-        "fuzz".to_owned()
+    fn fmt_origin(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("fuzz")
     }
 
     async fn ack(self) -> Result<(), idem_core::Error> {

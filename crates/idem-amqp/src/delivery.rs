@@ -12,7 +12,7 @@ use lapin::{BasicProperties, Channel};
 
 use crate::error::{broker, unavailable};
 use crate::headers;
-use crate::publisher::publish_confirmed;
+use crate::producer::publish_confirmed;
 use crate::source::Settings;
 
 /// Quorum queues count deliveries in this header; classic queues only set `redelivered`.
@@ -139,8 +139,9 @@ impl Delivery for AmqpDelivery {
         counted.max(u32::from(self.inner.redelivered))
     }
 
-    fn origin(&self) -> String {
-        format!(
+    fn fmt_origin(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
             "queue {} delivery-tag {}",
             self.settings.queue, self.inner.delivery_tag
         )

@@ -1,14 +1,20 @@
 //! Mapping lapin's errors onto idem's kinds: every broker failure is `Unavailable`, so the
 //! runner backs off and the source reconnects; bad configuration is `InvalidConfig`.
 
-use idem_core::{Error, ErrorKind};
+use std::fmt::Display;
 
-/// A broker-side failure while doing `what`.
-pub(crate) fn unavailable(what: &str, e: lapin::Error) -> Error {
-    Error::new(ErrorKind::Unavailable, format!("AMQP {what} failed: {e}")).with_source(e)
+use idem_core::{BoxError, Error, ErrorKind};
+
+const SYSTEM: &str = "AMQP";
+
+/// A broker-side failure while doing `what`: lapin's error, or the broker's own answer (a
+/// nack, a returned message) when it sent no error.
+pub(crate) fn unavailable(what: impl Display, e: impl Into<BoxError>) -> Error {
+    Error::from_system(ErrorKind::Unavailable, SYSTEM, what, e)
 }
 
-/// A broker-side failure without an underlying lapin error (timeouts, nacks, returns).
+/// A broker that did not answer in time, or a session idem gave up on: `Unavailable`, so the
+/// runner backs off and the source reconnects.
 pub(crate) fn broker(message: String) -> Error {
     Error::new(ErrorKind::Unavailable, message)
 }
@@ -22,7 +28,7 @@ pub(crate) fn config(message: String) -> Error {
 pub(crate) fn short_string(what: &str, s: &str) -> Result<lapin::types::ShortString, Error> {
     lapin::types::ShortString::try_new(s).map_err(|e| {
         config(format!(
-            "AMQP {what} {s:?} is not a valid short string: {e}"
+            "{what} {s:?} is not a valid AMQP short string: {e}"
         ))
     })
 }

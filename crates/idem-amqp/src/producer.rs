@@ -1,5 +1,5 @@
-//! Publishing with the broker's confirmation: the producer helper, and the step every dead
-//! letter goes through before its original is acked.
+//! Publishing with the broker's confirmation: the producer, and the step every dead letter
+//! goes through before its original is acked.
 
 use std::fmt;
 use std::time::Duration;
@@ -41,40 +41,45 @@ pub(crate) async fn publish_confirmed(
     };
     let confirmation = tokio::time::timeout(timeout, publish).await.map_err(|_| {
         broker(format!(
-            "no publisher confirm for {target} within {timeout:?}"
+            "no AMQP publisher confirm for {target} within {timeout:?}"
         ))
     })??;
     match confirmation {
         Confirmation::Ack(None) => Ok(()),
-        Confirmation::Ack(Some(returned)) => Err(broker(format!(
-            "message to {target} was unroutable ({} {}); bind a queue to it",
-            returned.reply_code, returned.reply_text
-        ))),
-        Confirmation::Nack(_) => Err(broker(format!("the broker nacked the message to {target}"))),
+        Confirmation::Ack(Some(returned)) => Err(unavailable(
+            format_args!("publishing to {target}"),
+            format!(
+                "unroutable ({} {}); bind a queue to it",
+                returned.reply_code, returned.reply_text
+            ),
+        )),
+        Confirmation::Nack(_) => Err(unavailable(
+            format_args!("publishing to {target}"),
+            "the broker nacked the message",
+        )),
         Confirmation::NotRequested => Err(broker(format!(
             "publish to {target} was not confirmed: the channel is not in confirm mode"
         ))),
     }
 }
 
-/// The producer helper: publishes with the `message_id` property set (where
-/// [`AmqpSource`](crate::AmqpSource) reads it by default), persistent delivery, and waits for
-/// the broker's publisher confirm.
+/// Publishes with the `message_id` property set (where [`AmqpSource`](crate::AmqpSource)
+/// reads it by default), persistent delivery, and waits for the broker's publisher confirm.
 ///
 /// Any ID that is UTF-8 and at most 255 bytes works (AMQP's `message_id` is a short string):
 /// `"order-42"`, a [`MessageId`](idem_core::MessageId), or, for messages a handler publishes,
 /// a derived key's [`to_message_id`](idem_core::DerivedKey::to_message_id) so that
 /// reprocessing publishes the same ID again and downstream sees a duplicate.
-pub struct AmqpPublisher {
+pub struct AmqpProducer {
     channel: Channel,
-    // Kept so that the connection closes with the publisher when it owns one.
+    // Kept so that the connection closes with the producer when it owns one.
     connection: Option<Connection>,
     confirm_timeout: Duration,
 }
 
-impl fmt::Debug for AmqpPublisher {
+impl fmt::Debug for AmqpProducer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("AmqpPublisher")
+        f.debug_struct("AmqpProducer")
             .field("channel", &self.channel.id())
             .field("owns_connection", &self.connection.is_some())
             .field("confirm_timeout", &self.confirm_timeout)
@@ -82,18 +87,26 @@ impl fmt::Debug for AmqpPublisher {
     }
 }
 
-impl AmqpPublisher {
-    /// Opens its own connection and a channel in confirm mode.
+impl AmqpProducer {
+    /// Opens its own connection to the broker at `url` (`amqp://user:password@host:5672/%2f`)
+    /// and a channel in confirm mode.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidConfig`] for a malformed URL; [`ErrorKind::Unavailable`] when the
+    /// broker cannot be reached or refuses the login.
     pub async fn connect(url: &str) -> Result<Self, Error> {
-        let (connection, channel) = connect_channel(parse_url(url)?, "idem publisher").await?;
-        let mut publisher = Self::on_channel(channel).await?;
-        publisher.connection = Some(connection);
-        Ok(publisher)
+        let (connection, channel) = connect_channel(parse_url(url)?, "idem producer").await?;
+        let mut producer = Self::new(channel).await?;
+        producer.connection = Some(connection);
+        Ok(producer)
     }
 
     /// Publishes on a channel the caller opened; puts it in confirm mode (a channel cannot
     /// leave it, and transactions cannot be used on it afterwards).
-    pub async fn on_channel(channel: Channel) -> Result<Self, Error> {
+    ///
+    /// # Errors
+    /// [`ErrorKind::Unavailable`] when the broker refuses confirm mode on the channel.
+    pub async fn new(channel: Channel) -> Result<Self, Error> {
         channel
             .confirm_select(ConfirmSelectOptions::default())
             .await

@@ -14,11 +14,7 @@ use lapin::uri::AMQPUri;
 use lapin::{Channel, Connection, ConnectionProperties};
 
 use crate::delivery::AmqpDelivery;
-use crate::error::{broker, config, short_string, unavailable};
-
-const DEFAULT_PREFETCH: u16 = 64;
-const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-const DEFAULT_CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
+use crate::error::{broker, config, unavailable};
 
 /// What a source and its deliveries share: validated names and timeouts.
 pub(crate) struct Settings {
@@ -27,6 +23,8 @@ pub(crate) struct Settings {
     pub(crate) broker: String,
     pub(crate) queue: ShortString,
     pub(crate) prefetch: u16,
+    /// Whether the user set the prefetch: the default one warns when batches outgrow it.
+    pub(crate) prefetch_chosen: bool,
     pub(crate) dead_letter_exchange: ShortString,
     pub(crate) dead_letter_routing_key: ShortString,
     pub(crate) connect_timeout: Duration,
@@ -57,114 +55,6 @@ pub(crate) fn parse_url(url: &str) -> Result<AMQPUri, Error> {
     url.parse::<AMQPUri>().map_err(|_| {
         config("invalid AMQP URL; expected amqp://user:password@host:port/vhost".to_owned())
     })
-}
-
-/// Configures an [`AmqpSource`]. Start from [`AmqpSource::builder`] or
-/// [`Topology::source`](crate::Topology::source).
-#[derive(Clone)]
-pub struct AmqpSourceBuilder {
-    url: String,
-    queue: String,
-    prefetch: u16,
-    dead_letter_exchange: Option<String>,
-    dead_letter_routing_key: Option<String>,
-    connect_timeout: Duration,
-    confirm_timeout: Duration,
-    connection_name: Option<String>,
-}
-
-impl fmt::Debug for AmqpSourceBuilder {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("AmqpSourceBuilder")
-            .field("broker", &idem_core::redact_url(&self.url))
-            .field("queue", &self.queue)
-            .field("prefetch", &self.prefetch)
-            .field("dead_letter_exchange", &self.dead_letter_exchange)
-            .field("dead_letter_routing_key", &self.dead_letter_routing_key)
-            .finish_non_exhaustive()
-    }
-}
-
-impl AmqpSourceBuilder {
-    /// How many unacknowledged deliveries the broker may push ahead (`basic.qos`, default 64;
-    /// 0 is raised to 1 because AMQP reads 0 as "unlimited"). Keep it at least the runner's
-    /// concurrency (or batch size), or the runner waits on the broker.
-    pub fn prefetch(mut self, n: u16) -> Self {
-        self.prefetch = n.max(1);
-        self
-    }
-
-    /// The exchange dead letters are published to (default `<queue>.dlx`, as declared by
-    /// [`Topology::new`](crate::Topology::new)).
-    pub fn dead_letter_exchange(mut self, exchange: impl Into<String>) -> Self {
-        self.dead_letter_exchange = Some(exchange.into());
-        self
-    }
-
-    /// The routing key dead letters are published with (default: the queue's name).
-    pub fn dead_letter_routing_key(mut self, key: impl Into<String>) -> Self {
-        self.dead_letter_routing_key = Some(key.into());
-        self
-    }
-
-    /// How long connecting, opening the channel and starting the consumer may take before the
-    /// attempt counts as failed (default 10 s).
-    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
-        self.connect_timeout = timeout;
-        self
-    }
-
-    /// How long a dead letter waits for the broker's publisher confirm (default 30 s). A
-    /// broker under a memory or disk alarm blocks publishers; the delivery is then handed back.
-    pub fn confirm_timeout(mut self, timeout: Duration) -> Self {
-        self.confirm_timeout = timeout;
-        self
-    }
-
-    /// The connection name shown in the RabbitMQ management UI (default
-    /// `idem consumer: <queue>`).
-    pub fn connection_name(mut self, name: impl Into<String>) -> Self {
-        self.connection_name = Some(name.into());
-        self
-    }
-
-    /// Validates the settings without connecting: the first [`Source::next`] connects, and a
-    /// broker that is down at startup is retried by the runner like any outage.
-    pub fn build(self) -> Result<AmqpSource, Error> {
-        let uri = parse_url(&self.url)?;
-        let queue = short_string("queue name", &self.queue)?;
-        let dlx = self
-            .dead_letter_exchange
-            .unwrap_or_else(|| format!("{}.dlx", self.queue));
-        let dead_letter_exchange = short_string("dead-letter exchange", &dlx)?;
-        let rk = self.dead_letter_routing_key.unwrap_or(self.queue.clone());
-        let dead_letter_routing_key = short_string("dead-letter routing key", &rk)?;
-        let connection_name = self
-            .connection_name
-            .unwrap_or_else(|| format!("idem consumer: {}", self.queue));
-        Ok(AmqpSource {
-            settings: Arc::new(Settings {
-                uri,
-                broker: idem_core::redact_url(&self.url),
-                queue,
-                prefetch: self.prefetch,
-                dead_letter_exchange,
-                dead_letter_routing_key,
-                connect_timeout: self.connect_timeout,
-                confirm_timeout: self.confirm_timeout,
-                connection_name,
-            }),
-            session: None,
-        })
-    }
-
-    /// Validates the settings and connects now, so a wrong URL, wrong credentials or a
-    /// missing queue fail at startup.
-    pub async fn connect(self) -> Result<AmqpSource, Error> {
-        let mut source = self.build()?;
-        source.session = Some(Session::open(&source.settings).await?);
-        Ok(source)
-    }
 }
 
 /// One live consumer. Deliveries get only a weak handle to the channel so that dropping the
@@ -202,7 +92,7 @@ impl Session {
                     FieldTable::default(),
                 )
                 .await
-                .map_err(|e| unavailable(&format!("basic.consume on {}", settings.queue), e))?;
+                .map_err(|e| unavailable(format_args!("basic.consume on {}", settings.queue), e))?;
             Ok(Session {
                 consumer,
                 channel: Arc::new(channel),
@@ -213,7 +103,7 @@ impl Session {
             .await
             .map_err(|_| {
                 broker(format!(
-                    "AMQP connect to {} timed out after {:?}",
+                    "connecting to the AMQP broker at {} timed out after {:?}",
                     settings.broker, settings.connect_timeout
                 ))
             })??;
@@ -231,6 +121,8 @@ impl Session {
 pub struct AmqpSource {
     settings: Arc<Settings>,
     session: Option<Session>,
+    /// Whether the default prefetch was found too small for the runner's batches (said once).
+    warned_prefetch: bool,
 }
 
 impl fmt::Debug for AmqpSource {
@@ -243,19 +135,20 @@ impl fmt::Debug for AmqpSource {
 }
 
 impl AmqpSource {
-    /// A source consuming `queue` on the broker at `url`
-    /// (`amqp://user:password@host:5672/%2f`; `amqps://` for TLS).
-    pub fn builder(url: impl Into<String>, queue: impl Into<String>) -> AmqpSourceBuilder {
-        AmqpSourceBuilder {
-            url: url.into(),
-            queue: queue.into(),
-            prefetch: DEFAULT_PREFETCH,
-            dead_letter_exchange: None,
-            dead_letter_routing_key: None,
-            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
-            confirm_timeout: DEFAULT_CONFIRM_TIMEOUT,
-            connection_name: None,
+    /// A source with validated settings that connects on [`open`](Self::open) or on its first
+    /// fetch.
+    pub(crate) fn new(settings: Arc<Settings>) -> Self {
+        Self {
+            settings,
+            session: None,
+            warned_prefetch: false,
         }
+    }
+
+    /// Connects and starts consuming now.
+    pub(crate) async fn open(&mut self) -> Result<(), Error> {
+        self.session = Some(Session::open(&self.settings).await?);
+        Ok(())
     }
 
     /// The queue being consumed.
@@ -291,19 +184,31 @@ impl Source for AmqpSource {
         if self.session.is_none() {
             self.session = Some(Session::open(&self.settings).await?);
         }
+        if max > usize::from(self.settings.prefetch)
+            && !self.settings.prefetch_chosen
+            && !self.warned_prefetch
+        {
+            self.warned_prefetch = true;
+            tracing::warn!(queue = %self.settings.queue, prefetch = self.settings.prefetch, wanted = max, "the runner asks for more deliveries at once than the default prefetch lets the broker send; set AmqpSourceBuilder::prefetch to what the runner keeps in flight (its concurrency, times the batch size with batches)");
+        }
         let Some(session) = self.session.as_mut() else {
-            return Err(broker("AMQP session missing after connect".to_owned()));
+            return Err(broker(
+                "the AMQP session is missing after connecting".to_owned(),
+            ));
         };
         let first = match session.consumer.next().await {
             Some(Ok(d)) => d,
             Some(Err(e)) => {
                 self.session = None;
-                return Err(unavailable(&format!("consume from {}", self.queue()), e));
+                return Err(unavailable(
+                    format_args!("consuming from {}", self.queue()),
+                    e,
+                ));
             }
             None => {
                 self.session = None;
                 return Err(broker(format!(
-                    "AMQP consumer on {} was cancelled (channel closed, or queue deleted)",
+                    "the AMQP consumer on {} was cancelled (channel closed, or queue deleted)",
                     self.queue()
                 )));
             }
@@ -350,7 +255,7 @@ pub(crate) async fn connect_channel(
     let props = ConnectionProperties::default().with_connection_name(name.into());
     let connection = Connection::connect_uri(uri, props)
         .await
-        .map_err(|e| unavailable("connect", e))?;
+        .map_err(|e| unavailable("connecting", e))?;
     let channel = connection
         .create_channel()
         .await

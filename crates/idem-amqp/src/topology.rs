@@ -9,8 +9,8 @@ use lapin::{Channel, ExchangeKind};
 
 use idem_core::Error;
 
+use crate::builder::AmqpSourceBuilder;
 use crate::error::{short_string, unavailable};
-use crate::source::AmqpSourceBuilder;
 
 /// A durable work queue, a direct dead-letter exchange, and a durable dead-letter queue bound
 /// to it with the work queue's name as routing key (so one exchange can serve many queues).
@@ -75,14 +75,19 @@ impl Topology {
     }
 
     /// A source builder for the work queue that dead-letters through this topology.
-    pub fn source(&self, url: impl Into<String>) -> AmqpSourceBuilder {
-        crate::AmqpSource::builder(url, self.queue.clone())
+    pub fn source(&self) -> AmqpSourceBuilder {
+        crate::AmqpSource::builder(self.queue.clone())
             .dead_letter_exchange(self.dead_letter_exchange.clone())
             .dead_letter_routing_key(self.queue.clone())
     }
 
     /// Declares the exchange, both queues and the binding; idempotent. Redeclaring an
     /// existing queue with other arguments fails (`PRECONDITION_FAILED`) and closes `channel`.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidConfig`](idem_core::ErrorKind::InvalidConfig) for a name AMQP cannot
+    /// carry; [`ErrorKind::Unavailable`](idem_core::ErrorKind::Unavailable) when the broker
+    /// refuses a declaration or cannot be reached.
     pub async fn declare(&self, channel: &Channel) -> Result<(), Error> {
         let queue = short_string("queue name", &self.queue)?;
         let dlx = short_string("dead-letter exchange", &self.dead_letter_exchange)?;
@@ -102,11 +107,11 @@ impl Topology {
                 FieldTable::default(),
             )
             .await
-            .map_err(|e| unavailable(&format!("exchange.declare {dlx}"), e))?;
+            .map_err(|e| unavailable(format_args!("exchange.declare {dlx}"), e))?;
         channel
             .queue_declare(dlq.clone(), durable, self.queue_arguments(None))
             .await
-            .map_err(|e| unavailable(&format!("queue.declare {dlq}"), e))?;
+            .map_err(|e| unavailable(format_args!("queue.declare {dlq}"), e))?;
         channel
             .queue_bind(
                 dlq.clone(),
@@ -116,15 +121,18 @@ impl Topology {
                 FieldTable::default(),
             )
             .await
-            .map_err(|e| unavailable(&format!("queue.bind {dlq} to {dlx}"), e))?;
+            .map_err(|e| unavailable(format_args!("queue.bind {dlq} to {dlx}"), e))?;
         channel
             .queue_declare(queue.clone(), durable, self.queue_arguments(Some(&dlx)))
             .await
-            .map_err(|e| unavailable(&format!("queue.declare {queue}"), e))?;
+            .map_err(|e| unavailable(format_args!("queue.declare {queue}"), e))?;
         Ok(())
     }
 
     /// Deletes both queues (with their messages) and the exchange.
+    ///
+    /// # Errors
+    /// As [`declare`](Self::declare).
     pub async fn delete(&self, channel: &Channel) -> Result<(), Error> {
         for q in [&self.queue, &self.dead_letter_queue] {
             channel
@@ -133,7 +141,7 @@ impl Topology {
                     QueueDeleteOptions::default(),
                 )
                 .await
-                .map_err(|e| unavailable(&format!("queue.delete {q}"), e))?;
+                .map_err(|e| unavailable(format_args!("queue.delete {q}"), e))?;
         }
         channel
             .exchange_delete(
@@ -141,7 +149,12 @@ impl Topology {
                 ExchangeDeleteOptions::default(),
             )
             .await
-            .map_err(|e| unavailable(&format!("exchange.delete {}", self.dead_letter_exchange), e))
+            .map_err(|e| {
+                unavailable(
+                    format_args!("exchange.delete {}", self.dead_letter_exchange),
+                    e,
+                )
+            })
     }
 
     fn queue_arguments(
@@ -161,17 +174,13 @@ impl Topology {
     }
 }
 
-/// Declares `queue` with dead letters going through the direct exchange `dlx` into `dlq`
-/// (see [`Topology`]).
-pub async fn declare_queue_with_dead_letters(
-    channel: &Channel,
-    queue: &str,
-    dlx: &str,
-    dlq: &str,
-) -> Result<(), Error> {
-    Topology::new(queue)
-        .dead_letter_exchange(dlx)
-        .dead_letter_queue(dlq)
-        .declare(channel)
-        .await
+/// Declares `queue` (durable) with its dead letters going through the direct exchange
+/// `<queue>.dlx` into the durable queue `<queue>.dead`, where [`AmqpSource`
+/// ](crate::AmqpSource) sends them by default; idempotent. For other names or quorum queues,
+/// [`Topology::declare`].
+///
+/// # Errors
+/// As [`Topology::declare`].
+pub async fn ensure_queue(channel: &Channel, queue: &str) -> Result<(), Error> {
+    Topology::new(queue).declare(channel).await
 }

@@ -9,7 +9,7 @@ use common::Rabbit;
 use idem_amqp::lapin::BasicProperties;
 use idem_amqp::lapin::options::{BasicPublishOptions, QueueDeleteOptions};
 use idem_amqp::lapin::types::{AMQPValue, FieldTable, LongString};
-use idem_amqp::{AmqpDelivery, AmqpPublisher, AmqpSource, Topology};
+use idem_amqp::{AmqpDelivery, AmqpProducer, AmqpSource, Topology};
 use idem_consumer::{
     ATTEMPTS_HEADER, CONSUMER_HEADER, DETAIL_HEADER, DeadLetter, DeadLetterReason, Delivery,
     IdSource, REASON_HEADER, Source,
@@ -56,7 +56,7 @@ async fn round_trip_reads_message_id_headers_and_acks() {
     headers.insert("tenant".into(), text("acme"));
     headers.insert("seq".into(), AMQPValue::LongLongInt(42));
     headers.insert("raw".into(), AMQPValue::ByteArray(vec![1, 2].into()));
-    rb.publisher
+    rb.producer
         .publish_with(
             "",
             rb.queue(),
@@ -68,18 +68,18 @@ async fn round_trip_reads_message_id_headers_and_acks() {
         .expect("publish with headers");
     // The helper takes &str, &MessageId and derived keys (as message IDs) alike.
     let id = MessageId::new("m-2").expect("valid id");
-    rb.publisher
+    rb.producer
         .publish("", rb.queue(), &id, b"two")
         .await
         .expect("publish MessageId");
     let consumer = ConsumerName::new("billing").expect("valid name");
     let derived = DerivedKey::new(&consumer, &id, "publish:receipt").to_message_id();
-    rb.publisher
+    rb.producer
         .publish("", rb.queue(), &derived, b"three")
         .await
         .expect("publish derived key");
 
-    let mut source = rb.source().connect().await.expect("connect");
+    let mut source = rb.source().connect(rb.url()).await.expect("connect");
     assert_eq!(source.broker(), "amqp");
     assert_eq!(source.default_id_source(), IdSource::BrokerId);
     let got = take(&mut source, 3).await;
@@ -95,7 +95,7 @@ async fn round_trip_reads_message_id_headers_and_acks() {
     assert!(!first.redelivered());
     assert_eq!(*first.properties().delivery_mode(), Some(2), "persistent");
     assert_eq!(
-        first.origin(),
+        first.origin().to_string(),
         format!("queue {} delivery-tag {}", rb.queue(), first.delivery_tag())
     );
     assert_eq!(id_of(&got[1]).as_deref(), Some("m-2"));
@@ -116,7 +116,12 @@ async fn next_drains_what_is_buffered_up_to_max_without_waiting() {
     for i in 0..5 {
         rb.publish(Some(&format!("drain-{i}")), b"x").await;
     }
-    let mut source = rb.source().prefetch(10).connect().await.expect("connect");
+    let mut source = rb
+        .source()
+        .prefetch(10)
+        .connect(rb.url())
+        .await
+        .expect("connect");
     // Let the broker push all five into the prefetch buffer.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let batch = tokio::time::timeout(WAIT, source.next(3))
@@ -150,13 +155,13 @@ async fn unacked_delivery_comes_back_redelivered_when_its_consumer_vanishes() {
         return;
     };
     rb.publish(Some("again-1"), b"payload").await;
-    let mut first = rb.source().connect().await.expect("connect");
+    let mut first = rb.source().connect(rb.url()).await.expect("connect");
     let got = take(&mut first, 1).await;
     assert_eq!(got[0].previous_deliveries(), 0);
     // Like a crashed process: no ack, no close; the delivery even outlives its source.
     drop(first);
 
-    let mut second = rb.source().connect().await.expect("connect");
+    let mut second = rb.source().connect(rb.url()).await.expect("connect");
     let again = take(&mut second, 1).await;
     assert_eq!(id_of(&again[0]).as_deref(), Some("again-1"));
     assert_eq!(again[0].payload(), b"payload");
@@ -179,7 +184,7 @@ async fn abandon_requeues_at_once() {
         return;
     };
     rb.publish(Some("back-1"), b"x").await;
-    let mut source = rb.source().connect().await.expect("connect");
+    let mut source = rb.source().connect(rb.url()).await.expect("connect");
     let got = take(&mut source, 1).await;
     for d in got {
         d.abandon().await;
@@ -200,20 +205,13 @@ async fn quorum_queues_count_deliveries() {
         return;
     };
     let topology = Topology::new(unique_name("idem", "quorum_queues")).quorum();
-    let publisher = AmqpPublisher::connect(&url).await.expect("publisher");
-    topology
-        .declare(publisher.channel())
-        .await
-        .expect("declare");
-    publisher
+    let producer = AmqpProducer::connect(&url).await.expect("producer");
+    topology.declare(producer.channel()).await.expect("declare");
+    producer
         .publish("", topology.queue_name(), "q-1", b"x")
         .await
         .expect("publish");
-    let mut source = topology
-        .source(url.clone())
-        .connect()
-        .await
-        .expect("connect");
+    let mut source = topology.source().connect(&url).await.expect("connect");
     for round in 0..3u32 {
         let got = take(&mut source, 1).await;
         assert!(
@@ -235,8 +233,8 @@ async fn quorum_queues_count_deliveries() {
         d.ack().await.expect("ack");
     }
     source.close().await.expect("close");
-    let _ = topology.delete(publisher.channel()).await;
-    let _ = publisher.close().await;
+    let _ = topology.delete(producer.channel()).await;
+    let _ = producer.close().await;
 }
 
 #[tokio::test]
@@ -246,7 +244,7 @@ async fn dead_letter_keeps_payload_and_properties_and_adds_reason_headers() {
     };
     let mut headers = FieldTable::default();
     headers.insert("tenant".into(), text("acme"));
-    rb.publisher
+    rb.producer
         .publish_with(
             "",
             rb.queue(),
@@ -259,7 +257,7 @@ async fn dead_letter_keeps_payload_and_properties_and_adds_reason_headers() {
         )
         .await
         .expect("publish");
-    let mut source = rb.source().connect().await.expect("connect");
+    let mut source = rb.source().connect(rb.url()).await.expect("connect");
     let got = take(&mut source, 1).await;
     let reason = DeadLetter::new(DeadLetterReason::Undecodable, "expected JSON\nat byte 0")
         .with_context("billing", 2);
@@ -315,7 +313,7 @@ async fn failed_dead_letter_leaves_the_original_for_redelivery() {
     let mut source = rb
         .source()
         .dead_letter_exchange(format!("{}.missing", rb.queue()))
-        .connect()
+        .connect(rb.url())
         .await
         .expect("connect");
     let got = take(&mut source, 1).await;
@@ -354,7 +352,7 @@ async fn unroutable_dead_letter_is_an_error_not_a_silent_drop() {
     let mut source = rb
         .source()
         .dead_letter_routing_key("no-such-binding")
-        .connect()
+        .connect(rb.url())
         .await
         .expect("connect");
     let got = take(&mut source, 1).await;
@@ -386,7 +384,7 @@ async fn reconnects_after_its_connection_is_closed() {
     let Some(rb) = rabbit("reconnects_after_its_connection_is_closed").await else {
         return;
     };
-    let mut source = rb.source().connect().await.expect("connect");
+    let mut source = rb.source().connect(rb.url()).await.expect("connect");
     source
         .connection()
         .expect("connected")
@@ -413,7 +411,7 @@ async fn reconnects_after_the_broker_cancels_the_consumer() {
     let Some(rb) = rabbit("reconnects_after_the_broker_cancels").await else {
         return;
     };
-    let mut source = rb.source().connect().await.expect("connect");
+    let mut source = rb.source().connect(rb.url()).await.expect("connect");
     // Deleting the queue makes the broker cancel the consumer (basic.cancel).
     rb.channel()
         .queue_delete(rb.queue().into(), QueueDeleteOptions::default())
@@ -444,31 +442,31 @@ async fn reconnects_after_the_broker_cancels_the_consumer() {
 #[tokio::test]
 async fn a_source_built_while_the_broker_is_unreachable_reports_unavailable() {
     // Nothing listens on port 1: the connect fails fast, as an outage the runner retries.
-    let mut source = AmqpSource::builder("amqp://guest:guest@127.0.0.1:1/%2f", "q")
+    let mut source = AmqpSource::builder("q")
         .connect_timeout(Duration::from_secs(5))
-        .build()
+        .connect_lazy("amqp://guest:guest@127.0.0.1:1/%2f")
         .expect("valid settings");
     let err = source.next(1).await.expect_err("unreachable");
     assert_eq!(err.kind(), ErrorKind::Unavailable);
 
-    let err = AmqpSource::builder("not a url", "q")
-        .build()
+    let err = AmqpSource::builder("q")
+        .connect_lazy("not a url")
         .expect_err("bad url");
     assert_eq!(err.kind(), ErrorKind::InvalidConfig);
     assert!(!err.to_string().contains("not a url"));
-    let err = AmqpSource::builder("amqp://127.0.0.1", "q".repeat(300))
-        .build()
+    let err = AmqpSource::builder("q".repeat(300))
+        .connect_lazy("amqp://127.0.0.1")
         .expect_err("queue name too long");
     assert_eq!(err.kind(), ErrorKind::InvalidConfig);
 }
 
 #[tokio::test]
-async fn publisher_refuses_unroutable_messages_and_bad_ids() {
-    let Some(rb) = rabbit("publisher_refuses_unroutable").await else {
+async fn producer_refuses_unroutable_messages_and_bad_ids() {
+    let Some(rb) = rabbit("producer_refuses_unroutable").await else {
         return;
     };
     let err = rb
-        .publisher
+        .producer
         .publish("", &format!("{}.nobody", rb.queue()), "id-1", b"x")
         .await
         .expect_err("no queue behind that routing key");
@@ -476,7 +474,7 @@ async fn publisher_refuses_unroutable_messages_and_bad_ids() {
     assert!(err.to_string().contains("unroutable"), "{err}");
     for bad in [&b""[..], &[0xff][..], "x".repeat(256).as_bytes()] {
         let err = rb
-            .publisher
+            .producer
             .publish("", rb.queue(), bad, b"x")
             .await
             .expect_err("invalid id");
@@ -537,7 +535,7 @@ async fn reconnects_after_the_broker_closes_the_connection() {
     let mut source = rb
         .source()
         .connection_name(name.clone())
-        .connect()
+        .connect(rb.url())
         .await
         .expect("connect");
     rb.publish(Some("before-1"), b"x").await;

@@ -30,17 +30,17 @@ impl BrokerFixture for AmqpFixture {
 
     async fn try_publish(&self, id: Option<&[u8]>, payload: &[u8]) -> Result<(), Error> {
         self.0
-            .publisher
+            .producer
             .publish_with("", self.0.queue(), id, payload, BasicProperties::default())
             .await
     }
 
-    /// `AmqpPublisher` refuses an empty ID; the property itself may still be set empty.
+    /// `AmqpProducer` refuses an empty ID; the property itself may still be set empty.
     async fn publish_empty_id_form(&self, form: &'static str, payload: &[u8]) {
         assert_eq!(form, EMPTY_MESSAGE_ID);
         let properties = BasicProperties::default().with_message_id("".into());
         self.0
-            .publisher
+            .producer
             .publish_with("", self.0.queue(), None, payload, properties)
             .await
             .expect("publish with an empty message_id");
@@ -49,7 +49,11 @@ impl BrokerFixture for AmqpFixture {
     /// Every source opens its own connection; dropping one closes that connection, so the
     /// broker requeues its unacknowledged messages like after a crash.
     async fn source(&self) -> AmqpSource {
-        self.0.source().connect().await.expect("connect source")
+        self.0
+            .source()
+            .connect(self.0.url())
+            .await
+            .expect("connect source")
     }
 
     async fn dead_letters(&self, n: usize, timeout: Duration) -> Vec<DeadLettered> {

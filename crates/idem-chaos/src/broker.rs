@@ -103,11 +103,9 @@ impl Broker {
                 }
             }
             Broker::Amqp(url) => {
-                let publisher = idem_amqp::AmqpPublisher::connect(url).await?;
-                idem_amqp::Topology::new(source)
-                    .declare(publisher.channel())
-                    .await?;
-                publisher.close().await?;
+                let producer = idem_amqp::AmqpProducer::connect(url).await?;
+                idem_amqp::ensure_queue(producer.channel(), source).await?;
+                producer.close().await?;
             }
             Broker::Kafka(hosts) => {
                 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
@@ -139,13 +137,18 @@ impl Broker {
     pub(crate) async fn publisher(&self, names: &Names) -> Result<Publisher> {
         let source = names.source.clone();
         Ok(match self {
-            Broker::Nats(url) => Publisher::Nats(nats(url).await?, source),
-            Broker::Amqp(url) => {
-                Publisher::Amqp(idem_amqp::AmqpPublisher::connect(url).await?, source)
+            Broker::Nats(url) => {
+                Publisher::Nats(idem_nats::NatsProducer::new(nats(url).await?), source)
             }
-            Broker::Kafka(hosts) => Publisher::Kafka(idem_kafka::producer(hosts)?, source),
+            Broker::Amqp(url) => {
+                Publisher::Amqp(idem_amqp::AmqpProducer::connect(url).await?, source)
+            }
+            Broker::Kafka(hosts) => {
+                Publisher::Kafka(idem_kafka::KafkaProducer::connect(hosts).await?, source)
+            }
             Broker::Redis(url) => Publisher::Redis(
-                idem_redis_streams::RedisStreamProducer::connect(url, source).await?,
+                idem_redis_streams::RedisStreamProducer::connect(url).await?,
+                source,
             ),
         })
     }
@@ -172,14 +175,14 @@ impl Broker {
                 // Unacknowledged messages are not counted by a passive declare; they return to
                 // ready when their consumer's connection closes, so read this with the
                 // consumers stopped.
-                let publisher = idem_amqp::AmqpPublisher::connect(url).await?;
-                let q = publisher
+                let producer = idem_amqp::AmqpProducer::connect(url).await?;
+                let q = producer
                     .channel()
                     .queue_declare(source.into(), lapin_passive(), Default::default())
                     .await
                     .context("queue.declare passive")?;
                 let n = q.message_count();
-                publisher.close().await?;
+                producer.close().await?;
                 Ok(Some(u64::from(n)))
             }
             Broker::Kafka(hosts) => kafka_lag(hosts, &names.consumer, source).await,
@@ -209,9 +212,9 @@ impl Broker {
                 Ok(stream.info().await.context("stream info")?.state.messages)
             }
             Broker::Amqp(url) => {
-                let publisher = idem_amqp::AmqpPublisher::connect(url).await?;
+                let producer = idem_amqp::AmqpProducer::connect(url).await?;
                 let topology = idem_amqp::Topology::new(source);
-                let q = publisher
+                let q = producer
                     .channel()
                     .queue_declare(
                         topology.dead_letter_queue_name().into(),
@@ -221,7 +224,7 @@ impl Broker {
                     .await
                     .context("queue.declare passive (dead letters)")?;
                 let n = q.message_count();
-                publisher.close().await?;
+                producer.close().await?;
                 Ok(u64::from(n))
             }
             Broker::Kafka(hosts) => {
@@ -257,11 +260,11 @@ impl Broker {
                 }
             }
             Broker::Amqp(url) => {
-                let publisher = idem_amqp::AmqpPublisher::connect(url).await?;
+                let producer = idem_amqp::AmqpProducer::connect(url).await?;
                 idem_amqp::Topology::new(source)
-                    .delete(publisher.channel())
+                    .delete(producer.channel())
                     .await?;
-                publisher.close().await?;
+                producer.close().await?;
             }
             Broker::Kafka(_) => {
                 // tansu's sqlite engine deletes every topic on a DeleteTopics call; the topics
@@ -282,10 +285,10 @@ impl Broker {
 
 /// A connection that publishes the run's messages.
 pub(crate) enum Publisher {
-    Nats(async_nats::jetstream::Context, String),
-    Amqp(idem_amqp::AmqpPublisher, String),
-    Kafka(rdkafka::producer::FutureProducer, String),
-    Redis(idem_redis_streams::RedisStreamProducer),
+    Nats(idem_nats::NatsProducer, String),
+    Amqp(idem_amqp::AmqpProducer, String),
+    Kafka(idem_kafka::KafkaProducer, String),
+    Redis(idem_redis_streams::RedisStreamProducer, String),
 }
 
 impl Publisher {
@@ -309,8 +312,8 @@ impl Publisher {
 
     async fn publish(&self, id: &str, payload: &[u8]) -> Result<bool> {
         match self {
-            Publisher::Nats(js, subject) => {
-                let ack = idem_nats::publish(js, subject.clone(), id, payload.to_vec()).await?;
+            Publisher::Nats(p, subject) => {
+                let ack = p.publish(subject.clone(), id, payload.to_vec()).await?;
                 Ok(ack.duplicate)
             }
             Publisher::Amqp(p, queue) => {
@@ -319,11 +322,11 @@ impl Publisher {
             }
             Publisher::Kafka(p, topic) => {
                 // Keyed by ID: a repeat lands on the same partition, as a producer retry does.
-                idem_kafka::publish(p, topic, Some(id.as_bytes()), id, payload).await?;
+                p.publish(topic, Some(id.as_bytes()), id, payload).await?;
                 Ok(false)
             }
-            Publisher::Redis(p) => {
-                p.publish(id, payload).await?;
+            Publisher::Redis(p, stream) => {
+                p.publish(stream, id, payload).await?;
                 Ok(false)
             }
         }

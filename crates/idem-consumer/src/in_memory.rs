@@ -358,8 +358,8 @@ impl Delivery for InMemoryDelivery {
         self.msg.deliveries
     }
 
-    fn origin(&self) -> String {
-        format!("in-memory #{}", self.msg.seq)
+    fn fmt_origin(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "in-memory #{}", self.msg.seq)
     }
 
     async fn ack(self) -> Result<(), Error> {

@@ -49,5 +49,5 @@ pub use metrics::RunStats;
 pub use prune::prune_periodically;
 pub use retry::RetryPolicy;
 pub use runner::{Batch, Consumer, Observer, PerMessage};
-pub use source::{Delivery, Source};
+pub use source::{Delivery, Origin, Source};
 pub use tokio_util::sync::CancellationToken;

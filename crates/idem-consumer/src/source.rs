@@ -6,6 +6,7 @@
 //! is the runner's, so every broker behaves the same.
 
 use std::borrow::Cow;
+use std::fmt;
 use std::future::Future;
 
 use idem_core::Error;
@@ -77,8 +78,15 @@ pub trait Delivery: Send + Sync + 'static {
         0
     }
 
-    /// Where it came from, for logs: `stream ORDERS seq 42`, `orders/3@1207`.
-    fn origin(&self) -> String;
+    /// Writes where it came from, for logs: `stream ORDERS seq 42`, `orders/3@1207`. Shown
+    /// through [`origin`](Self::origin).
+    fn fmt_origin(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result;
+
+    /// Where it came from, as a value to display (a span field, a log line): every message's
+    /// span has one, so nothing is formatted until something shows it.
+    fn origin(&self) -> Origin<'_, Self> {
+        Origin(self)
+    }
 
     /// Acknowledges: the broker forgets the message. Called only after the message's
     /// transaction committed, or after it was found to be a duplicate.
@@ -97,5 +105,21 @@ pub trait Delivery: Send + Sync + 'static {
         Self: Sized,
     {
         async {}
+    }
+}
+
+/// Where a delivery came from, displayed by its [`Delivery::fmt_origin`]; see
+/// [`Delivery::origin`].
+pub struct Origin<'a, D: ?Sized>(&'a D);
+
+impl<D: Delivery + ?Sized> fmt::Display for Origin<'_, D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt_origin(f)
+    }
+}
+
+impl<D: Delivery + ?Sized> fmt::Debug for Origin<'_, D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Origin({self})")
     }
 }

@@ -21,6 +21,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
+use idem_kafka::KafkaProducer;
 use idem_kafka::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use idem_kafka::rdkafka::client::DefaultClientContext;
 use idem_kafka::rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
@@ -96,12 +97,13 @@ async fn produce_and_read(brokers: &str, topic: &str) -> Result<bool, String> {
         .set("linger.ms", "200")
         .create()
         .map_err(|e| format!("producer: {e}"))?;
+    let producer = KafkaProducer::new(producer);
     for batch in 0..BATCHES {
         // All sends are queued before the first delivery report, within one linger window.
         let sends = (0..PER_BATCH).map(|i| {
             let id = format!("b{batch}-r{i}");
             let producer = &producer;
-            async move { idem_kafka::publish(producer, topic, None, &id, id.as_bytes()).await }
+            async move { producer.publish(topic, None, &id, id.as_bytes()).await }
         });
         let mut offsets = Vec::new();
         for sent in join_all(sends).await {

@@ -2,6 +2,7 @@
 //! dead-letter topic first.
 
 use std::borrow::Cow;
+use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -10,8 +11,8 @@ use idem_core::Error;
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders, OwnedMessage};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 
+use crate::error;
 use crate::offsets::{Offsets, Ticket};
-use crate::produce_error;
 use crate::source::lock;
 
 /// Header on a dead letter naming the topic the message was consumed from.
@@ -37,8 +38,8 @@ pub struct KafkaDelivery {
     shared: Arc<Shared>,
 }
 
-impl std::fmt::Debug for KafkaDelivery {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+impl fmt::Debug for KafkaDelivery {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("KafkaDelivery")
             .field("topic", &self.msg.topic())
             .field("partition", &self.msg.partition())
@@ -123,8 +124,9 @@ impl Delivery for KafkaDelivery {
         ))
     }
 
-    fn origin(&self) -> String {
-        format!(
+    fn fmt_origin(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
             "{}/{}@{}",
             self.msg.topic(),
             self.msg.partition(),
@@ -197,8 +199,8 @@ impl Delivery for KafkaDelivery {
                 self.settle();
                 Ok(())
             }
-            Err((e, _)) => Err(produce_error(
-                &format!("publishing the dead letter of {} to {topic}", self.origin()),
+            Err((e, _)) => Err(error::produce(
+                format_args!("publishing the dead letter of {} to {topic}", self.origin()),
                 e,
             )),
         }

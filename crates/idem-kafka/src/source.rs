@@ -7,23 +7,17 @@ use futures_util::{FutureExt, StreamExt};
 use idem_consumer::{IdSource, Source};
 use idem_core::{Error, ErrorKind};
 use rdkafka::client::ClientContext;
-use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
+use rdkafka::config::RDKafkaLogLevel;
 use rdkafka::consumer::{
     BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
 };
 use rdkafka::error::{KafkaError, KafkaResult};
 use rdkafka::message::{BorrowedMessage, Message};
-use rdkafka::producer::FutureProducer;
 use rdkafka::{Offset, TopicPartitionList};
 
 use crate::delivery::{KafkaDelivery, Shared};
 use crate::offsets::{Offsets, PartitionKey};
-use crate::{MESSAGE_ID_HEADER, unavailable};
-
-/// How often settled offsets are committed while `next` waits for messages.
-const DEFAULT_COMMIT_INTERVAL: Duration = Duration::from_secs(1);
-/// How long a dead letter may wait for room in the producer queue.
-const DEFAULT_SEND_TIMEOUT: Duration = Duration::from_secs(30);
+use crate::{MESSAGE_ID_HEADER, error};
 
 pub(crate) fn lock(offsets: &Mutex<Offsets>) -> MutexGuard<'_, Offsets> {
     // The tracker's invariants hold between statements, so a panic elsewhere cannot leave it
@@ -32,8 +26,8 @@ pub(crate) fn lock(offsets: &Mutex<Offsets>) -> MutexGuard<'_, Offsets> {
 }
 
 /// Consumer-group callbacks: commit what is settled before a partition goes away.
-struct GroupContext {
-    offsets: Arc<Mutex<Offsets>>,
+pub(crate) struct GroupContext {
+    pub(crate) offsets: Arc<Mutex<Offsets>>,
 }
 
 impl ClientContext for GroupContext {
@@ -125,148 +119,12 @@ impl ConsumerContext for GroupContext {
     }
 }
 
-/// Builds a [`KafkaSource`]: brokers, consumer group, topics, dead-letter topic, client settings.
-#[derive(Debug, Clone)]
-#[must_use]
-pub struct KafkaSourceBuilder {
-    brokers: String,
-    group_id: String,
-    topics: Vec<String>,
-    dead_letter_topic: Option<String>,
-    common: Vec<(String, String)>,
-    consumer_only: Vec<(String, String)>,
-    commit_interval: Duration,
-    send_timeout: Duration,
-}
-
-impl KafkaSourceBuilder {
-    /// Subscribes to `topic` too (call once per topic).
-    pub fn topic(mut self, topic: impl Into<String>) -> Self {
-        self.topics.push(topic.into());
-        self
-    }
-
-    /// Where dead letters go. Default: `<topic>.dead-letter` for a message from `<topic>`.
-    /// The topic must exist unless the brokers auto-create topics.
-    pub fn dead_letter_topic(mut self, topic: impl Into<String>) -> Self {
-        self.dead_letter_topic = Some(topic.into());
-        self
-    }
-
-    /// A librdkafka setting for both the consumer and the dead-letter producer (security,
-    /// `client.id`, timeouts). See librdkafka's `CONFIGURATION.md`.
-    pub fn set(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
-        self.common.push((key.into(), value.into()));
-        self
-    }
-
-    /// A librdkafka setting for the consumer only (`session.timeout.ms`,
-    /// `heartbeat.interval.ms`, `auto.offset.reset`, `partition.assignment.strategy`, …).
-    ///
-    /// `enable.auto.commit` and `enable.auto.offset.store` are always `false`: offsets are
-    /// committed by this adapter, only after the runner has settled the messages below them.
-    pub fn set_consumer(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
-        self.consumer_only.push((key.into(), value.into()));
-        self
-    }
-
-    /// How often settled offsets are committed while waiting for messages (default 1 s).
-    /// Offsets are also committed on every fetch, on revoke, and on close; a longer interval
-    /// only means more redeliveries (duplicates) after a crash.
-    pub fn commit_interval(mut self, interval: Duration) -> Self {
-        self.commit_interval = interval.max(Duration::from_millis(10));
-        self
-    }
-
-    /// How long a dead letter may wait for room in the producer's queue (default 30 s).
-    /// Delivery itself is bounded by librdkafka's `delivery.timeout.ms`.
-    pub fn send_timeout(mut self, timeout: Duration) -> Self {
-        self.send_timeout = timeout;
-        self
-    }
-
-    /// Creates the consumer and its dead-letter producer and subscribes to the topics.
-    ///
-    /// Connecting happens in the background; an unreachable broker shows up as
-    /// [`ErrorKind::Unavailable`] from [`Source::next`], not here.
-    ///
-    /// Must be called inside a tokio runtime: the consumer spawns a wake-up task on it.
-    ///
-    /// # Errors
-    /// [`ErrorKind::InvalidConfig`] when no topic was given, librdkafka refuses a setting, or
-    /// there is no tokio runtime.
-    pub fn build(self) -> Result<KafkaSource, Error> {
-        if tokio::runtime::Handle::try_current().is_err() {
-            return Err(Error::new(
-                ErrorKind::InvalidConfig,
-                "KafkaSourceBuilder::build must be called inside a tokio runtime",
-            ));
-        }
-        if self.topics.is_empty() {
-            return Err(Error::new(
-                ErrorKind::InvalidConfig,
-                "a Kafka source needs at least one topic",
-            ));
-        }
-        let mut producer_config = ClientConfig::new();
-        producer_config.set("bootstrap.servers", &self.brokers);
-        for (k, v) in &self.common {
-            producer_config.set(k, v);
-        }
-        let producer: FutureProducer = producer_config.create().map_err(invalid_config)?;
-
-        let mut config = ClientConfig::new();
-        config
-            .set("bootstrap.servers", &self.brokers)
-            .set("group.id", &self.group_id)
-            // A new group starts at the oldest message: nothing published before the
-            // first deployment is skipped. Overridable with `set_consumer`.
-            .set("auto.offset.reset", "earliest");
-        for (k, v) in self.common.iter().chain(&self.consumer_only) {
-            config.set(k, v);
-        }
-        config
-            .set("enable.auto.commit", "false")
-            .set("enable.auto.offset.store", "false");
-        let offsets = Arc::new(Mutex::new(Offsets::default()));
-        let context = GroupContext {
-            offsets: offsets.clone(),
-        };
-        let consumer: StreamConsumer<GroupContext> = config
-            .create_with_context(context)
-            .map_err(invalid_config)?;
-        let topics: Vec<&str> = self.topics.iter().map(String::as_str).collect();
-        consumer.subscribe(&topics).map_err(invalid_config)?;
-        tracing::info!(group = %self.group_id, topics = ?self.topics, "kafka consumer subscribed");
-        Ok(KafkaSource {
-            consumer: Arc::new(consumer),
-            shared: Arc::new(Shared {
-                offsets,
-                producer,
-                dead_letter_topic: self.dead_letter_topic,
-                send_timeout: self.send_timeout,
-            }),
-            group_id: self.group_id,
-            topics: self.topics,
-            commit_interval: self.commit_interval,
-        })
-    }
-}
-
-fn invalid_config(e: KafkaError) -> Error {
-    Error::new(
-        ErrorKind::InvalidConfig,
-        format!("invalid Kafka client configuration: {e}"),
-    )
-    .with_source(e)
-}
-
 /// A Kafka consumer-group member feeding the idem runner.
 ///
 /// * Offsets are committed only up to the lowest offset of each partition that is not yet
 ///   settled, so out-of-order acknowledgements (runner concurrency above 1) never commit past
 ///   an unfinished message. Commits happen on every fetch, every
-///   [`commit_interval`](KafkaSourceBuilder::commit_interval) while idle, when a partition is
+///   [`commit_interval`](crate::KafkaSourceBuilder::commit_interval) while idle, when a partition is
 ///   revoked, and on [`close`](Source::close).
 /// * On a rebalance, the settled prefix of every revoked partition is committed before it is
 ///   released; messages of that partition still being processed here will be redelivered to
@@ -299,18 +157,21 @@ impl std::fmt::Debug for KafkaSource {
 }
 
 impl KafkaSource {
-    /// A builder for a member of consumer group `group_id` on the cluster at `brokers`
-    /// (`host:port[,host:port…]`). Add topics with [`KafkaSourceBuilder::topic`].
-    pub fn builder(brokers: impl Into<String>, group_id: impl Into<String>) -> KafkaSourceBuilder {
-        KafkaSourceBuilder {
-            brokers: brokers.into(),
-            group_id: group_id.into(),
-            topics: Vec::new(),
-            dead_letter_topic: None,
-            common: Vec::new(),
-            consumer_only: Vec::new(),
-            commit_interval: DEFAULT_COMMIT_INTERVAL,
-            send_timeout: DEFAULT_SEND_TIMEOUT,
+    /// A member subscribed by [`KafkaSourceBuilder::connect`
+    /// ](crate::KafkaSourceBuilder::connect).
+    pub(crate) fn new(
+        consumer: StreamConsumer<GroupContext>,
+        shared: Shared,
+        group_id: String,
+        topics: Vec<String>,
+        commit_interval: Duration,
+    ) -> Self {
+        Self {
+            consumer: Arc::new(consumer),
+            shared: Arc::new(shared),
+            group_id,
+            topics,
+            commit_interval,
         }
     }
 
@@ -337,7 +198,7 @@ impl KafkaSource {
             .map_err(|e| {
                 Error::new(
                     ErrorKind::Unavailable,
-                    format!("offset commit task failed: {e}"),
+                    format!("the offset commit task failed: {e}"),
                 )
             })?;
         result.map_err(|e| {
@@ -345,7 +206,7 @@ impl KafkaSource {
             for (key, pos) in &commits {
                 offsets.commit_failed(key, *pos);
             }
-            unavailable("committing offsets", e)
+            error::unavailable("committing offsets", e)
         })
     }
 
@@ -410,7 +271,7 @@ impl Source for KafkaSource {
                 m = stream.next() => match m {
                     Some(Err(KafkaError::PartitionEOF(_))) => continue,
                     Some(Ok(m)) => break m,
-                    Some(Err(e)) => return Err(unavailable("fetching from Kafka", e)),
+                    Some(Err(e)) => return Err(error::unavailable("fetching", e)),
                     None => return Err(Error::new(ErrorKind::Unavailable, "the Kafka message stream ended")),
                 },
                 _ = tick.tick() => self.commit_async(),

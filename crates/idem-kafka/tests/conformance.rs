@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use common::{Cluster, MockBroker, fast_group, read_topic};
 use idem_core::Error;
-use idem_kafka::KafkaSource;
 use idem_kafka::rdkafka::message::{Header, OwnedHeaders};
-use idem_kafka::rdkafka::producer::{FutureProducer, FutureRecord};
+use idem_kafka::rdkafka::producer::FutureRecord;
+use idem_kafka::{KafkaProducer, KafkaSource};
 use idem_testkit::{BrokerFixture, DeadLettered};
 
 /// Partitions per test topic: more than one, so two consumers of the group share the work.
@@ -28,7 +28,7 @@ struct KafkaFixture<const REAL: bool> {
     topic: String,
     dead_letter_topic: String,
     group: String,
-    producer: FutureProducer,
+    producer: KafkaProducer,
 }
 
 impl<const REAL: bool> std::fmt::Debug for KafkaFixture<REAL> {
@@ -42,9 +42,10 @@ impl<const REAL: bool> std::fmt::Debug for KafkaFixture<REAL> {
 }
 
 impl<const REAL: bool> KafkaFixture<REAL> {
-    /// Sends a record the broker must accept, bypassing `idem_kafka::publish`.
+    /// Sends a record the broker must accept, bypassing `KafkaProducer::publish`.
     async fn send(&self, record: FutureRecord<'_, [u8], [u8]>) {
         self.producer
+            .client()
             .send(record, Duration::from_secs(10))
             .await
             .map_err(|(e, _)| e)
@@ -77,7 +78,9 @@ impl<const REAL: bool> BrokerFixture for KafkaFixture<REAL> {
         cluster
             .create_topics(&[&topic, &dead_letter_topic], PARTITIONS)
             .await;
-        let producer = idem_kafka::producer(cluster.brokers()).expect("producer");
+        let producer = KafkaProducer::connect(cluster.brokers())
+            .await
+            .expect("producer");
         KafkaFixture {
             cluster,
             topic,
@@ -91,7 +94,9 @@ impl<const REAL: bool> BrokerFixture for KafkaFixture<REAL> {
         match id {
             // No key: copies of one ID may land on different partitions and reach different
             // members of the group, the harder case.
-            Some(id) => idem_kafka::publish(&self.producer, &self.topic, None, id, payload)
+            Some(id) => self
+                .producer
+                .publish(&self.topic, None, id, payload)
                 .await
                 .map(drop),
             None => {
@@ -118,8 +123,9 @@ impl<const REAL: bool> BrokerFixture for KafkaFixture<REAL> {
     }
 
     async fn source(&self) -> KafkaSource {
-        fast_group(KafkaSource::builder(self.cluster.brokers(), &self.group).topic(&self.topic))
-            .build()
+        fast_group(KafkaSource::builder(&self.topic, &self.group))
+            .connect(self.cluster.brokers())
+            .await
             .expect("source")
     }
 

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use common::{Cluster, Db, MockBroker, RecordEffect, fast_group};
 use idem_consumer::{CancellationToken, Consumer, Observer, Raw, RunStats};
-use idem_kafka::KafkaSource;
+use idem_kafka::{KafkaProducer, KafkaSource};
 use idem_testkit::unique_name;
 
 struct Member {
@@ -21,9 +21,10 @@ struct Member {
 }
 
 impl Member {
-    fn join(db: &Db, cluster: &Cluster, group: &str, topic: &str) -> Member {
-        let source = fast_group(KafkaSource::builder(cluster.brokers(), group).topic(topic))
-            .build()
+    async fn join(db: &Db, cluster: &Cluster, group: &str, topic: &str) -> Member {
+        let source = fast_group(KafkaSource::builder(topic, group))
+            .connect(cluster.brokers())
+            .await
             .expect("source");
         let stop = CancellationToken::new();
         let consumer = Consumer::new(db.processor("group-test"), source).concurrency(4);
@@ -69,26 +70,28 @@ async fn member_joining_and_leaving_never_doubles_an_effect(cluster: Cluster, te
     cluster.create_topics(&[&topic], 4).await;
     let db = Db::new(test).await;
 
-    let first = Member::join(&db, &cluster, &group, &topic);
+    let first = Member::join(&db, &cluster, &group, &topic).await;
     // Publish steadily until told to stop, with keys so every partition gets traffic.
     let published = Arc::new(AtomicUsize::new(0));
     let stop_publishing = CancellationToken::new();
     let publisher = {
         let (topic, published, stop) = (topic.clone(), published.clone(), stop_publishing.clone());
-        let producer = idem_kafka::producer(cluster.brokers()).expect("producer");
+        let producer = KafkaProducer::connect(cluster.brokers())
+            .await
+            .expect("producer");
         tokio::spawn(async move {
             while !stop.is_cancelled() {
                 let i = published.load(Ordering::SeqCst);
                 let key = format!("account-{}", i % 17);
-                idem_kafka::publish(
-                    &producer,
-                    &topic,
-                    Some(key.as_bytes()),
-                    &format!("msg-{i}"),
-                    format!("{i}").as_bytes(),
-                )
-                .await
-                .expect("publish");
+                producer
+                    .publish(
+                        &topic,
+                        Some(key.as_bytes()),
+                        &format!("msg-{i}"),
+                        format!("{i}").as_bytes(),
+                    )
+                    .await
+                    .expect("publish");
                 published.fetch_add(1, Ordering::SeqCst);
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
@@ -96,7 +99,7 @@ async fn member_joining_and_leaving_never_doubles_an_effect(cluster: Cluster, te
     };
 
     tokio::time::sleep(Duration::from_millis(800)).await;
-    let second = Member::join(&db, &cluster, &group, &topic);
+    let second = Member::join(&db, &cluster, &group, &topic).await;
     // Joining takes a rebalance (tansu holds a follower's JoinGroup for 3 s); let the second
     // member work a while once it has partitions, then leave while messages still flow.
     let took_part = wait_until(Duration::from_secs(45), async || second.settled() >= 30).await;

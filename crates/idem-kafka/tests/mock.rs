@@ -6,20 +6,22 @@ mod common;
 use std::time::Duration;
 
 use common::{Db, RecordEffect, committed, fast_group, read_topic};
+use futures_util::FutureExt;
 use idem_consumer::{
     CancellationToken, Consumer, DeadLetter, DeadLetterReason, Delivery, IdSource, Raw, Source,
 };
 use idem_kafka::rdkafka::message::{Header, OwnedHeaders};
 use idem_kafka::rdkafka::mocking::MockCluster;
 use idem_kafka::rdkafka::producer::FutureRecord;
-use idem_kafka::{KafkaDelivery, KafkaSource};
+use idem_kafka::{KafkaDelivery, KafkaProducer, KafkaSource};
 use idem_testkit::unique_name;
 
 const WAIT: Duration = Duration::from_secs(60);
 
-fn source(brokers: &str, group: &str, topic: &str) -> KafkaSource {
-    fast_group(KafkaSource::builder(brokers, group).topic(topic))
-        .build()
+async fn source(brokers: &str, group: &str, topic: &str) -> KafkaSource {
+    fast_group(KafkaSource::builder(topic, group))
+        .connect(brokers)
+        .await
         .expect("source")
 }
 
@@ -44,28 +46,32 @@ async fn round_trip_through_the_runner_commits_each_message_once() {
     let brokers = mock.bootstrap_servers();
     let topic = unique_name("orders", "round_trip");
     mock.create_topic(&topic, 2, 1).expect("topic");
-    let producer = idem_kafka::producer(&brokers).expect("producer");
+    let producer = KafkaProducer::connect(&brokers).await.expect("producer");
     for i in 0..6 {
         let key = format!("k{}", i % 3);
-        idem_kafka::publish(
-            &producer,
-            &topic,
-            Some(key.as_bytes()),
-            &format!("id-{i}"),
-            format!("p{i}").as_bytes(),
-        )
-        .await
-        .expect("publish");
+        producer
+            .publish(
+                &topic,
+                Some(key.as_bytes()),
+                &format!("id-{i}"),
+                format!("p{i}").as_bytes(),
+            )
+            .await
+            .expect("publish");
     }
     // The producer retried: same ID, same payload.
-    idem_kafka::publish(&producer, &topic, Some(b"k0"), "id-0", b"p0")
+    producer
+        .publish(&topic, Some(b"k0"), "id-0", b"p0")
         .await
         .expect("publish duplicate");
 
     let db = Db::new("round_trip").await;
     let group = unique_name("billing", "round_trip");
-    let consumer =
-        Consumer::new(db.processor("billing"), source(&brokers, &group, &topic)).concurrency(4);
+    let consumer = Consumer::new(
+        db.processor("billing"),
+        source(&brokers, &group, &topic).await,
+    )
+    .concurrency(4);
     let observer = consumer.observer();
     let stop = CancellationToken::new();
     let run = tokio::spawn(consumer.run(Raw, RecordEffect, stop.clone()));
@@ -108,20 +114,21 @@ async fn out_of_order_acks_commit_only_the_contiguous_prefix() {
     let brokers = mock.bootstrap_servers();
     let topic = unique_name("orders", "out_of_order");
     mock.create_topic(&topic, 1, 1).expect("topic");
-    let producer = idem_kafka::producer(&brokers).expect("producer");
+    let producer = KafkaProducer::connect(&brokers).await.expect("producer");
     for i in 0..5 {
-        idem_kafka::publish(&producer, &topic, None, &format!("id-{i}"), b"x")
+        producer
+            .publish(&topic, None, &format!("id-{i}"), b"x")
             .await
             .expect("publish");
     }
     let group = unique_name("g", "out_of_order");
-    let mut source = source(&brokers, &group, &topic);
+    let mut source = source(&brokers, &group, &topic).await;
     let mut got = fetch(&mut source, 5).await;
     assert_eq!(
         got.iter().map(KafkaDelivery::offset).collect::<Vec<_>>(),
         vec![0, 1, 2, 3, 4]
     );
-    assert_eq!(got[2].origin(), format!("{topic}/0@2"));
+    assert_eq!(got[2].origin().to_string(), format!("{topic}/0@2"));
     assert_eq!(
         got[2].header("message-id").as_deref(),
         Some(b"id-2".as_slice())
@@ -155,14 +162,15 @@ async fn an_abandoned_message_holds_back_the_commit() {
     let brokers = mock.bootstrap_servers();
     let topic = unique_name("orders", "abandon");
     mock.create_topic(&topic, 1, 1).expect("topic");
-    let producer = idem_kafka::producer(&brokers).expect("producer");
+    let producer = KafkaProducer::connect(&brokers).await.expect("producer");
     for i in 0..3 {
-        idem_kafka::publish(&producer, &topic, None, &format!("id-{i}"), b"x")
+        producer
+            .publish(&topic, None, &format!("id-{i}"), b"x")
             .await
             .expect("publish");
     }
     let group = unique_name("g", "abandon");
-    let mut source = source(&brokers, &group, &topic);
+    let mut source = source(&brokers, &group, &topic).await;
     let mut got = fetch(&mut source, 3).await.into_iter();
     let (a, b, c) = (
         got.next().expect("0"),
@@ -176,7 +184,7 @@ async fn an_abandoned_message_holds_back_the_commit() {
     assert_eq!(committed(&brokers, &group, &topic, 1).await, vec![Some(1)]);
 
     // The next member of the group starts at the abandoned message.
-    let mut again = self::source(&brokers, &group, &topic);
+    let mut again = self::source(&brokers, &group, &topic).await;
     let got = fetch(&mut again, 2).await;
     assert_eq!(
         got.iter().map(KafkaDelivery::offset).collect::<Vec<_>>(),
@@ -193,7 +201,7 @@ async fn dead_letter_keeps_key_payload_and_headers_and_adds_the_reason() {
     let dlq = format!("{topic}.dead-letter");
     mock.create_topic(&topic, 1, 1).expect("topic");
     mock.create_topic(&dlq, 1, 1).expect("dead-letter topic");
-    let producer = idem_kafka::producer(&brokers).expect("producer");
+    let producer = KafkaProducer::connect(&brokers).await.expect("producer");
     let payload: &[u8] = b"\x00not json\xff";
     let headers = OwnedHeaders::new()
         .insert(Header {
@@ -205,6 +213,7 @@ async fn dead_letter_keeps_key_payload_and_headers_and_adds_the_reason() {
             value: Some("00-abc-def-01"),
         });
     producer
+        .client()
         .send(
             FutureRecord::to(&topic)
                 .key(b"acct-7".as_slice())
@@ -216,7 +225,7 @@ async fn dead_letter_keeps_key_payload_and_headers_and_adds_the_reason() {
         .expect("publish");
 
     let group = unique_name("g", "dead_letter");
-    let mut source = source(&brokers, &group, &topic);
+    let mut source = source(&brokers, &group, &topic).await;
     let d = fetch(&mut source, 1).await.pop().expect("one delivery");
     let reason = DeadLetter::new(DeadLetterReason::Undecodable, "expected JSON\non one line")
         .with_context("billing", 1);
@@ -256,9 +265,13 @@ async fn dead_letter_keeps_key_payload_and_headers_and_adds_the_reason() {
 }
 
 #[test]
-fn build_refuses_bad_configuration_with_a_typed_error() {
+fn connect_refuses_bad_configuration_with_a_typed_error() {
     use idem_core::ErrorKind;
-    let outside = KafkaSource::builder("127.0.0.1:1", "g").topic("t").build();
+    // Outside a runtime: polled once by hand, it finishes without waiting on anything.
+    let outside = KafkaSource::builder("t", "g")
+        .connect("127.0.0.1:1")
+        .now_or_never()
+        .expect("connect does not wait");
     assert_eq!(
         outside.map(drop).map_err(|e| e.kind()),
         Err(ErrorKind::InvalidConfig),
@@ -269,15 +282,15 @@ fn build_refuses_bad_configuration_with_a_typed_error() {
         .build()
         .expect("runtime");
     rt.block_on(async {
-        let no_topic = KafkaSource::builder("127.0.0.1:1", "g").build();
+        let no_topic = KafkaSource::builder("", "g").connect("127.0.0.1:1").await;
         assert_eq!(
             no_topic.map(drop).map_err(|e| e.kind()),
             Err(ErrorKind::InvalidConfig)
         );
-        let bad = KafkaSource::builder("127.0.0.1:1", "g")
-            .topic("t")
+        let bad = KafkaSource::builder("t", "g")
             .set("no.such.property", "1")
-            .build();
+            .connect("127.0.0.1:1")
+            .await;
         assert_eq!(
             bad.map(drop).map_err(|e| e.kind()),
             Err(ErrorKind::InvalidConfig)
@@ -288,10 +301,10 @@ fn build_refuses_bad_configuration_with_a_typed_error() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreachable_brokers_surface_as_unavailable_from_next() {
     // Port 1 on localhost refuses connections.
-    let mut source = KafkaSource::builder("127.0.0.1:1", "g")
-        .topic("t")
-        .build()
-        .expect("building does not connect");
+    let mut source = KafkaSource::builder("t", "g")
+        .connect("127.0.0.1:1")
+        .await
+        .expect("connecting does not wait for the brokers");
     let got = tokio::time::timeout(WAIT, source.next(1))
         .await
         .expect("an error within the timeout");

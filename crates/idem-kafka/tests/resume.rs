@@ -13,11 +13,11 @@ use common::{Cluster, Db, MockBroker, RecordEffect, committed, fast_group};
 use futures_util::future::join_all;
 use idem_consumer::{CancellationToken, Consumer, Handler, Raw};
 use idem_core::{BoxError, Message};
-use idem_kafka::KafkaSource;
 use idem_kafka::rdkafka::consumer::{Consumer as _, StreamConsumer};
 use idem_kafka::rdkafka::message::Message as _;
 use idem_kafka::rdkafka::producer::FutureProducer;
 use idem_kafka::rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use idem_kafka::{KafkaProducer, KafkaSource};
 use idem_sql::Tx;
 use idem_testkit::unique_name;
 
@@ -58,12 +58,14 @@ async fn publish_in_batches(brokers: &str, topic: &str) {
         .set("linger.ms", "200")
         .create()
         .expect("producer");
+    let producer = KafkaProducer::new(producer);
     for first in (0..TOTAL).step_by(BATCH as usize) {
         let sends = (first..first + BATCH).map(|n| {
             let producer = &producer;
             async move {
                 let payload = n.to_string();
-                idem_kafka::publish(producer, topic, None, &format!("m-{n}"), payload.as_bytes())
+                producer
+                    .publish(topic, None, &format!("m-{n}"), payload.as_bytes())
                     .await
                     .expect("publish")
                     .offset
@@ -107,8 +109,9 @@ async fn killed_inside_a_batch_resumes_at_the_committed_offset(cluster: Cluster,
 
     // One at a time: the member commits 0..KILLED_AT as the settled prefix when it fetches
     // KILLED_AT, then hangs on it.
-    let source = fast_group(KafkaSource::builder(cluster.brokers(), &group).topic(&topic))
-        .build()
+    let source = fast_group(KafkaSource::builder(&topic, &group))
+        .connect(cluster.brokers())
+        .await
         .expect("source");
     let consumer = Consumer::new(db.processor("resume-test"), source);
     let first = consumer.observer();
@@ -135,8 +138,9 @@ async fn killed_inside_a_batch_resumes_at_the_committed_offset(cluster: Cluster,
         "the committed offset lies inside the first batch"
     );
 
-    let source = fast_group(KafkaSource::builder(cluster.brokers(), &group).topic(&topic))
-        .build()
+    let source = fast_group(KafkaSource::builder(&topic, &group))
+        .connect(cluster.brokers())
+        .await
         .expect("source");
     let consumer = Consumer::new(db.processor("resume-test"), source).concurrency(4);
     let stop = CancellationToken::new();

@@ -4,18 +4,21 @@
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), idem_core::Error> {
-//! use idem_mqtt::{MqttConfig, MqttProducer, MqttSource, Protocol};
+//! use idem_mqtt::{MqttProducer, MqttSource};
+//!
+//! let url = "mqtt://127.0.0.1:1883";
+//! // A persistent subscriber keeps the dead letters (the broker drops what nobody reads).
+//! idem_mqtt::ensure_session(url, "billing-dead-letters", "payments/dead-letter").await?;
 //!
 //! // Producer side: the ID travels in the `message-id` user property (MQTT v5).
-//! let producer = MqttProducer::connect("mqtt://127.0.0.1:1883", "billing-producer", Protocol::V5).await?;
+//! let producer = MqttProducer::connect(url, "billing-producer").await?;
 //! producer.publish("payments", Some("pay-42"), br#"{"amount_cents":500}"#).await?;
 //!
 //! // Consumer side: a stable client ID per instance, a shared subscription per service.
-//! let source = MqttSource::connect(
-//!     MqttConfig::new("mqtt://127.0.0.1:1883", "billing-1", "$share/billing/payments")
-//!         .dead_letter_topic("payments/dead-letter"),
-//! )
-//! .await?;
+//! let source = MqttSource::builder("$share/billing/payments", "billing-1")
+//!     .dead_letter_topic("payments/dead-letter")
+//!     .connect(url)
+//!     .await?;
 //! // hand `source` to idem_consumer::Consumer::new(processor, source)
 //! # drop(source);
 //! # Ok(()) }
@@ -44,7 +47,7 @@
 //!   dead-lettered as `missing-id`; a 65 535-byte ID over the processor's limit as
 //!   `invalid-id`, its dead letter carrying the ID's first 1 KiB
 //!   ([`DeadLetter::forward`](idem_consumer::DeadLetter::forward)). Payloads are carried whole
-//!   up to [`MqttConfig::max_packet_size`] (16 MiB by default).
+//!   up to [`MqttSourceBuilder::max_packet_size`] (16 MiB by default).
 //! - **Several consumers.** Use a shared subscription, `$share/<group>/<filter>`, with a different
 //!   client ID per consumer. Mosquitto (2.0) keeps handing shared messages to members whose
 //!   session is offline, queued in that session: another reason for stable client IDs.
@@ -54,23 +57,27 @@
 //!   [`ORIGINAL_TOPIC_PROPERTY`]. 3.1.1 has no properties, so the dead letter is a JSON envelope
 //!   `{"topic": …, "headers": {…}, "payload_base64": …}` (see [`DeadLetterEnvelope`]).
 //!   MQTT brokers keep nothing for a topic without subscribers: give the dead-letter topic a
-//!   persistent subscriber. On v5 a PUBACK saying "no matching subscribers" fails the dead letter
+//!   persistent subscriber ([`ensure_session`]). On v5 a PUBACK saying "no matching subscribers" fails the dead letter
 //!   (the original stays unacknowledged) unless
-//!   [`MqttConfig::require_dead_letter_subscriber`] is turned off; 3.1.1 cannot tell.
+//!   [`MqttSourceBuilder::require_dead_letter_subscriber`] is turned off; 3.1.1 cannot tell.
 
+mod builder;
 mod config;
-mod publisher;
-mod session;
+mod delivery;
+mod error;
+mod producer;
 mod source;
+mod topology;
 mod wire;
 
-pub use config::{MqttConfig, Protocol};
-pub use publisher::{DeadLetterEnvelope, MqttProducer};
-pub use session::end_session;
-pub use source::{MqttDelivery, MqttSource};
-
-/// Re-export of the MQTT client this adapter is built on.
+pub use builder::MqttSourceBuilder;
+pub use config::Protocol;
+pub use delivery::{DeadLetterEnvelope, MqttDelivery};
+pub use producer::MqttProducer;
+/// The MQTT client this adapter is built on, for naming its types.
 pub use rumqttc;
+pub use source::MqttSource;
+pub use topology::{end_session, ensure_session};
 
 /// The MQTT v5 user property that carries the message ID by default.
 pub const MESSAGE_ID_PROPERTY: &str = "message-id";

@@ -1,19 +1,20 @@
 //! The consumer: a task that keeps polling rumqttc's event loop (it only makes progress, pings
 //! and reconnects while polled) and hands received messages to [`MqttSource::next`].
 
-use std::borrow::Cow;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use idem_consumer::{DeadLetter, Delivery, IdSource, Source};
+use idem_consumer::{IdSource, Source};
 use idem_core::{Error, ErrorKind};
 use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use crate::config::{MqttConfig, Protocol};
-use crate::publisher::{Publisher, dead_letter_message};
+use crate::config::{Config, Protocol};
+use crate::delivery::MqttDelivery;
+use crate::error::refused;
+use crate::producer::Publisher;
 use crate::wire::{self, Client, Loop, Msg, Polled};
 use crate::{MESSAGE_ID_POINTER, MESSAGE_ID_PROPERTY};
 
@@ -36,17 +37,17 @@ enum Item {
 
 /// State shared by the source, its deliveries and the driver task.
 #[derive(Debug)]
-struct Link {
-    client: Client,
+pub(crate) struct Link {
+    pub(crate) client: Client,
     /// Bumped on every disconnect and reconnect. A PUBACK is only meaningful on the connection
     /// the message arrived on: after a reconnect the broker resends it, and an old packet ID may
     /// already name a different message.
-    generation: AtomicU64,
+    pub(crate) generation: AtomicU64,
     /// Signalled by `abandon`: reconnect so the broker redelivers.
-    abandoned: Notify,
-    dead_letters: Publisher,
-    dead_letter_topic: String,
-    client_id: String,
+    pub(crate) abandoned: Notify,
+    pub(crate) dead_letters: Publisher,
+    pub(crate) dead_letter_topic: String,
+    pub(crate) client_id: String,
 }
 
 /// A QoS 1 subscription in a persistent MQTT session; implements [`Source`].
@@ -63,30 +64,30 @@ pub struct MqttSource {
 }
 
 impl MqttSource {
-    /// Connects, subscribes at QoS 1 and returns once the broker granted the subscription.
-    ///
-    /// Fails with [`ErrorKind::InvalidConfig`] for a bad URL, filter, client ID or a refused
-    /// subscription, and [`ErrorKind::Unavailable`] when the broker cannot be reached.
-    pub async fn connect(config: MqttConfig) -> Result<Self, Error> {
-        let dead_letter_topic = config.validate()?;
-        let (client, event_loop) = wire::open(&config, &config.client_id, true);
+    /// Connects, subscribes at QoS 1 and returns once the broker granted the subscription;
+    /// the builder checked the names.
+    pub(crate) async fn start(
+        config: Config,
+        client_id: String,
+        filter: String,
+        dead_letter_topic: String,
+    ) -> Result<Self, Error> {
+        let (client, event_loop) = wire::open(&config, &client_id, true);
+        let protocol = config.options.protocol;
         let link = Arc::new(Link {
             client,
             generation: AtomicU64::new(0),
             abandoned: Notify::new(),
-            dead_letters: Publisher::new(
-                config.clone(),
-                format!("{}-dead-letters", config.client_id),
-            ),
+            dead_letters: Publisher::new(config, format!("{client_id}-dead-letters")),
             dead_letter_topic,
-            client_id: config.client_id.clone(),
+            client_id,
         });
         let (tx, rx) = mpsc::unbounded_channel();
         let (ready_tx, ready_rx) = oneshot::channel();
         let driver = tokio::spawn(drive(
             event_loop,
             link.clone(),
-            config.filter.clone(),
+            filter.clone(),
             tx,
             ready_tx,
         ));
@@ -96,7 +97,7 @@ impl MqttSource {
                 link,
                 rx,
                 driver,
-                protocol: config.protocol,
+                protocol,
             }),
             Ok(Ok(Err(e))) => {
                 driver.abort();
@@ -107,8 +108,7 @@ impl MqttSource {
                 Err(Error::new(
                     ErrorKind::Unavailable,
                     format!(
-                        "MQTT: no subscription acknowledgement for {:?} within {CONNECT_TIMEOUT:?}",
-                        config.filter
+                        "no MQTT subscription acknowledgement for {filter:?} within {CONNECT_TIMEOUT:?}"
                     ),
                 ))
             }
@@ -185,11 +185,7 @@ impl Source for MqttSource {
 
 impl MqttSource {
     fn delivery(&self, msg: Msg, generation: u64) -> MqttDelivery {
-        MqttDelivery {
-            msg,
-            generation,
-            link: self.link.clone(),
-        }
+        MqttDelivery::new(msg, generation, self.link.clone())
     }
 }
 
@@ -247,12 +243,7 @@ async fn drive(
             }
             Ok(Polled::SubAck(result)) => {
                 let result = result.map_err(|reason| {
-                    Error::new(
-                        ErrorKind::InvalidConfig,
-                        format!(
-                            "the broker refused the QoS 1 subscription to {filter:?}: {reason}"
-                        ),
-                    )
+                    refused(format_args!("subscribing to {filter:?} at QoS 1"), reason)
                 });
                 match (ready.take(), result) {
                     (Some(r), Ok(())) => {
@@ -296,74 +287,5 @@ async fn drive(
                 backoff = (backoff * 2).min(MAX_BACKOFF);
             }
         }
-    }
-}
-
-/// One MQTT message; settled by the runner.
-#[derive(Debug)]
-pub struct MqttDelivery {
-    msg: Msg,
-    generation: u64,
-    link: Arc<Link>,
-}
-
-impl MqttDelivery {
-    /// The topic it was published to.
-    pub fn topic(&self) -> String {
-        self.msg.topic()
-    }
-
-    /// The v5 user properties (empty on 3.1.1).
-    pub fn user_properties(&self) -> &[(String, String)] {
-        self.msg.user_properties()
-    }
-}
-
-impl Delivery for MqttDelivery {
-    fn payload(&self) -> &[u8] {
-        self.msg.payload()
-    }
-
-    /// The first v5 user property with this name.
-    fn header(&self, name: &str) -> Option<Cow<'_, [u8]>> {
-        self.msg
-            .user_properties()
-            .iter()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| Cow::Borrowed(v.as_bytes()))
-    }
-
-    /// MQTT only says "sent before" (the DUP flag), not how often: 1 or 0.
-    fn previous_deliveries(&self) -> u32 {
-        u32::from(self.msg.dup())
-    }
-
-    fn origin(&self) -> String {
-        format!("topic {} pkid {}", self.msg.topic(), self.msg.pkid())
-    }
-
-    async fn ack(self) -> Result<(), Error> {
-        if self.link.generation.load(Ordering::SeqCst) != self.generation {
-            // The connection it came on is gone; the broker resends it on the current one,
-            // where that copy (a duplicate by then) is acknowledged. Acking the old packet ID
-            // here could acknowledge a different message that reuses it.
-            tracing::debug!(origin = %self.origin(), "not acknowledging on a newer connection; the broker redelivers and the duplicate is acked");
-            return Ok(());
-        }
-        self.link.client.ack(&self.msg).await
-    }
-
-    async fn dead_letter(self, reason: &DeadLetter) -> Result<(), Error> {
-        let (payload, properties) =
-            dead_letter_message(&self.msg, reason, self.link.dead_letters.protocol());
-        self.link
-            .dead_letters
-            .publish(&self.link.dead_letter_topic, payload, properties)
-            .await?;
-        self.ack().await
-    }
-
-    async fn abandon(self) {
-        self.link.abandoned.notify_one();
     }
 }

@@ -1,6 +1,8 @@
 //! One face over rumqttc's two clients (v5 and 3.1.1), reduced to what the adapter needs, so
 //! the connection driver, the delivery and the publisher are written once.
 
+use std::borrow::Cow;
+
 use bytes::Bytes;
 use idem_core::{Error, ErrorKind};
 use rumqttc::v5;
@@ -8,7 +10,8 @@ use rumqttc::v5::mqttbytes::QoS as Qos5;
 use rumqttc::v5::mqttbytes::v5 as p5;
 use rumqttc::{Outgoing, QoS};
 
-use crate::config::{MqttConfig, Protocol};
+use crate::config::{Config, Protocol};
+use crate::error::unavailable;
 
 /// A received PUBLISH packet.
 #[derive(Debug, Clone)]
@@ -26,9 +29,14 @@ impl Msg {
     }
 
     pub(crate) fn topic(&self) -> String {
+        self.topic_str().into_owned()
+    }
+
+    /// The topic without a copy (a v5 topic is bytes; one that is not UTF-8 shows lossily).
+    pub(crate) fn topic_str(&self) -> Cow<'_, str> {
         match self {
-            Msg::V5(p) => String::from_utf8_lossy(&p.topic).into_owned(),
-            Msg::V311(p) => p.topic.clone(),
+            Msg::V5(p) => String::from_utf8_lossy(&p.topic),
+            Msg::V311(p) => Cow::Borrowed(&p.topic),
         }
     }
 
@@ -97,9 +105,9 @@ impl std::fmt::Debug for Loop {
 }
 
 /// A connection's client and event loop; `persistent` picks a resumable session.
-pub(crate) fn open(config: &MqttConfig, client_id: &str, persistent: bool) -> (Client, Loop) {
-    let cap = usize::from(config.max_in_flight) + 16;
-    match config.protocol {
+pub(crate) fn open(config: &Config, client_id: &str, persistent: bool) -> (Client, Loop) {
+    let cap = usize::from(config.options.max_in_flight) + 16;
+    match config.options.protocol {
         Protocol::V5 => {
             let (c, l) = v5::AsyncClient::new(config.v5_options(client_id, persistent), cap);
             (Client::V5(c), Loop::V5(Box::new(l)))
@@ -148,11 +156,7 @@ impl Loop {
                 use v5::Event;
                 use v5::mqttbytes::v5::Packet;
                 Ok(
-                    match l
-                        .poll()
-                        .await
-                        .map_err(|e| unavailable("MQTT connection", e))?
-                    {
+                    match l.poll().await.map_err(|e| unavailable("connection", e))? {
                         Event::Incoming(Packet::ConnAck(a)) => Polled::ConnAck {
                             session_present: a.session_present,
                         },
@@ -192,11 +196,7 @@ impl Loop {
             Loop::V311(l) => {
                 use rumqttc::{Event, Packet};
                 Ok(
-                    match l
-                        .poll()
-                        .await
-                        .map_err(|e| unavailable("MQTT connection", e))?
-                    {
+                    match l.poll().await.map_err(|e| unavailable("connection", e))? {
                         Event::Incoming(Packet::ConnAck(a)) => Polled::ConnAck {
                             session_present: a.session_present,
                         },
@@ -236,7 +236,7 @@ impl Loop {
 
 impl Client {
     pub(crate) async fn subscribe(&self, filter: &str) -> Result<(), Error> {
-        let what = "MQTT subscribe";
+        let what = "subscribing";
         match self {
             Client::V5(c) => c
                 .subscribe(filter, Qos5::AtLeastOnce)
@@ -251,13 +251,13 @@ impl Client {
 
     /// Sends the PUBACK for `msg` (nothing for QoS 0, which has none).
     pub(crate) async fn ack(&self, msg: &Msg) -> Result<(), Error> {
-        let what = "MQTT ack (the connection is gone; the broker redelivers)";
+        let what = "acknowledging (the connection is gone; the broker redelivers)";
         match (self, msg) {
             (Client::V5(c), Msg::V5(p)) => c.ack(p).await.map_err(|e| unavailable(what, e)),
             (Client::V311(c), Msg::V311(p)) => c.ack(p).await.map_err(|e| unavailable(what, e)),
             _ => Err(Error::new(
                 ErrorKind::InvalidConfig,
-                "MQTT protocol mismatch between client and message",
+                "protocol mismatch between the MQTT client and the message",
             )),
         }
     }
@@ -269,7 +269,7 @@ impl Client {
         payload: Bytes,
         properties: p5::PublishProperties,
     ) -> Result<(), Error> {
-        let what = "MQTT publish";
+        let what = "publishing";
         match self {
             Client::V5(c) => c
                 .publish_with_properties(topic, Qos5::AtLeastOnce, false, payload, properties)
@@ -283,14 +283,10 @@ impl Client {
     }
 
     pub(crate) async fn disconnect(&self) -> Result<(), Error> {
-        let what = "MQTT disconnect";
+        let what = "disconnecting";
         match self {
             Client::V5(c) => c.disconnect().await.map_err(|e| unavailable(what, e)),
             Client::V311(c) => c.disconnect().await.map_err(|e| unavailable(what, e)),
         }
     }
-}
-
-pub(crate) fn unavailable(what: &str, e: impl std::error::Error + Send + Sync + 'static) -> Error {
-    Error::new(ErrorKind::Unavailable, format!("{what}: {e}")).with_source(e)
 }

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use idem_consumer::{Delivery, IdSource, Source};
 use idem_core::{Error, ErrorKind};
-use idem_mqtt::{MqttDelivery, MqttProducer, MqttSource, Protocol};
+use idem_mqtt::{MqttDelivery, MqttProducer, MqttSource};
 use idem_testkit::{BrokerFixture, DeadLettered};
 
 #[derive(Debug, Default)]
@@ -102,31 +102,27 @@ impl BrokerFixture for MqttFixture {
     const URL_VAR: &'static str = idem_testkit::services::MQTT;
     /// A user property value is an MQTT string: a 16-bit length.
     const MAX_ID_BYTES: usize = 65_535;
-    /// The adapter's default packet limit (`MqttConfig::max_packet_size`, 16 MiB); Mosquitto
+    /// The adapter's default packet limit (`MqttSourceBuilder::max_packet_size`, 16 MiB); Mosquitto
     /// sets none of its own by default.
     const MAX_MESSAGE_BYTES: usize = 16 * 1024 * 1024;
 
     async fn setup(url: String, name: String) -> Self {
         // Slot 0 joins the shared group now, so early publishes queue in its session.
-        let first = MqttSource::connect(common::config(
-            &url,
-            &Self::slot_id(&name, 0),
-            &format!("$share/{name}/{name}"),
-        ))
-        .await
-        .expect("create the first consumer session");
+        let first = common::builder(&Self::slot_id(&name, 0), &format!("$share/{name}/{name}"))
+            .connect(&url)
+            .await
+            .expect("create the first consumer session");
         let mut slots = Slots::default();
         slots.free.insert(0);
         slots.issued = 1;
         let dead_letter_topic = format!("{name}/dead-letter");
-        let dead_letters = MqttSource::connect(
-            common::config(&url, &format!("{name}-dlq"), &dead_letter_topic)
-                .dead_letter_topic(format!("{name}/dead-letter-of-dead-letters")),
-        )
-        .await
-        .expect("dead-letter reader");
+        let dead_letters = common::builder(&format!("{name}-dlq"), &dead_letter_topic)
+            .dead_letter_topic(format!("{name}/dead-letter-of-dead-letters"))
+            .connect(&url)
+            .await
+            .expect("dead-letter reader");
         first.close().await.expect("close the first session");
-        let producer = MqttProducer::connect(&url, format!("{name}-producer"), Protocol::V5)
+        let producer = MqttProducer::connect(&url, format!("{name}-producer"))
             .await
             .expect("producer")
             .require_subscriber(true);
@@ -167,12 +163,11 @@ impl BrokerFixture for MqttFixture {
             slot,
             slots: self.slots.clone(),
         };
-        let inner = MqttSource::connect(
-            common::config(&self.url, &Self::slot_id(&self.name, slot), &self.filter())
-                .dead_letter_topic(format!("{}/dead-letter", self.name)),
-        )
-        .await
-        .expect("connect a consumer");
+        let inner = common::builder(&Self::slot_id(&self.name, slot), &self.filter())
+            .dead_letter_topic(format!("{}/dead-letter", self.name))
+            .connect(&self.url)
+            .await
+            .expect("connect a consumer");
         PooledSource {
             inner,
             _slot: guard,

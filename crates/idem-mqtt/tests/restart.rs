@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use idem_consumer::{DeadLetter, Delivery, IdSource, Source};
 use idem_core::Error;
-use idem_mqtt::{MESSAGE_ID_PROPERTY, MqttDelivery, MqttProducer, MqttSource, Protocol};
+use idem_mqtt::{MESSAGE_ID_PROPERTY, MqttDelivery, MqttProducer, MqttSource};
 use idem_testkit::broker_conformance::{EffectHandler, Harness, Mode, eventually};
 use idem_testkit::unique_name;
 use tokio::sync::watch;
@@ -231,17 +231,13 @@ impl Setup {
         // As in the conformance fixture: dead letters need a persistent subscriber, or the
         // broker drops them. None are expected here, but the consumer is configured as in
         // production.
-        let dead_letters = MqttSource::connect(
-            common::config(
-                &url,
-                &format!("{topic}-dlq"),
-                &format!("{topic}/dead-letter"),
-            )
-            .dead_letter_topic(format!("{topic}/dead-letter-of-dead-letters")),
-        )
-        .await
-        .expect("dead-letter session");
-        let producer = MqttProducer::connect(&url, Self::producer_id_of(&topic), Protocol::V5)
+        let dead_letters =
+            common::builder(&format!("{topic}-dlq"), &format!("{topic}/dead-letter"))
+                .dead_letter_topic(format!("{topic}/dead-letter-of-dead-letters"))
+                .connect(&url)
+                .await
+                .expect("dead-letter session");
+        let producer = MqttProducer::connect(&url, Self::producer_id_of(&topic))
             .await
             .expect("producer")
             .require_subscriber(true);
@@ -262,12 +258,11 @@ impl Setup {
     }
 
     async fn source(&self, broker: &Broker) -> MqttSource {
-        MqttSource::connect(
-            common::config(&broker.url(), &self.client_id, &self.topic)
-                .dead_letter_topic(format!("{}/dead-letter", self.topic)),
-        )
-        .await
-        .expect("consumer session")
+        common::builder(&self.client_id, &self.topic)
+            .dead_letter_topic(format!("{}/dead-letter", self.topic))
+            .connect(&broker.url())
+            .await
+            .expect("consumer session")
     }
 
     async fn publish(&self, id: &str, n: i64) {
@@ -281,7 +276,7 @@ impl Setup {
     async fn assert_session_drained(&self, broker: &Broker) {
         let mut again = self.source(broker).await;
         let left = common::take(&mut again, 1, Duration::from_secs(1)).await;
-        let left: Vec<String> = left.iter().map(Delivery::origin).collect();
+        let left: Vec<String> = left.iter().map(|d| d.origin().to_string()).collect();
         again.close().await.expect("close");
         assert!(
             left.is_empty(),
@@ -558,8 +553,8 @@ impl Delivery for GatedDelivery {
         self.inner.previous_deliveries()
     }
 
-    fn origin(&self) -> String {
-        self.inner.origin()
+    fn fmt_origin(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.inner.fmt_origin(f)
     }
 
     async fn ack(self) -> Result<(), Error> {

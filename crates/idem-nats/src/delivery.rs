@@ -1,6 +1,7 @@
 //! One JetStream message as a [`Delivery`]: read, then settled exactly once.
 
 use std::borrow::Cow;
+use std::fmt;
 use std::sync::Arc;
 
 use async_nats::header::{HeaderName, HeaderValue, NATS_MESSAGE_ID};
@@ -143,10 +144,14 @@ impl Delivery for JetStreamDelivery {
         })
     }
 
-    fn origin(&self) -> String {
+    fn fmt_origin(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self.meta {
-            Some((seq, _)) => format!("stream {} seq {seq}", self.target.stream),
-            None => format!("stream {} subject {}", self.target.stream, self.msg.subject),
+            Some((seq, _)) => write!(f, "stream {} seq {seq}", self.target.stream),
+            None => write!(
+                f,
+                "stream {} subject {}",
+                self.target.stream, self.msg.subject
+            ),
         }
     }
 

@@ -1,4 +1,5 @@
-//! Turning async-nats errors into idem's error kinds.
+//! Turning async-nats errors into idem's error kinds, in idem's message style
+//! (`NATS: <what idem was doing>: <what the server or client said>`).
 
 use std::fmt::{Debug, Display};
 
@@ -7,13 +8,14 @@ use async_nats::jetstream::context::{CreateStreamErrorKind, GetStreamErrorKind, 
 use async_nats::jetstream::stream::ConsumerErrorKind;
 use idem_core::{Error, ErrorKind};
 
+const SYSTEM: &str = "NATS";
+
 /// The broker is out of reach or did not answer in time: the runner backs off and retries.
 pub(crate) fn unavailable<E>(what: &str, err: E) -> Error
 where
     E: Into<async_nats::Error>,
 {
-    let err = err.into();
-    Error::new(ErrorKind::Unavailable, format!("NATS: {what}: {err}")).with_source(err)
+    Error::from_system(ErrorKind::Unavailable, SYSTEM, what, err.into())
 }
 
 /// An error kind that can say "the server understood and refused", as opposed to "the server
@@ -75,7 +77,7 @@ where
     } else {
         ErrorKind::Unavailable
     };
-    Error::new(kind, format!("NATS: {what}: {err}")).with_source(err)
+    Error::from_system(kind, SYSTEM, what, err)
 }
 
 /// A publish the server or client refused: a message too large for it (over the server's
@@ -84,7 +86,7 @@ where
 /// reconfigured. The rest as [`api`].
 pub(crate) fn publish(what: &str, err: async_nats::error::Error<PublishErrorKind>) -> Error {
     if too_large(&err) {
-        return Error::new(ErrorKind::Rejected, format!("NATS: {what}: {err}")).with_source(err);
+        return Error::from_system(ErrorKind::Rejected, SYSTEM, what, err);
     }
     api(what, err)
 }

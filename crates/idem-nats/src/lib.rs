@@ -7,12 +7,12 @@
 //! duplicate, and poison messages are published to a dead-letter subject with the reason in
 //! headers before the original is acknowledged.
 //!
-//! Producers use [`publish`], which stamps `Nats-Msg-Id` and waits for the stream to store the
-//! message. JetStream also uses that header to drop re-publishes inside the stream's duplicate
+//! Producers use [`NatsProducer`], which stamps `Nats-Msg-Id` and waits for the stream to
+//! store the message. JetStream also uses that header to drop re-publishes inside the stream's duplicate
 //! window (two minutes by default), but that window is short, covers only publishing, and does
 //! nothing about a consumer receiving a message twice; the claim does.
 //!
-//! Bad input: [`publish`] refuses, as [`ErrorKind::InvalidMessageId`](idem_core::ErrorKind),
+//! Bad input: [`NatsProducer::publish`] refuses, as [`ErrorKind::InvalidMessageId`](idem_core::ErrorKind),
 //! an ID that a NATS header cannot carry unchanged (empty, not UTF-8, NUL or other control
 //! characters), and, as [`ErrorKind::Rejected`](idem_core::ErrorKind), a message too large
 //! for the server: JetStream takes a header block of at most 65 535 bytes (so an ID of about
@@ -28,8 +28,8 @@
 //! use std::sync::Arc;
 //! use std::time::Duration;
 //! use idem_consumer::{Consumer, Handler, Json, shutdown};
-//! use idem_core::{BoxError, Error, ErrorKind, Message, Processor};
-//! use idem_nats::JetStreamSource;
+//! use idem_core::{BoxError, Message, Processor};
+//! use idem_nats::{JetStreamSource, NatsProducer};
 //! use idem_sql::{SqliteOptions, SqliteStore, Tx};
 //!
 //! #[derive(serde::Deserialize)]
@@ -46,19 +46,17 @@
 //!     }
 //! }
 //!
-//! let client = async_nats::connect("nats://127.0.0.1:4222").await
-//!     .map_err(|e| Error::new(ErrorKind::Unavailable, e.to_string()))?;
-//! let js = async_nats::jetstream::new(client.clone());
-//! idem_nats::ensure_stream(&js, "ORDERS", &["orders.>"]).await?;
+//! let producer = NatsProducer::connect("nats://127.0.0.1:4222").await?;
+//! idem_nats::ensure_stream(producer.context(), "ORDERS", &["orders.>"]).await?;
 //! // Dead letters need a stream of their own, outside what the consumer reads.
-//! idem_nats::ensure_stream(&js, "ORDERS_DLQ", &["ORDERS.dead-letter"]).await?;
+//! idem_nats::ensure_stream(producer.context(), "ORDERS_DLQ", &["ORDERS.dead-letter"]).await?;
 //!
-//! idem_nats::publish(&js, "orders.created", "order-42", r#"{"id":"42"}"#).await?;
+//! producer.publish("orders.created", "order-42", r#"{"id":"42"}"#).await?;
 //!
 //! let source = JetStreamSource::builder("ORDERS", "billing")
 //!     .filter_subject("orders.created")
 //!     .ack_wait(Duration::from_secs(60))
-//!     .build(client)
+//!     .connect("nats://127.0.0.1:4222")
 //!     .await?;
 //! let store = SqliteStore::open("idem.db", SqliteOptions::default()).await?;
 //! let processor = Arc::new(Processor::builder(store, "billing").build()?);
@@ -68,39 +66,21 @@
 //! # Ok(()) }
 //! ```
 
+mod builder;
 mod delivery;
 mod error;
-mod publish;
+mod producer;
 mod source;
+mod topology;
 
+/// The NATS client this adapter is built on, for naming its types (clients, contexts,
+/// headers).
 pub use async_nats;
+pub use builder::{DEFAULT_ACK_WAIT, DEFAULT_PULL_EXPIRES, JetStreamSourceBuilder};
 pub use delivery::{
     JetStreamDelivery, ORIGINAL_HEADER_PREFIX, ORIGINAL_SEQUENCE_HEADER, ORIGINAL_STREAM_HEADER,
     ORIGINAL_SUBJECT_HEADER,
 };
-pub use publish::{publish, publish_with_headers};
-pub use source::{DEFAULT_ACK_WAIT, DEFAULT_PULL_EXPIRES, JetStreamSource, JetStreamSourceBuilder};
-
-use async_nats::jetstream::{self, Context};
-use idem_core::Error;
-
-/// Creates stream `name` capturing `subjects` (file storage, limits retention, the server's
-/// defaults otherwise) unless a stream of that name exists; an existing stream is left as it
-/// is, whatever its subjects. For full control use async-nats's
-/// [`Context::get_or_create_stream`] with a [`jetstream::stream::Config`].
-///
-/// # Errors
-/// [`idem_core::ErrorKind::InvalidConfig`] when the server refuses the stream (bad name,
-/// subjects overlapping another stream); [`idem_core::ErrorKind::Unavailable`] when it cannot
-/// be reached.
-pub async fn ensure_stream(js: &Context, name: &str, subjects: &[&str]) -> Result<(), Error> {
-    let config = jetstream::stream::Config {
-        name: name.to_owned(),
-        subjects: subjects.iter().map(|s| (*s).to_owned()).collect(),
-        ..Default::default()
-    };
-    js.get_or_create_stream(config)
-        .await
-        .map_err(|e| error::api(&format!("creating stream {name}"), e))?;
-    Ok(())
-}
+pub use producer::NatsProducer;
+pub use source::JetStreamSource;
+pub use topology::ensure_stream;

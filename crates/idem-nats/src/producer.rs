@@ -2,16 +2,17 @@
 
 use async_nats::HeaderMap;
 use async_nats::header::{HeaderValue, NATS_MESSAGE_ID};
-use async_nats::jetstream::Context;
 use async_nats::jetstream::publish::PublishAck;
+use async_nats::jetstream::{self, Context};
 use async_nats::subject::ToSubject;
 use bytes::Bytes;
 use idem_core::{Error, ErrorKind};
 
 use crate::error;
 
-/// Publishes `payload` to `subject` with `id` in the `Nats-Msg-Id` header and waits until the
-/// stream has stored it (the PubAck).
+/// Publishes JetStream messages with a stable `Nats-Msg-Id` (where [`JetStreamSource`
+/// ](crate::JetStreamSource) reads the ID by default) and waits until the stream has stored
+/// each one (the PubAck).
 ///
 /// `id` is anything that is bytes: a `&str`, a [`MessageId`](idem_core::MessageId), or, for a
 /// message a handler publishes as a side effect, a derived key's
@@ -19,11 +20,13 @@ use crate::error;
 /// same ID again and the downstream consumer sees a duplicate:
 ///
 /// ```no_run
-/// # async fn demo(js: async_nats::jetstream::Context, consumer: idem_core::ConsumerName, id: idem_core::MessageId) -> Result<(), idem_core::Error> {
+/// # async fn demo(consumer: idem_core::ConsumerName, id: idem_core::MessageId) -> Result<(), idem_core::Error> {
 /// use idem_core::DerivedKey;
+/// use idem_nats::NatsProducer;
 ///
+/// let producer = NatsProducer::connect("nats://127.0.0.1:4222").await?;
 /// let key = DerivedKey::new(&consumer, &id, "publish:PaymentCompleted");
-/// let ack = idem_nats::publish(&js, "payments.completed", &key.to_message_id(), "{}").await?;
+/// let ack = producer.publish("payments.completed", &key.to_message_id(), "{}").await?;
 /// if ack.duplicate {
 ///     // JetStream's duplicate window caught a re-publish; nothing new was stored.
 /// }
@@ -33,48 +36,82 @@ use crate::error;
 /// `ack.duplicate` is JetStream's own publish-time de-duplication: it only covers the stream's
 /// duplicate window (two minutes by default) and says nothing about whether a consumer already
 /// processed the message. That is what the consumer's claim is for.
-///
-/// # Errors
-/// [`ErrorKind::InvalidMessageId`] when `id` is empty, not UTF-8, contains control characters
-/// (NUL included) or starts or ends with whitespace (NATS headers cannot carry it unchanged);
-/// [`ErrorKind::Rejected`] when the message is too large: headers and payload together over
-/// the server's `max_payload` (1 MiB unless configured), headers over JetStream's 64 KiB
-/// (the ID is a header, so an ID of nearly 64 KiB is the longest a stream takes), or over
-/// the stream's `max_msg_size`;
-/// [`ErrorKind::InvalidConfig`] when no stream captures `subject`; otherwise
-/// [`ErrorKind::Unavailable`].
-pub async fn publish(
-    js: &Context,
-    subject: impl ToSubject,
-    id: impl AsRef<[u8]>,
-    payload: impl Into<Bytes>,
-) -> Result<PublishAck, Error> {
-    publish_with_headers(js, subject, id, HeaderMap::new(), payload).await
+#[derive(Debug, Clone)]
+pub struct NatsProducer {
+    js: Context,
 }
 
-/// [`publish`] with extra headers; `Nats-Msg-Id` in `headers` is replaced by `id`.
-///
-/// # Errors
-/// As [`publish`].
-pub async fn publish_with_headers(
-    js: &Context,
-    subject: impl ToSubject,
-    id: impl AsRef<[u8]>,
-    mut headers: HeaderMap,
-    payload: impl Into<Bytes>,
-) -> Result<PublishAck, Error> {
-    headers.insert(NATS_MESSAGE_ID, id_header_value(id.as_ref())?);
-    let pending = js
-        .publish_with_headers(subject, headers, payload.into())
-        .await
-        .map_err(|e| error::publish("publishing", e))?;
-    pending
-        .await
-        .map_err(|e| error::publish("waiting for the publish acknowledgement", e))
+impl NatsProducer {
+    /// Connects to the server at `url` (`nats://host:4222`).
+    ///
+    /// # Errors
+    /// [`ErrorKind::Unavailable`] when the server cannot be reached.
+    pub async fn connect(url: &str) -> Result<Self, Error> {
+        let client = async_nats::connect(url).await.map_err(|e| {
+            error::unavailable(&format!("connecting to {}", idem_core::redact_url(url)), e)
+        })?;
+        Ok(Self::new(jetstream::new(client)))
+    }
+
+    /// Publishes through a JetStream context the caller made (its client's credentials, TLS,
+    /// domain), e.g. the one a [`JetStreamSource`](crate::JetStreamSource) uses
+    /// ([`context`](crate::JetStreamSource::context)).
+    pub fn new(js: Context) -> Self {
+        Self { js }
+    }
+
+    /// The JetStream context this producer publishes through.
+    pub fn context(&self) -> &Context {
+        &self.js
+    }
+
+    /// Publishes `payload` to `subject` with `id` in the `Nats-Msg-Id` header and waits until
+    /// the stream has stored it.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidMessageId`] when `id` is empty, not UTF-8, contains control
+    /// characters (NUL included) or starts or ends with whitespace (NATS headers cannot carry
+    /// it unchanged); [`ErrorKind::Rejected`] when the message is too large: headers and
+    /// payload together over the server's `max_payload` (1 MiB unless configured), headers
+    /// over JetStream's 64 KiB (the ID is a header, so an ID of nearly 64 KiB is the longest a
+    /// stream takes), or over the stream's `max_msg_size`; [`ErrorKind::InvalidConfig`] when
+    /// no stream captures `subject`; otherwise [`ErrorKind::Unavailable`].
+    pub async fn publish(
+        &self,
+        subject: impl ToSubject,
+        id: impl AsRef<[u8]>,
+        payload: impl Into<Bytes>,
+    ) -> Result<PublishAck, Error> {
+        self.publish_with_headers(subject, id, HeaderMap::new(), payload)
+            .await
+    }
+
+    /// [`publish`](Self::publish) with extra headers; `Nats-Msg-Id` in `headers` is replaced
+    /// by `id`.
+    ///
+    /// # Errors
+    /// As [`publish`](Self::publish).
+    pub async fn publish_with_headers(
+        &self,
+        subject: impl ToSubject,
+        id: impl AsRef<[u8]>,
+        mut headers: HeaderMap,
+        payload: impl Into<Bytes>,
+    ) -> Result<PublishAck, Error> {
+        headers.insert(NATS_MESSAGE_ID, id_header_value(id.as_ref())?);
+        let pending = self
+            .js
+            .publish_with_headers(subject, headers, payload.into())
+            .await
+            .map_err(|e| error::publish("publishing", e))?;
+        pending
+            .await
+            .map_err(|e| error::publish("waiting for the publish acknowledgement", e))
+    }
 }
 
 /// The ID as a header value that reaches the consumer byte for byte.
-pub(crate) fn id_header_value(id: &[u8]) -> Result<HeaderValue, Error> {
+fn id_header_value(id: &[u8]) -> Result<HeaderValue, Error> {
     let invalid = |why: &str| {
         Error::new(
             ErrorKind::InvalidMessageId,

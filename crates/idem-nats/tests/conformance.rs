@@ -62,7 +62,7 @@ impl BrokerFixture for NatsFixture {
         }
     }
 
-    /// `idem_nats::publish` refuses an empty ID; another client may still send the header
+    /// `NatsProducer::publish` refuses an empty ID; another client may still send the header
     /// empty.
     async fn publish_empty_id_form(&self, form: &'static str, payload: &[u8]) {
         assert_eq!(form, EMPTY_NATS_MSG_ID);

@@ -55,7 +55,9 @@ async fn publish_fetch_ack_round_trip() {
         return;
     };
     let mut src = source(&s, Duration::from_secs(30)).await;
-    let ack = idem_nats::publish(&s.js, s.subject.clone(), "order-1", "hello")
+    let ack = s
+        .producer
+        .publish(s.subject.clone(), "order-1", "hello")
         .await
         .unwrap();
     assert!(!ack.duplicate);
@@ -82,7 +84,7 @@ async fn publish_fetch_ack_round_trip() {
     );
     assert_eq!(d.previous_deliveries(), 0);
     assert_eq!(
-        d.origin(),
+        d.origin().to_string(),
         format!("stream {} seq {}", s.stream, ack.sequence)
     );
     d.ack().await.unwrap();
@@ -105,7 +107,8 @@ async fn next_returns_at_most_max_and_loses_nothing() {
     };
     let mut src = source(&s, Duration::from_secs(30)).await;
     for i in 0..7 {
-        idem_nats::publish(&s.js, s.subject.clone(), format!("m-{i}"), "x")
+        s.producer
+            .publish(s.subject.clone(), format!("m-{i}"), "x")
             .await
             .unwrap();
     }
@@ -143,7 +146,8 @@ async fn a_cancelled_next_loses_nothing() {
     );
     // ...then publish: the message the open request receives is returned by the next call,
     // long before an ack wait could have brought it back.
-    idem_nats::publish(&s.js, s.subject.clone(), "late", "x")
+    s.producer
+        .publish(s.subject.clone(), "late", "x")
         .await
         .unwrap();
     let got = next_within(&mut src, 5, Duration::from_secs(5))
@@ -172,7 +176,8 @@ async fn a_dropped_sources_open_pull_request_swallows_nothing() {
     );
     drop(gone); // its pull request is still open on the server, nobody listens
     let mut fresh = source(&s, Duration::from_secs(60)).await;
-    idem_nats::publish(&s.js, s.subject.clone(), "for-fresh", "x")
+    s.producer
+        .publish(s.subject.clone(), "for-fresh", "x")
         .await
         .unwrap();
     let got = next_within(&mut fresh, 5, Duration::from_secs(5))
@@ -191,7 +196,8 @@ async fn an_unacked_message_is_redelivered_after_the_ack_wait() {
         return;
     };
     let mut src = source(&s, Duration::from_secs(1)).await;
-    idem_nats::publish(&s.js, s.subject.clone(), "crashy", "payload")
+    s.producer
+        .publish(s.subject.clone(), "crashy", "payload")
         .await
         .unwrap();
     let first = next_within(&mut src, 1, Duration::from_secs(5))
@@ -220,7 +226,8 @@ async fn abandon_redelivers_at_once() {
     };
     // A long ack wait: only the nak can bring the message back within the test's deadline.
     let mut src = source(&s, Duration::from_secs(60)).await;
-    idem_nats::publish(&s.js, s.subject.clone(), "nak-me", "x")
+    s.producer
+        .publish(s.subject.clone(), "nak-me", "x")
         .await
         .unwrap();
     let first = next_within(&mut src, 1, Duration::from_secs(5))
@@ -249,7 +256,8 @@ async fn dead_letter_lands_in_the_dead_letter_stream_with_reason_and_original_pa
     let mut headers = async_nats::HeaderMap::new();
     headers.insert("traceparent", "00-abc-def-01");
     let payload: &[u8] = b"\x00not json\xff";
-    idem_nats::publish_with_headers(&s.js, s.subject.clone(), "poison-1", headers, payload)
+    s.producer
+        .publish_with_headers(s.subject.clone(), "poison-1", headers, payload)
         .await
         .unwrap();
 
@@ -315,7 +323,8 @@ async fn one_message_dead_lettered_by_two_consumers_gives_two_dead_letters() {
     // dead-letter stream if it were copied as is.
     let mut h = async_nats::HeaderMap::new();
     h.insert("Nats-Expected-Stream", s.stream.as_str());
-    idem_nats::publish_with_headers(&s.js, s.subject.clone(), "shared", h, "x")
+    s.producer
+        .publish_with_headers(s.subject.clone(), "shared", h, "x")
         .await
         .unwrap();
     for src in [&mut worker, &mut audit] {
@@ -351,7 +360,8 @@ async fn a_failed_dead_letter_publish_leaves_the_original_unacknowledged() {
         return;
     };
     let mut src = source(&s, Duration::from_secs(1)).await;
-    idem_nats::publish(&s.js, s.subject.clone(), "stuck", "x")
+    s.producer
+        .publish(s.subject.clone(), "stuck", "x")
         .await
         .unwrap();
     // The dead-letter stream disappears after the source checked it.
@@ -402,7 +412,9 @@ async fn misconfigurations_are_refused_at_build() {
     let err = build(JetStreamSource::builder(&s.stream, "w").dead_letter_subject("bad.*")).await;
     assert_eq!(err.kind(), ErrorKind::InvalidConfig, "{err}");
 
-    let err = idem_nats::publish(&s.js, s.subject.clone(), "", "x")
+    let err = s
+        .producer
+        .publish(s.subject.clone(), "", "x")
         .await
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::InvalidMessageId);

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use idem_nats::{DEFAULT_PULL_EXPIRES, JetStreamSource, async_nats};
+use idem_nats::{DEFAULT_PULL_EXPIRES, JetStreamSource, NatsProducer, async_nats};
 use idem_testkit::broker_conformance::{Behaviour, EffectHandler, Harness, Mode, eventually};
 use idem_testkit::{service_url, services::NATS, unique_name};
 
@@ -173,11 +173,11 @@ async fn jetstream_answers(url: &str) -> bool {
 
 /// Publishes with the adapter's helper, retrying while the publisher's connection recovers.
 /// A retry after a lost PubAck is dropped by JetStream's duplicate window: still one message.
-async fn publish_retrying(js: &async_nats::jetstream::Context, id: &str, n: usize) {
+async fn publish_retrying(producer: &NatsProducer, id: &str, n: usize) {
     let deadline = Instant::now() + PROMPT;
     let payload = format!("{{\"n\":{n}}}");
     loop {
-        match idem_nats::publish(js, SUBJECT, id, payload.clone()).await {
+        match producer.publish(SUBJECT, id, payload.clone()).await {
             Ok(_) => return,
             Err(e) => {
                 assert!(Instant::now() < deadline, "publishing {id}: {e}");
@@ -211,12 +211,13 @@ async fn consume_across_restart(test: &str, scenario: Scenario) {
     server.wait_ready(PROMPT).await;
     let url = server.url();
 
-    let publisher = async_nats::connect(&url).await.expect("publisher connects");
-    let js = async_nats::jetstream::new(publisher);
-    idem_nats::ensure_stream(&js, STREAM, &[SUBJECT])
+    let producer = NatsProducer::connect(&url)
+        .await
+        .expect("publisher connects");
+    idem_nats::ensure_stream(producer.context(), STREAM, &[SUBJECT])
         .await
         .expect("stream");
-    idem_nats::ensure_stream(&js, "ORDERS_DLQ", &[DEAD_LETTER_SUBJECT])
+    idem_nats::ensure_stream(producer.context(), "ORDERS_DLQ", &[DEAD_LETTER_SUBJECT])
         .await
         .expect("dead-letter stream");
 
@@ -225,7 +226,7 @@ async fn consume_across_restart(test: &str, scenario: Scenario) {
     let source = JetStreamSource::builder(STREAM, "restart")
         .ack_wait(ACK_WAIT)
         .pull_expires(scenario.pull_expires)
-        .build(client)
+        .connect_with(async_nats::jetstream::new(client))
         .await
         .expect("source");
     let h = Harness::new(test).await;
@@ -241,7 +242,7 @@ async fn consume_across_restart(test: &str, scenario: Scenario) {
     let run = h.spawn(source, handler, Mode::PerMessage);
 
     for i in 0..PER_PHASE {
-        publish_retrying(&js, &format!("before-{i}"), i).await;
+        publish_retrying(&producer, &format!("before-{i}"), i).await;
     }
     let kill_at = if scenario.mid_stream {
         PER_PHASE / 3
@@ -271,7 +272,7 @@ async fn consume_across_restart(test: &str, scenario: Scenario) {
     let committed_while_down = h.total_effects().await;
 
     for i in 0..PER_PHASE {
-        publish_retrying(&js, &format!("after-{i}"), PER_PHASE + i).await;
+        publish_retrying(&producer, &format!("after-{i}"), PER_PHASE + i).await;
     }
     let bound = PROMPT;
     let stall = Cell::new(None);

@@ -1,8 +1,11 @@
-//! Configuration of a [`RedisStreamSource`](crate::RedisStreamSource).
+//! Configuring a [`RedisStreamSource`]: which stream, as which group member, and how.
 
 use std::time::Duration;
 
 use idem_core::{Error, ErrorKind};
+
+use crate::error;
+use crate::source::RedisStreamSource;
 
 /// The stream field holding the producer-set message ID unless configured otherwise.
 pub const DEFAULT_ID_FIELD: &str = "message_id";
@@ -33,20 +36,22 @@ impl StartFrom {
     }
 }
 
-/// Which stream to consume, as which group member, and how (consuming builder).
+/// Configures a [`RedisStreamSource`]; created by [`RedisStreamSource::builder`], finished by
+/// [`connect`](Self::connect) or [`connect_with`](Self::connect_with).
 ///
 /// ```
 /// use std::time::Duration;
-/// use idem_redis_streams::{RedisStreamOptions, StartFrom};
+/// use idem_redis_streams::{RedisStreamSource, StartFrom};
 ///
-/// let options = RedisStreamOptions::new("orders", "billing", "billing-pod-7")
+/// let builder = RedisStreamSource::builder("orders", "billing", "billing-pod-7")
 ///     .start_from(StartFrom::NewOnly)
 ///     .min_idle(Duration::from_secs(60))
 ///     .dead_letter_stream("orders:poison");
-/// assert_eq!(options.dead_letter_stream_key(), "orders:poison");
+/// assert_eq!(builder.dead_letter_stream_key(), "orders:poison");
 /// ```
 #[derive(Debug, Clone)]
-pub struct RedisStreamOptions {
+#[must_use]
+pub struct RedisStreamSourceBuilder {
     pub(crate) stream: String,
     pub(crate) group: String,
     pub(crate) consumer: String,
@@ -58,19 +63,20 @@ pub struct RedisStreamOptions {
     pub(crate) dead_letter_stream: Option<String>,
 }
 
-impl RedisStreamOptions {
-    /// Consume `stream` in consumer group `group` as member `consumer`.
+impl RedisStreamSource {
+    /// Configures a source consuming `stream` in consumer group `group` as member `consumer`.
     ///
     /// The consumer name must be stable for one process instance (pod name, hostname plus
     /// a slot number) and unique among live members: a restarted process with the same name
     /// resumes its own unacknowledged entries at once, while entries of a name that never
-    /// comes back are reclaimed by the others after [`min_idle`](Self::min_idle).
-    pub fn new(
+    /// comes back are reclaimed by the others after [`min_idle`
+    /// ](RedisStreamSourceBuilder::min_idle).
+    pub fn builder(
         stream: impl Into<String>,
         group: impl Into<String>,
         consumer: impl Into<String>,
-    ) -> Self {
-        Self {
+    ) -> RedisStreamSourceBuilder {
+        RedisStreamSourceBuilder {
             stream: stream.into(),
             group: group.into(),
             consumer: consumer.into(),
@@ -82,7 +88,9 @@ impl RedisStreamOptions {
             dead_letter_stream: None,
         }
     }
+}
 
+impl RedisStreamSourceBuilder {
     /// Where a newly created group starts (default [`StartFrom::Beginning`]). Ignored when the
     /// group exists.
     pub fn start_from(mut self, start: StartFrom) -> Self {
@@ -132,7 +140,32 @@ impl RedisStreamOptions {
             .unwrap_or_else(|| format!("{}{DEAD_LETTER_SUFFIX}", self.stream))
     }
 
-    pub(crate) fn validate(&self) -> Result<(), Error> {
+    /// Connects to the Redis server at `url` (`redis://host:6379`, `rediss://` for TLS) and
+    /// creates the consumer group (and the stream) if missing (see [`ensure_group`
+    /// ](crate::ensure_group)).
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidConfig`] for a malformed URL or settings [`connect_with`
+    /// ](Self::connect_with) refuses; [`ErrorKind::Unavailable`] when the server cannot be
+    /// reached.
+    pub async fn connect(self, url: &str) -> Result<RedisStreamSource, Error> {
+        let client = redis::Client::open(url).map_err(|e| error::invalid_url(url, e))?;
+        self.connect_with(client).await
+    }
+
+    /// Like [`connect`](Self::connect), with a client configured by the caller (TLS, RESP3,
+    /// credentials).
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidConfig`] for an empty name, a dead-letter stream equal to the
+    /// consumed one, or a zero `block`; [`ErrorKind::Unavailable`] when the server cannot be
+    /// reached.
+    pub async fn connect_with(self, client: redis::Client) -> Result<RedisStreamSource, Error> {
+        self.validate()?;
+        RedisStreamSource::start(client, self).await
+    }
+
+    fn validate(&self) -> Result<(), Error> {
         let named = [
             ("stream", &self.stream),
             ("group", &self.group),
@@ -144,21 +177,21 @@ impl RedisStreamOptions {
             if value.is_empty() {
                 return Err(Error::new(
                     ErrorKind::InvalidConfig,
-                    format!("redis streams: the {what} name must not be empty"),
+                    format!("the Redis stream {what} name must not be empty"),
                 ));
             }
         }
         if self.dead_letter_stream_key() == self.stream {
             return Err(Error::new(
                 ErrorKind::InvalidConfig,
-                "redis streams: the dead-letter stream must differ from the consumed stream",
+                "the Redis dead-letter stream must differ from the consumed stream",
             ));
         }
         if self.block.is_zero() {
             // BLOCK 0 means "forever": the reclaim loop would never run on a quiet stream.
             return Err(Error::new(
                 ErrorKind::InvalidConfig,
-                "redis streams: block must be above zero",
+                "the Redis stream block time must be above zero",
             ));
         }
         Ok(())

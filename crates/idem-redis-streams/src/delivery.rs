@@ -7,9 +7,10 @@ use std::fmt;
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
 
 use idem_consumer::{DeadLetter, Delivery};
-use idem_core::{Error, ErrorKind};
+use idem_core::Error;
 use redis::aio::ConnectionManager;
 
+use crate::error::unavailable;
 use crate::reply::Field;
 
 /// What every delivery of one source shares: the non-blocking connection and the names.
@@ -88,9 +89,9 @@ impl Shared {
         {
             call.arg(*k).arg(v);
         }
-        call.arg(ORIGIN_STREAM_FIELD)
+        call.arg(ORIGINAL_STREAM_FIELD)
             .arg(&self.stream)
-            .arg(ORIGIN_ID_FIELD)
+            .arg(ORIGINAL_ID_FIELD)
             .arg(id);
         let dead_letter_id: String = call
             .invoke_async(&mut self.conn.clone())
@@ -124,13 +125,9 @@ impl fmt::Debug for Shared {
 }
 
 /// Dead-letter field naming the stream the entry came from.
-pub const ORIGIN_STREAM_FIELD: &str = "idem-original-stream";
+pub const ORIGINAL_STREAM_FIELD: &str = "idem-original-stream";
 /// Dead-letter field holding the entry's ID in the stream it came from.
-pub const ORIGIN_ID_FIELD: &str = "idem-original-id";
-
-pub(crate) fn unavailable(what: &str, e: redis::RedisError) -> Error {
-    Error::new(ErrorKind::Unavailable, format!("redis {what} failed: {e}")).with_source(e)
-}
+pub const ORIGINAL_ID_FIELD: &str = "idem-original-id";
 
 /// One entry of the stream, read through the consumer group.
 ///
@@ -196,8 +193,8 @@ impl Delivery for RedisStreamDelivery {
         self.previous
     }
 
-    fn origin(&self) -> String {
-        format!("stream {} id {}", self.shared.stream, self.id)
+    fn fmt_origin(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "stream {} id {}", self.shared.stream, self.id)
     }
 
     async fn ack(self) -> Result<(), Error> {

@@ -19,7 +19,7 @@
 //! use std::sync::Arc;
 //! use idem_consumer::{Consumer, Handler, Raw, shutdown};
 //! use idem_core::{BoxError, Message, Processor};
-//! use idem_redis_streams::{RedisStreamOptions, RedisStreamSource};
+//! use idem_redis_streams::RedisStreamSource;
 //! use idem_sql::{SqliteOptions, SqliteStore, Tx};
 //!
 //! struct Record;
@@ -36,8 +36,9 @@
 //! let store = SqliteStore::open("idem.db", SqliteOptions::default()).await?;
 //! let processor = Arc::new(Processor::builder(store, "events").build()?);
 //! // The consumer name must be stable per process instance (pod name, hostname).
-//! let options = RedisStreamOptions::new("events", "event-recorder", "recorder-0");
-//! let source = RedisStreamSource::connect("redis://127.0.0.1:6379", options).await?;
+//! let source = RedisStreamSource::builder("events", "event-recorder", "recorder-0")
+//!     .connect("redis://127.0.0.1:6379")
+//!     .await?;
 //! Consumer::new(processor, source)
 //!     .run(Raw, Record, shutdown::on_signal())
 //!     .await?;
@@ -53,18 +54,25 @@
 //! Redis acknowledges an entry independently of your database: the claim, committed with the
 //! side effect, is what makes a reclaimed or re-read entry a harmless duplicate.
 
+mod builder;
 mod delivery;
+mod error;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
-mod options;
 mod producer;
 mod reply;
 mod source;
+mod topology;
 
-pub use delivery::{ORIGIN_ID_FIELD, ORIGIN_STREAM_FIELD, RedisStreamDelivery};
-pub use options::{
-    DEAD_LETTER_SUFFIX, DEFAULT_ID_FIELD, DEFAULT_PAYLOAD_FIELD, RedisStreamOptions, StartFrom,
+pub use builder::{
+    DEAD_LETTER_SUFFIX, DEFAULT_ID_FIELD, DEFAULT_PAYLOAD_FIELD, RedisStreamSourceBuilder,
+    StartFrom,
 };
+pub use delivery::{ORIGINAL_ID_FIELD, ORIGINAL_STREAM_FIELD, RedisStreamDelivery};
 pub use producer::{AsMessageId, RedisStreamProducer};
+/// The Redis client this adapter is built on, for naming its types (clients, connections,
+/// values).
+pub use redis;
 pub use source::RedisStreamSource;
+pub use topology::ensure_group;

@@ -7,8 +7,8 @@ use std::time::Duration;
 use idem_core::{DerivedKey, Error, ErrorKind, MessageId};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 
-use crate::delivery::unavailable;
-use crate::options::{DEFAULT_ID_FIELD, DEFAULT_PAYLOAD_FIELD};
+use crate::builder::{DEFAULT_ID_FIELD, DEFAULT_PAYLOAD_FIELD};
+use crate::error;
 
 /// Anything usable as the producer-set message ID of a published entry.
 ///
@@ -55,50 +55,51 @@ impl<T: AsMessageId + ?Sized> AsMessageId for &T {
     }
 }
 
-/// Appends entries to one stream with `XADD`, stamping the message ID.
+/// Appends entries to streams with `XADD`, the message ID and the payload in their own fields
+/// (where [`RedisStreamSource`](crate::RedisStreamSource) reads them by default).
 ///
 /// ```no_run
 /// # async fn demo() -> Result<(), idem_core::Error> {
 /// use idem_redis_streams::RedisStreamProducer;
 ///
-/// let producer = RedisStreamProducer::connect("redis://127.0.0.1:6379", "orders")
+/// let producer = RedisStreamProducer::connect("redis://127.0.0.1:6379")
 ///     .await?
 ///     .max_len(1_000_000);
-/// let entry = producer.publish("order-42/created", br#"{"order":42}"#).await?;
+/// let entry = producer.publish("orders", "order-42/created", br#"{"order":42}"#).await?;
 /// producer
-///     .publish_with_fields("order-43/created", b"{}", &[("tenant", b"acme")])
+///     .publish_with_fields("orders", "order-43/created", b"{}", &[("tenant", b"acme")])
 ///     .await?;
 /// # let _ = entry; Ok(()) }
 /// ```
 #[derive(Debug, Clone)]
 pub struct RedisStreamProducer {
     conn: ConnectionManager,
-    stream: String,
     id_field: String,
     payload_field: String,
     max_len: Option<usize>,
 }
 
 impl RedisStreamProducer {
-    /// Connects to the Redis server at `url`, publishing to `stream`.
-    pub async fn connect(url: &str, stream: impl Into<String>) -> Result<Self, Error> {
-        let client = redis::Client::open(url).map_err(|e| {
-            Error::new(ErrorKind::InvalidConfig, format!("invalid redis URL: {e}")).with_source(e)
-        })?;
+    /// Connects to the Redis server at `url` (`redis://host:6379`, `rediss://` for TLS).
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidConfig`] for a malformed URL; [`ErrorKind::Unavailable`] when the
+    /// server cannot be reached.
+    pub async fn connect(url: &str) -> Result<Self, Error> {
+        let client = redis::Client::open(url).map_err(|e| error::invalid_url(url, e))?;
         let config = ConnectionManagerConfig::new()
             .set_response_timeout(Some(Duration::from_secs(5)))
             .set_connection_timeout(Some(Duration::from_secs(5)));
         let conn = ConnectionManager::new_with_config(client, config)
             .await
-            .map_err(|e| unavailable("connect", e))?;
-        Ok(Self::with_connection(conn, stream))
+            .map_err(|e| error::unavailable("connecting", e))?;
+        Ok(Self::new(conn))
     }
 
-    /// Publishes to `stream` over an existing connection.
-    pub fn with_connection(conn: ConnectionManager, stream: impl Into<String>) -> Self {
+    /// Publishes over a connection the caller opened (its TLS, credentials, timeouts).
+    pub fn new(conn: ConnectionManager) -> Self {
         Self {
             conn,
-            stream: stream.into(),
             id_field: DEFAULT_ID_FIELD.to_owned(),
             payload_field: DEFAULT_PAYLOAD_FIELD.to_owned(),
             max_len: None,
@@ -125,20 +126,28 @@ impl RedisStreamProducer {
         self
     }
 
-    /// The stream published to.
-    pub fn stream(&self) -> &str {
-        &self.stream
-    }
-
-    /// Appends an entry with the ID and payload fields; returns the entry ID once Redis has
-    /// accepted it.
-    pub async fn publish(&self, id: impl AsMessageId, payload: &[u8]) -> Result<String, Error> {
-        self.publish_with_fields(id, payload, &[]).await
+    /// Appends an entry with the ID and payload fields to `stream`; returns the entry ID once
+    /// Redis has accepted it.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidMessageId`] when `id` is empty; [`ErrorKind::Unavailable`] when the
+    /// command fails.
+    pub async fn publish(
+        &self,
+        stream: &str,
+        id: impl AsMessageId,
+        payload: &[u8],
+    ) -> Result<String, Error> {
+        self.publish_with_fields(stream, id, payload, &[]).await
     }
 
     /// Like [`publish`](Self::publish), with extra fields (readable as headers).
+    ///
+    /// # Errors
+    /// As [`publish`](Self::publish).
     pub async fn publish_with_fields(
         &self,
+        stream: &str,
         id: impl AsMessageId,
         payload: &[u8],
         fields: &[(&str, &[u8])],
@@ -151,7 +160,7 @@ impl RedisStreamProducer {
             ));
         }
         let mut cmd = redis::cmd("XADD");
-        cmd.arg(&self.stream);
+        cmd.arg(stream);
         if let Some(n) = self.max_len {
             cmd.arg("MAXLEN").arg("~").arg(n);
         }
@@ -165,6 +174,6 @@ impl RedisStreamProducer {
         }
         cmd.query_async(&mut self.conn.clone())
             .await
-            .map_err(|e| unavailable("XADD", e))
+            .map_err(|e| error::unavailable("XADD", e))
     }
 }

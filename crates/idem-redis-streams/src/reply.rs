@@ -22,7 +22,7 @@ pub(crate) struct Entry {
 fn malformed(what: &str, value: &Value) -> Error {
     Error::new(
         ErrorKind::Unavailable,
-        format!("unexpected reply from redis to {what}: {value:?}"),
+        format!("unexpected reply from Redis to {what}: {value:?}"),
     )
 }
 
@@ -42,13 +42,13 @@ fn string(what: &str, value: Value) -> Result<String, Error> {
         Some(b) => String::from_utf8(b).map_err(|e| {
             Error::new(
                 ErrorKind::Unavailable,
-                format!("non-UTF-8 {what} in redis reply"),
+                format!("non-UTF-8 {what} in a Redis reply"),
             )
             .with_source(e)
         }),
         None => Err(Error::new(
             ErrorKind::Unavailable,
-            format!("unexpected reply from redis: {what} is not a string"),
+            format!("unexpected reply from Redis: {what} is not a string"),
         )),
     }
 }
@@ -73,7 +73,7 @@ fn fields(value: Value) -> Result<Option<Vec<Field>>, Error> {
         // could be the ID field itself (found by fuzz/redis_stream_reply).
         return Err(Error::new(
             ErrorKind::Unavailable,
-            "unexpected reply from redis: a stream field has no value",
+            "unexpected reply from Redis: a stream field has no value",
         ));
     }
     let mut out = Vec::with_capacity(flat.len() / 2);
@@ -84,7 +84,7 @@ fn fields(value: Value) -> Result<Option<Vec<Field>>, Error> {
             _ => {
                 return Err(Error::new(
                     ErrorKind::Unavailable,
-                    "unexpected reply from redis: a stream field is not a string",
+                    "unexpected reply from Redis: a stream field is not a string",
                 ));
             }
         }

@@ -5,12 +5,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idem_consumer::{DeadLetter, DeadLetterReason, IdSource, Source};
-use idem_core::{Error, ErrorKind};
+use idem_core::Error;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 
-use crate::delivery::{RedisStreamDelivery, Shared, unavailable};
-use crate::options::RedisStreamOptions;
+use crate::builder::RedisStreamSourceBuilder;
+use crate::delivery::{RedisStreamDelivery, Shared};
+use crate::error::unavailable;
 use crate::reply::{self, Entry};
+use crate::topology::ensure_group;
 
 /// Slack on top of `BLOCK` before the client gives up on a blocking read.
 const BLOCK_SLACK: Duration = Duration::from_secs(5);
@@ -31,12 +33,14 @@ const COMMAND_TIMEOUT: Duration = Duration::from_secs(5);
 ///
 /// Two connections are used: the blocking read holds its own, so acks are not stuck behind
 /// it. Both reconnect by themselves; a failed command is reported as
-/// [`ErrorKind::Unavailable`] and the runner calls `next` again after a backoff.
+/// [`ErrorKind::Unavailable`](idem_core::ErrorKind::Unavailable) and the runner calls `next`
+/// again after a backoff.
 #[derive(Debug)]
 pub struct RedisStreamSource {
     shared: Arc<Shared>,
     reader: ConnectionManager,
-    options: RedisStreamOptions,
+    /// The settings it was built with (idle time, block time, field names).
+    config: RedisStreamSourceBuilder,
     /// `XAUTOCLAIM` scan position; wraps to `0-0` after a full pass.
     claim_cursor: String,
     /// Position in this consumer's own pending list while resuming it; `None` once done.
@@ -44,37 +48,26 @@ pub struct RedisStreamSource {
 }
 
 impl RedisStreamSource {
-    /// Connects to the Redis server at `url` and creates the consumer group (and the stream)
-    /// if missing.
-    pub async fn connect(url: &str, options: RedisStreamOptions) -> Result<Self, Error> {
-        let client = redis::Client::open(url).map_err(|e| {
-            Error::new(ErrorKind::InvalidConfig, format!("invalid redis URL: {e}")).with_source(e)
-        })?;
-        Self::with_client(client, options).await
-    }
-
-    /// Like [`connect`](Self::connect), with a client configured by the caller (TLS, RESP3,
-    /// credentials).
-    pub async fn with_client(
+    /// Opens the two connections and creates the group, with settings the builder checked.
+    pub(crate) async fn start(
         client: redis::Client,
-        options: RedisStreamOptions,
+        config: RedisStreamSourceBuilder,
     ) -> Result<Self, Error> {
-        options.validate()?;
-        let block_timeout = options.block.saturating_add(BLOCK_SLACK);
+        let block_timeout = config.block.saturating_add(BLOCK_SLACK);
         let reader = manager(&client, block_timeout).await?;
         let conn = manager(&client, COMMAND_TIMEOUT).await?;
         let shared = Arc::new(Shared {
             conn,
-            dead_letter_stream: options.dead_letter_stream_key(),
-            stream: options.stream.clone(),
-            group: options.group.clone(),
-            consumer: options.consumer.clone(),
+            dead_letter_stream: config.dead_letter_stream_key(),
+            stream: config.stream.clone(),
+            group: config.group.clone(),
+            consumer: config.consumer.clone(),
             in_flight: Mutex::new(Default::default()),
         });
         let source = Self {
             shared,
             reader,
-            options,
+            config,
             claim_cursor: "0-0".to_owned(),
             own_pending: Some("0".to_owned()),
         };
@@ -102,25 +95,15 @@ impl RedisStreamSource {
         &self.shared.dead_letter_stream
     }
 
-    /// `XGROUP CREATE … MKSTREAM`; an existing group is fine. Also run after `NOGROUP`: Redis
-    /// without persistence forgets groups on restart.
+    /// Run at start and after `NOGROUP`: Redis without persistence forgets groups on restart.
     async fn create_group(&self) -> Result<(), Error> {
-        let created: Result<(), redis::RedisError> = redis::cmd("XGROUP")
-            .arg("CREATE")
-            .arg(&self.shared.stream)
-            .arg(&self.shared.group)
-            .arg(self.options.start.as_id())
-            .arg("MKSTREAM")
-            .query_async(&mut self.shared.conn.clone())
-            .await;
-        match created {
-            Ok(()) => {
-                tracing::info!(stream = %self.shared.stream, group = %self.shared.group, "consumer group created");
-                Ok(())
-            }
-            Err(e) if e.code() == Some("BUSYGROUP") => Ok(()),
-            Err(e) => Err(unavailable("XGROUP CREATE", e)),
-        }
+        ensure_group(
+            &mut self.shared.conn.clone(),
+            &self.shared.stream,
+            &self.shared.group,
+            self.config.start,
+        )
+        .await
     }
 
     async fn read(
@@ -164,7 +147,7 @@ impl RedisStreamSource {
             .arg(&self.shared.stream)
             .arg(&self.shared.group)
             .arg(&self.shared.consumer)
-            .arg(millis(self.options.min_idle))
+            .arg(millis(self.config.min_idle))
             .arg(&self.claim_cursor)
             .arg("COUNT")
             .arg(count)
@@ -233,7 +216,7 @@ impl RedisStreamSource {
                 self.shared.ack(&entry.id).await?;
                 continue;
             };
-            let payload_field = self.options.payload_field.as_bytes();
+            let payload_field = self.config.payload_field.as_bytes();
             let Some(payload) = fields
                 .iter()
                 .position(|(k, _)| k.as_slice() == payload_field)
@@ -242,7 +225,7 @@ impl RedisStreamSource {
                     DeadLetterReason::Undecodable,
                     format!(
                         "stream entry has no {:?} field, so there is no payload to process",
-                        self.options.payload_field
+                        self.config.payload_field
                     ),
                 )
                 .with_context(
@@ -281,7 +264,7 @@ async fn manager(
         .set_max_delay(Duration::from_secs(2));
     ConnectionManager::new_with_config(client.clone(), config)
         .await
-        .map_err(|e| unavailable("connect", e))
+        .map_err(|e| unavailable("connecting", e))
 }
 
 impl Source for RedisStreamSource {
@@ -292,7 +275,7 @@ impl Source for RedisStreamSource {
     }
 
     fn default_id_source(&self) -> IdSource {
-        IdSource::header(self.options.id_field.clone())
+        IdSource::header(self.config.id_field.clone())
     }
 
     async fn next(&mut self, max: usize) -> Result<Vec<RedisStreamDelivery>, Error> {
@@ -315,7 +298,7 @@ impl Source for RedisStreamSource {
             self.accept(claimed, true, &mut out).await?;
             if out.len() < max {
                 // Block only when there is nothing to hand out yet.
-                let block = out.is_empty().then_some(self.options.block);
+                let block = out.is_empty().then_some(self.config.block);
                 let fresh = self.read(">", max - out.len(), block).await?;
                 self.accept(fresh, false, &mut out).await?;
             }

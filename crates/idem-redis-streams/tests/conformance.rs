@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use idem_core::Error;
-use idem_redis_streams::{RedisStreamOptions, RedisStreamProducer, RedisStreamSource};
+use idem_redis_streams::{RedisStreamProducer, RedisStreamSource, RedisStreamSourceBuilder};
 use idem_testkit::{BrokerFixture, DeadLettered};
 use redis::aio::ConnectionManager;
 
@@ -25,8 +25,8 @@ struct RedisFixture {
 }
 
 impl RedisFixture {
-    fn options(&self, consumer: String) -> RedisStreamOptions {
-        RedisStreamOptions::new(&self.stream, "conformance", consumer)
+    fn options(&self, consumer: String) -> RedisStreamSourceBuilder {
+        RedisStreamSource::builder(&self.stream, "conformance", consumer)
             .min_idle(MIN_IDLE)
             .block(BLOCK)
     }
@@ -63,7 +63,7 @@ impl BrokerFixture for RedisFixture {
         let conn = ConnectionManager::new(client)
             .await
             .expect("connect to redis");
-        let producer = RedisStreamProducer::with_connection(conn.clone(), &name);
+        let producer = RedisStreamProducer::new(conn.clone());
         Self {
             url,
             stream: name,
@@ -75,7 +75,11 @@ impl BrokerFixture for RedisFixture {
 
     async fn try_publish(&self, id: Option<&[u8]>, payload: &[u8]) -> Result<(), Error> {
         match id {
-            Some(id) => self.producer.publish(id, payload).await.map(drop),
+            Some(id) => self
+                .producer
+                .publish(&self.stream, id, payload)
+                .await
+                .map(drop),
             None => {
                 self.xadd(&[("payload", payload)]).await;
                 Ok(())
@@ -93,7 +97,8 @@ impl BrokerFixture for RedisFixture {
     async fn source(&self) -> RedisStreamSource {
         // Each source is a distinct group member, as separate processes would be.
         let n = self.sources.fetch_add(1, Ordering::Relaxed);
-        RedisStreamSource::connect(&self.url, self.options(format!("member-{n}")))
+        self.options(format!("member-{n}"))
+            .connect(&self.url)
             .await
             .expect("source connects")
     }

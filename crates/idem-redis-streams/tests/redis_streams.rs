@@ -10,8 +10,8 @@ use idem_consumer::{
 };
 use idem_core::MessageId;
 use idem_redis_streams::{
-    ORIGIN_ID_FIELD, ORIGIN_STREAM_FIELD, RedisStreamOptions, RedisStreamProducer,
-    RedisStreamSource, StartFrom,
+    ORIGINAL_ID_FIELD, ORIGINAL_STREAM_FIELD, RedisStreamProducer, RedisStreamSource,
+    RedisStreamSourceBuilder, StartFrom,
 };
 use redis::aio::ConnectionManager;
 
@@ -29,7 +29,7 @@ impl Ctx {
         let stream = idem_testkit::unique_name("idem_rs", test);
         let client = redis::Client::open(url.as_str()).expect("redis URL");
         let conn = ConnectionManager::new(client).await.expect("connect");
-        let producer = RedisStreamProducer::with_connection(conn.clone(), &stream);
+        let producer = RedisStreamProducer::new(conn.clone());
         Some(Self {
             url,
             stream,
@@ -38,14 +38,15 @@ impl Ctx {
         })
     }
 
-    fn options(&self, consumer: &str) -> RedisStreamOptions {
-        RedisStreamOptions::new(&self.stream, "g", consumer)
+    fn options(&self, consumer: &str) -> RedisStreamSourceBuilder {
+        RedisStreamSource::builder(&self.stream, "g", consumer)
             .min_idle(Duration::from_secs(1))
             .block(Duration::from_millis(100))
     }
 
     async fn source(&self, consumer: &str) -> RedisStreamSource {
-        RedisStreamSource::connect(&self.url, self.options(consumer))
+        self.options(consumer)
+            .connect(&self.url)
             .await
             .expect("source connects")
     }
@@ -120,7 +121,7 @@ async fn round_trip_maps_fields_to_id_payload_and_headers() {
     let payload = [0xff, 0x00, b'{', 0xfe]; // not UTF-8: bytes must survive as bytes
     let entry = ctx
         .producer
-        .publish_with_fields(&id, &payload, &[("tenant", b"acme")])
+        .publish_with_fields(&ctx.stream, &id, &payload, &[("tenant", b"acme")])
         .await
         .expect("publish");
 
@@ -131,7 +132,10 @@ async fn round_trip_maps_fields_to_id_payload_and_headers() {
     assert_eq!(d.header("absent"), None);
     assert_eq!(d.previous_deliveries(), 0);
     assert_eq!(d.entry_id(), entry);
-    assert_eq!(d.origin(), format!("stream {} id {entry}", ctx.stream));
+    assert_eq!(
+        d.origin().to_string(),
+        format!("stream {} id {entry}", ctx.stream)
+    );
     assert_eq!(ctx.pending().await, 1, "pending until acked");
     d.ack().await.expect("ack");
     assert_eq!(
@@ -149,7 +153,10 @@ async fn dead_members_entries_are_reclaimed_after_min_idle() {
     };
     let mut dead = ctx.source("dead").await;
     let mut alive = ctx.source("alive").await;
-    ctx.producer.publish("m-1", b"one").await.expect("publish");
+    ctx.producer
+        .publish(&ctx.stream, "m-1", b"one")
+        .await
+        .expect("publish");
 
     let taken = next_one(&mut dead).await;
     let read_at = Instant::now();
@@ -177,15 +184,16 @@ async fn restarted_member_resumes_its_own_pending_entries_at_once() {
         return;
     };
     let mut first = ctx.source("pod-0").await;
-    ctx.producer.publish("m-1", b"one").await.expect("publish");
+    ctx.producer
+        .publish(&ctx.stream, "m-1", b"one")
+        .await
+        .expect("publish");
     drop(next_one(&mut first).await);
     drop(first);
 
     // Same name, min_idle far away: only the own-pending re-read can hand it out now.
     let options = ctx.options("pod-0").min_idle(Duration::from_secs(3600));
-    let mut restarted = RedisStreamSource::connect(&ctx.url, options)
-        .await
-        .expect("connect");
+    let mut restarted = options.connect(&ctx.url).await.expect("connect");
     let started = Instant::now();
     let d = next_one(&mut restarted).await;
     assert!(started.elapsed() < Duration::from_secs(1));
@@ -194,7 +202,10 @@ async fn restarted_member_resumes_its_own_pending_entries_at_once() {
     d.ack().await.expect("ack");
 
     // New entries follow once the own pending list is drained.
-    ctx.producer.publish("m-2", b"two").await.expect("publish");
+    ctx.producer
+        .publish(&ctx.stream, "m-2", b"two")
+        .await
+        .expect("publish");
     let d = next_one(&mut restarted).await;
     assert_eq!(d.payload(), b"two");
     assert_eq!(d.previous_deliveries(), 0);
@@ -211,7 +222,7 @@ async fn dead_letter_copies_fields_adds_reason_and_acks() {
     let payload = [b'x', 0x80, 0x00, b'y'];
     let entry = ctx
         .producer
-        .publish_with_fields("bad-1", &payload, &[("trace", b"t-9")])
+        .publish_with_fields(&ctx.stream, "bad-1", &payload, &[("trace", b"t-9")])
         .await
         .expect("publish");
     let d = next_one(&mut source).await;
@@ -229,8 +240,8 @@ async fn dead_letter_copies_fields_adds_reason_and_acks() {
     assert_eq!(dl[DETAIL_HEADER], b"unknown account second line");
     assert_eq!(dl[CONSUMER_HEADER], b"billing");
     assert_eq!(dl[ATTEMPTS_HEADER], b"3");
-    assert_eq!(dl[ORIGIN_STREAM_FIELD], ctx.stream.as_bytes());
-    assert_eq!(dl[ORIGIN_ID_FIELD], entry.as_bytes());
+    assert_eq!(dl[ORIGINAL_STREAM_FIELD], ctx.stream.as_bytes());
+    assert_eq!(dl[ORIGINAL_ID_FIELD], entry.as_bytes());
     assert_eq!(ctx.pending().await, 0, "the original is acknowledged");
     ctx.teardown().await;
 }
@@ -252,7 +263,7 @@ async fn entry_without_payload_field_is_dead_lettered_by_the_adapter() {
         .await
         .expect("XADD");
     ctx.producer
-        .publish("ok-1", b"fine")
+        .publish(&ctx.stream, "ok-1", b"fine")
         .await
         .expect("publish");
 
@@ -278,12 +289,16 @@ async fn group_starts_where_configured_and_is_recreated_after_loss() {
     let Some(ctx) = Ctx::new("start_from").await else {
         return;
     };
-    ctx.producer.publish("old", b"old").await.expect("publish");
-    let options = ctx.options("c1").start_from(StartFrom::NewOnly);
-    let mut source = RedisStreamSource::connect(&ctx.url, options)
+    ctx.producer
+        .publish(&ctx.stream, "old", b"old")
         .await
-        .expect("connect");
-    ctx.producer.publish("new", b"new").await.expect("publish");
+        .expect("publish");
+    let options = ctx.options("c1").start_from(StartFrom::NewOnly);
+    let mut source = options.connect(&ctx.url).await.expect("connect");
+    ctx.producer
+        .publish(&ctx.stream, "new", b"new")
+        .await
+        .expect("publish");
     let d = next_one(&mut source).await;
     assert_eq!(
         d.payload(),
@@ -304,7 +319,7 @@ async fn group_starts_where_configured_and_is_recreated_after_loss() {
     let err = source.next(10).await.expect_err("the group is gone");
     assert_eq!(err.kind(), idem_core::ErrorKind::Unavailable);
     ctx.producer
-        .publish("after", b"after")
+        .publish(&ctx.stream, "after", b"after")
         .await
         .expect("publish");
     let d = next_one(&mut source).await;
@@ -318,14 +333,17 @@ async fn producer_trims_and_rejects_empty_ids() {
     let Some(ctx) = Ctx::new("producer").await else {
         return;
     };
-    let producer = RedisStreamProducer::with_connection(ctx.conn.clone(), &ctx.stream).max_len(10);
+    let producer = RedisStreamProducer::new(ctx.conn.clone()).max_len(10);
     let key = idem_core::DerivedKey::new(
         &idem_core::ConsumerName::new("c").expect("valid"),
         &MessageId::new("m").expect("valid"),
         "step",
     );
     for _ in 0..300 {
-        producer.publish(&key, b"p").await.expect("publish");
+        producer
+            .publish(&ctx.stream, &key, b"p")
+            .await
+            .expect("publish");
     }
     let len: i64 = redis::cmd("XLEN")
         .arg(&ctx.stream)
@@ -333,7 +351,10 @@ async fn producer_trims_and_rejects_empty_ids() {
         .await
         .expect("XLEN");
     assert!(len < 300, "MAXLEN ~ trimmed the stream: {len}");
-    let err = producer.publish("", b"p").await.expect_err("empty ID");
+    let err = producer
+        .publish(&ctx.stream, "", b"p")
+        .await
+        .expect_err("empty ID");
     assert_eq!(err.kind(), idem_core::ErrorKind::InvalidMessageId);
     ctx.teardown().await;
 }
@@ -345,14 +366,14 @@ async fn an_entry_still_in_flight_here_is_not_handed_out_twice() {
     };
     let mut source = ctx.source("c1").await;
     ctx.producer
-        .publish("slow", b"slow")
+        .publish(&ctx.stream, "slow", b"slow")
         .await
         .expect("publish");
     let slow = next_one(&mut source).await;
     // Past min_idle the entry is reclaimable, by this member too; it is still being handled.
     tokio::time::sleep(Duration::from_millis(1300)).await;
     ctx.producer
-        .publish("next", b"next")
+        .publish(&ctx.stream, "next", b"next")
         .await
         .expect("publish");
     let d = next_one(&mut source).await;
@@ -382,11 +403,16 @@ async fn a_killed_connection_is_reported_unavailable_then_reconnected() {
         .query_async(&mut own)
         .await
         .expect("CLIENT ID");
-    let producer = RedisStreamProducer::with_connection(own.clone(), &ctx.stream);
-    let mut source = RedisStreamSource::with_client(client, ctx.options("c1"))
+    let producer = RedisStreamProducer::new(own.clone());
+    let mut source = ctx
+        .options("c1")
+        .connect_with(client)
         .await
         .expect("connect");
-    producer.publish("a", b"a").await.expect("publish");
+    producer
+        .publish(&ctx.stream, "a", b"a")
+        .await
+        .expect("publish");
     next_one(&mut source).await.ack().await.expect("ack");
 
     let list: String = redis::cmd("CLIENT")
@@ -418,7 +444,10 @@ async fn a_killed_connection_is_reported_unavailable_then_reconnected() {
             .expect("CLIENT KILL");
     }
 
-    producer.publish("b", b"b").await.expect("publish");
+    producer
+        .publish(&ctx.stream, "b", b"b")
+        .await
+        .expect("publish");
     let deadline = Instant::now() + Duration::from_secs(10);
     let mut failures = 0;
     let d = loop {
@@ -457,7 +486,10 @@ async fn a_refused_dead_letter_leaves_the_original_unacknowledged() {
         .query_async(&mut ctx.conn.clone())
         .await
         .expect("SET");
-    ctx.producer.publish("bad", b"bad").await.expect("publish");
+    ctx.producer
+        .publish(&ctx.stream, "bad", b"bad")
+        .await
+        .expect("publish");
     let d = next_one(&mut source).await;
     let reason = DeadLetter::new(DeadLetterReason::Rejected, "no");
     let err = d.dead_letter(&reason).await.expect_err("XADD is refused");

@@ -370,8 +370,8 @@ impl<D: Delivery> Delivery for UnackedDelivery<D> {
     fn previous_deliveries(&self) -> u32 {
         self.inner.previous_deliveries()
     }
-    fn origin(&self) -> String {
-        self.inner.origin()
+    fn fmt_origin(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.inner.fmt_origin(f)
     }
     async fn ack(self) -> Result<(), Error> {
         // Committed, then killed before the ack left the process.

@@ -122,63 +122,36 @@ fn nats_dead_letter_subject(source: &str) -> String {
 async fn nats_topology(
     url: &str,
     source: &str,
-) -> Result<(
-    idem_nats::async_nats::Client,
-    idem_nats::async_nats::jetstream::Context,
-)> {
+) -> Result<idem_nats::async_nats::jetstream::Context> {
     let client = nats_connect(url)
         .await
         .with_context(|| format!("connecting to NATS at {}", idem_core::redact_url(url)))?;
-    let js = idem_nats::async_nats::jetstream::new(client.clone());
+    let js = idem_nats::async_nats::jetstream::new(client);
     idem_nats::ensure_stream(&js, source, &[source]).await?;
     let dead = nats_dead_letter_subject(source);
     idem_nats::ensure_stream(&js, &format!("{source}-dead-letter"), &[&dead]).await?;
-    Ok((client, js))
+    Ok(js)
 }
 
-async fn amqp_topology(
-    url: &str,
-    source: &str,
-) -> Result<(idem_amqp::AmqpPublisher, idem_amqp::Topology)> {
-    let publisher = idem_amqp::AmqpPublisher::connect(url).await?;
-    let topology = idem_amqp::Topology::new(source);
-    topology.declare(publisher.channel()).await?;
-    Ok((publisher, topology))
+/// The queue `NAME`, its dead letters through `NAME.dlx` into `NAME.dead`.
+async fn amqp_topology(url: &str, source: &str) -> Result<idem_amqp::AmqpProducer> {
+    let producer = idem_amqp::AmqpProducer::connect(url).await?;
+    idem_amqp::ensure_queue(producer.channel(), source).await?;
+    Ok(producer)
 }
 
 fn kafka_dead_letter_topic(source: &str) -> String {
     format!("{source}.dead-letter")
 }
 
-/// Creates the topic and its dead-letter topic if missing, one partition each (create your
-/// own with more for throughput; per-partition order then holds only with `--concurrency 1`).
+/// Creates the topic and its dead-letter topic if missing, one partition and one replica each
+/// (create your own with more for throughput; per-partition order then holds only with
+/// `--concurrency 1`).
 async fn kafka_topology(brokers: &str, source: &str) -> Result<()> {
-    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-    use rdkafka::client::DefaultClientContext;
-    use rdkafka::types::RDKafkaErrorCode;
-
-    let admin: AdminClient<DefaultClientContext> = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .create()
-        .context("Kafka admin client")?;
     let dead = kafka_dead_letter_topic(source);
-    let topics = [
-        NewTopic::new(source, 1, TopicReplication::Fixed(1)),
-        NewTopic::new(&dead, 1, TopicReplication::Fixed(1)),
-    ];
-    let opts = AdminOptions::new().operation_timeout(Some(std::time::Duration::from_secs(10)));
-    let results = admin.create_topics(&topics, &opts).await.with_context(|| {
-        format!(
-            "creating Kafka topics on {}",
-            idem_core::redact_url(brokers)
-        )
-    })?;
-    for r in results {
-        match r {
-            Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
-            Err((topic, code)) => bail!("creating Kafka topic {topic}: {code}"),
-        }
-    }
+    idem_kafka::ensure_topics(brokers, &[source, &dead], 1, 1)
+        .await
+        .with_context(|| format!("on {}", idem_core::redact_url(brokers)))?;
     Ok(())
 }
 
@@ -190,16 +163,8 @@ fn mqtt_dead_letter_topic(source: &str) -> String {
 /// subscribed to the dead-letter topic holds dead letters until an operator collects them
 /// (client ID `<consumer>-dead-letters`).
 async fn mqtt_topology(url: &str, settings: &Settings) -> Result<()> {
-    let dead = mqtt_dead_letter_topic(&settings.source);
-    let keeper = idem_mqtt::MqttConfig::new(
-        url,
-        format!("{}-dead-letters", settings.consumer),
-        dead.clone(),
-    )
-    .dead_letter_topic(format!("{dead}/unreadable"))
-    .require_dead_letter_subscriber(false);
-    let keeper = idem_mqtt::MqttSource::connect(keeper).await?;
-    keeper.close().await?;
+    let keeper = format!("{}-dead-letters", settings.consumer);
+    idem_mqtt::ensure_session(url, &keeper, &mqtt_dead_letter_topic(&settings.source)).await?;
     Ok(())
 }
 
@@ -212,18 +177,17 @@ pub(crate) async fn with_source<J: WithSource>(
     let name = settings.source.as_str();
     match broker {
         BrokerUrl::Nats(url) => {
-            let (client, _) = nats_topology(url, name).await?;
+            let js = nats_topology(url, name).await?;
             let mut builder = idem_nats::JetStreamSource::builder(name, settings.consumer.as_str())
                 .dead_letter_subject(nats_dead_letter_subject(name));
             if let Some(d) = settings.redeliver_after {
                 builder = builder.ack_wait(d);
             }
-            let source = builder.build(client).await?;
+            let source = builder.connect_with(js).await?;
             job.run(source).await
         }
         BrokerUrl::Amqp(url) => {
-            let (publisher, topology) = amqp_topology(url, name).await?;
-            publisher.close().await?;
+            amqp_topology(url, name).await?.close().await?;
             // Room for every batch in flight: with the default prefetch (64) a `--batch 100`
             // consumer would never see a full batch.
             let in_flight = settings
@@ -231,19 +195,16 @@ pub(crate) async fn with_source<J: WithSource>(
                 .max(1)
                 .saturating_mul(settings.concurrency.max(1));
             let prefetch = u16::try_from(in_flight).unwrap_or(u16::MAX).max(64);
-            let source = topology
-                .source(url.as_str())
+            let source = idem_amqp::AmqpSource::builder(name)
                 .prefetch(prefetch)
-                .connect()
+                .connect(url)
                 .await?;
             job.run(source).await
         }
         BrokerUrl::Kafka(brokers) => {
             kafka_topology(brokers, name).await?;
-            let mut builder =
-                idem_kafka::KafkaSource::builder(brokers.as_str(), settings.consumer.as_str())
-                    .topic(name)
-                    .dead_letter_topic(kafka_dead_letter_topic(name));
+            let mut builder = idem_kafka::KafkaSource::builder(name, settings.consumer.as_str())
+                .dead_letter_topic(kafka_dead_letter_topic(name));
             if let Some(d) = settings.redeliver_after {
                 // Heartbeats well inside the session, as librdkafka recommends (a third or less).
                 let session = d.as_millis().max(1);
@@ -251,27 +212,28 @@ pub(crate) async fn with_source<J: WithSource>(
                     .set_consumer("session.timeout.ms", session.to_string())
                     .set_consumer("heartbeat.interval.ms", (session / 6).max(100).to_string());
             }
-            let source = builder.build()?;
+            let source = builder.connect(brokers).await?;
             job.run(source).await
         }
         BrokerUrl::Redis(url) => {
-            let mut options = idem_redis_streams::RedisStreamOptions::new(
+            let mut builder = idem_redis_streams::RedisStreamSource::builder(
                 name,
                 settings.consumer.as_str(),
                 settings.instance.as_str(),
             );
             if let Some(d) = settings.redeliver_after {
-                options = options.min_idle(d);
+                builder = builder.min_idle(d);
             }
-            let source = idem_redis_streams::RedisStreamSource::connect(url, options).await?;
+            let source = builder.connect(url).await?;
             job.run(source).await
         }
         BrokerUrl::Mqtt(url) => {
             mqtt_topology(url, settings).await?;
             let filter = format!("$share/{}/{name}", settings.consumer);
-            let config = idem_mqtt::MqttConfig::new(url, settings.instance.as_str(), filter)
-                .dead_letter_topic(mqtt_dead_letter_topic(name));
-            let source = idem_mqtt::MqttSource::connect(config).await?;
+            let source = idem_mqtt::MqttSource::builder(filter, settings.instance.as_str())
+                .dead_letter_topic(mqtt_dead_letter_topic(name))
+                .connect(url)
+                .await?;
             job.run(source).await
         }
     }
@@ -287,9 +249,10 @@ pub(crate) async fn publish(
     payload: &[u8],
 ) -> Result<Option<&'static str>> {
     if let BrokerUrl::Nats(url) = broker {
-        let (_, js) = nats_topology(url, source).await?;
-        let ack =
-            idem_nats::publish(&js, source.to_owned(), id.as_bytes(), payload.to_vec()).await?;
+        let producer = idem_nats::NatsProducer::new(nats_topology(url, source).await?);
+        let ack = producer
+            .publish(source.to_owned(), id.as_bytes(), payload.to_vec())
+            .await?;
         return Ok(ack.duplicate.then_some(
             "JetStream dropped it: the same Nats-Msg-Id was published within the stream's duplicate window",
         ));
@@ -307,24 +270,21 @@ pub(crate) async fn publish_many(
     let all = stream::iter(msgs.iter().map(Ok::<_, anyhow::Error>));
     match broker {
         BrokerUrl::Nats(url) => {
-            let (_, js) = nats_topology(url, source).await?;
-            all.try_for_each_concurrent(PUBLISH_CONCURRENCY, |(id, payload)| {
-                let js = js.clone();
-                async move {
-                    idem_nats::publish(&js, source.to_owned(), id.as_bytes(), payload.clone())
-                        .await?;
-                    Ok(())
-                }
+            let producer = idem_nats::NatsProducer::new(nats_topology(url, source).await?);
+            let producer = &producer;
+            all.try_for_each_concurrent(PUBLISH_CONCURRENCY, |(id, payload)| async move {
+                producer
+                    .publish(source.to_owned(), id.as_bytes(), payload.clone())
+                    .await?;
+                Ok(())
             })
             .await
         }
         BrokerUrl::Amqp(url) => {
-            let (publisher, _) = amqp_topology(url, source).await?;
-            let publisher = &publisher;
+            let producer = amqp_topology(url, source).await?;
+            let producer = &producer;
             all.try_for_each_concurrent(PUBLISH_CONCURRENCY, |(id, payload)| async move {
-                publisher
-                    .publish("", source, id.as_bytes(), payload)
-                    .await?;
+                producer.publish("", source, id.as_bytes(), payload).await?;
                 Ok(())
             })
             .await?;
@@ -332,27 +292,28 @@ pub(crate) async fn publish_many(
         }
         BrokerUrl::Kafka(brokers) => {
             kafka_topology(brokers, source).await?;
-            let producer = idem_kafka::producer(brokers)?;
+            let producer = idem_kafka::KafkaProducer::connect(brokers).await?;
             let producer = &producer;
             all.try_for_each_concurrent(PUBLISH_CONCURRENCY, |(id, payload)| async move {
-                idem_kafka::publish(producer, source, Some(id.as_bytes()), id, payload).await?;
+                producer
+                    .publish(source, Some(id.as_bytes()), id, payload)
+                    .await?;
                 Ok(())
             })
             .await
         }
         BrokerUrl::Redis(url) => {
-            let producer = idem_redis_streams::RedisStreamProducer::connect(url, source).await?;
+            let producer = idem_redis_streams::RedisStreamProducer::connect(url).await?;
             let producer = &producer;
             all.try_for_each_concurrent(PUBLISH_CONCURRENCY, |(id, payload)| async move {
-                producer.publish(id.as_str(), payload).await?;
+                producer.publish(source, id.as_str(), payload).await?;
                 Ok(())
             })
             .await
         }
         BrokerUrl::Mqtt(url) => {
             let client_id = format!("payments-publisher-{}", std::process::id());
-            let producer =
-                idem_mqtt::MqttProducer::connect(url, client_id, idem_mqtt::Protocol::V5).await?;
+            let producer = idem_mqtt::MqttProducer::connect(url, client_id).await?;
             // Refuse to publish into the void: with no subscriber (the service has not started
             // yet, so its session does not exist) the broker would drop the message.
             let producer = producer.require_subscriber(true);
@@ -380,26 +341,18 @@ pub(crate) async fn teardown(broker: &BrokerUrl, settings: &Settings) -> Result<
             }
         }
         BrokerUrl::Amqp(url) => {
-            let publisher = idem_amqp::AmqpPublisher::connect(url).await?;
+            let producer = idem_amqp::AmqpProducer::connect(url).await?;
             idem_amqp::Topology::new(name)
-                .delete(publisher.channel())
+                .delete(producer.channel())
                 .await?;
-            publisher.close().await?;
+            producer.close().await?;
         }
         BrokerUrl::Kafka(brokers) => {
-            use rdkafka::admin::{AdminClient, AdminOptions};
-            use rdkafka::client::DefaultClientContext;
-            let admin: AdminClient<DefaultClientContext> = rdkafka::ClientConfig::new()
-                .set("bootstrap.servers", brokers)
-                .create()
-                .context("Kafka admin client")?;
             let dead = kafka_dead_letter_topic(name);
-            admin
-                .delete_topics(&[name, dead.as_str()], &AdminOptions::new())
-                .await
-                .context("deleting Kafka topics")?;
+            idem_kafka::delete_topics(brokers, &[name, &dead]).await?;
         }
         BrokerUrl::Redis(url) => {
+            use idem_redis_streams::redis;
             let client = redis::Client::open(url.as_str())?;
             let mut conn = client.get_multiplexed_async_connection().await?;
             let _: i64 = redis::cmd("DEL")

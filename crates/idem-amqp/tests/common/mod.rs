@@ -1,4 +1,4 @@
-//! Shared by the AMQP tests: an isolated topology per test, a publisher, and a reader for the
+//! Shared by the AMQP tests: an isolated topology per test, a producer, and a reader for the
 //! dead-letter queue.
 #![allow(dead_code)] // each test binary uses a different subset
 
@@ -8,30 +8,28 @@ use std::time::{Duration, Instant};
 use idem_amqp::lapin::options::BasicGetOptions;
 use idem_amqp::lapin::types::AMQPValue;
 use idem_amqp::lapin::{BasicProperties, Channel};
-use idem_amqp::{AmqpPublisher, AmqpSourceBuilder, Topology};
+use idem_amqp::{AmqpProducer, AmqpSourceBuilder, Topology};
 use idem_testkit::DeadLettered;
 
 /// One test's queue, dead-letter exchange and dead-letter queue, removed by `teardown`.
 pub(crate) struct Rabbit {
     pub(crate) url: String,
     pub(crate) topology: Topology,
-    pub(crate) publisher: AmqpPublisher,
+    pub(crate) producer: AmqpProducer,
 }
 
 impl Rabbit {
     pub(crate) async fn setup(url: String, name: String) -> Self {
-        let publisher = AmqpPublisher::connect(&url)
-            .await
-            .expect("connect publisher");
+        let producer = AmqpProducer::connect(&url).await.expect("connect producer");
         let topology = Topology::new(name);
         topology
-            .declare(publisher.channel())
+            .declare(producer.channel())
             .await
             .expect("declare topology");
         Self {
             url,
             topology,
-            publisher,
+            producer,
         }
     }
 
@@ -39,16 +37,20 @@ impl Rabbit {
         self.topology.queue_name()
     }
 
+    pub(crate) fn url(&self) -> &str {
+        &self.url
+    }
+
     pub(crate) fn source(&self) -> AmqpSourceBuilder {
-        self.topology.source(self.url.clone())
+        self.topology.source()
     }
 
     pub(crate) fn channel(&self) -> &Channel {
-        self.publisher.channel()
+        self.producer.channel()
     }
 
     pub(crate) async fn publish(&self, id: Option<&str>, payload: &[u8]) {
-        self.publisher
+        self.producer
             .publish_with(
                 "",
                 self.queue(),
@@ -103,8 +105,8 @@ impl Rabbit {
     }
 
     pub(crate) async fn teardown(self) {
-        let _ = self.topology.delete(self.publisher.channel()).await;
-        let _ = self.publisher.close().await;
+        let _ = self.topology.delete(self.producer.channel()).await;
+        let _ = self.producer.close().await;
     }
 }
 

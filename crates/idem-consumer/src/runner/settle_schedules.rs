@@ -295,8 +295,8 @@ impl Delivery for TestDelivery {
         }
     }
 
-    fn origin(&self) -> String {
-        format!("delivery #{}", self.index)
+    fn fmt_origin(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "delivery #{}", self.index)
     }
 
     async fn ack(self) -> Result<(), Error> {

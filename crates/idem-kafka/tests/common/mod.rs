@@ -281,30 +281,9 @@ impl Cluster {
     pub async fn create_topics(&self, names: &[&str], partitions: i32) {
         match self {
             Cluster::Mock(m) => names.iter().for_each(|n| m.create_topic(n, partitions)),
-            Cluster::Real(brokers) => {
-                use idem_kafka::rdkafka::admin::{
-                    AdminClient, AdminOptions, NewTopic, TopicReplication,
-                };
-                use idem_kafka::rdkafka::client::DefaultClientContext;
-                let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-                    .set("bootstrap.servers", brokers)
-                    .create()
-                    .expect("admin client");
-                let topics: Vec<NewTopic<'_>> = names
-                    .iter()
-                    .map(|n| NewTopic::new(n, partitions, TopicReplication::Fixed(1)))
-                    .collect();
-                let results = admin
-                    .create_topics(
-                        &topics,
-                        &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
-                    )
-                    .await
-                    .expect("create topics");
-                for r in results {
-                    r.unwrap_or_else(|(t, e)| panic!("creating topic {t}: {e}"));
-                }
-            }
+            Cluster::Real(brokers) => idem_kafka::ensure_topics(brokers, names, partitions, 1)
+                .await
+                .expect("create topics"),
         }
     }
 }

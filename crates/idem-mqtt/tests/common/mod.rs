@@ -1,20 +1,20 @@
-//! Helpers shared by the MQTT tests: configs with short session expiry, session cleanup, and a
-//! dead-letter reader.
+//! Helpers shared by the MQTT tests: source builders with short session expiry, session
+//! cleanup, and a dead-letter reader.
 #![allow(dead_code, unreachable_pub)]
 
 use std::time::Duration;
 
 use idem_consumer::{Delivery, Source};
-use idem_mqtt::{MqttConfig, MqttDelivery, MqttSource};
+use idem_mqtt::{MqttDelivery, MqttSource, MqttSourceBuilder};
 
 /// The env var and, when set, its URL.
 pub fn url(test: &str) -> Option<String> {
     idem_testkit::service_url(idem_testkit::services::MQTT, test)
 }
 
-/// A consumer config whose session outlives the test only briefly if teardown fails.
-pub fn config(url: &str, client_id: &str, filter: &str) -> MqttConfig {
-    MqttConfig::new(url, client_id, filter).session_expiry(Duration::from_secs(600))
+/// A consumer whose session outlives the test only briefly if teardown fails.
+pub fn builder(client_id: &str, filter: &str) -> MqttSourceBuilder {
+    MqttSource::builder(filter, client_id).session_expiry(Duration::from_secs(600))
 }
 
 /// Deletes the brokers' sessions for `ids`: connecting with clean start discards a session,

@@ -8,6 +8,7 @@ use std::time::Duration;
 use async_nats::jetstream::consumer::{AckPolicy, pull};
 use async_nats::jetstream::{self, Context};
 use futures_util::StreamExt;
+use idem_nats::NatsProducer;
 
 /// The test streams' duplicate window.
 pub const DUPLICATE_WINDOW: Duration = Duration::from_millis(100);
@@ -17,6 +18,7 @@ pub const DUPLICATE_WINDOW: Duration = Duration::from_millis(100);
 pub struct Streams {
     pub url: String,
     pub js: Context,
+    pub producer: NatsProducer,
     pub stream: String,
     pub subject: String,
     pub dlq_stream: String,
@@ -47,6 +49,7 @@ impl Streams {
             .expect("create dead-letter stream");
         Self {
             url,
+            producer: NatsProducer::new(js.clone()),
             js,
             stream: name,
             subject,
@@ -72,8 +75,10 @@ impl Streams {
         payload: &[u8],
     ) -> Result<(), idem_core::Error> {
         loop {
-            let ack =
-                idem_nats::publish(&self.js, self.subject.clone(), id, payload.to_vec()).await?;
+            let ack = self
+                .producer
+                .publish(self.subject.clone(), id, payload.to_vec())
+                .await?;
             if !ack.duplicate {
                 return Ok(());
             }

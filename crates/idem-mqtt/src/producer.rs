@@ -1,4 +1,5 @@
-//! Publishing with confirmation: dead letters and the producer helper.
+//! Publishing with confirmation: the producer, and the connection every dead letter is
+//! published on before its original is acknowledged.
 //!
 //! rumqttc reports a PUBACK as an event of the event loop, not as the result of `publish`. To
 //! tie the PUBACK to the publish without guessing, a publisher has its own connection (clean
@@ -7,25 +8,22 @@
 //! after any failure the connection is discarded, so no stale request survives into the next
 //! publish.
 
-use std::collections::BTreeMap;
 use std::time::Instant;
 
-use base64::Engine as _;
-use base64::engine::general_purpose::STANDARD as BASE64;
 use bytes::Bytes;
-use idem_consumer::DeadLetter;
 use idem_core::{Error, ErrorKind};
 use rumqttc::v5::mqttbytes::v5::PublishProperties;
 use tokio::sync::Mutex;
 
-use crate::config::{MqttConfig, Protocol, invalid};
-use crate::wire::{self, Client, Loop, Msg, Polled, PubAckOutcome};
-use crate::{MESSAGE_ID_PROPERTY, ORIGINAL_TOPIC_PROPERTY};
+use crate::MESSAGE_ID_PROPERTY;
+use crate::config::{Config, Options, Protocol};
+use crate::error::{invalid, unavailable};
+use crate::wire::{self, Client, Loop, Polled, PubAckOutcome};
 
 /// A confirmed-publish connection, opened on first use and reopened after failures.
 #[derive(Debug)]
 pub(crate) struct Publisher {
-    config: MqttConfig,
+    config: Config,
     client_id: String,
     require_subscriber: bool,
     conn: Mutex<Option<Conn>>,
@@ -39,9 +37,9 @@ struct Conn {
 }
 
 impl Publisher {
-    pub(crate) fn new(config: MqttConfig, client_id: String) -> Self {
+    pub(crate) fn new(config: Config, client_id: String) -> Self {
         Self {
-            require_subscriber: config.require_dead_letter_subscriber,
+            require_subscriber: config.options.require_subscriber,
             config,
             client_id,
             conn: Mutex::new(None),
@@ -49,7 +47,7 @@ impl Publisher {
     }
 
     pub(crate) fn protocol(&self) -> Protocol {
-        self.config.protocol
+        self.config.options.protocol
     }
 
     /// Publishes at QoS 1 and returns once the broker acknowledged it.
@@ -66,7 +64,7 @@ impl Publisher {
             // Nobody polls an idle publisher, so no pings: the broker may have dropped it.
             if conn
                 .as_ref()
-                .is_some_and(|c| c.last_used.elapsed() >= self.config.keep_alive)
+                .is_some_and(|c| c.last_used.elapsed() >= self.config.options.keep_alive)
             {
                 *conn = None;
             }
@@ -79,22 +77,20 @@ impl Publisher {
                 }
             });
             let sent = tokio::time::timeout(
-                self.config.publish_timeout,
+                self.config.options.publish_timeout,
                 c.publish_confirmed(topic, payload.clone(), properties.clone()),
             )
             .await;
             let err = match sent {
                 Ok(Ok(PubAckOutcome::Accepted)) => None,
                 Ok(Ok(PubAckOutcome::NoSubscribers)) if !self.require_subscriber => None,
-                Ok(Ok(PubAckOutcome::NoSubscribers)) => Some(Error::new(
-                    ErrorKind::Unavailable,
-                    format!(
-                        "no client subscribes to {topic:?}, so the broker dropped the message; give it a persistent subscriber"
-                    ),
+                Ok(Ok(PubAckOutcome::NoSubscribers)) => Some(unavailable(
+                    format_args!("publishing to {topic:?}"),
+                    "no client subscribes to this topic, so the broker dropped the message; give it a persistent subscriber",
                 )),
-                Ok(Ok(PubAckOutcome::Refused(reason))) => Some(Error::new(
-                    ErrorKind::Unavailable,
-                    format!("the broker refused the publish to {topic:?}: {reason}"),
+                Ok(Ok(PubAckOutcome::Refused(reason))) => Some(unavailable(
+                    format_args!("publishing to {topic:?}"),
+                    format!("refused: {reason}"),
                 )),
                 // A broken connection is retried once on a fresh one: the common case is a
                 // connection the broker closed while idle.
@@ -107,8 +103,8 @@ impl Publisher {
                 Err(_) => Some(Error::new(
                     ErrorKind::Unavailable,
                     format!(
-                        "no PUBACK for the publish to {topic:?} within {:?}",
-                        self.config.publish_timeout
+                        "no MQTT PUBACK for the publish to {topic:?} within {:?}",
+                        self.config.options.publish_timeout
                     ),
                 )),
             };
@@ -145,111 +141,20 @@ impl Conn {
     }
 }
 
-/// The dead-lettered copy of `msg`: v5 keeps payload and properties and adds the reason
-/// properties; 3.1.1 wraps everything in a [`DeadLetterEnvelope`].
-pub(crate) fn dead_letter_message(
-    msg: &Msg,
-    reason: &DeadLetter,
-    protocol: Protocol,
-) -> (Bytes, PublishProperties) {
-    let topic = msg.topic();
-    match protocol {
-        Protocol::V5 => {
-            let mut props = msg.forwarded_properties();
-            // An ID too long for the store is cut short (see `DeadLetter::forward`).
-            let mut cut = Vec::new();
-            for (name, value) in &mut props.user_properties {
-                if reason.cuts(value.len()) {
-                    cut.push((name.clone(), value.len()));
-                    *value = reason.forward_str(value).into_owned();
-                }
-            }
-            props.user_properties.extend(
-                reason
-                    .headers()
-                    .into_iter()
-                    .chain(DeadLetter::truncation_note(&cut))
-                    .map(|(k, v)| (k.to_owned(), v)),
-            );
-            props
-                .user_properties
-                .push((ORIGINAL_TOPIC_PROPERTY.to_owned(), topic));
-            (Bytes::copy_from_slice(msg.payload()), props)
-        }
-        Protocol::V311 => {
-            let mut headers: BTreeMap<String, String> = reason
-                .headers()
-                .into_iter()
-                .map(|(k, v)| (k.to_owned(), v))
-                .collect();
-            headers.insert(ORIGINAL_TOPIC_PROPERTY.to_owned(), topic);
-            let envelope = DeadLetterEnvelope {
-                headers,
-                payload: msg.payload().to_vec(),
-            };
-            (
-                Bytes::from(envelope.to_json()),
-                PublishProperties::default(),
-            )
-        }
-    }
-}
-
-/// An MQTT 3.1.1 dead letter, which has no properties to carry the reason:
-/// `{"headers": {"idem-dead-letter-reason": "conflict", …, "idem-original-topic": "orders"},
-/// "payload_base64": "…"}`. The header names are those of a v5 dead letter's user properties.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DeadLetterEnvelope {
-    /// [`DeadLetter::headers`] plus [`ORIGINAL_TOPIC_PROPERTY`].
-    pub headers: BTreeMap<String, String>,
-    /// The original payload, byte for byte.
-    pub payload: Vec<u8>,
-}
-
-impl DeadLetterEnvelope {
-    /// The JSON form published to the dead-letter topic.
-    pub fn to_json(&self) -> Vec<u8> {
-        let value = serde_json::json!({
-            "headers": self.headers,
-            "payload_base64": BASE64.encode(&self.payload),
-        });
-        value.to_string().into_bytes()
-    }
-
-    /// Reads an envelope back (replay tooling, tests).
-    pub fn from_json(bytes: &[u8]) -> Result<Self, Error> {
-        let bad = |what: &str| {
-            Error::new(
-                ErrorKind::Rejected,
-                format!("not an idem MQTT dead-letter envelope: {what}"),
-            )
-        };
-        let value: serde_json::Value =
-            serde_json::from_slice(bytes).map_err(|e| bad(&e.to_string()))?;
-        let headers = value
-            .get("headers")
-            .and_then(|h| h.as_object())
-            .ok_or_else(|| bad("no \"headers\" object"))?
-            .iter()
-            .map(|(k, v)| {
-                (
-                    k.clone(),
-                    v.as_str().map_or_else(|| v.to_string(), str::to_owned),
-                )
-            })
-            .collect();
-        let payload = value
-            .get("payload_base64")
-            .and_then(|p| p.as_str())
-            .ok_or_else(|| bad("no \"payload_base64\" string"))?;
-        let payload = BASE64.decode(payload).map_err(|e| bad(&e.to_string()))?;
-        Ok(Self { headers, payload })
-    }
-}
-
 /// Publishes messages the way [`MqttSource`](crate::MqttSource) expects them: QoS 1, the ID in
 /// the `message-id` user property (v5) or the `message_id` field of the JSON payload (3.1.1).
 /// Each publish returns once the broker acknowledged it; publishes are sent one at a time.
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), idem_core::Error> {
+/// use idem_mqtt::{MqttProducer, Protocol};
+///
+/// let producer = MqttProducer::connect("mqtt://127.0.0.1:1883", "billing-producer")
+///     .await?
+///     .protocol(Protocol::V311);
+/// producer.publish("payments", Some("pay-42"), br#"{"amount_cents":500}"#).await?;
+/// # Ok(()) }
+/// ```
 #[derive(Debug)]
 pub struct MqttProducer {
     publisher: Publisher,
@@ -257,25 +162,32 @@ pub struct MqttProducer {
 
 impl MqttProducer {
     /// A producer for the broker at `url` (`mqtt://[user[:password]@]host[:port]`) with its own
-    /// clean-session connection as `client_id`, opened on the first publish.
-    pub async fn connect(
-        url: &str,
-        client_id: impl Into<String>,
-        protocol: Protocol,
-    ) -> Result<Self, Error> {
+    /// clean-session connection as `client_id` (unique among the broker's clients), opened on
+    /// the first publish. Speaks MQTT v5 unless told otherwise ([`protocol`](Self::protocol)).
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidConfig`] for a bad URL or an empty client ID.
+    pub async fn connect(url: &str, client_id: impl Into<String>) -> Result<Self, Error> {
         let client_id = client_id.into();
-        let config = MqttConfig::new(url, client_id.clone(), "#")
-            .protocol(protocol)
-            .require_dead_letter_subscriber(false);
-        if let Some(e) = &config.url_error {
-            return Err(invalid(e.clone()));
-        }
+        let options = Options {
+            require_subscriber: false,
+            ..Options::default()
+        };
+        let config = Config::new(url, options)?;
         if client_id.is_empty() {
             return Err(invalid("an MQTT producer needs a client ID"));
         }
         Ok(Self {
             publisher: Publisher::new(config, client_id),
         })
+    }
+
+    /// The protocol version (default [`Protocol::V5`]); a connection already open is replaced
+    /// on the next publish.
+    pub fn protocol(mut self, protocol: Protocol) -> Self {
+        self.publisher.config.options.protocol = protocol;
+        *self.publisher.conn.get_mut() = None;
+        self
     }
 
     /// Whether a v5 PUBACK reporting "no matching subscribers" is an error (default `false`:
@@ -321,11 +233,16 @@ impl MqttProducer {
                 Bytes::copy_from_slice(payload)
             }
             (Some(id), Protocol::V311) => {
-                let mut value: serde_json::Value = serde_json::from_slice(payload).map_err(|e| {
-                    invalid(format!("MQTT 3.1.1 carries the message ID in a JSON payload, but this one is not JSON: {e}"))
-                })?;
+                let mut value: serde_json::Value =
+                    serde_json::from_slice(payload).map_err(|e| {
+                        invalid(format!(
+                            "an MQTT 3.1.1 payload carries the message ID, so it must be JSON: {e}"
+                        ))
+                    })?;
                 let object = value.as_object_mut().ok_or_else(|| {
-                    invalid("MQTT 3.1.1 carries the message ID in the payload, which must be a JSON object")
+                    invalid(
+                        "an MQTT 3.1.1 payload carries the message ID, so it must be a JSON object",
+                    )
                 })?;
                 object.insert(
                     "message_id".to_owned(),
@@ -366,18 +283,5 @@ mod tests {
             let e = mqtt_string(&bad).err().map(|e| e.kind());
             assert_eq!(e, Some(ErrorKind::InvalidMessageId));
         }
-    }
-
-    #[test]
-    fn envelope_round_trips() {
-        let e = DeadLetterEnvelope {
-            headers: BTreeMap::from([(
-                "idem-dead-letter-reason".to_owned(),
-                "conflict".to_owned(),
-            )]),
-            payload: vec![0, 159, 146, 150],
-        };
-        assert_eq!(DeadLetterEnvelope::from_json(&e.to_json()).unwrap(), e);
-        assert!(DeadLetterEnvelope::from_json(b"{}").is_err());
     }
 }

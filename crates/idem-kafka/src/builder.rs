@@ -1,0 +1,172 @@
+//! Configuring a [`KafkaSource`]: topics, consumer group, dead-letter topic and librdkafka
+//! settings, and creating the group member from them.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use idem_core::{Error, ErrorKind};
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::producer::FutureProducer;
+
+use crate::delivery::Shared;
+use crate::error;
+use crate::offsets::Offsets;
+use crate::source::{GroupContext, KafkaSource};
+
+/// How often settled offsets are committed while `next` waits for messages.
+const DEFAULT_COMMIT_INTERVAL: Duration = Duration::from_secs(1);
+/// How long a dead letter may wait for room in the producer queue.
+const DEFAULT_SEND_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Configures a [`KafkaSource`]; created by [`KafkaSource::builder`], finished by
+/// [`connect`](Self::connect).
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct KafkaSourceBuilder {
+    group_id: String,
+    topics: Vec<String>,
+    dead_letter_topic: Option<String>,
+    common: Vec<(String, String)>,
+    consumer_only: Vec<(String, String)>,
+    commit_interval: Duration,
+    send_timeout: Duration,
+}
+
+impl KafkaSource {
+    /// Configures a member of consumer group `group_id` consuming `topic` (add more with
+    /// [`KafkaSourceBuilder::topic`]).
+    pub fn builder(topic: impl Into<String>, group_id: impl Into<String>) -> KafkaSourceBuilder {
+        KafkaSourceBuilder {
+            group_id: group_id.into(),
+            topics: vec![topic.into()],
+            dead_letter_topic: None,
+            common: Vec::new(),
+            consumer_only: Vec::new(),
+            commit_interval: DEFAULT_COMMIT_INTERVAL,
+            send_timeout: DEFAULT_SEND_TIMEOUT,
+        }
+    }
+}
+
+impl KafkaSourceBuilder {
+    /// Subscribes to `topic` too (call once per topic).
+    pub fn topic(mut self, topic: impl Into<String>) -> Self {
+        self.topics.push(topic.into());
+        self
+    }
+
+    /// Where dead letters go. Default: `<topic>.dead-letter` for a message from `<topic>`.
+    /// The topic must exist unless the brokers auto-create topics (see
+    /// [`ensure_topics`](crate::ensure_topics)).
+    pub fn dead_letter_topic(mut self, topic: impl Into<String>) -> Self {
+        self.dead_letter_topic = Some(topic.into());
+        self
+    }
+
+    /// A librdkafka setting for both the consumer and the dead-letter producer (security,
+    /// `client.id`, timeouts). See librdkafka's `CONFIGURATION.md`.
+    pub fn set(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.common.push((key.into(), value.into()));
+        self
+    }
+
+    /// A librdkafka setting for the consumer only (`session.timeout.ms`,
+    /// `heartbeat.interval.ms`, `auto.offset.reset`, `partition.assignment.strategy`, …).
+    ///
+    /// `enable.auto.commit` and `enable.auto.offset.store` are always `false`: offsets are
+    /// committed by this adapter, only after the runner has settled the messages below them.
+    pub fn set_consumer(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.consumer_only.push((key.into(), value.into()));
+        self
+    }
+
+    /// How often settled offsets are committed while waiting for messages (default 1 s).
+    /// Offsets are also committed on every fetch, on revoke, and on close; a longer interval
+    /// only means more redeliveries (duplicates) after a crash.
+    pub fn commit_interval(mut self, interval: Duration) -> Self {
+        self.commit_interval = interval.max(Duration::from_millis(10));
+        self
+    }
+
+    /// How long a dead letter may wait for room in the producer's queue (default 30 s).
+    /// Delivery itself is bounded by librdkafka's `delivery.timeout.ms`.
+    pub fn send_timeout(mut self, timeout: Duration) -> Self {
+        self.send_timeout = timeout;
+        self
+    }
+
+    /// Creates the consumer and its dead-letter producer for the cluster at `brokers`
+    /// (`host:port[,host:port…]`) and subscribes to the topics.
+    ///
+    /// librdkafka connects in the background: an unreachable broker shows up as
+    /// [`ErrorKind::Unavailable`] from [`Source::next`](idem_consumer::Source::next), not
+    /// here, so a consumer started while the cluster is down waits for it like for any
+    /// outage.
+    ///
+    /// Must run inside a tokio runtime: the consumer spawns a wake-up task on it.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidConfig`] for an empty topic name, a setting librdkafka refuses, or
+    /// no tokio runtime.
+    pub async fn connect(self, brokers: &str) -> Result<KafkaSource, Error> {
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(Error::new(
+                ErrorKind::InvalidConfig,
+                "a Kafka source must be connected inside a tokio runtime",
+            ));
+        }
+        if self.topics.iter().any(String::is_empty) {
+            return Err(Error::new(
+                ErrorKind::InvalidConfig,
+                "a Kafka source needs non-empty topic names",
+            ));
+        }
+        let mut producer_config = ClientConfig::new();
+        producer_config.set("bootstrap.servers", brokers);
+        for (k, v) in &self.common {
+            producer_config.set(k, v);
+        }
+        let producer: FutureProducer = producer_config
+            .create()
+            .map_err(|e| error::invalid_config("creating the dead-letter producer", e))?;
+
+        let mut config = ClientConfig::new();
+        config
+            .set("bootstrap.servers", brokers)
+            .set("group.id", &self.group_id)
+            // A new group starts at the oldest message: nothing published before the
+            // first deployment is skipped. Overridable with `set_consumer`.
+            .set("auto.offset.reset", "earliest");
+        for (k, v) in self.common.iter().chain(&self.consumer_only) {
+            config.set(k, v);
+        }
+        config
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false");
+        let offsets = Arc::new(Mutex::new(Offsets::default()));
+        let context = GroupContext {
+            offsets: offsets.clone(),
+        };
+        let consumer: StreamConsumer<GroupContext> = config
+            .create_with_context(context)
+            .map_err(|e| error::invalid_config("creating the consumer", e))?;
+        let topics: Vec<&str> = self.topics.iter().map(String::as_str).collect();
+        consumer
+            .subscribe(&topics)
+            .map_err(|e| error::invalid_config("subscribing", e))?;
+        tracing::info!(group = %self.group_id, topics = ?self.topics, "kafka consumer subscribed");
+        Ok(KafkaSource::new(
+            consumer,
+            Shared {
+                offsets,
+                producer,
+                dead_letter_topic: self.dead_letter_topic,
+                send_timeout: self.send_timeout,
+            },
+            self.group_id,
+            self.topics,
+            self.commit_interval,
+        ))
+    }
+}
