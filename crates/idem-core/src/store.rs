@@ -3,7 +3,7 @@
 //! | trait | what it gives | used by |
 //! |---|---|---|
 //! | [`TransactionalStore`] | begin / commit / rollback on the business database | every processing path |
-//! | [`ClaimStore`] | one claim under the unique constraint, in the caller's transaction | [`Processor::process`] |
+//! | [`ClaimStore`] | one claim under the unique constraint, in the caller's transaction (or begun with it, in one flight where the driver pipelines) | [`Processor::process`] |
 //! | [`Savepoints`] | roll back part of a transaction | handlers and callers of [`Processor::claim_in`] |
 //! | [`BatchClaimStore`] | many claims in one statement | [`Processor::process_batch`], [`Processor::process_batch_set`] |
 //! | [`Migrate`], [`Prune`], [`Stats`] | schema, retention, inspection | operators and `idem` CLI |
@@ -77,6 +77,34 @@ pub trait ClaimStore: TransactionalStore {
         tx: &mut Self::Tx,
         claim: ClaimRequest<'_>,
     ) -> impl Future<Output = Result<Option<Fingerprint>, Error>> + Send;
+
+    /// Begins a transaction and inserts the claim in it: what [`Processor::process`] runs
+    /// before the handler. Returns the open transaction and what [`claim`](Self::claim)
+    /// returns; on an error no transaction is left open.
+    ///
+    /// The default is [`begin`](TransactionalStore::begin), then [`claim`](Self::claim), each
+    /// waiting for the database's answer. A driver that can pipeline (send the claim before
+    /// `BEGIN`'s answer arrives, as tokio-postgres does) overrides it, so the claim costs no
+    /// round trip of its own.
+    ///
+    /// [`Processor::process`]: crate::Processor::process
+    fn begin_and_claim(
+        &self,
+        claim: ClaimRequest<'_>,
+    ) -> impl Future<Output = Result<(Self::Tx, Option<Fingerprint>), Error>> + Send {
+        async move {
+            let mut tx = self.begin().await?;
+            match self.claim(&mut tx, claim).await {
+                Ok(found) => Ok((tx, found)),
+                Err(e) => {
+                    // A failed rollback means a broken connection, which the driver discards;
+                    // the claim's error is the one worth reporting.
+                    let _ = self.rollback(tx).await;
+                    Err(e)
+                }
+            }
+        }
+    }
 }
 
 /// Claims a whole batch in one statement.
@@ -91,6 +119,32 @@ pub trait BatchClaimStore: ClaimStore {
         items: &[(&MessageId, Fingerprint)],
         at: Stamp,
     ) -> impl Future<Output = Result<Vec<Option<Fingerprint>>, Error>> + Send;
+
+    /// Begins a transaction and claims the batch in it, as
+    /// [`begin_and_claim`](ClaimStore::begin_and_claim) does for one message: what
+    /// [`Processor::process_batch`] and [`Processor::process_batch_set`] run before their
+    /// handlers. On an error no transaction is left open. The default waits for `BEGIN`'s
+    /// answer before sending the claim; a pipelining driver overrides it.
+    ///
+    /// [`Processor::process_batch`]: crate::Processor::process_batch
+    /// [`Processor::process_batch_set`]: crate::Processor::process_batch_set
+    fn begin_and_claim_many(
+        &self,
+        consumer: &ConsumerName,
+        items: &[(&MessageId, Fingerprint)],
+        at: Stamp,
+    ) -> impl Future<Output = Result<(Self::Tx, Vec<Option<Fingerprint>>), Error>> + Send {
+        async move {
+            let mut tx = self.begin().await?;
+            match self.claim_many(&mut tx, consumer, items, at).await {
+                Ok(found) => Ok((tx, found)),
+                Err(e) => {
+                    let _ = self.rollback(tx).await;
+                    Err(e)
+                }
+            }
+        }
+    }
 }
 
 /// A single, non-nested savepoint inside a transaction.

@@ -47,24 +47,33 @@ fn belongs_to_message(e: &Error) -> bool {
     !e.is_outage() && e.kind() != ErrorKind::Transient && e.disposition() != Disposition::Fatal
 }
 
+/// What one pass over a batch claims: the messages to claim in ID order, and the repeats of
+/// an ID inside the batch, decided against its first occurrence.
+struct Plan<'m> {
+    /// Indexes of the first occurrence of each ID not left out, in input order.
+    to_claim: Vec<usize>,
+    /// (repeat, its first occurrence).
+    repeats: Vec<(usize, usize)>,
+    /// `to_claim` in ID order: the order the claims are sent in.
+    order: Vec<usize>,
+    /// The claims, in `order`.
+    items: Vec<(&'m MessageId, Fingerprint)>,
+}
+
 impl<S: ClaimStore, C: Clock> Processor<S, C> {
-    /// Claims the batch's messages not `out` in one statement, inside `tx`, and says which are
-    /// new. Repeats of an ID inside the batch are decided here against its first occurrence,
-    /// because one statement cannot see its own rows; claims go in ID order so two batches
-    /// sharing IDs lock rows in the same order and wait for each other instead of deadlocking.
-    async fn claim_batch<M: Identified>(
+    /// Which of the batch's messages not `out` to claim. Repeats of an ID inside the batch are
+    /// decided against its first occurrence, because one statement cannot see its own rows;
+    /// claims go in ID order so two batches sharing IDs lock rows in the same order and wait
+    /// for each other instead of deadlocking.
+    fn plan_claims<'m, M: Identified>(
         &self,
-        tx: &mut S::Tx,
-        msgs: &[M],
+        msgs: &'m [M],
         fingerprints: &[Fingerprint],
         out: &[bool],
-    ) -> Result<Vec<Slot>, Error>
-    where
-        S: BatchClaimStore,
-    {
+    ) -> Plan<'m> {
         let mut first: HashMap<&MessageId, usize> = HashMap::new();
         let mut to_claim: Vec<usize> = Vec::with_capacity(msgs.len());
-        let mut repeats: Vec<(usize, usize)> = Vec::new(); // (repeat, its first occurrence)
+        let mut repeats: Vec<(usize, usize)> = Vec::new();
         for (i, msg) in msgs.iter().enumerate() {
             if out[i] {
                 continue;
@@ -77,41 +86,57 @@ impl<S: ClaimStore, C: Clock> Processor<S, C> {
                 }
             }
         }
-        // Per message index: the fingerprint of a claim that existed before this batch.
-        let mut stored: Vec<Option<Fingerprint>> = vec![None; msgs.len()];
-        if self.mode == ClaimMode::Claim && !to_claim.is_empty() {
+        let (order, items) = if self.mode == ClaimMode::Claim {
             let mut order = to_claim.clone();
             order.sort_by(|&a, &b| msgs[a].message_id().cmp(msgs[b].message_id()));
-            let items: Vec<(&MessageId, Fingerprint)> = order
+            let items = order
                 .iter()
                 .map(|&i| (msgs[i].message_id(), fingerprints[i]))
                 .collect();
-            let found = self
-                .store
-                .claim_many(tx, &self.consumer, &items, self.clock.stamp())
-                .await?;
-            if found.len() != order.len() {
-                return Err(Error::new(
-                    ErrorKind::Store,
-                    format!(
-                        "store returned {} claim results for {} messages",
-                        found.len(),
-                        order.len()
-                    ),
-                ));
-            }
-            for (&i, fp) in order.iter().zip(found) {
-                stored[i] = fp;
-            }
+            (order, items)
+        } else {
+            (Vec::new(), Vec::new())
+        };
+        Plan {
+            to_claim,
+            repeats,
+            order,
+            items,
         }
-        let mut slots: Vec<Slot> = (0..msgs.len()).map(|_| Slot::Out).collect();
-        for &i in &to_claim {
+    }
+
+    /// Says which messages are new, from what the store held for the claims of `plan` (`found`,
+    /// in `plan.order`).
+    fn slots(
+        &self,
+        len: usize,
+        fingerprints: &[Fingerprint],
+        plan: &Plan<'_>,
+        found: Vec<Option<Fingerprint>>,
+    ) -> Result<Vec<Slot>, Error> {
+        if found.len() != plan.order.len() {
+            return Err(Error::new(
+                ErrorKind::Store,
+                format!(
+                    "store returned {} claim results for {} messages",
+                    found.len(),
+                    plan.order.len()
+                ),
+            ));
+        }
+        // Per message index: the fingerprint of a claim that existed before this batch.
+        let mut stored: Vec<Option<Fingerprint>> = vec![None; len];
+        for (&i, fp) in plan.order.iter().zip(found) {
+            stored[i] = fp;
+        }
+        let mut slots: Vec<Slot> = (0..len).map(|_| Slot::Out).collect();
+        for &i in &plan.to_claim {
             slots[i] = match Claim::from_stored(stored[i], fingerprints[i]) {
                 Claim::New => Slot::Fresh,
                 found => Slot::Skipped(found),
             };
         }
-        for (i, j) in repeats {
+        for &(i, j) in &plan.repeats {
             slots[i] = if self.mode == ClaimMode::Skip {
                 Slot::Fresh
             } else {
@@ -134,8 +159,10 @@ impl<S: ClaimStore, C: Clock> Processor<S, C> {
         (errors, out)
     }
 
-    /// Begins a transaction and claims the batch in it ([`Self::claim_batch`]); on a failed
-    /// claim the transaction is rolled back and the claim's error returned.
+    /// Begins a transaction with the claims of the batch's messages not `out`, in one call
+    /// ([`BatchClaimStore::begin_and_claim_many`]: one flight on a pipelining store), and says
+    /// which messages are new. In naturally idempotent mode, or with nothing to claim, a plain
+    /// `begin`. On an error no transaction is left open.
     async fn begin_claimed<M: Identified>(
         &self,
         msgs: &[M],
@@ -145,8 +172,15 @@ impl<S: ClaimStore, C: Clock> Processor<S, C> {
     where
         S: BatchClaimStore,
     {
-        let mut tx = self.store.begin().await?;
-        match self.claim_batch(&mut tx, msgs, fingerprints, out).await {
+        let plan = self.plan_claims(msgs, fingerprints, out);
+        let (tx, found) = if plan.items.is_empty() {
+            (self.store.begin().await?, Vec::new())
+        } else {
+            self.store
+                .begin_and_claim_many(&self.consumer, &plan.items, self.clock.stamp())
+                .await?
+        };
+        match self.slots(msgs.len(), fingerprints, &plan, found) {
             Ok(slots) => Ok((tx, slots)),
             Err(e) => {
                 let _ = self.store.rollback(tx).await;

@@ -1,7 +1,11 @@
 //! The processing loop: begin → claim → handler → commit, one message or a batch at a time.
 //!
 //! Everything a broker adapter or the HTTP layer needs sits here, on top of the store traits;
-//! no caller writes claim SQL of its own.
+//! no caller writes claim SQL of its own. Begin and claim go to the store as one call
+//! ([`ClaimStore::begin_and_claim`], [`BatchClaimStore::begin_and_claim_many`]), so a store
+//! whose driver pipelines sends both in one flight.
+//!
+//! [`BatchClaimStore::begin_and_claim_many`]: crate::BatchClaimStore::begin_and_claim_many
 
 mod batch;
 mod builder;
@@ -9,6 +13,7 @@ mod builder;
 use crate::clock::{Clock, StoreClock};
 use crate::derived::DerivedKey;
 use crate::error::{BoxError, Error, ErrorKind};
+use crate::fingerprint::Fingerprint;
 use crate::handler::Handler;
 use crate::id::{ConsumerName, MessageId};
 use crate::message::{Identified, Message};
@@ -97,19 +102,11 @@ impl<S: ClaimStore, C: Clock> Processor<S, C> {
         E: Into<BoxError>,
     {
         self.check_id(msg.message_id())?;
-        let mut tx = self.store.begin().await?;
-        match self.claim_checked(&mut tx, msg).await {
-            Ok(claim) => {
-                if let Some(skipped) = claim.skipped() {
-                    // Nothing was written; end the transaction and report.
-                    let _ = self.store.rollback(tx).await;
-                    return Ok(skipped);
-                }
-            }
-            Err(e) => {
-                let _ = self.store.rollback(tx).await;
-                return Err(e);
-            }
+        let (mut tx, claim) = self.begin_claimed_one(msg).await?;
+        if let Some(skipped) = claim.skipped() {
+            // Nothing was written; end the transaction and report.
+            let _ = self.store.rollback(tx).await;
+            return Ok(skipped);
         }
         match handler(&mut tx).await {
             Ok(value) => {
@@ -161,17 +158,40 @@ impl<S: ClaimStore, C: Clock> Processor<S, C> {
         let fingerprint = msg.fingerprint();
         let stored = self
             .store
-            .claim(
-                tx,
-                ClaimRequest {
-                    consumer: &self.consumer,
-                    id: msg.message_id(),
-                    fingerprint: &fingerprint,
-                    at: self.clock.stamp(),
-                },
-            )
+            .claim(tx, self.claim_request(msg, &fingerprint))
             .await?;
         Ok(Claim::from_stored(stored, fingerprint))
+    }
+
+    /// Begins a transaction with the claim of a message whose ID was already checked, through
+    /// [`ClaimStore::begin_and_claim`] (one flight on a pipelining store); in naturally
+    /// idempotent mode a plain `begin`, and every message is new. On an error no transaction
+    /// is left open.
+    async fn begin_claimed_one<M>(&self, msg: &M) -> Result<(S::Tx, Claim), Error>
+    where
+        M: Identified + ?Sized,
+    {
+        if self.mode == ClaimMode::Skip {
+            return Ok((self.store.begin().await?, Claim::New));
+        }
+        let fingerprint = msg.fingerprint();
+        let (tx, stored) = self
+            .store
+            .begin_and_claim(self.claim_request(msg, &fingerprint))
+            .await?;
+        Ok((tx, Claim::from_stored(stored, fingerprint)))
+    }
+
+    fn claim_request<'a, M>(&'a self, msg: &'a M, fingerprint: &'a Fingerprint) -> ClaimRequest<'a>
+    where
+        M: Identified + ?Sized,
+    {
+        ClaimRequest {
+            consumer: &self.consumer,
+            id: msg.message_id(),
+            fingerprint,
+            at: self.clock.stamp(),
+        }
     }
 
     /// Deletes this consumer's claims older than [`Retention::prune_age`] (the retention, and
