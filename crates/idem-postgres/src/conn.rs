@@ -1,0 +1,273 @@
+//! Where the store's connections come from, and their prepared statements.
+//!
+//! Two sources: a deadpool-postgres pool (its `prepare_cached` keeps each connection's
+//! statements), or plain `tokio_postgres::Client`s handed to the store, which keeps them on a
+//! stack with a statement cache per client. Either way a connection is lent out as a
+//! [`Lease`] for one transaction or one statement, and prepared statements are keyed by their
+//! text on the connection they were prepared on.
+//!
+//! A lease whose transaction may still be open when it is given back is never reused as it
+//! is (see [`Lease::abandon`]): a pooled connection is taken out of the pool and closed (the
+//! server rolls back), a plain client — which the store cannot reopen — gets a `ROLLBACK`
+//! before its next use.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use idem_core::{Error, ErrorKind};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_postgres::{Client, Statement};
+
+use crate::errors::{SYSTEM, store_error};
+use crate::sql;
+
+/// How long a lease waits for a plain client to come free.
+pub(crate) const CLIENT_WAIT: Duration = Duration::from_secs(30);
+
+/// The store's connections.
+#[derive(Clone)]
+pub(crate) enum Source {
+    /// A deadpool-postgres pool.
+    #[cfg(feature = "deadpool")]
+    Pool(deadpool_postgres::Pool),
+    /// Plain clients the store was given.
+    Clients(Arc<Clients>),
+}
+
+impl std::fmt::Debug for Source {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            #[cfg(feature = "deadpool")]
+            Source::Pool(pool) => f.debug_tuple("Pool").field(&pool.status()).finish(),
+            Source::Clients(clients) => f.debug_tuple("Clients").field(clients).finish(),
+        }
+    }
+}
+
+impl Source {
+    /// A connection, outside any transaction.
+    pub(crate) async fn get(&self) -> Result<Lease, Error> {
+        match self {
+            #[cfg(feature = "deadpool")]
+            Source::Pool(pool) => pool
+                .get()
+                .await
+                .map(Lease::Pooled)
+                .map_err(|e| crate::errors::pool_error("getting a connection", e)),
+            Source::Clients(clients) => clients.get().await.map(Lease::Plain),
+        }
+    }
+}
+
+/// One connection, lent to one transaction or statement.
+pub(crate) enum Lease {
+    /// From the pool: goes back to it when dropped.
+    #[cfg(feature = "deadpool")]
+    Pooled(deadpool_postgres::Object),
+    /// One of the store's plain clients: goes back on its stack when dropped.
+    Plain(Plain),
+}
+
+impl Lease {
+    /// The client.
+    pub(crate) fn client(&self) -> &Client {
+        match self {
+            #[cfg(feature = "deadpool")]
+            Lease::Pooled(object) => object,
+            Lease::Plain(plain) => &plain.conn().client,
+        }
+    }
+
+    /// `sql` prepared on this connection: a round trip the first time, none after.
+    pub(crate) async fn prepare(&self, sql: &str) -> Result<Statement, tokio_postgres::Error> {
+        match self {
+            #[cfg(feature = "deadpool")]
+            Lease::Pooled(object) => object.prepare_cached(sql).await,
+            Lease::Plain(plain) => plain.conn().prepare(sql).await,
+        }
+    }
+
+    /// Gives the connection up while a transaction on it may still be open (dropped
+    /// mid-transaction, a failed `COMMIT`, a failed `BEGIN`): it must never serve another
+    /// transaction as it is, or that one's statements would join this one.
+    pub(crate) fn abandon(self) {
+        match self {
+            // Out of the pool and closed: the server rolls back, the pool opens a new one.
+            #[cfg(feature = "deadpool")]
+            Lease::Pooled(object) => drop(deadpool_postgres::Object::take(object)),
+            // The store cannot reopen a client it was given: roll back before the next use.
+            Lease::Plain(mut plain) => {
+                if let Some(conn) = plain.conn.as_mut() {
+                    conn.needs_rollback = true;
+                }
+            }
+        }
+    }
+}
+
+/// Plain clients the store was given, each with its own statement cache, lent out one at a
+/// time. A client found closed is dropped for good (the store has no configuration to reopen
+/// it with), and the set shrinks.
+pub(crate) struct Clients {
+    idle: Mutex<Vec<Conn>>,
+    /// One permit per live client, idle or lent.
+    permits: Arc<Semaphore>,
+    alive: AtomicUsize,
+}
+
+impl std::fmt::Debug for Clients {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Clients")
+            .field("alive", &self.alive.load(Ordering::Relaxed))
+            .field("free", &self.permits.available_permits())
+            .finish()
+    }
+}
+
+/// A plain client and the statements prepared on it.
+pub(crate) struct Conn {
+    client: Client,
+    statements: Mutex<HashMap<Box<str>, Statement>>,
+    /// A transaction may still be open on it: `ROLLBACK` before it is used again.
+    needs_rollback: bool,
+}
+
+impl Conn {
+    async fn prepare(&self, sql: &str) -> Result<Statement, tokio_postgres::Error> {
+        if let Some(s) = self.cache().get(sql) {
+            return Ok(s.clone());
+        }
+        let statement = self.client.prepare(sql).await?;
+        self.cache().insert(sql.into(), statement.clone());
+        Ok(statement)
+    }
+
+    fn cache(&self) -> std::sync::MutexGuard<'_, HashMap<Box<str>, Statement>> {
+        self.statements.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Clients {
+    pub(crate) fn new(clients: impl IntoIterator<Item = Client>) -> Arc<Self> {
+        let idle: Vec<Conn> = clients
+            .into_iter()
+            .map(|client| Conn {
+                client,
+                statements: Mutex::default(),
+                needs_rollback: false,
+            })
+            .collect();
+        Arc::new(Self {
+            permits: Arc::new(Semaphore::new(idle.len())),
+            alive: AtomicUsize::new(idle.len()),
+            idle: Mutex::new(idle),
+        })
+    }
+
+    /// A free, live client outside any transaction; waits up to [`CLIENT_WAIT`] for one.
+    async fn get(self: &Arc<Self>) -> Result<Plain, Error> {
+        loop {
+            if self.alive.load(Ordering::Acquire) == 0 {
+                return Err(Error::new(
+                    ErrorKind::Unavailable,
+                    format!(
+                        "{SYSTEM}: getting a connection: every client the store was given has \
+                         closed"
+                    ),
+                ));
+            }
+            let permit = tokio::time::timeout(CLIENT_WAIT, self.permits.clone().acquire_owned())
+                .await
+                .map_err(|_| {
+                    Error::new(
+                        ErrorKind::Unavailable,
+                        format!(
+                            "{SYSTEM}: getting a connection: no client came free within {}s",
+                            CLIENT_WAIT.as_secs()
+                        ),
+                    )
+                })?
+                .map_err(|_| {
+                    Error::new(
+                        ErrorKind::Unavailable,
+                        format!("{SYSTEM}: getting a connection: the store's clients are closed"),
+                    )
+                })?;
+            let conn = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
+            // A permit is only free while a client is idle; `None` cannot happen, but a
+            // missing client must not hand out a lease without one.
+            let Some(mut conn) = conn else { continue };
+            if conn.needs_rollback && !conn.client.is_closed() {
+                match conn.client.batch_execute(sql::ROLLBACK).await {
+                    Ok(()) => conn.needs_rollback = false,
+                    Err(_) => {
+                        // Not worth keeping: a connection that cannot roll back is broken.
+                        drop(conn);
+                        self.lose(permit);
+                        continue;
+                    }
+                }
+            }
+            if conn.client.is_closed() {
+                drop(conn);
+                self.lose(permit);
+                continue;
+            }
+            return Ok(Plain {
+                conn: Some(conn),
+                home: self.clone(),
+                permit: Some(permit),
+            });
+        }
+    }
+
+    /// One client is gone for good: its permit with it.
+    fn lose(&self, permit: OwnedSemaphorePermit) {
+        permit.forget();
+        self.alive.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// Puts a client back on the stack, unless it closed.
+    fn put_back(&self, conn: Conn, permit: OwnedSemaphorePermit) {
+        if conn.client.is_closed() {
+            drop(conn);
+            self.lose(permit);
+            return;
+        }
+        self.idle
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(conn);
+        drop(permit);
+    }
+}
+
+/// A plain client on loan; goes back on the stack when dropped.
+pub(crate) struct Plain {
+    conn: Option<Conn>,
+    home: Arc<Clients>,
+    permit: Option<OwnedSemaphorePermit>,
+}
+
+impl Plain {
+    fn conn(&self) -> &Conn {
+        self.conn
+            .as_ref()
+            .expect("a lent client is present until it is dropped")
+    }
+}
+
+impl Drop for Plain {
+    fn drop(&mut self) {
+        if let (Some(conn), Some(permit)) = (self.conn.take(), self.permit.take()) {
+            self.home.put_back(conn, permit);
+        }
+    }
+}
+
+/// Turns a failed `BEGIN` into the store's error.
+pub(crate) fn begin_error(e: tokio_postgres::Error) -> Error {
+    store_error(sql::BEGIN, e)
+}

@@ -1,0 +1,91 @@
+//! A PostgreSQL store for idem on tokio-postgres, whose claim costs no round trip of its own.
+//!
+//! idem makes a consumer's side effect happen once per producer-set message ID by recording the
+//! ID as a claim in the same transaction as the effect. `idem-sql`'s `PostgresStore` runs on
+//! sqlx, which waits for each answer before it sends the next statement, so the claim is one
+//! more round trip before the handler runs. [`PgStore`] runs on tokio-postgres, which
+//! pipelines: `BEGIN` and the (prepared) claim are sent together, and a new message costs the
+//! round trips of the bare handler — `BEGIN`, its statements, `COMMIT` — and nothing more. It
+//! is the store for applications already on tokio-postgres, deadpool-postgres, bb8-postgres or
+//! diesel-async.
+//!
+//! - **Connections:** a deadpool-postgres pool ([`PgStore::from_pool`], [`PgStore::connect`];
+//!   cargo feature `deadpool`, on by default) or plain `tokio_postgres::Client`s
+//!   ([`PgStore::from_clients`]); statements are prepared once per connection.
+//! - **Handlers** receive a [`PgTx`], which derefs to `tokio_postgres::Client`: run
+//!   `tx.execute(..)` / `tx.query(..)`, and [`PgTx::prepare_cached`] for the handler's own
+//!   statements. A transaction dropped while open never leaves its connection inside it.
+//! - **Same tables as `idem-sql`:** `idem_processed` and `idem_requests`, the same columns,
+//!   statements, migration (under the same advisory lock) and server-clock stamps, so the two
+//!   stores can share a database and take over from each other.
+//! - **Capabilities:** every one `idem-sql`'s PostgreSQL store has — transactions, the claim,
+//!   the batch claim (one `unnest` statement), savepoints, pruning, statistics, migration, and
+//!   idempotent-request records ([`RequestStore`](idem_core::store::RequestStore),
+//!   [`ReapRequests`](idem_core::store::ReapRequests)); it passes the same conformance
+//!   suites.
+//! - **Errors** are classified by SQLSTATE ([`idem_core::sqlstate`], the table `idem-sql` uses),
+//!   never by message text: a closed connection is `Unavailable`, a connection lost at
+//!   `COMMIT` is `OutcomeUnknown`, and a transaction a swallowed error aborted fails its
+//!   commit (`SELECT 1; COMMIT`) instead of reporting `Processed`.
+//!
+//! ```no_run
+//! use idem_core::{BoxError, Message, MessageId, Migrate, Outcome, Processor};
+//! use idem_postgres::PgStore;
+//!
+//! # async fn run() -> Result<(), BoxError> {
+//! let store = PgStore::connect("postgres://postgres@127.0.0.1/app").await?;
+//! store.migrate().await?; // creates idem_processed and idem_requests; safe on every start
+//!
+//! let processor = Processor::builder(store, "billing").build()?;
+//! let msg = Message::new(MessageId::new("payment-42")?, br#"{"amount_cents":1250}"#.to_vec());
+//! let outcome = processor
+//!     .process(&msg, async |tx| {
+//!         // Inside the claim's transaction: both commit, or neither does.
+//!         let insert = tx
+//!             .prepare_cached("INSERT INTO charges (message_id, amount_cents) VALUES ($1, $2)")
+//!             .await?;
+//!         tx.execute(&insert, &[&"payment-42", &1250_i64]).await
+//!     })
+//!     .await?;
+//! match outcome {
+//!     Outcome::Processed(_rows) => { /* ack */ }
+//!     Outcome::Duplicate => { /* ack; the charge already happened */ }
+//!     Outcome::Conflict { .. } => { /* dead-letter: same ID, different payload */ }
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! On plain clients, spawn each connection's task and hand the clients over:
+//!
+//! ```no_run
+//! # async fn run() -> Result<(), idem_core::BoxError> {
+//! let mut clients = Vec::new();
+//! for _ in 0..4 {
+//!     let (client, connection) =
+//!         tokio_postgres::connect("postgres://postgres@127.0.0.1/app", tokio_postgres::NoTls)
+//!             .await?;
+//!     tokio::spawn(connection);
+//!     clients.push(client);
+//! }
+//! let store = idem_postgres::PgStore::from_clients(clients);
+//! # let _ = store; Ok(()) }
+//! ```
+
+mod conn;
+mod errors;
+mod requests;
+mod sql;
+mod store;
+mod table;
+mod tx;
+
+pub use requests::MAX_REQUEST_KEY_LEN;
+pub use store::{MAX_MESSAGE_ID_LEN, PgStore};
+pub use table::{DEFAULT_REQUESTS_TABLE, DEFAULT_TABLE, TableName};
+pub use tx::PgTx;
+
+/// The pool crate this store runs on, re-exported so its version matches.
+#[cfg(feature = "deadpool")]
+pub use deadpool_postgres;
+/// The driver this store runs on, re-exported so its version matches.
+pub use tokio_postgres;

@@ -1,0 +1,217 @@
+//! The SQL this store runs: the statements of `idem-sql`'s PostgreSQL engine, text for text
+//! where they are prepared, so the two stores share tables, index names and semantics — a
+//! table migrated by either works with the other, and a claim written by one is a duplicate
+//! to the other (`tests/interop.rs` proves it both ways).
+//!
+//! Claims: `INSERT … ON CONFLICT (consumer, message_id) DO NOTHING`, one statement that cannot
+//! race; a concurrent transaction's uncommitted claim of the same key makes it wait, and then
+//! it inserts (that one rolled back) or affects no row (a duplicate). The duplicate's
+//! fingerprint is read by a separate statement, which under READ COMMITTED sees the row whose
+//! commit the insert waited for. `processed_at` is stamped by the server's clock (`now()`, the
+//! transaction's start) unless the processor has a clock of its own.
+
+use crate::table::TableName;
+
+/// The server's clock in `processed_at` units: the transaction's start, in microseconds since
+/// the Unix epoch (`now()` is fixed for the whole transaction, so a batch shares one stamp).
+const SERVER_NOW: &str = "(extract(epoch from now()) * 1000000)::bigint";
+
+/// The server's clock for request records: the start of the current statement, so that a
+/// completion inside a long transaction expires a TTL after it completed, not after the
+/// transaction began.
+const STATEMENT_NOW: &str = "(extract(epoch from statement_timestamp()) * 1000000)::bigint";
+
+/// Begins a transaction.
+pub(crate) const BEGIN: &str = "BEGIN";
+
+/// Commits, as one simple query: in a transaction a failed statement aborted, the `SELECT`
+/// fails with 25P02 and the `COMMIT` never runs (a bare `COMMIT` would roll back and report
+/// success). Both travel in one round trip.
+pub(crate) const COMMIT: &str = "SELECT 1; COMMIT";
+
+/// Rolls back.
+pub(crate) const ROLLBACK: &str = "ROLLBACK";
+
+/// The claim statements of one claims table. Parameters are bound in the order listed; a
+/// `now`/`processed_at` parameter is `NULL` for the server's clock.
+#[derive(Debug)]
+pub(crate) struct ClaimSql {
+    /// consumer, message_id, fingerprint, processed_at: one row affected when inserted.
+    pub(crate) claim: String,
+    /// consumer, message_id → the stored fingerprint.
+    pub(crate) read_fingerprint: String,
+    /// consumer, message_ids, fingerprints, processed_at → the message IDs it inserted.
+    pub(crate) claim_many: String,
+    /// consumer, message_ids → (message_id, fingerprint) of those stored.
+    pub(crate) read_fingerprints: String,
+    /// now, older-than, limit.
+    pub(crate) prune_all: String,
+    /// now, older-than, consumer, limit.
+    pub(crate) prune_consumer: String,
+    /// (consumer, count, oldest, newest) per consumer.
+    pub(crate) stats: String,
+}
+
+impl ClaimSql {
+    pub(crate) fn new(t: &TableName) -> Self {
+        Self {
+            claim: format!(
+                "INSERT INTO {t} (consumer, message_id, fingerprint, processed_at) \
+                 VALUES ($1, $2, $3, COALESCE($4, {SERVER_NOW})) \
+                 ON CONFLICT (consumer, message_id) DO NOTHING"
+            ),
+            read_fingerprint: format!(
+                "SELECT fingerprint FROM {t} WHERE consumer = $1 AND message_id = $2"
+            ),
+            claim_many: format!(
+                "INSERT INTO {t} (consumer, message_id, fingerprint, processed_at) \
+                 SELECT $1, m, f, COALESCE($4::bigint, {SERVER_NOW}) \
+                 FROM unnest($2::bytea[], $3::bytea[]) AS u(m, f) \
+                 ON CONFLICT (consumer, message_id) DO NOTHING RETURNING message_id"
+            ),
+            read_fingerprints: format!(
+                "SELECT message_id, fingerprint FROM {t} \
+                 WHERE consumer = $1 AND message_id = ANY($2::bytea[])"
+            ),
+            // `ctid = ANY(ARRAY(…))` plans as a TID scan; `ctid IN (…)` may scan the table.
+            prune_all: format!(
+                "DELETE FROM {t} WHERE ctid = ANY(ARRAY( \
+                 SELECT ctid FROM {t} WHERE processed_at < COALESCE($1, {SERVER_NOW}) - $2 \
+                 LIMIT $3))"
+            ),
+            prune_consumer: format!(
+                "DELETE FROM {t} WHERE ctid = ANY(ARRAY( \
+                 SELECT ctid FROM {t} WHERE processed_at < COALESCE($1, {SERVER_NOW}) - $2 \
+                 AND consumer = $3 LIMIT $4))"
+            ),
+            stats: format!(
+                "SELECT consumer, count(*)::bigint, min(processed_at), max(processed_at) \
+                 FROM {t} GROUP BY consumer ORDER BY consumer"
+            ),
+        }
+    }
+}
+
+/// The request-record statements of one requests table, on the server's clock (see
+/// [`crate::requests`] for what each does). Parameters are bound in the order listed.
+#[derive(Debug)]
+pub(crate) struct RequestSql {
+    /// fingerprint, scope, key → always one row: fingerprint, state, fence, lease_until,
+    /// expires_at (all NULL when there is no record), now, result (only for a completed record
+    /// with this fingerprint).
+    pub(crate) read: String,
+    /// scope, key, fingerprint, fence, lease, ttl: a new record in progress; no row on a
+    /// conflict.
+    pub(crate) insert: String,
+    /// fingerprint, lease, ttl, scope, key, fence: an expired record started afresh.
+    pub(crate) reset: String,
+    /// lease, scope, key, fence: a lapsed lease taken over.
+    pub(crate) take_over: String,
+    /// result, ttl, scope, key, fence.
+    pub(crate) complete: String,
+    /// scope, key, fence.
+    pub(crate) release: String,
+    /// lease, scope, key, fence.
+    pub(crate) extend: String,
+    /// limit.
+    pub(crate) reap: String,
+}
+
+impl RequestSql {
+    pub(crate) fn new(t: &TableName) -> Self {
+        let now = STATEMENT_NOW;
+        Self {
+            read: format!(
+                "SELECT r.fingerprint, r.state, r.fence, r.lease_until, r.expires_at, n.now, \
+                 CASE WHEN r.fingerprint = $1 AND r.state = 1 THEN r.result END \
+                 FROM (SELECT {now} AS now) n LEFT JOIN {t} r ON r.scope = $2 AND r.idem_key = $3"
+            ),
+            insert: format!(
+                "INSERT INTO {t} (scope, idem_key, fingerprint, state, fence, lease_until, expires_at) \
+                 VALUES ($1, $2, $3, 0, $4, {now} + $5, {now} + $6) \
+                 ON CONFLICT (scope, idem_key) DO NOTHING"
+            ),
+            reset: format!(
+                "UPDATE {t} SET fingerprint = $1, state = 0, fence = fence + 1, \
+                 lease_until = {now} + $2, expires_at = {now} + $3, result = NULL \
+                 WHERE scope = $4 AND idem_key = $5 AND fence = $6 \
+                 AND expires_at <= {now} AND (state = 1 OR lease_until <= {now})"
+            ),
+            take_over: format!(
+                "UPDATE {t} SET fence = fence + 1, lease_until = {now} + $1 \
+                 WHERE scope = $2 AND idem_key = $3 AND fence = $4 AND state = 0 \
+                 AND lease_until <= {now}"
+            ),
+            complete: format!(
+                "UPDATE {t} SET state = 1, result = $1, expires_at = {now} + $2 \
+                 WHERE scope = $3 AND idem_key = $4 AND fence = $5 AND state = 0"
+            ),
+            release: format!(
+                "DELETE FROM {t} WHERE scope = $1 AND idem_key = $2 AND fence = $3 AND state = 0"
+            ),
+            extend: format!(
+                "UPDATE {t} SET lease_until = {now} + $1 \
+                 WHERE scope = $2 AND idem_key = $3 AND fence = $4 AND state = 0"
+            ),
+            // The outer condition is checked again on a row a lookup restarted meanwhile.
+            reap: format!(
+                "DELETE FROM {t} WHERE ctid = ANY(ARRAY( \
+                 SELECT ctid FROM {t} WHERE expires_at < {now} AND (state = 1 OR lease_until < {now}) \
+                 LIMIT $1)) AND expires_at < {now} AND (state = 1 OR lease_until < {now})"
+            ),
+        }
+    }
+}
+
+/// What `migrate` runs inside its transaction, after taking the advisory lock: the schemas,
+/// both tables, their indexes and comments, exactly as `idem-sql` creates them.
+pub(crate) fn migration(t: &TableName, r: &TableName) -> Vec<String> {
+    let (name, rname) = (t.table(), r.table());
+    let mut sql: Vec<String> = t
+        .schema()
+        .into_iter()
+        .chain(r.schema())
+        .map(|schema| format!("CREATE SCHEMA IF NOT EXISTS {schema}"))
+        .collect();
+    sql.extend([
+        format!(
+            "CREATE TABLE IF NOT EXISTS {t} (
+                consumer     text   NOT NULL,
+                message_id   bytea  NOT NULL,
+                fingerprint  bytea  NOT NULL,
+                processed_at bigint NOT NULL,
+                PRIMARY KEY (consumer, message_id)
+            )"
+        ),
+        format!("CREATE INDEX IF NOT EXISTS {name}_processed_at ON {t} USING brin (processed_at)"),
+        format!(
+            "COMMENT ON TABLE {t} IS 'idem claims: one row per (consumer, message_id) \
+             processed; processed_at in microseconds since the Unix epoch'"
+        ),
+        format!(
+            "CREATE TABLE IF NOT EXISTS {r} (
+                scope       bytea    NOT NULL,
+                idem_key    bytea    NOT NULL,
+                fingerprint bytea    NOT NULL,
+                state       smallint NOT NULL,
+                fence       bigint   NOT NULL,
+                lease_until bigint   NOT NULL,
+                expires_at  bigint   NOT NULL,
+                result      bytea,
+                PRIMARY KEY (scope, idem_key)
+            )"
+        ),
+        format!("CREATE INDEX IF NOT EXISTS {rname}_expires_at ON {r} (expires_at)"),
+        format!(
+            "COMMENT ON TABLE {r} IS 'idem idempotent requests: one row per (scope, idem_key); \
+             state 0 in progress, 1 completed; lease_until and expires_at in microseconds \
+             since the Unix epoch'"
+        ),
+    ]);
+    sql
+}
+
+/// Serialises migrations across replicas that start at once: `CREATE … IF NOT EXISTS` alone
+/// can still race on the catalog. The same lock `idem-sql` takes, so the two stores' migrations
+/// serialise against each other too.
+pub(crate) const MIGRATE_LOCK: &str = "SELECT pg_advisory_xact_lock(hashtext('idem-migrate'))";

@@ -1,0 +1,642 @@
+//! [`PgStore`]: claims in PostgreSQL over tokio-postgres, every claim capability of
+//! `idem_core::store`, with `BEGIN` and the claim in one flight.
+//!
+//! # Why `BEGIN` and the claim cost one round trip
+//!
+//! A tokio-postgres `Client` is a handle on a connection task: each request (`execute`,
+//! `batch_execute`, …) is encoded and queued to that task the first time its future is polled,
+//! and only then does the future wait for its answers, which come back in request order. Two
+//! requests polled together are therefore both on the wire before either answer is read: the
+//! connection task writes everything queued before it flushes. [`begin_and_claim`] polls
+//! `BEGIN` and the prepared claim together with `futures_util::future::join`, which polls its
+//! first future before its second, so `BEGIN` is always queued first and the claim runs inside
+//! the transaction. The claim's statement is prepared before, once per connection (a cached
+//! statement costs nothing), so nothing waits in between. A new message thus costs what the
+//! bare handler does — `BEGIN`, the handler's statements, `COMMIT` — and a duplicate one
+//! round trip more, to read the stored fingerprint. `tests/pipelining.rs` counts the round
+//! trips through a proxy that holds the server's answers back.
+//!
+//! `BEGIN` cannot fail while the claim succeeds (it fails only on a broken connection or an
+//! aborted transaction, and so does the claim), which is what makes sending the claim before
+//! `BEGIN` is confirmed safe; a failed `BEGIN` still abandons the connection whatever the claim
+//! did.
+//!
+//! [`begin_and_claim`]: idem_core::ClaimStore::begin_and_claim
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::future::join;
+use idem_core::{
+    BatchClaimStore, ClaimRequest, ClaimStore, ConsumerName, ConsumerStats, Error, ErrorKind,
+    Fingerprint, MessageId, Migrate, Prune, Savepoints, Stamp, Stats, Timestamp,
+    TransactionalStore,
+};
+use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::{Client, GenericClient, Row};
+
+use crate::conn::{Clients, Lease, Source, begin_error};
+use crate::errors::{commit_error, store_error};
+use crate::sql::{self, ClaimSql, RequestSql};
+use crate::table::TableName;
+use crate::tx::PgTx;
+
+/// Longest message ID the schema holds (the same limit as `idem-sql`'s PostgreSQL store): well
+/// inside the btree tuple limit.
+pub const MAX_MESSAGE_ID_LEN: usize = 1024;
+
+/// Claims (and idempotent-request records) in PostgreSQL, on tokio-postgres: a
+/// deadpool-postgres pool ([`from_pool`](Self::from_pool), [`connect`](Self::connect)) or plain
+/// clients ([`from_clients`](Self::from_clients)).
+///
+/// Same tables, statements and semantics as `idem_sql::PostgresStore`; what differs is the
+/// driver: statements are prepared once per connection, and `BEGIN` and the claim go out in
+/// one flight (see the module docs), so the claim costs no round trip of its own. Handlers
+/// receive a [`PgTx`].
+///
+/// Cloning is cheap and shares the connections.
+#[derive(Clone)]
+pub struct PgStore {
+    pub(crate) source: Source,
+    table: TableName,
+    sql: Arc<ClaimSql>,
+    requests: TableName,
+    pub(crate) rsql: Arc<RequestSql>,
+}
+
+impl std::fmt::Debug for PgStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgStore")
+            .field("source", &self.source)
+            .field("table", &self.table)
+            .field("requests", &self.requests)
+            .finish()
+    }
+}
+
+impl PgStore {
+    fn new(source: Source) -> Self {
+        let (table, requests) = (TableName::default(), TableName::default_requests());
+        Self {
+            source,
+            sql: Arc::new(ClaimSql::new(&table)),
+            rsql: Arc::new(RequestSql::new(&requests)),
+            table,
+            requests,
+        }
+    }
+
+    /// Uses a deadpool-postgres pool, with the default tables (`idem_processed`,
+    /// `idem_requests`): claims then share connections — and their statement caches — with the
+    /// application's own queries. Its recycling method should be `RecyclingMethod::Fast` (the
+    /// default), which hands a connection out without a round trip.
+    #[cfg(feature = "deadpool")]
+    pub fn from_pool(pool: deadpool_postgres::Pool) -> Self {
+        Self::new(Source::Pool(pool))
+    }
+
+    /// Connects a pool of up to 16 connections to `url` (`postgres://user@host/db`, without
+    /// TLS; build the pool yourself for TLS and use [`from_pool`](Self::from_pool)), with the
+    /// default tables. One connection is opened first, so an unreachable server or a database
+    /// that does not exist is reported at once with its cause.
+    #[cfg(feature = "deadpool")]
+    pub async fn connect(url: &str) -> Result<Self, Error> {
+        use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+
+        const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+        let shown = idem_core::redact_url(url);
+        let config: tokio_postgres::Config = url.parse().map_err(|e: tokio_postgres::Error| {
+            Error::new(
+                ErrorKind::InvalidConfig,
+                format!("invalid PostgreSQL URL {shown}: {e}"),
+            )
+            .with_source(e)
+        })?;
+        let what = format!("connecting to {shown}");
+        match tokio::time::timeout(CONNECT_TIMEOUT, config.connect(tokio_postgres::NoTls)).await {
+            Err(_) => {
+                return Err(Error::new(
+                    ErrorKind::Unavailable,
+                    format!(
+                        "PostgreSQL: {what} timed out after {}s",
+                        CONNECT_TIMEOUT.as_secs()
+                    ),
+                ));
+            }
+            Ok(Err(e)) => return Err(store_error(&what, e)),
+            // The probe's connection task ends when its client is dropped.
+            Ok(Ok(_probe)) => {}
+        }
+        let manager = Manager::from_config(
+            config,
+            tokio_postgres::NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(manager)
+            .max_size(16)
+            .runtime(Runtime::Tokio1)
+            .wait_timeout(Some(Duration::from_secs(30)))
+            .create_timeout(Some(CONNECT_TIMEOUT))
+            .build()
+            .map_err(|e| {
+                Error::new(
+                    ErrorKind::InvalidConfig,
+                    format!("PostgreSQL: building the pool for {shown}: {e}"),
+                )
+            })?;
+        Ok(Self::from_pool(pool))
+    }
+
+    /// Uses plain tokio-postgres clients (each with its connection task already spawned), with
+    /// the default tables: a transaction or statement takes one client for itself, waiting up
+    /// to 30 s for one to come free, so give the store as many as it runs transactions at once
+    /// (plus one for request lookups, which run beside the operation's transaction). Each
+    /// client keeps the statements prepared on it. A client whose connection closed is
+    /// dropped; the store cannot reopen it, so it works on with the others, and reports
+    /// [`ErrorKind::Unavailable`] once none is left.
+    pub fn from_clients(clients: impl IntoIterator<Item = Client>) -> Self {
+        Self::new(Source::Clients(Clients::new(clients)))
+    }
+
+    /// [`from_clients`](Self::from_clients) with one client: every transaction and statement
+    /// takes turns on it.
+    pub fn from_client(client: Client) -> Self {
+        Self::from_clients([client])
+    }
+
+    /// Stores claims in `table` instead of `idem_processed` (`schema.table` selects a schema).
+    pub fn with_table(mut self, table: TableName) -> Result<Self, Error> {
+        self.sql = Arc::new(ClaimSql::new(&table));
+        self.table = table;
+        Ok(self)
+    }
+
+    /// Stores idempotent-request records in `table` instead of `idem_requests`.
+    pub fn with_requests_table(mut self, table: TableName) -> Result<Self, Error> {
+        self.rsql = Arc::new(RequestSql::new(&table));
+        self.requests = table;
+        Ok(self)
+    }
+
+    /// The pool, when the store runs on one.
+    #[cfg(feature = "deadpool")]
+    pub fn pool(&self) -> Option<&deadpool_postgres::Pool> {
+        match &self.source {
+            Source::Pool(pool) => Some(pool),
+            Source::Clients(_) => None,
+        }
+    }
+
+    /// The claims table.
+    pub fn table(&self) -> &TableName {
+        &self.table
+    }
+
+    /// The idempotent-request records table.
+    pub fn requests_table(&self) -> &TableName {
+        &self.requests
+    }
+
+    /// Begins a transaction, for a caller that claims inside its own unit of work (with
+    /// [`claim`](ClaimStore::claim) or `Processor::claim_in`) and commits it with
+    /// [`TransactionalStore::commit`] or [`PgTx::commit`].
+    pub async fn begin_tx(&self) -> Result<PgTx, Error> {
+        let tx = PgTx::begun(self.source.get().await?);
+        tx.batch_execute(sql::BEGIN).await.map_err(begin_error)?;
+        Ok(tx)
+    }
+
+    /// The claim on any tokio-postgres client or transaction the caller owns (a
+    /// `tokio_postgres::Transaction`, a bb8 or deadpool connection inside `BEGIN`): `None` when
+    /// inserted now, `Some(fp)` when already claimed with fingerprint `fp`. The store's
+    /// statement caches belong to its own connections, so this one is not prepared: it goes
+    /// out with its parameter types in one round trip (`execute_typed`) and is planned on every
+    /// call.
+    pub async fn claim_on<C>(
+        &self,
+        client: &C,
+        claim: ClaimRequest<'_>,
+    ) -> Result<Option<Fingerprint>, Error>
+    where
+        C: GenericClient + Sync + ?Sized,
+    {
+        let client = client.client();
+        let p = ClaimParams::new(&claim);
+        let inserted = client
+            .execute_typed(
+                &self.sql.claim,
+                &[
+                    (&p.consumer, Type::TEXT),
+                    (&p.id, Type::BYTEA),
+                    (&p.fingerprint, Type::BYTEA),
+                    (&p.at, Type::INT8),
+                ],
+            )
+            .await
+            .map_err(|e| store_error("claim", e))?;
+        if inserted == 1 {
+            return Ok(None);
+        }
+        let row = client
+            .query_typed_opt(
+                &self.sql.read_fingerprint,
+                &[(&p.consumer, Type::TEXT), (&p.id, Type::BYTEA)],
+            )
+            .await
+            .map_err(|e| store_error("reading the stored fingerprint", e))?;
+        stored_fingerprint(
+            row.map(|r| r.try_get(0))
+                .transpose()
+                .map_err(|e| store_error("reading the stored fingerprint", e))?,
+        )
+        .map(Some)
+    }
+
+    /// The stored fingerprint of a claim that was there already, read inside `tx`.
+    async fn read_fingerprint(&self, tx: &PgTx, p: &ClaimParams<'_>) -> Result<Fingerprint, Error> {
+        let what = "reading the stored fingerprint";
+        let read = tx
+            .prepare_cached(&self.sql.read_fingerprint)
+            .await
+            .map_err(|e| store_error(what, e))?;
+        let row = tx
+            .query_opt(&read, &[&p.consumer, &p.id])
+            .await
+            .map_err(|e| store_error(what, e))?;
+        stored_fingerprint(
+            row.map(|r| r.try_get(0))
+                .transpose()
+                .map_err(|e| store_error(what, e))?,
+        )
+    }
+
+    /// What the batch claim's `RETURNING` reports, in `ids` order: `None` for each inserted,
+    /// the stored fingerprint (read inside `tx`) for the rest.
+    async fn claimed_many(
+        &self,
+        tx: &PgTx,
+        consumer: &str,
+        ids: &[&[u8]],
+        inserted: Vec<Row>,
+    ) -> Result<Vec<Option<Fingerprint>>, Error> {
+        if inserted.len() == ids.len() {
+            return Ok(vec![None; ids.len()]);
+        }
+        let inserted: HashSet<Vec<u8>> = inserted
+            .iter()
+            .map(|r| r.try_get(0))
+            .collect::<Result<_, _>>()
+            .map_err(|e| store_error("batch claim", e))?;
+        let existing: Vec<&[u8]> = ids
+            .iter()
+            .copied()
+            .filter(|id| !inserted.contains(*id))
+            .collect();
+        let what = "reading stored fingerprints";
+        let read = tx
+            .prepare_cached(&self.sql.read_fingerprints)
+            .await
+            .map_err(|e| store_error(what, e))?;
+        let rows = tx
+            .query(&read, &[&consumer, &existing])
+            .await
+            .map_err(|e| store_error(what, e))?;
+        let mut stored: HashMap<Vec<u8>, Vec<u8>> = rows
+            .iter()
+            .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
+            .collect::<Result<_, tokio_postgres::Error>>()
+            .map_err(|e| store_error(what, e))?;
+        ids.iter()
+            .map(|id| {
+                if inserted.contains(*id) {
+                    Ok(None)
+                } else {
+                    stored_fingerprint(stored.remove(*id)).map(Some)
+                }
+            })
+            .collect()
+    }
+
+    /// A statement outside any transaction, on a connection of its own.
+    pub(crate) async fn execute_alone(
+        &self,
+        what: &str,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<u64, Error> {
+        let lease = self.source.get().await?;
+        let statement = lease.prepare(sql).await.map_err(|e| store_error(what, e))?;
+        lease
+            .client()
+            .execute(&statement, params)
+            .await
+            .map_err(|e| store_error(what, e))
+    }
+
+    /// A lease's connection, for the request store's lookups.
+    pub(crate) async fn lease(&self) -> Result<Lease, Error> {
+        self.source.get().await
+    }
+
+    /// Runs a fixed statement inside `tx`.
+    async fn exec(tx: &PgTx, sql: &'static str) -> Result<(), Error> {
+        tx.batch_execute(sql).await.map_err(|e| store_error(sql, e))
+    }
+}
+
+/// A claim's parameters as bound.
+struct ClaimParams<'a> {
+    consumer: &'a str,
+    id: &'a [u8],
+    fingerprint: &'a [u8],
+    at: Option<i64>,
+}
+
+impl<'a> ClaimParams<'a> {
+    fn new(claim: &ClaimRequest<'a>) -> Self {
+        Self {
+            consumer: claim.consumer.as_str(),
+            id: claim.id.as_bytes(),
+            fingerprint: &claim.fingerprint.as_bytes()[..],
+            at: stamp(claim.at),
+        }
+    }
+}
+
+/// `processed_at` / `now` as bound: `NULL` makes the statement read the server's clock
+/// (`COALESCE($n, <server now>)`), so every host stamps and prunes on one clock.
+pub(crate) fn stamp(stamp: Stamp) -> Option<i64> {
+    match stamp {
+        Stamp::StoreClock => None,
+        Stamp::At(t) => Some(t.as_micros()),
+    }
+}
+
+/// A duration in microseconds, saturating, as prune statements bind it.
+fn micros(d: Duration) -> i64 {
+    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
+}
+
+/// The stored column as a fingerprint; a missing row means the claim vanished between the
+/// insert and the read (pruned concurrently), which a retry resolves.
+fn stored_fingerprint(bytes: Option<Vec<u8>>) -> Result<Fingerprint, Error> {
+    match bytes {
+        Some(b) => Fingerprint::from_slice(&b).ok_or_else(|| {
+            Error::new(
+                ErrorKind::Store,
+                format!("stored fingerprint is {} bytes, expected 32", b.len()),
+            )
+        }),
+        None => Err(Error::new(
+            ErrorKind::Transient,
+            "claim existed at insert but was gone when read back (pruned concurrently?); retry",
+        )),
+    }
+}
+
+/// Ends a transaction whose claim failed; a failed rollback abandons the connection, and the
+/// claim's error is the one worth reporting.
+async fn end(tx: PgTx) {
+    let _ = tx.rollback().await;
+}
+
+impl TransactionalStore for PgStore {
+    type Tx = PgTx;
+
+    async fn begin(&self) -> Result<PgTx, Error> {
+        self.begin_tx().await
+    }
+
+    async fn commit(&self, tx: PgTx) -> Result<(), Error> {
+        tx.commit().await.map_err(commit_error)
+    }
+
+    async fn rollback(&self, tx: PgTx) -> Result<(), Error> {
+        tx.rollback().await.map_err(|e| store_error("rollback", e))
+    }
+
+    fn classify(&self, error: &(dyn std::error::Error + 'static)) -> Option<ErrorKind> {
+        crate::errors::classify(error)
+    }
+}
+
+impl ClaimStore for PgStore {
+    fn max_message_id_len(&self) -> usize {
+        MAX_MESSAGE_ID_LEN
+    }
+
+    async fn claim(
+        &self,
+        tx: &mut PgTx,
+        claim: ClaimRequest<'_>,
+    ) -> Result<Option<Fingerprint>, Error> {
+        let p = ClaimParams::new(&claim);
+        let insert = tx
+            .prepare_cached(&self.sql.claim)
+            .await
+            .map_err(|e| store_error("claim", e))?;
+        let inserted = tx
+            .execute(&insert, &[&p.consumer, &p.id, &p.fingerprint, &p.at])
+            .await
+            .map_err(|e| store_error("claim", e))?;
+        if inserted == 1 {
+            return Ok(None);
+        }
+        self.read_fingerprint(tx, &p).await.map(Some)
+    }
+
+    /// `BEGIN` and the prepared claim in one flight (see the module docs).
+    async fn begin_and_claim(
+        &self,
+        claim: ClaimRequest<'_>,
+    ) -> Result<(PgTx, Option<Fingerprint>), Error> {
+        let p = ClaimParams::new(&claim);
+        let lease = self.source.get().await?;
+        let insert = lease
+            .prepare(&self.sql.claim)
+            .await
+            .map_err(|e| store_error("claim", e))?;
+        let tx = PgTx::begun(lease);
+        let params: [&(dyn ToSql + Sync); 4] = [&p.consumer, &p.id, &p.fingerprint, &p.at];
+        let (begun, inserted) =
+            join(tx.batch_execute(sql::BEGIN), tx.execute(&insert, &params)).await;
+        // A failed BEGIN drops `tx` while open, which abandons the connection.
+        begun.map_err(begin_error)?;
+        let inserted = match inserted {
+            Ok(n) => n,
+            Err(e) => {
+                end(tx).await;
+                return Err(store_error("claim", e));
+            }
+        };
+        if inserted == 1 {
+            return Ok((tx, None));
+        }
+        match self.read_fingerprint(&tx, &p).await {
+            Ok(fp) => Ok((tx, Some(fp))),
+            Err(e) => {
+                end(tx).await;
+                Err(e)
+            }
+        }
+    }
+}
+
+impl BatchClaimStore for PgStore {
+    /// One `INSERT … SELECT FROM unnest(…) ON CONFLICT DO NOTHING RETURNING` for the whole
+    /// batch, and one read of the stored fingerprints of the rest.
+    async fn claim_many(
+        &self,
+        tx: &mut PgTx,
+        consumer: &ConsumerName,
+        items: &[(&MessageId, Fingerprint)],
+        at: Stamp,
+    ) -> Result<Vec<Option<Fingerprint>>, Error> {
+        let (ids, fps) = columns(items);
+        let (consumer, at) = (consumer.as_str(), stamp(at));
+        let insert = tx
+            .prepare_cached(&self.sql.claim_many)
+            .await
+            .map_err(|e| store_error("batch claim", e))?;
+        let inserted = tx
+            .query(&insert, &[&consumer, &ids, &fps, &at])
+            .await
+            .map_err(|e| store_error("batch claim", e))?;
+        self.claimed_many(tx, consumer, &ids, inserted).await
+    }
+
+    /// `BEGIN` and the batch claim in one flight, as [`ClaimStore::begin_and_claim`].
+    async fn begin_and_claim_many(
+        &self,
+        consumer: &ConsumerName,
+        items: &[(&MessageId, Fingerprint)],
+        at: Stamp,
+    ) -> Result<(PgTx, Vec<Option<Fingerprint>>), Error> {
+        let (ids, fps) = columns(items);
+        let (consumer, at) = (consumer.as_str(), stamp(at));
+        let lease = self.source.get().await?;
+        let insert = lease
+            .prepare(&self.sql.claim_many)
+            .await
+            .map_err(|e| store_error("batch claim", e))?;
+        let tx = PgTx::begun(lease);
+        let params: [&(dyn ToSql + Sync); 4] = [&consumer, &ids, &fps, &at];
+        let (begun, inserted) =
+            join(tx.batch_execute(sql::BEGIN), tx.query(&insert, &params)).await;
+        begun.map_err(begin_error)?;
+        let inserted = match inserted {
+            Ok(rows) => rows,
+            Err(e) => {
+                end(tx).await;
+                return Err(store_error("batch claim", e));
+            }
+        };
+        match self.claimed_many(&tx, consumer, &ids, inserted).await {
+            Ok(found) => Ok((tx, found)),
+            Err(e) => {
+                end(tx).await;
+                Err(e)
+            }
+        }
+    }
+}
+
+/// A batch's IDs and fingerprints as the two arrays the statement unnests.
+fn columns<'a>(items: &'a [(&'a MessageId, Fingerprint)]) -> (Vec<&'a [u8]>, Vec<&'a [u8]>) {
+    items
+        .iter()
+        .map(|(id, fp)| (id.as_bytes(), &fp.as_bytes()[..]))
+        .unzip()
+}
+
+impl Savepoints for PgStore {
+    async fn savepoint(&self, tx: &mut PgTx) -> Result<(), Error> {
+        Self::exec(tx, "SAVEPOINT idem_message").await
+    }
+
+    async fn release_savepoint(&self, tx: &mut PgTx) -> Result<(), Error> {
+        Self::exec(tx, "RELEASE SAVEPOINT idem_message").await
+    }
+
+    async fn rollback_to_savepoint(&self, tx: &mut PgTx) -> Result<(), Error> {
+        // ROLLBACK TO keeps the savepoint; release it so savepoints do not pile up.
+        Self::exec(
+            tx,
+            "ROLLBACK TO SAVEPOINT idem_message; RELEASE SAVEPOINT idem_message",
+        )
+        .await
+    }
+}
+
+impl Prune for PgStore {
+    async fn prune_batch(
+        &self,
+        consumer: Option<&ConsumerName>,
+        now: Stamp,
+        older_than: Duration,
+        limit: u32,
+    ) -> Result<u64, Error> {
+        let (now, age, limit) = (stamp(now), micros(older_than), i64::from(limit));
+        match consumer {
+            None => {
+                self.execute_alone("prune", &self.sql.prune_all, &[&now, &age, &limit])
+                    .await
+            }
+            Some(c) => {
+                let c = c.as_str();
+                let params: [&(dyn ToSql + Sync); 4] = [&now, &age, &c, &limit];
+                self.execute_alone("prune", &self.sql.prune_consumer, &params)
+                    .await
+            }
+        }
+    }
+}
+
+impl Stats for PgStore {
+    async fn stats(&self) -> Result<Vec<ConsumerStats>, Error> {
+        let err = |e| store_error("stats", e);
+        let lease = self.source.get().await?;
+        let statement = lease.prepare(&self.sql.stats).await.map_err(err)?;
+        let rows = lease.client().query(&statement, &[]).await.map_err(err)?;
+        rows.iter()
+            .map(|r| {
+                Ok(ConsumerStats {
+                    consumer: r.try_get(0)?,
+                    claims: u64::try_from(r.try_get::<_, i64>(1)?).unwrap_or(0),
+                    oldest: Timestamp::from_micros(r.try_get(2)?),
+                    newest: Timestamp::from_micros(r.try_get(3)?),
+                })
+            })
+            .collect::<Result<_, tokio_postgres::Error>>()
+            .map_err(err)
+    }
+}
+
+impl Migrate for PgStore {
+    /// Both tables in one transaction, serialised across replicas (and against `idem-sql`'s
+    /// migration of the same tables) by an advisory lock.
+    async fn migrate(&self) -> Result<(), Error> {
+        if self.table == self.requests {
+            return Err(Error::new(
+                ErrorKind::InvalidConfig,
+                format!(
+                    "the requests table and the claims table are both {}; name them apart",
+                    self.table
+                ),
+            ));
+        }
+        let tx = self.begin_tx().await?;
+        tx.batch_execute(sql::MIGRATE_LOCK)
+            .await
+            .map_err(|e| store_error("migrate lock", e))?;
+        for statement in sql::migration(&self.table, &self.requests) {
+            tx.batch_execute(&statement)
+                .await
+                .map_err(|e| store_error("migrate", e))?;
+        }
+        tx.commit().await.map_err(commit_error)
+    }
+}
