@@ -1,5 +1,6 @@
 //! P1 (one message per transaction, [`p1`]) and P2 (batches, [`p2`]) on PostgreSQL; this
-//! module owns the tables, the pools and the handler under test.
+//! module owns the tables, the pools and the handler under test. P1 also measures
+//! `idem-postgres` on tokio-postgres ([`tokio_pg`]) beside the sqlx store.
 //!
 //! Every variant goes through `pool.begin()` on a pool of exactly `workers` connections, as
 //! `PostgresStore` does, so the pool's own costs (sqlx pings a connection when it is acquired
@@ -13,6 +14,7 @@
 
 mod p1;
 mod p2;
+mod tokio_pg;
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -190,7 +192,25 @@ impl Bench {
     /// ran the set-based batch at half the speed of the first, fresh measurement. Fresh
     /// backends give every measurement the same start.
     async fn context(&self, workers: usize, lean: bool) -> anyhow::Result<Arc<Ctx>> {
+        self.context_with(workers, lean, false).await
+    }
+
+    /// [`Self::context`], and with `tokio_pg` a deadpool-postgres pool of `workers`
+    /// connections for the tokio-postgres variants.
+    async fn context_with(
+        &self,
+        workers: usize,
+        lean: bool,
+        tokio_pg: bool,
+    ) -> anyhow::Result<Arc<Ctx>> {
         let (pool, mut pids) = self.pool(workers, true).await?;
+        let tokio_pg = if tokio_pg {
+            let (tp, tp_pids) = tokio_pg::TokioPg::open(&self.url, workers).await?;
+            pids.extend(tp_pids);
+            Some(tp)
+        } else {
+            None
+        };
         let processor = processor_on(&pool)?;
         let held = Processor::builder(
             processor
@@ -213,6 +233,7 @@ impl Bench {
             processor,
             held,
             lean,
+            tokio_pg,
             cpu: CpuProbe::new(pids),
             consumer: ConsumerName::new(CONSUMER)?,
             batch: self.settings.batch,
@@ -240,7 +261,9 @@ struct Ctx {
     held: Processor<PostgresStore>,
     /// Experimental: the same, on a pool that does not ping on acquire.
     lean: Option<(PgPool, Processor<PostgresStore>)>,
-    /// Both pools' backends (idle ones add nothing).
+    /// The tokio-postgres variants' pool and idem-postgres processor.
+    tokio_pg: Option<tokio_pg::TokioPg>,
+    /// Every pool's backends (idle ones add nothing).
     cpu: CpuProbe,
     consumer: ConsumerName,
     batch: usize,
@@ -252,6 +275,15 @@ impl Ctx {
         if let Some((pool, _)) = &self.lean {
             pool.close().await;
         }
+        if let Some(tp) = &self.tokio_pg {
+            tp.close();
+        }
+    }
+
+    fn tokio_pg(&self) -> anyhow::Result<&tokio_pg::TokioPg> {
+        self.tokio_pg
+            .as_ref()
+            .context("the tokio-postgres pool exists only for its variants")
     }
 
     fn lean(&self) -> anyhow::Result<&(PgPool, Processor<PostgresStore>)> {

@@ -1,5 +1,6 @@
-//! P1: one message per transaction — bare, hand-written claim, idem, naive, and the
-//! experimental variants that take the per-message cost apart.
+//! P1: one message per transaction — bare, hand-written claim, idem, naive, the same bare
+//! handler and idem on tokio-postgres (`idem-postgres`), and the experimental variants that
+//! take the per-message cost apart.
 
 use std::sync::Arc;
 
@@ -36,6 +37,8 @@ impl Bench {
             P1::Naive,
             P1::BareHeld,
             P1::IdemHeld,
+            P1::BareTokioPg,
+            P1::IdemTokioPg,
         ];
         if self.settings.experimental {
             variants.extend([
@@ -52,7 +55,11 @@ impl Bench {
             let title = format!("P1 per message, PostgreSQL, {}", plural(workers, "worker"));
             let group = Group::measure(title, &variants, &self.settings, async |v: P1| {
                 let ctx = self
-                    .context(workers, matches!(v, P1::BareLean | P1::IdemLean))
+                    .context_with(
+                        workers,
+                        matches!(v, P1::BareLean | P1::IdemLean),
+                        matches!(v, P1::BareTokioPg | P1::IdemTokioPg),
+                    )
                     .await?;
                 let op = P1Op {
                     ctx: Arc::clone(&ctx),
@@ -75,6 +82,9 @@ impl Bench {
                     at_least: 1.0,
                     strict: true,
                 },
+                Target::at_least("idem-tp", "bare-tp", 0.95),
+                Target::compare("idem-tp", "idem"),
+                Target::compare("idem-tp", "idem-held"),
             ]);
             let group = if self.settings.experimental {
                 group
@@ -96,10 +106,19 @@ impl Bench {
             } else {
                 group
             };
-            groups.push(group.note(
-                "each message: charge row + balance UPDATE on one of 1,000 accounts; \
-                 sqlx's pool pings a connection when acquired and when returned",
-            ));
+            groups.push(
+                group
+                    .note(
+                        "each message: charge row + balance UPDATE on one of 1,000 accounts; \
+                         sqlx's pool pings a connection when acquired and when returned",
+                    )
+                    .note(
+                        "`tp` rows: tokio-postgres on a deadpool-postgres pool of one \
+                         connection per worker (RecyclingMethod::Fast: no ping), statements \
+                         prepared once per connection; idem-postgres sends BEGIN and the \
+                         claim in one flight",
+                    ),
+            );
         }
         Ok(groups)
     }
@@ -119,6 +138,8 @@ enum P1 {
     Pipelined,
     PipelinedHeld,
     Narrow,
+    BareTokioPg,
+    IdemTokioPg,
 }
 
 impl Variant for P1 {
@@ -136,6 +157,8 @@ impl Variant for P1 {
             P1::Pipelined => "pipelined",
             P1::PipelinedHeld => "pipelined-held",
             P1::Narrow => "narrow",
+            P1::BareTokioPg => "bare-tp",
+            P1::IdemTokioPg => "idem-tp",
         }
     }
 
@@ -153,6 +176,8 @@ impl Variant for P1 {
             P1::Pipelined => "exp: BEGIN + claim in one flight",
             P1::PipelinedHeld => "exp: BEGIN + claim in one flight, held",
             P1::Narrow => "exp: hand-written claim, id-only row",
+            P1::BareTokioPg => "bare, tokio-postgres + deadpool",
+            P1::IdemTokioPg => "idem-postgres `process`, deadpool",
         }
     }
 
@@ -161,7 +186,8 @@ impl Variant for P1 {
             P1::Bare => "6 = 4 + 2 pings",
             P1::Hand | P1::Idem | P1::Narrow => "7 = 5 + 2 pings",
             P1::Naive => "12 = 6 + 6 pings, 2 commits",
-            P1::BareHeld | P1::PipelinedHeld => "4",
+            P1::BareHeld | P1::PipelinedHeld | P1::BareTokioPg => "4",
+            P1::IdemTokioPg => "4 (BEGIN + claim in one)",
             P1::ClaimOnHeld | P1::IdemHeld => "5",
             P1::BareLean => "5 = 4 + 1 ping",
             P1::IdemLean => "6 = 5 + 1 ping",
@@ -218,6 +244,8 @@ impl Op for P1Op {
                 let conn = held.as_mut().context("held connection missing")?;
                 pipelined(conn, &ctx.consumer, &d).await?;
             }
+            P1::BareTokioPg => ctx.tokio_pg()?.bare(&d).await?,
+            P1::IdemTokioPg => ctx.tokio_pg()?.idem(&d).await?,
         }
         Ok(1)
     }
