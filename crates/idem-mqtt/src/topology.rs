@@ -7,11 +7,13 @@ use idem_core::{Error, ErrorKind};
 use rumqttc::v5::{self, mqttbytes::v5::Packet};
 
 use crate::config::{Config, Options};
-use crate::error::{invalid, unavailable};
+use crate::error::{invalid, refused, unavailable};
 use crate::wire::{self, Polled};
 
-/// How long the broker may take to answer.
+/// How long the broker may take to end a session.
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long the broker may take to grant a session's subscription (as a source's connect).
+const SUBSCRIBE_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// Creates (or resumes) the persistent session `client_id` subscribed to `filter` at QoS 1,
 /// then disconnects: the broker keeps whatever is published to `filter` in that session (for
@@ -29,7 +31,8 @@ const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
 ///
 /// # Errors
 /// [`ErrorKind::InvalidConfig`] for a bad URL, client ID or filter, or a subscription the
-/// broker refuses; [`ErrorKind::Unavailable`] when the broker cannot be reached within 5 s.
+/// broker refuses; [`ErrorKind::Unavailable`] when the broker cannot be reached or does not
+/// answer within 15 s.
 pub async fn ensure_session(url: &str, client_id: &str, filter: &str) -> Result<(), Error> {
     let config = Config::new(url, Options::default())?;
     if client_id.is_empty() {
@@ -43,7 +46,7 @@ pub async fn ensure_session(url: &str, client_id: &str, filter: &str) -> Result<
         )));
     }
     let (client, mut events) = wire::open(&config, client_id, true);
-    let ensured = tokio::time::timeout(ANSWER_TIMEOUT, async {
+    let ensured = tokio::time::timeout(SUBSCRIBE_TIMEOUT, async {
         loop {
             match events.poll().await? {
                 // The request channel has room for far more than one request, so queueing
@@ -51,7 +54,7 @@ pub async fn ensure_session(url: &str, client_id: &str, filter: &str) -> Result<
                 Polled::ConnAck { .. } => client.subscribe(filter).await?,
                 Polled::SubAck(Ok(())) => client.disconnect().await?,
                 Polled::SubAck(Err(reason)) => {
-                    return Err(crate::error::refused(
+                    return Err(refused(
                         format_args!("subscribing to {filter:?} at QoS 1"),
                         reason,
                     ));
@@ -66,7 +69,7 @@ pub async fn ensure_session(url: &str, client_id: &str, filter: &str) -> Result<
         Ok(r) => r,
         Err(_) => Err(Error::new(
             ErrorKind::Unavailable,
-            format!("creating MQTT session {client_id}: no answer within 5 s"),
+            format!("creating MQTT session {client_id}: no answer within {SUBSCRIBE_TIMEOUT:?}"),
         )),
     }
 }

@@ -235,6 +235,47 @@ async fn dead_letter_to_a_topic_nobody_reads_fails_and_keeps_the_original() {
 }
 
 #[tokio::test]
+async fn ensure_session_keeps_what_is_published_until_its_owner_connects() {
+    let Some(url) = common::url("ensure_session_keeps_what_is_published") else {
+        return;
+    };
+    let topic = unique_name("mqtt", "ensure_session");
+    let keeper = format!("{topic}-keeper");
+    idem_mqtt::ensure_session(&url, &keeper, &topic)
+        .await
+        .expect("create the session");
+    idem_mqtt::ensure_session(&url, &keeper, &topic)
+        .await
+        .expect("an existing session is fine");
+    // Refused unless some session subscribes: the keeper is offline but its session counts.
+    let producer = MqttProducer::connect(&url, format!("{topic}-p"))
+        .await
+        .unwrap()
+        .require_subscriber(true);
+    producer
+        .publish(&topic, Some("k-1"), b"kept")
+        .await
+        .unwrap();
+
+    let mut owner = common::builder(&keeper, &topic)
+        .dead_letter_topic(format!("{topic}/x"))
+        .connect(&url)
+        .await
+        .unwrap();
+    let got = common::take(&mut owner, 1, WAIT).await;
+    assert_eq!(got.len(), 1, "the session kept the message");
+    assert_eq!(got[0].payload(), b"kept");
+    common::ack_all(got).await;
+    owner.close().await.unwrap();
+
+    let err = idem_mqtt::ensure_session(&url, "", &topic)
+        .await
+        .expect_err("no client ID");
+    assert_eq!(err.kind(), ErrorKind::InvalidConfig);
+    common::purge_sessions(&url, &[keeper]).await;
+}
+
+#[tokio::test]
 async fn abandoned_message_comes_back_without_a_restart() {
     let Some(url) = common::url("abandoned_message_comes_back_without_a_restart") else {
         return;

@@ -285,6 +285,41 @@ async fn entry_without_payload_field_is_dead_lettered_by_the_adapter() {
 }
 
 #[tokio::test]
+async fn ensure_group_ahead_of_the_consumers_keeps_what_is_published_meanwhile() {
+    let Some(ctx) = Ctx::new("ensure_group").await else {
+        return;
+    };
+    ctx.producer
+        .publish(&ctx.stream, "before", b"before")
+        .await
+        .expect("publish");
+    // Created reading only what comes next; an existing group is left as it is.
+    for _ in 0..2 {
+        idem_redis_streams::ensure_group(
+            &mut ctx.conn.clone(),
+            &ctx.stream,
+            "g",
+            StartFrom::NewOnly,
+        )
+        .await
+        .expect("ensure the group");
+    }
+    ctx.producer
+        .publish(&ctx.stream, "meanwhile", b"meanwhile")
+        .await
+        .expect("publish");
+    let mut source = ctx.source("c1").await;
+    let d = next_one(&mut source).await;
+    assert_eq!(
+        d.payload(),
+        b"meanwhile",
+        "the group's start is where ensure_group put it"
+    );
+    d.ack().await.expect("ack");
+    ctx.teardown().await;
+}
+
+#[tokio::test]
 async fn group_starts_where_configured_and_is_recreated_after_loss() {
     let Some(ctx) = Ctx::new("start_from").await else {
         return;
