@@ -196,9 +196,13 @@ impl Clients {
                     )
                 })?;
             let conn = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
-            // A permit is only free while a client is idle; `None` cannot happen, but a
-            // missing client must not hand out a lease without one.
-            let Some(mut conn) = conn else { continue };
+            // Every lent client holds a permit, so a free permit means an idle client.
+            let Some(mut conn) = conn else {
+                return Err(Error::new(
+                    ErrorKind::Store,
+                    format!("{SYSTEM}: getting a connection: a free permit but no idle client"),
+                ));
+            };
             if conn.needs_rollback && !conn.client.is_closed() {
                 match conn.client.batch_execute(sql::ROLLBACK).await {
                     Ok(()) => conn.needs_rollback = false,

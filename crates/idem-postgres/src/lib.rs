@@ -6,8 +6,9 @@
 //! more round trip before the handler runs. [`PgStore`] runs on tokio-postgres, which
 //! pipelines: `BEGIN` and the (prepared) claim are sent together, and a new message costs the
 //! round trips of the bare handler — `BEGIN`, its statements, `COMMIT` — and nothing more. It
-//! is the store for applications already on tokio-postgres, deadpool-postgres, bb8-postgres or
-//! diesel-async.
+//! is the store for applications whose code already speaks tokio-postgres: handlers get a
+//! `tokio_postgres::Client`, and [`PgStore::claim_on`] claims inside a transaction on any
+//! tokio-postgres connection the application owns (a bb8-postgres one included).
 //!
 //! - **Connections:** a deadpool-postgres pool ([`PgStore::from_pool`], [`PgStore::connect`];
 //!   cargo feature `deadpool`, on by default) or plain `tokio_postgres::Client`s

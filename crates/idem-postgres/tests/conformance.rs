@@ -277,3 +277,45 @@ async fn a_store_whose_clients_all_closed_is_unavailable() {
     drop((store, admin));
     schema.drop().await;
 }
+
+/// The low-level claim inside a `tokio_postgres::Transaction` the caller owns on a connection
+/// the store never saw: new once, then the stored fingerprint; gone with a rollback.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claim_on_composes_with_a_tokio_postgres_transaction() {
+    use idem_core::{ClaimRequest, ConsumerName, Fingerprint, Stamp};
+
+    let test = "claim_on_composes_with_a_tokio_postgres_transaction";
+    let Some(schema) = PgSchema::create("idem_pg", test).await else {
+        return;
+    };
+    let config = common::config(&schema);
+    let store = common::store(&config, Conns::Pool(2)).await;
+    store.migrate().await.expect("migrate");
+    let mut own = common::client(&config).await;
+    let consumer = ConsumerName::new("own").expect("consumer");
+    let fp = Fingerprint::of(b"x");
+    let (kept, dropped) = (
+        MessageId::new("own-1").expect("id"),
+        MessageId::new("own-2").expect("id"),
+    );
+    let claim = |id| ClaimRequest {
+        consumer: &consumer,
+        id,
+        fingerprint: &fp,
+        at: Stamp::StoreClock,
+    };
+    for expected in [None, Some(fp)] {
+        let tx = own.transaction().await.expect("begin");
+        let found = store.claim_on(&tx, claim(&kept)).await.expect("claim");
+        assert_eq!(found, expected);
+        tx.commit().await.expect("commit");
+    }
+    let tx = own.transaction().await.expect("begin");
+    let found = store.claim_on(&tx, claim(&dropped)).await.expect("claim");
+    assert_eq!(found, None);
+    tx.rollback().await.expect("rollback");
+    let claims = common::count(&own, "SELECT count(*) FROM idem_processed", &[]).await;
+    assert_eq!(claims, 1, "own-1 once; own-2 rolled back");
+    drop((store, own));
+    schema.drop().await;
+}
