@@ -38,6 +38,7 @@ mod handler;
 mod id;
 mod message;
 mod outcome;
+pub mod partition;
 mod processor;
 mod redact;
 mod request;

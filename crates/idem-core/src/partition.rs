@@ -1,0 +1,405 @@
+//! Claims partitioned by the time inside the message ID itself (PostgreSQL stores, opt-in).
+//!
+//! Deleting old claims row by row from a table of billions bloats it and competes with the
+//! consumer; dropping a whole partition costs nothing. But a partitioned table's unique
+//! constraint must contain the partition key, so partitioning by `processed_at` would let a
+//! redelivery, processed on another day, land in another partition and be processed again.
+//! Partitioning by a time *derived from the message ID* does not: UUIDv7 and ULID IDs carry the
+//! producer's timestamp, every redelivery of one ID carries the same one, and so every
+//! redelivery is routed to the partition holding the first claim. The key is the ID's own, so
+//! the rule never depends on when a message is processed.
+//!
+//! What this module owns (no database here): reading the time out of an ID ([`IdTime`],
+//! [`uuid_v7`], [`ulid`]), the partition key a claim carries ([`Partitioning::key_of`]),
+//! and the daily ranges a store creates and drops ([`Day`]). The stores own the DDL:
+//!
+//! * one range partition per UTC day of ID time, created [`ahead`](Partitioning::ahead) of
+//!   the database's clock; an ID whose time falls outside every partition — ahead of the
+//!   partitions created (a producer clock too far ahead), or older than the oldest kept —
+//!   goes to the table's **default** partition, and is moved into its day's partition when
+//!   that is created (under lock, so the ID is found in one place at any instant);
+//! * IDs whose time cannot be read (not a UUIDv7 or ULID) get key [`UNDATED`] and live in the
+//!   **undated** partition;
+//! * retention drops a day's partition once its whole day is older than the retention; a
+//!   claim in it younger than the retention (an old ID processed late) is first moved to the
+//!   default partition. The default and undated partitions are pruned row by row.
+//!
+//! So nothing is ever deduplicated wrongly: a claim is dropped only when it is older than the
+//! retention, and the key that finds it is the ID's.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::clock::Timestamp;
+use crate::error::{Error, ErrorKind};
+use crate::id::MessageId;
+use crate::retention::Retention;
+
+/// The partition key of a claim whose ID carries no readable time.
+pub const UNDATED: i64 = 0;
+
+const DAY_MICROS: i64 = 86_400 * 1_000_000;
+
+/// Reads the producer's timestamp out of a message ID; `None` when the ID carries none.
+/// Must be deterministic: the same ID always yields the same time.
+pub trait IdTime: Send + Sync + 'static {
+    /// The time the ID was made, if it says.
+    fn id_time(&self, id: &MessageId) -> Option<Timestamp>;
+}
+
+impl<F> IdTime for F
+where
+    F: Fn(&MessageId) -> Option<Timestamp> + Send + Sync + 'static,
+{
+    fn id_time(&self, id: &MessageId) -> Option<Timestamp> {
+        self(id)
+    }
+}
+
+/// UUIDv7 (RFC 9562) in its canonical text form (`0190f3c4-7b2e-7c8a-9f1e-…`, either case) or
+/// as its 16 raw bytes: the first 48 bits are Unix milliseconds. Any other UUID version, or
+/// anything that is not a UUID, has no time.
+pub fn uuid_v7(id: &MessageId) -> Option<Timestamp> {
+    let raw: [u8; 16] = match id.as_bytes() {
+        b if b.len() == 16 => b.try_into().ok()?,
+        b if b.len() == 36 => parse_uuid_text(b)?,
+        _ => return None,
+    };
+    if raw[6] >> 4 != 7 || raw[8] >> 6 != 0b10 {
+        return None; // not version 7, or not the RFC variant
+    }
+    let mut ms = [0u8; 8];
+    ms[2..].copy_from_slice(&raw[..6]);
+    millis(u64::from_be_bytes(ms))
+}
+
+fn parse_uuid_text(text: &[u8]) -> Option<[u8; 16]> {
+    let mut out = [0u8; 16];
+    let mut nibbles = 0;
+    for (i, &c) in text.iter().enumerate() {
+        if matches!(i, 8 | 13 | 18 | 23) {
+            if c != b'-' {
+                return None;
+            }
+            continue;
+        }
+        let v = (c as char).to_digit(16)? as u8;
+        out[nibbles / 2] |= if nibbles % 2 == 0 { v << 4 } else { v };
+        nibbles += 1;
+    }
+    Some(out)
+}
+
+/// ULID (26 characters of Crockford base32, either case): the first 10 characters are 48 bits
+/// of Unix milliseconds. Anything else has no time.
+pub fn ulid(id: &MessageId) -> Option<Timestamp> {
+    let text = id.as_bytes();
+    if text.len() != 26 {
+        return None;
+    }
+    let mut value: u128 = 0;
+    for &c in text {
+        value = (value << 5) | u128::from(crockford(c)?);
+    }
+    // 26 × 5 = 130 bits for 128: the first character may only be 0–7.
+    if crockford(text[0])? > 7 {
+        return None;
+    }
+    millis(u64::try_from(value >> 80).ok()?)
+}
+
+fn crockford(c: u8) -> Option<u8> {
+    let c = c.to_ascii_uppercase();
+    Some(match c {
+        b'0'..=b'9' => c - b'0',
+        b'A'..=b'H' => c - b'A' + 10,
+        b'J' | b'K' => c - b'J' + 18,
+        b'M' | b'N' => c - b'M' + 20,
+        b'P'..=b'T' => c - b'P' + 22,
+        b'V'..=b'Z' => c - b'V' + 27,
+        _ => return None,
+    })
+}
+
+/// A 48-bit millisecond clock reading as a timestamp; zero (and below) counts as no time, so
+/// that a real ID can never take the [`UNDATED`] key.
+fn millis(ms: u64) -> Option<Timestamp> {
+    let micros = i64::try_from(ms).ok()?.checked_mul(1000)?;
+    (micros >= DAY_MICROS).then(|| Timestamp::from_micros(micros))
+}
+
+/// One UTC day of ID time: the range of one partition, `[start, end)` in microseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Day(i64);
+
+impl Day {
+    /// The day `t` falls in.
+    pub fn of(t: Timestamp) -> Self {
+        Self(t.as_micros().div_euclid(DAY_MICROS))
+    }
+
+    /// Days since the Unix epoch.
+    pub fn number(self) -> i64 {
+        self.0
+    }
+
+    /// The day from a days-since-epoch number.
+    pub fn from_number(n: i64) -> Self {
+        Self(n)
+    }
+
+    /// The day after.
+    pub fn next(self) -> Self {
+        Self(self.0 + 1)
+    }
+
+    /// First microsecond of the day.
+    pub fn start(self) -> i64 {
+        self.0 * DAY_MICROS
+    }
+
+    /// First microsecond of the next day.
+    pub fn end(self) -> i64 {
+        (self.0 + 1) * DAY_MICROS
+    }
+
+    /// `YYYYMMDD`, the suffix of the partition's name.
+    pub fn suffix(self) -> String {
+        let (y, m, d) = civil(self.0);
+        format!("{y:04}{m:02}{d:02}")
+    }
+
+    /// Reads a suffix back (`None` if it is not one [`Day::suffix`] makes).
+    pub fn parse_suffix(s: &str) -> Option<Self> {
+        if s.len() != 8 || !s.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        let (y, m, d) = (
+            s[..4].parse().ok()?,
+            s[4..6].parse().ok()?,
+            s[6..].parse().ok()?,
+        );
+        let day = Self(days_from_civil(y, m, d));
+        (day.suffix() == s).then_some(day)
+    }
+}
+
+impl fmt::Display for Day {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (y, m, d) = civil(self.0);
+        write!(f, "{y:04}-{m:02}-{d:02}")
+    }
+}
+
+// Proleptic Gregorian calendar conversions (days since 1970-01-01), the well-known
+// era-of-400-years arithmetic.
+fn civil(days: i64) -> (i64, u32, u32) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    (yoe + era * 400 + i64::from(m <= 2), m, d)
+}
+
+fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y.rem_euclid(400);
+    let m = i64::from(m);
+    let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + i64::from(d) - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
+/// How a PostgreSQL store partitions its claims table: the ID's time, read by an
+/// [`IdTime`]; daily partitions created [`ahead`](Self::ahead) of the database's clock; and
+/// the table's [`Retention`], which decides when a day's partition is dropped.
+///
+/// The retention is the table's, not one consumer's: every consumer sharing the table must be
+/// content with it (give the longest any of them needs).
+#[derive(Clone)]
+pub struct Partitioning {
+    id_time: Arc<dyn IdTime>,
+    ahead: Duration,
+    retention: Retention,
+}
+
+impl fmt::Debug for Partitioning {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Partitioning")
+            .field("ahead", &self.ahead)
+            .field("retention", &self.retention)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Partitioning {
+    /// Partitions by the time [`uuid_v7`] reads (the common case).
+    pub fn uuid_v7() -> Self {
+        Self::by(uuid_v7)
+    }
+
+    /// Partitions by the time [`ulid`] reads.
+    pub fn ulid() -> Self {
+        Self::by(ulid)
+    }
+
+    /// Partitions by the time `id_time` reads: a UUIDv7-or-ULID mix is
+    /// `|id| idem_core::partition::uuid_v7(id).or_else(|| idem_core::partition::ulid(id))`.
+    pub fn by(id_time: impl IdTime) -> Self {
+        Self {
+            id_time: Arc::new(id_time),
+            ahead: Duration::from_secs(2 * 86_400),
+            retention: Retention::default(),
+        }
+    }
+
+    /// How far ahead of the database's clock partitions exist (default two days): the skew a
+    /// producer's clock may have before its IDs land in the default partition (which is
+    /// correct, only not dropped wholesale). At least one day.
+    pub fn ahead(mut self, ahead: Duration) -> Self {
+        self.ahead = ahead.max(Duration::from_secs(86_400));
+        self
+    }
+
+    /// The table's retention (default [`Retention::default`]: seven days against a seven-day
+    /// redelivery window).
+    pub fn retention(mut self, retention: Retention) -> Self {
+        self.retention = retention;
+        self
+    }
+
+    /// The configured retention.
+    pub fn table_retention(&self) -> Retention {
+        self.retention
+    }
+
+    /// The partition key of a claim on `id`: its time in microseconds, or [`UNDATED`].
+    pub fn key_of(&self, id: &MessageId) -> i64 {
+        self.id_time
+            .id_time(id)
+            .map_or(UNDATED, Timestamp::as_micros)
+    }
+
+    /// The days whose partitions should exist at `now`: today through `ahead`.
+    pub fn days_to_create(&self, now: Timestamp) -> impl Iterator<Item = Day> {
+        let first = Day::of(now);
+        let last = Day::of(now.saturating_add(self.ahead));
+        (first.number()..=last.number()).map(Day::from_number)
+    }
+
+    /// Whether `day`'s partition may be dropped at `now`: its whole range is older than the
+    /// retention's prune age (younger claims in it are moved out first).
+    pub fn droppable(&self, day: Day, now: Timestamp) -> bool {
+        day.end() <= now.saturating_sub(self.retention.prune_age()).as_micros()
+    }
+}
+
+/// Refuses a partitioning a table cannot take: for PostgreSQL, the derived partition names
+/// (`<table>_pYYYYMMDD`, `<table>_default`, `<table>_undated`) must fit its 63-byte limit.
+pub fn check_table_name(table: &str) -> Result<(), Error> {
+    if table.len() + "_pYYYYMMDD".len() > 63 {
+        return Err(Error::new(
+            ErrorKind::InvalidConfig,
+            format!("table name {table:?} is too long to partition: at most 53 bytes"),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(s: &str) -> MessageId {
+        MessageId::new(s).expect("id")
+    }
+
+    #[test]
+    fn uuid_v7_text_and_bytes_carry_their_milliseconds() {
+        // 0x0190f3c47b2e ms since the epoch
+        let t = uuid_v7(&id("0190f3c4-7b2e-7c8a-9f1e-0123456789ab")).expect("v7");
+        assert_eq!(t.as_micros(), 0x0190_f3c4_7b2e * 1000);
+        assert_eq!(Day::of(t).to_string(), "2024-07-27");
+        let upper = uuid_v7(&id("0190F3C4-7B2E-7C8A-9F1E-0123456789AB")).expect("v7");
+        assert_eq!(upper, t);
+        let raw: Vec<u8> = vec![
+            0x01, 0x90, 0xf3, 0xc4, 0x7b, 0x2e, 0x7c, 0x8a, 0x9f, 0x1e, 1, 2, 3, 4, 5, 6,
+        ];
+        assert_eq!(uuid_v7(&MessageId::new(raw).expect("id")), Some(t));
+    }
+
+    #[test]
+    fn other_uuids_and_non_uuids_have_no_time() {
+        for s in [
+            "0190f3c4-7b2e-4c8a-9f1e-0123456789ab", // v4
+            "0190f3c4-7b2e-7c8a-cf1e-0123456789ab", // wrong variant
+            "0190f3c4x7b2e-7c8a-9f1e-0123456789ab",
+            "0190f3c4-7b2e-7c8a-9f1e-0123456789ag",
+            "payment-42",
+            "00000000-0000-7000-8000-000000000000", // the epoch: would collide with UNDATED
+        ] {
+            assert_eq!(uuid_v7(&id(s)), None, "{s}");
+        }
+    }
+
+    #[test]
+    fn ulid_carries_its_milliseconds() {
+        // 01ARZ3NDEK: 1469922850259 ms (the ULID spec's example ID)
+        let t = ulid(&id("01ARZ3NDEKTSV4RRFFQ69G5FAV")).expect("ulid");
+        assert_eq!(t.as_micros(), 1_469_922_850_259_000);
+        assert_eq!(ulid(&id("01arz3ndektsv4rrffq69g5fav")), Some(t));
+        for s in [
+            "01ARZ3NDEKTSV4RRFFQ69G5FA",
+            "81ARZ3NDEKTSV4RRFFQ69G5FAV",
+            "01ARZ3NDEKTSV4RRFFQ69G5FAU",
+        ] {
+            assert_eq!(ulid(&id(s)), None, "{s}");
+        }
+    }
+
+    #[test]
+    fn days_round_trip_through_their_names() {
+        for n in [-1, 0, 59, 365, 11_016, 19_908, 20_423, 2_932_896] {
+            let d = Day::from_number(n);
+            assert_eq!(Day::parse_suffix(&d.suffix()), Some(d), "{d}");
+            assert_eq!(d.end() - d.start(), DAY_MICROS);
+        }
+        assert_eq!(Day::from_number(0).to_string(), "1970-01-01");
+        assert_eq!(Day::from_number(20_423).suffix(), "20251201");
+        assert_eq!(Day::parse_suffix("20250230"), None);
+        assert_eq!(Day::parse_suffix("2025120"), None);
+    }
+
+    #[test]
+    fn keys_create_ahead_and_drop_whole_days_past_retention() {
+        let p = Partitioning::uuid_v7();
+        assert_eq!(p.key_of(&id("not-a-uuid")), UNDATED);
+        let now = Timestamp::from_micros(Day::from_number(20_423).start() + 3_600_000_000);
+        let days: Vec<_> = p.days_to_create(now).map(Day::number).collect();
+        assert_eq!(days, vec![20_423, 20_424, 20_425]);
+        // Retention::default() prunes after 7 days + 1 h.
+        let prune_age = Retention::default().prune_age();
+        let cutoff = now.saturating_sub(prune_age).as_micros();
+        let boundary = Day::of(Timestamp::from_micros(cutoff));
+        assert!(p.droppable(Day::from_number(boundary.number() - 1), now));
+        assert!(
+            !p.droppable(boundary, now),
+            "the day holding the cutoff is kept"
+        );
+    }
+
+    #[test]
+    fn long_table_names_are_refused() {
+        assert!(check_table_name(&"t".repeat(53)).is_ok());
+        assert_eq!(
+            check_table_name(&"t".repeat(54)).map_err(|e| e.kind()),
+            Err(ErrorKind::InvalidConfig)
+        );
+    }
+}
