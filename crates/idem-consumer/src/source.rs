@@ -82,8 +82,9 @@ pub trait Delivery: Send + Sync + 'static {
     /// through [`origin`](Self::origin).
     fn fmt_origin(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result;
 
-    /// Where it came from, as a value to display (a span field, a log line): every message's
-    /// span has one, so nothing is formatted until something shows it.
+    /// Where it came from, as a value to display (a span field, a log line). Every message's
+    /// span records one, so it is written straight into whatever shows it, without a `String`
+    /// of its own.
     fn origin(&self) -> Origin<'_, Self> {
         Origin(self)
     }
