@@ -300,6 +300,59 @@ impl Partitioning {
     }
 }
 
+/// What one round of partition maintenance did (`maintain_partitions` on a PostgreSQL store).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PartitionReport {
+    /// Days whose partitions were created (claims of theirs waiting in the default partition
+    /// moved in).
+    pub created: Vec<Day>,
+    /// Days whose partitions were dropped, with the claims they held by the planner's
+    /// estimate (`pg_class.reltuples`; counting them exactly would read them all).
+    pub dropped: Vec<(Day, u64)>,
+    /// Claims moved between partitions: out of the default partition into a new day's, and
+    /// out of a dropped day's (younger than the retention) into the default one.
+    pub moved: u64,
+}
+
+/// Which part of a partitioned claims table a partition is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PartitionKind {
+    /// One UTC day of ID time; dropped whole past the retention.
+    Day(Day),
+    /// IDs whose time is outside every day's partition; pruned row by row.
+    Default,
+    /// IDs with no readable time; pruned row by row.
+    Undated,
+}
+
+/// One partition, as `idem stats` shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PartitionInfo {
+    /// The partition table's name.
+    pub name: String,
+    /// What it holds.
+    pub kind: PartitionKind,
+    /// Claims in it, by the planner's estimate (`pg_class.reltuples`, `-1` read as 0).
+    pub claims_estimate: u64,
+    /// Its size on disk, indexes included.
+    pub bytes: u64,
+}
+
+impl PartitionInfo {
+    /// A partition row as a store reads it from the catalog.
+    pub fn new(name: String, kind: PartitionKind, claims_estimate: u64, bytes: u64) -> Self {
+        Self {
+            name,
+            kind,
+            claims_estimate,
+            bytes,
+        }
+    }
+}
+
 /// Refuses a partitioning a table cannot take: for PostgreSQL, the derived partition names
 /// (`<table>_pYYYYMMDD`, `<table>_default`, `<table>_undated`) must fit its 63-byte limit.
 pub fn check_table_name(table: &str) -> Result<(), Error> {
