@@ -172,10 +172,19 @@ pub(crate) async fn stats(args: StatsArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::Value::Array(rows));
         return Ok(());
     }
+    let partitions = store.partitions().await?;
     if rows.is_empty() {
         println!("no claims in {}", args.store.table);
-        return Ok(());
+    } else {
+        print_consumers(&rows);
     }
+    if !partitions.is_empty() {
+        print_partitions(&partitions);
+    }
+    Ok(())
+}
+
+fn print_consumers(rows: &[idem_core::ConsumerStats]) {
     let width = rows
         .iter()
         .map(|r| r.consumer.len())
@@ -195,5 +204,31 @@ pub(crate) async fn stats(args: StatsArgs) -> anyhow::Result<()> {
             r.newest.to_string()
         );
     }
-    Ok(())
+}
+
+/// A table partitioned by the ID's time: each partition with what it holds. Claims are the
+/// planner's estimate (counting would read every partition).
+fn print_partitions(parts: &[idem_core::partition::PartitionInfo]) {
+    use idem_core::partition::PartitionKind;
+    let width = parts.iter().map(|p| p.name.len()).max().unwrap_or(9).max(9);
+    println!();
+    println!(
+        "{:<width$}  {:<28}  {:>12}  {:>10}",
+        "partition", "holds", "~claims", "size"
+    );
+    for p in parts {
+        let holds = match p.kind {
+            PartitionKind::Day(d) => format!("IDs made {d} (UTC)"),
+            PartitionKind::Default => "IDs outside the days".to_owned(),
+            PartitionKind::Undated => "IDs without a time".to_owned(),
+            _ => "?".to_owned(),
+        };
+        println!(
+            "{:<width$}  {:<28}  {:>12}  {:>10}",
+            p.name,
+            holds,
+            idem_core::group_digits(p.claims_estimate),
+            format!("{:.1} MiB", p.bytes as f64 / 1_048_576.0)
+        );
+    }
 }

@@ -147,6 +147,17 @@ impl AnyStore {
         }
     }
 
+    /// The claims table's partitions (PostgreSQL tables partitioned by the ID's time); empty
+    /// for a plain table and on the other engines.
+    pub async fn partitions(&self) -> Result<Vec<idem_core::partition::PartitionInfo>, Error> {
+        match self {
+            #[cfg(feature = "postgres")]
+            Self::Postgres(s) => s.partitions().await,
+            #[allow(unreachable_patterns)]
+            _ => Ok(Vec::new()),
+        }
+    }
+
     /// Claims per consumer.
     pub async fn stats(&self) -> Result<Vec<ConsumerStats>, Error> {
         match self {

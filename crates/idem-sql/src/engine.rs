@@ -44,8 +44,9 @@ pub trait Engine: Driver + sealed::Sealed {
     const COMMIT: &'static str;
 
     /// The claim statements for `table`, parameters bound in the order
-    /// [`ClaimStatements`] documents.
-    fn claim_statements(table: &TableName) -> ClaimStatements;
+    /// [`ClaimStatements`] documents; `partitioned`: for a table partitioned by the ID's time
+    /// (only engines that support it are ever asked, see `PostgresStore::partitioned`).
+    fn claim_statements(table: &TableName, partitioned: bool) -> ClaimStatements;
 
     /// The request-record statements for `table` (see [`RequestStatements`]).
     fn request_statements(table: &TableName) -> RequestStatements;
@@ -84,6 +85,19 @@ pub trait Engine: Driver + sealed::Sealed {
     /// Creates the claims and requests tables and their indexes, idempotently and safely when
     /// several replicas start at once.
     fn migrate(store: &SqlStore<Self>) -> impl Future<Output = Result<(), Error>> + Send;
+
+    /// Deletes up to `limit` claims older than `older_than` (of `consumer`, or all). The
+    /// default deletes row by row with the engine's prune statements; a partitioned table
+    /// (PostgreSQL) first drops whole partitions past the table's retention.
+    fn prune_batch<'e>(
+        store: &'e SqlStore<Self>,
+        consumer: Option<&'e ConsumerName>,
+        now: Stamp,
+        older_than: std::time::Duration,
+        limit: u32,
+    ) -> impl Future<Output = Result<u64, Error>> + Send + 'e {
+        async move { store.prune_rows(consumer, now, older_than, limit).await }
+    }
 
     /// Runs a request record's take-over statement: its rows affected, or `None` when it could
     /// not run without waiting for another executor. On a server a row lock it meets is the old
@@ -162,11 +176,12 @@ pub trait Driver: sqlx::Database {
         params: &'e [Param<'e>],
     ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send + 'e;
 
-    /// Runs parameterless `sql` as one simple query (it may hold several statements).
+    /// Runs parameterless `sql` as one simple query (it may hold several statements); rows
+    /// affected, summed over its statements.
     fn execute_simple<'e>(
         conn: &'e mut Self::Connection,
         sql: &'e str,
-    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'e;
+    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send + 'e;
 
     /// The one `bytea`/`BLOB` column of the row `sql` returns, if it returns one.
     fn fetch_bytes<'e>(
@@ -227,10 +242,11 @@ where
     async fn execute_simple<'e>(
         conn: &'e mut Self::Connection,
         sql: &'e str,
-    ) -> Result<(), sqlx::Error> {
+    ) -> Result<u64, sqlx::Error> {
         // A bare &str carries no arguments, so sqlx sends it unprepared (PostgreSQL's simple
         // query protocol, MySQL's COM_QUERY): several statements travel in one round trip.
-        sqlx::Executor::execute(conn, sql).await.map(drop)
+        let r = sqlx::Executor::execute(conn, sql).await?;
+        Ok(r.rows())
     }
 
     async fn fetch_bytes<'e>(

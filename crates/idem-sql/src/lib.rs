@@ -60,6 +60,8 @@ mod held;
 #[cfg(feature = "mysql")]
 mod mysql;
 #[cfg(feature = "postgres")]
+mod partitioned;
+#[cfg(feature = "postgres")]
 mod postgres;
 mod requests;
 #[cfg(feature = "sqlite")]

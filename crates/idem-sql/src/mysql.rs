@@ -52,7 +52,7 @@ impl Engine for MySql {
     const BEGIN: &'static str = "BEGIN";
     const COMMIT: &'static str = "COMMIT";
 
-    fn claim_statements(t: &TableName) -> ClaimStatements {
+    fn claim_statements(t: &TableName, _partitioned: bool) -> ClaimStatements {
         ClaimStatements {
             claim_many: format!(
                 "INSERT INTO {t} (consumer, message_id, fingerprint, processed_at) "

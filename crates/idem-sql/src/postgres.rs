@@ -47,37 +47,77 @@ impl Engine for Postgres {
     // travel in one simple-query round trip.
     const COMMIT: &'static str = "SELECT 1; COMMIT";
 
-    fn claim_statements(t: &TableName) -> ClaimStatements {
+    fn claim_statements(t: &TableName, partitioned: bool) -> ClaimStatements {
+        // A partitioned table's unique key holds the partition key, which every statement
+        // names so that PostgreSQL looks in one partition only.
+        let (key, key_col, key_val, key_eq) = if partitioned {
+            (", id_time", ", id_time", ", $5", " AND id_time = $3")
+        } else {
+            ("", "", "", "")
+        };
+        let (keys, key_arr, key_any) = if partitioned {
+            (", k", ", $5::bigint[]", " AND id_time = ANY($3::bigint[])")
+        } else {
+            ("", "", "")
+        };
+        let unnest_as = if partitioned { "u(m, f, k)" } else { "u(m, f)" };
+        // Row-wise pruning of a partitioned table covers only its default and undated
+        // partitions (whole days are dropped); ctid is unique within one partition only.
+        let prune = |target: &str, consumer: &str, limit: &str| {
+            format!(
+                "DELETE FROM {target} WHERE ctid = ANY(ARRAY( \
+                 SELECT ctid FROM {target} WHERE processed_at < COALESCE($1, {SERVER_NOW}) - $2 \
+                 {consumer} LIMIT {limit}))"
+            )
+        };
+        let (prune_all, prune_consumer) = if partitioned {
+            let (d, u) = (
+                crate::partitioned::name(t, "default"),
+                crate::partitioned::name(t, "undated"),
+            );
+            (
+                // One statement over both; its row count is what both deleted.
+                format!(
+                    "WITH d AS ({} RETURNING 1), u AS ({} RETURNING 1) \
+                     SELECT 1 FROM d UNION ALL SELECT 1 FROM u",
+                    prune(&d, "", "$3"),
+                    prune(&u, "", "$3")
+                ),
+                format!(
+                    "WITH d AS ({} RETURNING 1), u AS ({} RETURNING 1) \
+                     SELECT 1 FROM d UNION ALL SELECT 1 FROM u",
+                    prune(&d, "AND consumer = $3", "$4"),
+                    prune(&u, "AND consumer = $3", "$4")
+                ),
+            )
+        } else {
+            // `ctid = ANY(ARRAY(…))` plans as a TID scan; `ctid IN (…)` may scan the table.
+            (
+                prune(&t.to_string(), "", "$3"),
+                prune(&t.to_string(), "AND consumer = $3", "$4"),
+            )
+        };
         ClaimStatements {
             claim: format!(
-                "INSERT INTO {t} (consumer, message_id, fingerprint, processed_at) \
-                 VALUES ($1, $2, $3, COALESCE($4, {SERVER_NOW})) \
-                 ON CONFLICT (consumer, message_id) DO NOTHING"
+                "INSERT INTO {t} (consumer, message_id, fingerprint, processed_at{key}) \
+                 VALUES ($1, $2, $3, COALESCE($4, {SERVER_NOW}){key_val}) \
+                 ON CONFLICT (consumer, message_id{key_col}) DO NOTHING"
             ),
             read_fingerprint: format!(
-                "SELECT fingerprint FROM {t} WHERE consumer = $1 AND message_id = $2"
+                "SELECT fingerprint FROM {t} WHERE consumer = $1 AND message_id = $2{key_eq}"
             ),
             claim_many: format!(
-                "INSERT INTO {t} (consumer, message_id, fingerprint, processed_at) \
-                 SELECT $1, m, f, COALESCE($4::bigint, {SERVER_NOW}) \
-                 FROM unnest($2::bytea[], $3::bytea[]) AS u(m, f) \
-                 ON CONFLICT (consumer, message_id) DO NOTHING RETURNING message_id"
+                "INSERT INTO {t} (consumer, message_id, fingerprint, processed_at{key}) \
+                 SELECT $1, m, f, COALESCE($4::bigint, {SERVER_NOW}){keys} \
+                 FROM unnest($2::bytea[], $3::bytea[]{key_arr}) AS {unnest_as} \
+                 ON CONFLICT (consumer, message_id{key_col}) DO NOTHING RETURNING message_id"
             ),
             read_fingerprints: format!(
                 "SELECT message_id, fingerprint FROM {t} \
-                 WHERE consumer = $1 AND message_id = ANY($2::bytea[])"
+                 WHERE consumer = $1 AND message_id = ANY($2::bytea[]){key_any}"
             ),
-            // `ctid = ANY(ARRAY(…))` plans as a TID scan; `ctid IN (…)` may scan the table.
-            prune_all: format!(
-                "DELETE FROM {t} WHERE ctid = ANY(ARRAY( \
-                 SELECT ctid FROM {t} WHERE processed_at < COALESCE($1, {SERVER_NOW}) - $2 \
-                 LIMIT $3))"
-            ),
-            prune_consumer: format!(
-                "DELETE FROM {t} WHERE ctid = ANY(ARRAY( \
-                 SELECT ctid FROM {t} WHERE processed_at < COALESCE($1, {SERVER_NOW}) - $2 \
-                 AND consumer = $3 LIMIT $4))"
-            ),
+            prune_all,
+            prune_consumer,
             stats: format!(
                 "SELECT consumer, count(*)::bigint, min(processed_at), max(processed_at) \
                  FROM {t} GROUP BY consumer ORDER BY consumer"
@@ -153,7 +193,25 @@ impl Engine for Postgres {
     }
 
     async fn migrate(store: &SqlStore<Self>) -> Result<(), Error> {
-        migrate(store).await
+        migrate(store).await?;
+        if store.partitioning().is_some() {
+            store.maintain_partitions().await?;
+        }
+        Ok(())
+    }
+
+    async fn prune_batch<'e>(
+        store: &'e SqlStore<Self>,
+        consumer: Option<&'e ConsumerName>,
+        now: Stamp,
+        older_than: std::time::Duration,
+        limit: u32,
+    ) -> Result<u64, Error> {
+        if store.partitioning().is_some() {
+            crate::partitioned::prune_batch(store, consumer, now, older_than, limit).await
+        } else {
+            store.prune_rows(consumer, now, older_than, limit).await
+        }
     }
 }
 
@@ -176,11 +234,18 @@ async fn claim_many(
 ) -> Result<Vec<Option<Fingerprint>>, Error> {
     let ids: Vec<&[u8]> = items.iter().map(|(id, _)| id.as_bytes()).collect();
     let fps: Vec<&[u8]> = items.iter().map(|(_, fp)| &fp.as_bytes()[..]).collect();
-    let inserted: Vec<Vec<u8>> = sqlx::query_scalar(&store.sql.claim_many)
+    let keys: Option<Vec<i64>> = store
+        .partitioning()
+        .map(|p| items.iter().map(|(id, _)| p.key_of(id)).collect());
+    let mut claim = sqlx::query_scalar(&store.sql.claim_many)
         .bind(consumer.as_str())
         .bind(&ids)
         .bind(&fps)
-        .bind(server_stamp(at))
+        .bind(server_stamp(at));
+    if let Some(keys) = &keys {
+        claim = claim.bind(keys);
+    }
+    let inserted: Vec<Vec<u8>> = claim
         .fetch_all(&mut **tx)
         .await
         .map_err(|e| store_error::<Postgres>("batch claim", e))?;
@@ -193,9 +258,14 @@ async fn claim_many(
         .copied()
         .filter(|id| !inserted.contains(*id))
         .collect();
-    let rows: Vec<(Vec<u8>, Vec<u8>)> = sqlx::query_as(&store.sql.read_fingerprints)
+    let mut read = sqlx::query_as(&store.sql.read_fingerprints)
         .bind(consumer.as_str())
-        .bind(&existing)
+        .bind(&existing);
+    if let Some(keys) = &keys {
+        // A superset of the keys of `existing` is fine: (consumer, message_id) decides.
+        read = read.bind(keys);
+    }
+    let rows: Vec<(Vec<u8>, Vec<u8>)> = read
         .fetch_all(&mut **tx)
         .await
         .map_err(|e| store_error::<Postgres>("reading stored fingerprints", e))?;
@@ -231,21 +301,31 @@ async fn migrate(store: &PostgresStore) -> Result<(), Error> {
             .await
             .map_err(|e| store_error::<Postgres>("migrate", e))?;
     }
-    for sql in [
-        format!(
-            "CREATE TABLE IF NOT EXISTS {t} (
-                consumer     text   NOT NULL,
-                message_id   bytea  NOT NULL,
-                fingerprint  bytea  NOT NULL,
-                processed_at bigint NOT NULL,
-                PRIMARY KEY (consumer, message_id)
-            )"
-        ),
-        format!("CREATE INDEX IF NOT EXISTS {name}_processed_at ON {t} USING brin (processed_at)"),
-        format!(
-            "COMMENT ON TABLE {t} IS 'idem claims: one row per (consumer, message_id) \
-             processed; processed_at in microseconds since the Unix epoch'"
-        ),
+    let partitioned = store.partitioning().is_some();
+    crate::partitioned::check_shape(&mut tx, t, partitioned).await?;
+    let claims = if partitioned {
+        crate::partitioned::create_statements(t)
+    } else {
+        vec![
+            format!(
+                "CREATE TABLE IF NOT EXISTS {t} (
+                    consumer     text   NOT NULL,
+                    message_id   bytea  NOT NULL,
+                    fingerprint  bytea  NOT NULL,
+                    processed_at bigint NOT NULL,
+                    PRIMARY KEY (consumer, message_id)
+                )"
+            ),
+            format!(
+                "CREATE INDEX IF NOT EXISTS {name}_processed_at ON {t} USING brin (processed_at)"
+            ),
+            format!(
+                "COMMENT ON TABLE {t} IS 'idem claims: one row per (consumer, message_id) \
+                 processed; processed_at in microseconds since the Unix epoch'"
+            ),
+        ]
+    };
+    for sql in claims.into_iter().chain([
         format!(
             "CREATE TABLE IF NOT EXISTS {r} (
                 scope       bytea    NOT NULL,
@@ -265,7 +345,7 @@ async fn migrate(store: &PostgresStore) -> Result<(), Error> {
              state 0 in progress, 1 completed; lease_until and expires_at in microseconds \
              since the Unix epoch'"
         ),
-    ] {
+    ]) {
         Postgres::execute_simple(&mut tx, &sql)
             .await
             .map_err(|e| store_error::<Postgres>("migrate", e))?;

@@ -47,7 +47,7 @@ impl Engine for Sqlite {
     const BEGIN: &'static str = "BEGIN IMMEDIATE";
     const COMMIT: &'static str = "COMMIT";
 
-    fn claim_statements(t: &TableName) -> ClaimStatements {
+    fn claim_statements(t: &TableName, _partitioned: bool) -> ClaimStatements {
         ClaimStatements {
             claim_many: format!(
                 "INSERT INTO {t} (consumer, message_id, fingerprint, processed_at) "

@@ -34,6 +34,8 @@ pub struct SqlStore<E: Engine> {
     pub(crate) sql: ClaimStatements,
     requests: TableName,
     pub(crate) rsql: RequestStatements,
+    /// Set by `PostgresStore::partitioned`: claims carry the ID's time as partition key.
+    pub(crate) partitioning: Option<idem_core::partition::Partitioning>,
 }
 
 impl<E: Engine> Clone for SqlStore<E> {
@@ -45,6 +47,7 @@ impl<E: Engine> Clone for SqlStore<E> {
             sql: self.sql.clone(),
             requests: self.requests.clone(),
             rsql: self.rsql.clone(),
+            partitioning: self.partitioning.clone(),
         }
     }
 }
@@ -56,12 +59,15 @@ impl<E: Engine> std::fmt::Debug for SqlStore<E> {
             .field("table", &self.table)
             .field("requests", &self.requests)
             .field("held", &self.held)
+            .field("partitioning", &self.partitioning)
             .finish_non_exhaustive()
     }
 }
 
 /// An engine's claim statements for one table. Parameters are bound in the order given; a
-/// `now`/`processed_at` parameter is [`Engine::stamp`] (`NULL`: the server's clock).
+/// `now`/`processed_at` parameter is [`Engine::stamp`] (`NULL`: the server's clock). On a
+/// partitioned table the claim and the fingerprint read take the partition key
+/// (`id_time`) last.
 #[derive(Debug, Clone)]
 pub struct ClaimStatements {
     /// consumer, message_id, fingerprint, processed_at: one row affected when inserted,
@@ -92,12 +98,13 @@ impl<E: Engine> SqlStore<E> {
     pub fn from_pool(pool: sqlx::Pool<E>) -> Self {
         let (table, requests) = (TableName::default(), TableName::default_requests());
         Self {
-            sql: E::claim_statements(&table),
+            sql: E::claim_statements(&table, false),
             rsql: E::request_statements(&requests),
             pool,
             held: None,
             table,
             requests,
+            partitioning: None,
         }
     }
 
@@ -105,7 +112,10 @@ impl<E: Engine> SqlStore<E> {
     /// or a database on MySQL; SQLite refuses a qualified name).
     pub fn with_table(mut self, table: TableName) -> Result<Self, Error> {
         E::check_table(&table)?;
-        self.sql = E::claim_statements(&table);
+        if self.partitioning.is_some() {
+            idem_core::partition::check_table_name(table.table())?;
+        }
+        self.sql = E::claim_statements(&table, self.partitioning.is_some());
         self.table = table;
         Ok(self)
     }
@@ -170,20 +180,28 @@ impl<E: Engine> SqlStore<E> {
         claim: ClaimRequest<'_>,
     ) -> Result<Option<Fingerprint>, Error> {
         let (consumer, id) = (claim.consumer.as_str(), claim.id.as_bytes());
+        // Unpartitioned: the key is not bound (the statements take four and two parameters).
+        let key = self.partitioning.as_ref().map(|p| p.key_of(claim.id));
         let params = [
             Param::Text(consumer),
             Param::Bytes(id),
             Param::Bytes(&claim.fingerprint.as_bytes()[..]),
             Param::OptInt(E::stamp(claim.at)),
+            Param::Int(key.unwrap_or_default()),
         ];
-        let inserted = E::execute(conn, &self.sql.claim, &params)
+        let bound = if key.is_some() { 5 } else { 4 };
+        let inserted = E::execute(conn, &self.sql.claim, &params[..bound])
             .await
             .map_err(|e| store_error::<E>("claim", e))?;
         if inserted == 1 {
             return Ok(None);
         }
-        let params = [Param::Text(consumer), Param::Bytes(id)];
-        let row = E::fetch_bytes(conn, &self.sql.read_fingerprint, &params)
+        let params = [
+            Param::Text(consumer),
+            Param::Bytes(id),
+            Param::Int(key.unwrap_or_default()),
+        ];
+        let row = E::fetch_bytes(conn, &self.sql.read_fingerprint, &params[..bound - 2])
             .await
             .map_err(|e| store_error::<E>("reading the stored fingerprint", e))?;
         stored_fingerprint(row)
@@ -193,6 +211,7 @@ impl<E: Engine> SqlStore<E> {
     async fn exec(tx: &mut Tx<E>, sql: &'static str) -> Result<(), Error> {
         E::execute_simple(tx, sql)
             .await
+            .map(drop)
             .map_err(|e| store_error::<E>(sql, e))
     }
 }
@@ -263,6 +282,20 @@ impl<E: Engine> Savepoints for SqlStore<E> {
 
 impl<E: Engine> Prune for SqlStore<E> {
     async fn prune_batch(
+        &self,
+        consumer: Option<&ConsumerName>,
+        now: Stamp,
+        older_than: Duration,
+        limit: u32,
+    ) -> Result<u64, Error> {
+        E::prune_batch(self, consumer, now, older_than, limit).await
+    }
+}
+
+impl<E: Engine> SqlStore<E> {
+    /// Deletes up to `limit` claims older than `older_than` row by row, with the engine's
+    /// prune statements (on a partitioned table: from its default and undated partitions).
+    pub(crate) async fn prune_rows(
         &self,
         consumer: Option<&ConsumerName>,
         now: Stamp,

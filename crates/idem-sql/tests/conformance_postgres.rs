@@ -8,14 +8,17 @@ use idem_sql::PostgresStore;
 use idem_testkit::isolated::PgSchema;
 use idem_testkit::{StoreFixture, TxOf};
 
-/// `HELD`: transactions on the store's held connections instead of the pool.
+/// `HELD`: transactions on the store's held connections instead of the pool; `PARTS`: the
+/// claims table partitioned by the ID's time (the suite's IDs carry none, so every claim goes
+/// through the partitioned statements into the undated partition; `partitions_postgres.rs`
+/// covers day partitions).
 #[derive(Debug)]
-struct PgFixture<const HELD: bool> {
+struct PgFixture<const HELD: bool, const PARTS: bool = false> {
     store: PostgresStore,
     schema: PgSchema,
 }
 
-impl<const HELD: bool> StoreFixture for PgFixture<HELD> {
+impl<const HELD: bool, const PARTS: bool> StoreFixture for PgFixture<HELD, PARTS> {
     type Store = PostgresStore;
 
     async fn setup(test: &str) -> Option<Self> {
@@ -24,6 +27,13 @@ impl<const HELD: bool> StoreFixture for PgFixture<HELD> {
         let store = PostgresStore::from_pool(pool);
         let store = if HELD {
             store.hold_connections(8)
+        } else {
+            store
+        };
+        let store = if PARTS {
+            store
+                .partitioned(idem_core::partition::Partitioning::uuid_v7())
+                .expect("partitioned")
         } else {
             store
         };
@@ -85,6 +95,12 @@ mod held {
     use super::PgFixture;
 
     idem_testkit::conformance_tests!(PgFixture<true>);
+}
+
+mod partitioned {
+    use super::PgFixture;
+
+    idem_testkit::conformance_tests!(PgFixture<true, true>);
 }
 
 /// A held connection the server closed (a restart, a terminated backend) is replaced: while
