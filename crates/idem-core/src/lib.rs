@@ -45,6 +45,7 @@ mod request;
 mod retention;
 pub mod sqlstate;
 pub mod store;
+mod table;
 
 pub use clock::{Clock, ManualClock, Stamp, StoreClock, SystemClock, Timestamp};
 pub use derived::DerivedKey;
@@ -57,6 +58,7 @@ pub use message::{Identified, Message};
 pub use outcome::{Claim, Outcome};
 pub use processor::{Processor, ProcessorBuilder, SetBatch};
 pub use redact::redact_url;
+pub use request::record as request_record;
 pub use request::{
     Begin, Fence, IdempotencyKey, MAX_IDEMPOTENCY_KEY_LEN, RequestKey, RequestScope, retry_after,
 };
@@ -65,3 +67,4 @@ pub use store::{
     BatchClaimStore, ClaimRequest, ClaimStore, ConsumerStats, Migrate, Prune, Savepoints, Stats,
     TransactionalStore,
 };
+pub use table::{DEFAULT_REQUESTS_TABLE, DEFAULT_TABLE, TableName};

@@ -7,7 +7,7 @@
 
 use idem_core::{ConsumerName, ConsumerStats, Error, ErrorKind, Migrate, Retention, Stamp, Stats};
 
-use crate::table::TableName;
+use idem_core::TableName;
 
 /// One of the compiled-in SQL stores.
 #[derive(Debug, Clone)]

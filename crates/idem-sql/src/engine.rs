@@ -24,8 +24,8 @@ use crate::requests::RecordRow;
 pub use crate::requests::RequestStatements;
 pub use crate::store::ClaimStatements;
 use crate::store::SqlStore;
-use crate::table::TableName;
 use crate::tx::Tx;
+use idem_core::TableName;
 
 /// An SQL engine idem stores claims on: implemented for `sqlx::Sqlite`, `sqlx::Postgres` and
 /// `sqlx::MySql` (each behind the cargo feature of the same name). Sealed: a new engine is

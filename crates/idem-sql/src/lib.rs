@@ -67,12 +67,13 @@ mod requests;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 mod store;
-mod table;
 mod tx;
 
 pub use any::{AnyStore, SCHEMES};
 /// Kept for callers of `idem_sql::redact_url`; the one implementation is idem-core's.
 pub use idem_core::redact_url;
+/// Table names are idem-core's, shared by every SQL store.
+pub use idem_core::{DEFAULT_REQUESTS_TABLE, DEFAULT_TABLE, TableName};
 #[cfg(feature = "mysql")]
 pub use mysql::{MAX_MESSAGE_ID_LEN as MYSQL_MAX_MESSAGE_ID_LEN, MySqlStore};
 #[cfg(feature = "postgres")]
@@ -81,7 +82,6 @@ pub use requests::MAX_REQUEST_KEY_LEN;
 #[cfg(feature = "sqlite")]
 pub use sqlite::{MAX_MESSAGE_ID_LEN as SQLITE_MAX_MESSAGE_ID_LEN, SqliteOptions, SqliteStore};
 pub use store::SqlStore;
-pub use table::{DEFAULT_REQUESTS_TABLE, DEFAULT_TABLE, TableName};
 #[cfg(feature = "mysql")]
 pub use tx::MySqlTx;
 #[cfg(feature = "postgres")]

@@ -29,8 +29,8 @@ use crate::engine::{Driver, Engine};
 use crate::errors::store_error;
 use crate::requests::{MAX_REQUEST_KEY_LEN, RequestStatements};
 use crate::store::{ClaimStatements, SqlStore};
-use crate::table::TableName;
 use crate::tx::Tx;
+use idem_core::TableName;
 
 /// The server's clock in `processed_at` units: microseconds since the Unix epoch, computed on
 /// UTC so the session's time zone (and its daylight-saving jumps) cannot shift it.

@@ -19,8 +19,8 @@ use sqlx::{Postgres, Row};
 use crate::engine::{Driver, Engine};
 use crate::errors::{commit_error, store_error};
 use crate::store::SqlStore;
-use crate::table::TableName;
 use crate::tx::Tx;
+use idem_core::TableName;
 
 /// Claims stored in a PostgreSQL table (default `idem_processed`).
 type PostgresStore = SqlStore<Postgres>;

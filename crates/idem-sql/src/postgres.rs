@@ -20,8 +20,8 @@ use crate::engine::{Driver, Engine};
 use crate::errors::{commit_error, store_error};
 use crate::requests::RequestStatements;
 use crate::store::{ClaimStatements, SqlStore};
-use crate::table::TableName;
 use crate::tx::Tx;
+use idem_core::TableName;
 
 /// The server's clock in `processed_at` units: the transaction's start, in microseconds since
 /// the Unix epoch (`now()` is fixed for the whole transaction, so a batch shares one stamp).

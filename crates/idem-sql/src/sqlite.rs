@@ -28,8 +28,8 @@ use crate::engine::{Driver, Engine, Param};
 use crate::errors::{commit_error, store_error};
 use crate::requests::RequestStatements;
 use crate::store::{ClaimStatements, SqlStore};
-use crate::table::TableName;
 use crate::tx::Tx;
+use idem_core::TableName;
 
 /// SQLite has no practical limit; this bound keeps rows and the index reasonable.
 pub const MAX_MESSAGE_ID_LEN: usize = 4096;

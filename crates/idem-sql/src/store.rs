@@ -18,8 +18,8 @@ use crate::engine::{Engine, Param};
 use crate::errors::{commit_error, store_error};
 use crate::held::HeldConnections;
 use crate::requests::RequestStatements;
-use crate::table::TableName;
 use crate::tx::Tx;
+use idem_core::TableName;
 
 /// Claims (and idempotent-request records) in an SQL database, on engine `E`: use the aliases
 /// [`SqliteStore`](crate::SqliteStore), [`PostgresStore`](crate::PostgresStore) and
@@ -328,7 +328,7 @@ impl<E: Engine> Stats for SqlStore<E> {
 
 impl<E: Engine> Migrate for SqlStore<E> {
     async fn migrate(&self) -> Result<(), Error> {
-        crate::requests::check_distinct(&self.table, &self.requests)?;
+        TableName::check_distinct(&self.table, &self.requests)?;
         E::migrate(self).await
     }
 }

@@ -16,6 +16,7 @@
 //! stored result commit together or not at all.
 
 mod key;
+pub mod record;
 pub(crate) mod store;
 
 pub use key::{IdempotencyKey, MAX_IDEMPOTENCY_KEY_LEN, RequestKey, RequestScope};

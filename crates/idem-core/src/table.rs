@@ -1,9 +1,11 @@
-//! Table names (the processed-messages table, the requests table): configurable, validated,
-//! never interpolated unchecked.
+//! Table names of the SQL stores (the claims table, the requests table): configurable,
+//! validated, never interpolated unchecked. One definition for every SQL store (`idem-sql`'s
+//! engines, `idem-postgres`), so a name one accepts the others accept, and all derive the same
+//! index and partition names from it.
 
 use std::fmt;
 
-use idem_core::{Error, ErrorKind};
+use crate::error::{Error, ErrorKind};
 
 /// The default table name of the claims (processed messages).
 pub const DEFAULT_TABLE: &str = "idem_processed";
@@ -66,6 +68,19 @@ impl TableName {
     /// The schema, if qualified.
     pub fn schema(&self) -> Option<&str> {
         self.schema.as_deref()
+    }
+
+    /// Refuses a requests table that is the claims table.
+    pub fn check_distinct(claims: &TableName, requests: &TableName) -> Result<(), Error> {
+        if claims == requests {
+            return Err(Error::new(
+                ErrorKind::InvalidConfig,
+                format!(
+                    "the requests table and the claims table are both {claims}; name them apart"
+                ),
+            ));
+        }
+        Ok(())
     }
 }
 
