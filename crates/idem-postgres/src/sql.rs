@@ -33,18 +33,23 @@ pub(crate) const COMMIT: &str = "SELECT 1; COMMIT";
 pub(crate) const ROLLBACK: &str = "ROLLBACK";
 
 /// The claim statements of one claims table. Parameters are bound in the order listed; a
-/// `now`/`processed_at` parameter is `NULL` for the server's clock.
+/// `now`/`processed_at` parameter is `NULL` for the server's clock. On a partitioned table the
+/// claim, the batch claim and the fingerprint reads take the partition key (`id_time`, the
+/// batch's as an array) last.
 #[derive(Debug)]
 pub(crate) struct ClaimSql {
-    /// consumer, message_id, fingerprint, processed_at: one row affected when inserted.
+    /// consumer, message_id, fingerprint, processed_at[, id_time]: one row affected when
+    /// inserted.
     pub(crate) claim: String,
-    /// consumer, message_id → the stored fingerprint.
+    /// consumer, message_id[, id_time] → the stored fingerprint.
     pub(crate) read_fingerprint: String,
-    /// consumer, message_ids, fingerprints, processed_at → the message IDs it inserted.
+    /// consumer, message_ids, fingerprints, processed_at[, id_times] → the message IDs it
+    /// inserted.
     pub(crate) claim_many: String,
-    /// consumer, message_ids → (message_id, fingerprint) of those stored.
+    /// consumer, message_ids[, id_times] → (message_id, fingerprint) of those stored.
     pub(crate) read_fingerprints: String,
-    /// now, older-than, limit.
+    /// now, older-than, limit (on a partitioned table: up to `limit` from each of its default
+    /// and undated partitions).
     pub(crate) prune_all: String,
     /// now, older-than, consumer, limit.
     pub(crate) prune_consumer: String,
@@ -53,37 +58,78 @@ pub(crate) struct ClaimSql {
 }
 
 impl ClaimSql {
-    pub(crate) fn new(t: &TableName) -> Self {
+    /// `partitioned`: for a table partitioned by the ID's time (see [`crate::partitioned`]).
+    pub(crate) fn new(t: &TableName, partitioned: bool) -> Self {
+        // A partitioned table's unique key holds the partition key, which every statement
+        // names so that PostgreSQL looks in one partition only.
+        let (key, key_col, key_val, key_eq) = if partitioned {
+            (", id_time", ", id_time", ", $5", " AND id_time = $3")
+        } else {
+            ("", "", "", "")
+        };
+        let (keys, key_arr, key_any) = if partitioned {
+            (", k", ", $5::bigint[]", " AND id_time = ANY($3::bigint[])")
+        } else {
+            ("", "", "")
+        };
+        let unnest_as = if partitioned { "u(m, f, k)" } else { "u(m, f)" };
+        // Row-wise pruning of a partitioned table covers only its default and undated
+        // partitions (whole days are dropped); ctid is unique within one partition only.
+        let prune = |target: &str, consumer: &str, limit: &str| {
+            format!(
+                "DELETE FROM {target} WHERE ctid = ANY(ARRAY( \
+                 SELECT ctid FROM {target} WHERE processed_at < COALESCE($1, {SERVER_NOW}) - $2 \
+                 {consumer} LIMIT {limit}))"
+            )
+        };
+        let (prune_all, prune_consumer) = if partitioned {
+            let (d, u) = (
+                crate::partitioned::name(t, "default"),
+                crate::partitioned::name(t, "undated"),
+            );
+            (
+                // One statement over both; its row count is what both deleted.
+                format!(
+                    "WITH d AS ({} RETURNING 1), u AS ({} RETURNING 1) \
+                     SELECT 1 FROM d UNION ALL SELECT 1 FROM u",
+                    prune(&d, "", "$3"),
+                    prune(&u, "", "$3")
+                ),
+                format!(
+                    "WITH d AS ({} RETURNING 1), u AS ({} RETURNING 1) \
+                     SELECT 1 FROM d UNION ALL SELECT 1 FROM u",
+                    prune(&d, "AND consumer = $3", "$4"),
+                    prune(&u, "AND consumer = $3", "$4")
+                ),
+            )
+        } else {
+            // `ctid = ANY(ARRAY(…))` plans as a TID scan; `ctid IN (…)` may scan the table.
+            (
+                prune(&t.to_string(), "", "$3"),
+                prune(&t.to_string(), "AND consumer = $3", "$4"),
+            )
+        };
         Self {
             claim: format!(
-                "INSERT INTO {t} (consumer, message_id, fingerprint, processed_at) \
-                 VALUES ($1, $2, $3, COALESCE($4, {SERVER_NOW})) \
-                 ON CONFLICT (consumer, message_id) DO NOTHING"
+                "INSERT INTO {t} (consumer, message_id, fingerprint, processed_at{key}) \
+                 VALUES ($1, $2, $3, COALESCE($4, {SERVER_NOW}){key_val}) \
+                 ON CONFLICT (consumer, message_id{key_col}) DO NOTHING"
             ),
             read_fingerprint: format!(
-                "SELECT fingerprint FROM {t} WHERE consumer = $1 AND message_id = $2"
+                "SELECT fingerprint FROM {t} WHERE consumer = $1 AND message_id = $2{key_eq}"
             ),
             claim_many: format!(
-                "INSERT INTO {t} (consumer, message_id, fingerprint, processed_at) \
-                 SELECT $1, m, f, COALESCE($4::bigint, {SERVER_NOW}) \
-                 FROM unnest($2::bytea[], $3::bytea[]) AS u(m, f) \
-                 ON CONFLICT (consumer, message_id) DO NOTHING RETURNING message_id"
+                "INSERT INTO {t} (consumer, message_id, fingerprint, processed_at{key}) \
+                 SELECT $1, m, f, COALESCE($4::bigint, {SERVER_NOW}){keys} \
+                 FROM unnest($2::bytea[], $3::bytea[]{key_arr}) AS {unnest_as} \
+                 ON CONFLICT (consumer, message_id{key_col}) DO NOTHING RETURNING message_id"
             ),
             read_fingerprints: format!(
                 "SELECT message_id, fingerprint FROM {t} \
-                 WHERE consumer = $1 AND message_id = ANY($2::bytea[])"
+                 WHERE consumer = $1 AND message_id = ANY($2::bytea[]){key_any}"
             ),
-            // `ctid = ANY(ARRAY(…))` plans as a TID scan; `ctid IN (…)` may scan the table.
-            prune_all: format!(
-                "DELETE FROM {t} WHERE ctid = ANY(ARRAY( \
-                 SELECT ctid FROM {t} WHERE processed_at < COALESCE($1, {SERVER_NOW}) - $2 \
-                 LIMIT $3))"
-            ),
-            prune_consumer: format!(
-                "DELETE FROM {t} WHERE ctid = ANY(ARRAY( \
-                 SELECT ctid FROM {t} WHERE processed_at < COALESCE($1, {SERVER_NOW}) - $2 \
-                 AND consumer = $3 LIMIT $4))"
-            ),
+            prune_all,
+            prune_consumer,
             stats: format!(
                 "SELECT consumer, count(*)::bigint, min(processed_at), max(processed_at) \
                  FROM {t} GROUP BY consumer ORDER BY consumer"
@@ -163,9 +209,10 @@ impl RequestSql {
     }
 }
 
-/// What `migrate` runs inside its transaction, after taking the advisory lock: the schemas,
-/// both tables, their indexes and comments, exactly as `idem-sql` creates them.
-pub(crate) fn migration(t: &TableName, r: &TableName) -> Vec<String> {
+/// What `migrate` runs inside its transaction, after taking the advisory lock and checking the
+/// claims table's shape: the schemas, both tables (the claims table partitioned when
+/// `partitioned`), their indexes and comments, exactly as `idem-sql` creates them.
+pub(crate) fn migration(t: &TableName, r: &TableName, partitioned: bool) -> Vec<String> {
     let (name, rname) = (t.table(), r.table());
     let mut sql: Vec<String> = t
         .schema()
@@ -173,21 +220,29 @@ pub(crate) fn migration(t: &TableName, r: &TableName) -> Vec<String> {
         .chain(r.schema())
         .map(|schema| format!("CREATE SCHEMA IF NOT EXISTS {schema}"))
         .collect();
+    if partitioned {
+        sql.extend(crate::partitioned::create_statements(t));
+    } else {
+        sql.extend([
+            format!(
+                "CREATE TABLE IF NOT EXISTS {t} (
+                    consumer     text   NOT NULL,
+                    message_id   bytea  NOT NULL,
+                    fingerprint  bytea  NOT NULL,
+                    processed_at bigint NOT NULL,
+                    PRIMARY KEY (consumer, message_id)
+                )"
+            ),
+            format!(
+                "CREATE INDEX IF NOT EXISTS {name}_processed_at ON {t} USING brin (processed_at)"
+            ),
+            format!(
+                "COMMENT ON TABLE {t} IS 'idem claims: one row per (consumer, message_id) \
+                 processed; processed_at in microseconds since the Unix epoch'"
+            ),
+        ]);
+    }
     sql.extend([
-        format!(
-            "CREATE TABLE IF NOT EXISTS {t} (
-                consumer     text   NOT NULL,
-                message_id   bytea  NOT NULL,
-                fingerprint  bytea  NOT NULL,
-                processed_at bigint NOT NULL,
-                PRIMARY KEY (consumer, message_id)
-            )"
-        ),
-        format!("CREATE INDEX IF NOT EXISTS {name}_processed_at ON {t} USING brin (processed_at)"),
-        format!(
-            "COMMENT ON TABLE {t} IS 'idem claims: one row per (consumer, message_id) \
-             processed; processed_at in microseconds since the Unix epoch'"
-        ),
         format!(
             "CREATE TABLE IF NOT EXISTS {r} (
                 scope       bytea    NOT NULL,

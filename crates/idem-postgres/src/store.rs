@@ -28,6 +28,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::future::join;
+use idem_core::partition::Partitioning;
 use idem_core::{
     BatchClaimStore, ClaimRequest, ClaimStore, ConsumerName, ConsumerStats, Error, ErrorKind,
     Fingerprint, MessageId, Migrate, Prune, Savepoints, Stamp, Stats, Timestamp,
@@ -60,9 +61,11 @@ pub const MAX_MESSAGE_ID_LEN: usize = 1024;
 pub struct PgStore {
     pub(crate) source: Source,
     table: TableName,
-    sql: Arc<ClaimSql>,
+    pub(crate) sql: Arc<ClaimSql>,
     requests: TableName,
     pub(crate) rsql: Arc<RequestSql>,
+    /// Set by [`partitioned`](Self::partitioned): claims carry the ID's time as partition key.
+    pub(crate) partitioning: Option<Partitioning>,
 }
 
 impl std::fmt::Debug for PgStore {
@@ -71,6 +74,7 @@ impl std::fmt::Debug for PgStore {
             .field("source", &self.source)
             .field("table", &self.table)
             .field("requests", &self.requests)
+            .field("partitioning", &self.partitioning)
             .finish()
     }
 }
@@ -80,10 +84,11 @@ impl PgStore {
         let (table, requests) = (TableName::default(), TableName::default_requests());
         Self {
             source,
-            sql: Arc::new(ClaimSql::new(&table)),
+            sql: Arc::new(ClaimSql::new(&table, false)),
             rsql: Arc::new(RequestSql::new(&requests)),
             table,
             requests,
+            partitioning: None,
         }
     }
 
@@ -169,7 +174,11 @@ impl PgStore {
 
     /// Stores claims in `table` instead of `idem_processed` (`schema.table` selects a schema).
     pub fn with_table(mut self, table: TableName) -> Result<Self, Error> {
-        self.sql = Arc::new(ClaimSql::new(&table));
+        let partitioned = self.partitioning.is_some();
+        if partitioned {
+            idem_core::partition::check_table_name(table.table())?;
+        }
+        self.sql = Arc::new(ClaimSql::new(&table, partitioned));
         self.table = table;
         Ok(self)
     }
@@ -224,27 +233,28 @@ impl PgStore {
         C: GenericClient + Sync + ?Sized,
     {
         let client = client.client();
-        let p = ClaimParams::new(&claim);
+        let p = self.params(&claim);
+        let claim: [(&(dyn ToSql + Sync), Type); 5] = [
+            (&p.consumer, Type::TEXT),
+            (&p.id, Type::BYTEA),
+            (&p.fingerprint, Type::BYTEA),
+            (&p.at, Type::INT8),
+            (&p.key, Type::INT8),
+        ];
         let inserted = client
-            .execute_typed(
-                &self.sql.claim,
-                &[
-                    (&p.consumer, Type::TEXT),
-                    (&p.id, Type::BYTEA),
-                    (&p.fingerprint, Type::BYTEA),
-                    (&p.at, Type::INT8),
-                ],
-            )
+            .execute_typed(&self.sql.claim, p.bound(&claim))
             .await
             .map_err(|e| store_error("claim", e))?;
         if inserted == 1 {
             return Ok(None);
         }
+        let read: [(&(dyn ToSql + Sync), Type); 3] = [
+            (&p.consumer, Type::TEXT),
+            (&p.id, Type::BYTEA),
+            (&p.key, Type::INT8),
+        ];
         let row = client
-            .query_typed_opt(
-                &self.sql.read_fingerprint,
-                &[(&p.consumer, Type::TEXT), (&p.id, Type::BYTEA)],
-            )
+            .query_typed_opt(&self.sql.read_fingerprint, p.bound(&read))
             .await
             .map_err(|e| store_error("reading the stored fingerprint", e))?;
         stored_fingerprint(
@@ -262,8 +272,9 @@ impl PgStore {
             .prepare_cached(&self.sql.read_fingerprint)
             .await
             .map_err(|e| store_error(what, e))?;
+        let params: [&(dyn ToSql + Sync); 3] = [&p.consumer, &p.id, &p.key];
         let row = tx
-            .query_opt(&read, &[&p.consumer, &p.id])
+            .query_opt(&read, p.bound(&params))
             .await
             .map_err(|e| store_error(what, e))?;
         stored_fingerprint(
@@ -279,9 +290,10 @@ impl PgStore {
         &self,
         tx: &PgTx,
         consumer: &str,
-        ids: &[&[u8]],
+        batch: &Batch<'_>,
         inserted: Vec<Row>,
     ) -> Result<Vec<Option<Fingerprint>>, Error> {
+        let ids = &batch.ids;
         if inserted.len() == ids.len() {
             return Ok(vec![None; ids.len()]);
         }
@@ -300,8 +312,10 @@ impl PgStore {
             .prepare_cached(&self.sql.read_fingerprints)
             .await
             .map_err(|e| store_error(what, e))?;
+        // A superset of the keys of `existing` is fine: (consumer, message_id) decides.
+        let params: [&(dyn ToSql + Sync); 3] = [&consumer, &existing, &batch.keys];
         let rows = tx
-            .query(&read, &[&consumer, &existing])
+            .query(&read, batch.bound(&params))
             .await
             .map_err(|e| store_error(what, e))?;
         let mut stored: HashMap<Vec<u8>, Vec<u8>> = rows
@@ -353,16 +367,54 @@ struct ClaimParams<'a> {
     id: &'a [u8],
     fingerprint: &'a [u8],
     at: Option<i64>,
+    /// The partition key, on a partitioned table; its statements take it last.
+    key: Option<i64>,
 }
 
-impl<'a> ClaimParams<'a> {
-    fn new(claim: &ClaimRequest<'a>) -> Self {
-        Self {
+impl ClaimParams<'_> {
+    /// A statement's parameters without the partition key when the table is not partitioned
+    /// (its statements take one parameter fewer).
+    fn bound<'p, T>(&self, params: &'p [T]) -> &'p [T] {
+        &params[..params.len() - usize::from(self.key.is_none())]
+    }
+}
+
+/// A batch claim's parameters as bound: the arrays the statement unnests.
+struct Batch<'a> {
+    ids: Vec<&'a [u8]>,
+    fps: Vec<&'a [u8]>,
+    /// The partition keys, on a partitioned table; its statements take them last.
+    keys: Option<Vec<i64>>,
+}
+
+impl Batch<'_> {
+    /// As [`ClaimParams::bound`].
+    fn bound<'p, T>(&self, params: &'p [T]) -> &'p [T] {
+        &params[..params.len() - usize::from(self.keys.is_none())]
+    }
+}
+
+impl PgStore {
+    fn params<'a>(&self, claim: &ClaimRequest<'a>) -> ClaimParams<'a> {
+        ClaimParams {
             consumer: claim.consumer.as_str(),
             id: claim.id.as_bytes(),
             fingerprint: &claim.fingerprint.as_bytes()[..],
             at: stamp(claim.at),
+            key: self.partitioning.as_ref().map(|p| p.key_of(claim.id)),
         }
+    }
+
+    fn batch<'a>(&self, items: &'a [(&'a MessageId, Fingerprint)]) -> Batch<'a> {
+        let (ids, fps) = items
+            .iter()
+            .map(|(id, fp)| (id.as_bytes(), &fp.as_bytes()[..]))
+            .unzip();
+        let keys = self
+            .partitioning
+            .as_ref()
+            .map(|p| items.iter().map(|(id, _)| p.key_of(id)).collect());
+        Batch { ids, fps, keys }
     }
 }
 
@@ -376,7 +428,7 @@ pub(crate) fn stamp(stamp: Stamp) -> Option<i64> {
 }
 
 /// A duration in microseconds, saturating, as prune statements bind it.
-fn micros(d: Duration) -> i64 {
+pub(crate) fn micros(d: Duration) -> i64 {
     i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
 }
 
@@ -433,13 +485,14 @@ impl ClaimStore for PgStore {
         tx: &mut PgTx,
         claim: ClaimRequest<'_>,
     ) -> Result<Option<Fingerprint>, Error> {
-        let p = ClaimParams::new(&claim);
+        let p = self.params(&claim);
         let insert = tx
             .prepare_cached(&self.sql.claim)
             .await
             .map_err(|e| store_error("claim", e))?;
+        let params: [&(dyn ToSql + Sync); 5] = [&p.consumer, &p.id, &p.fingerprint, &p.at, &p.key];
         let inserted = tx
-            .execute(&insert, &[&p.consumer, &p.id, &p.fingerprint, &p.at])
+            .execute(&insert, p.bound(&params))
             .await
             .map_err(|e| store_error("claim", e))?;
         if inserted == 1 {
@@ -453,16 +506,19 @@ impl ClaimStore for PgStore {
         &self,
         claim: ClaimRequest<'_>,
     ) -> Result<(PgTx, Option<Fingerprint>), Error> {
-        let p = ClaimParams::new(&claim);
+        let p = self.params(&claim);
         let lease = self.source.get().await?;
         let insert = lease
             .prepare(&self.sql.claim)
             .await
             .map_err(|e| store_error("claim", e))?;
         let tx = PgTx::begun(lease);
-        let params: [&(dyn ToSql + Sync); 4] = [&p.consumer, &p.id, &p.fingerprint, &p.at];
-        let (begun, inserted) =
-            join(tx.batch_execute(sql::BEGIN), tx.execute(&insert, &params)).await;
+        let params: [&(dyn ToSql + Sync); 5] = [&p.consumer, &p.id, &p.fingerprint, &p.at, &p.key];
+        let (begun, inserted) = join(
+            tx.batch_execute(sql::BEGIN),
+            tx.execute(&insert, p.bound(&params)),
+        )
+        .await;
         // A failed BEGIN drops `tx` while open, which abandons the connection.
         begun.map_err(begin_error)?;
         let inserted = match inserted {
@@ -495,17 +551,19 @@ impl BatchClaimStore for PgStore {
         items: &[(&MessageId, Fingerprint)],
         at: Stamp,
     ) -> Result<Vec<Option<Fingerprint>>, Error> {
-        let (ids, fps) = columns(items);
+        let batch = self.batch(items);
         let (consumer, at) = (consumer.as_str(), stamp(at));
         let insert = tx
             .prepare_cached(&self.sql.claim_many)
             .await
             .map_err(|e| store_error("batch claim", e))?;
+        let params: [&(dyn ToSql + Sync); 5] =
+            [&consumer, &batch.ids, &batch.fps, &at, &batch.keys];
         let inserted = tx
-            .query(&insert, &[&consumer, &ids, &fps, &at])
+            .query(&insert, batch.bound(&params))
             .await
             .map_err(|e| store_error("batch claim", e))?;
-        self.claimed_many(tx, consumer, &ids, inserted).await
+        self.claimed_many(tx, consumer, &batch, inserted).await
     }
 
     /// `BEGIN` and the batch claim in one flight, as [`ClaimStore::begin_and_claim`].
@@ -515,7 +573,7 @@ impl BatchClaimStore for PgStore {
         items: &[(&MessageId, Fingerprint)],
         at: Stamp,
     ) -> Result<(PgTx, Vec<Option<Fingerprint>>), Error> {
-        let (ids, fps) = columns(items);
+        let batch = self.batch(items);
         let (consumer, at) = (consumer.as_str(), stamp(at));
         let lease = self.source.get().await?;
         let insert = lease
@@ -523,9 +581,13 @@ impl BatchClaimStore for PgStore {
             .await
             .map_err(|e| store_error("batch claim", e))?;
         let tx = PgTx::begun(lease);
-        let params: [&(dyn ToSql + Sync); 4] = [&consumer, &ids, &fps, &at];
-        let (begun, inserted) =
-            join(tx.batch_execute(sql::BEGIN), tx.query(&insert, &params)).await;
+        let params: [&(dyn ToSql + Sync); 5] =
+            [&consumer, &batch.ids, &batch.fps, &at, &batch.keys];
+        let (begun, inserted) = join(
+            tx.batch_execute(sql::BEGIN),
+            tx.query(&insert, batch.bound(&params)),
+        )
+        .await;
         begun.map_err(begin_error)?;
         let inserted = match inserted {
             Ok(rows) => rows,
@@ -534,7 +596,7 @@ impl BatchClaimStore for PgStore {
                 return Err(store_error("batch claim", e));
             }
         };
-        match self.claimed_many(&tx, consumer, &ids, inserted).await {
+        match self.claimed_many(&tx, consumer, &batch, inserted).await {
             Ok(found) => Ok((tx, found)),
             Err(e) => {
                 end(tx).await;
@@ -542,14 +604,6 @@ impl BatchClaimStore for PgStore {
             }
         }
     }
-}
-
-/// A batch's IDs and fingerprints as the two arrays the statement unnests.
-fn columns<'a>(items: &'a [(&'a MessageId, Fingerprint)]) -> (Vec<&'a [u8]>, Vec<&'a [u8]>) {
-    items
-        .iter()
-        .map(|(id, fp)| (id.as_bytes(), &fp.as_bytes()[..]))
-        .unzip()
 }
 
 impl Savepoints for PgStore {
@@ -572,7 +626,29 @@ impl Savepoints for PgStore {
 }
 
 impl Prune for PgStore {
+    /// Deletes up to `limit` claims row by row; a partitioned store first runs
+    /// [`maintain_partitions`](PgStore::maintain_partitions), which drops whole days past the
+    /// table's retention (counted by the planner's estimate), and then prunes only its default
+    /// and undated partitions row by row.
     async fn prune_batch(
+        &self,
+        consumer: Option<&ConsumerName>,
+        now: Stamp,
+        older_than: Duration,
+        limit: u32,
+    ) -> Result<u64, Error> {
+        if self.partitioning.is_some() {
+            crate::partitioned::prune_batch(self, consumer, now, older_than, limit).await
+        } else {
+            self.prune_rows(consumer, now, older_than, limit).await
+        }
+    }
+}
+
+impl PgStore {
+    /// Deletes up to `limit` claims older than `older_than` row by row (on a partitioned
+    /// table: from its default and undated partitions).
+    pub(crate) async fn prune_rows(
         &self,
         consumer: Option<&ConsumerName>,
         now: Stamp,
@@ -617,7 +693,10 @@ impl Stats for PgStore {
 
 impl Migrate for PgStore {
     /// Both tables in one transaction, serialised across replicas (and against `idem-sql`'s
-    /// migration of the same tables) by an advisory lock.
+    /// migration of the same tables) by an advisory lock. A claims table of the other shape
+    /// (partitioned for a plain store, or the reverse) is refused as
+    /// [`ErrorKind::Misconfigured`]; a partitioned store then creates today's partition and
+    /// those ahead ([`maintain_partitions`](PgStore::maintain_partitions)).
     async fn migrate(&self) -> Result<(), Error> {
         if self.table == self.requests {
             return Err(Error::new(
@@ -632,11 +711,17 @@ impl Migrate for PgStore {
         tx.batch_execute(sql::MIGRATE_LOCK)
             .await
             .map_err(|e| store_error("migrate lock", e))?;
-        for statement in sql::migration(&self.table, &self.requests) {
+        let partitioned = self.partitioning.is_some();
+        crate::partitioned::check_shape(&tx, &self.table, partitioned).await?;
+        for statement in sql::migration(&self.table, &self.requests, partitioned) {
             tx.batch_execute(&statement)
                 .await
                 .map_err(|e| store_error("migrate", e))?;
         }
-        tx.commit().await.map_err(commit_error)
+        tx.commit().await.map_err(commit_error)?;
+        if partitioned {
+            self.maintain_partitions().await?;
+        }
+        Ok(())
     }
 }

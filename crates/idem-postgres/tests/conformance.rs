@@ -13,14 +13,17 @@ use idem_postgres::tokio_postgres::Client;
 use idem_testkit::isolated::PgSchema;
 use idem_testkit::{StoreFixture, TxOf};
 
-/// `CLIENTS`: the store on 8 plain clients instead of a pool of 20.
-struct PgFixture<const CLIENTS: bool> {
+/// `CLIENTS`: the store on 8 plain clients instead of a pool of 20; `PARTS`: the claims table
+/// partitioned by the ID's time (the suite's IDs carry none, so every claim goes through the
+/// partitioned statements into the undated partition; `tests/partitions.rs` covers day
+/// partitions).
+struct PgFixture<const CLIENTS: bool, const PARTS: bool = false> {
     store: PgStore,
     admin: Client,
     schema: PgSchema,
 }
 
-impl<const CLIENTS: bool> std::fmt::Debug for PgFixture<CLIENTS> {
+impl<const CLIENTS: bool, const PARTS: bool> std::fmt::Debug for PgFixture<CLIENTS, PARTS> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PgFixture")
             .field("store", &self.store)
@@ -29,7 +32,7 @@ impl<const CLIENTS: bool> std::fmt::Debug for PgFixture<CLIENTS> {
     }
 }
 
-impl<const CLIENTS: bool> StoreFixture for PgFixture<CLIENTS> {
+impl<const CLIENTS: bool, const PARTS: bool> StoreFixture for PgFixture<CLIENTS, PARTS> {
     type Store = PgStore;
 
     async fn setup(test: &str) -> Option<Self> {
@@ -41,6 +44,13 @@ impl<const CLIENTS: bool> StoreFixture for PgFixture<CLIENTS> {
             Conns::Pool(20)
         };
         let store = common::store(&config, conns).await;
+        let store = if PARTS {
+            store
+                .partitioned(idem_core::partition::Partitioning::uuid_v7())
+                .expect("partitioned")
+        } else {
+            store
+        };
         store.migrate().await.expect("migrate");
         let admin = common::client(&config).await;
         admin
@@ -101,6 +111,12 @@ mod clients {
     use super::PgFixture;
 
     idem_testkit::conformance_tests!(PgFixture<true>);
+}
+
+mod partitioned {
+    use super::PgFixture;
+
+    idem_testkit::conformance_tests!(PgFixture<false, true>);
 }
 
 fn msg(id: &str) -> Message<Vec<u8>> {

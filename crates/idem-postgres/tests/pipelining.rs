@@ -6,6 +6,8 @@
 //! before it. A new message through `Processor::process` then takes as many flights as the
 //! same handler without idem (`BEGIN`, the handler's statements, `COMMIT`), and one more
 //! through the same store with the trait's default `begin_and_claim` (begin, then claim).
+//! The same holds on a claims table partitioned by the ID's time, whose claim binds the
+//! partition key too.
 
 mod common;
 
@@ -14,9 +16,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
+use idem_core::partition::{Day, Partitioning};
 use idem_core::{
     BatchClaimStore, BoxError, ClaimRequest, ClaimStore, ConsumerName, Error, Fingerprint, Message,
-    MessageId, Migrate, Outcome, Processor, Stamp, TransactionalStore,
+    MessageId, Migrate, Outcome, Processor, Stamp, Timestamp, TransactionalStore,
 };
 use idem_postgres::tokio_postgres::config::Host;
 use idem_postgres::tokio_postgres::{Config, NoTls};
@@ -155,7 +158,25 @@ async fn handler(tx: &PgTx, key: &str) -> Result<(), BoxError> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_message_costs_the_round_trips_of_the_bare_handler() {
-    let test = "a_new_message_costs_the_round_trips_of_the_bare_handler";
+    round_trips(
+        "a_new_message_costs_the_round_trips_of_the_bare_handler",
+        false,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_message_costs_the_round_trips_of_the_bare_handler_partitioned() {
+    round_trips(
+        "a_new_message_costs_the_round_trips_of_the_bare_handler_partitioned",
+        true,
+    )
+    .await;
+}
+
+/// `partitioned`: every ID's time is the test's start, so each claim goes into today's day
+/// partition.
+async fn round_trips(test: &str, partitioned: bool) {
     let Some(schema) = PgSchema::create("idem_pipe", test).await else {
         return;
     };
@@ -198,6 +219,19 @@ async fn a_new_message_costs_the_round_trips_of_the_bare_handler() {
         .expect("connect through the proxy");
     tokio::spawn(connection);
     let store = PgStore::from_client(client);
+    let today = partitioned.then(|| {
+        let micros = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("after the epoch")
+            .as_micros();
+        Timestamp::from_micros(i64::try_from(micros).expect("in range"))
+    });
+    let store = match today {
+        Some(now) => store
+            .partitioned(Partitioning::by(move |_: &MessageId| Some(now)))
+            .expect("partitioned"),
+        None => store,
+    };
     store.migrate().await.expect("migrate");
     let idem = Processor::builder(store.clone(), "pipe")
         .build()
@@ -286,6 +320,15 @@ async fn a_new_message_costs_the_round_trips_of_the_bare_handler() {
         "a batch of new messages: BEGIN and the batch claim, the handler, COMMIT"
     );
 
+    if let Some(now) = today {
+        let part = format!("idem_processed_p{}", Day::of(now).suffix());
+        let count = "SELECT count(*) FROM idem_processed WHERE tableoid::regclass::text = $1";
+        let (in_day, all) = (
+            common::count(&admin, count, &[&part]).await,
+            common::count(&admin, "SELECT count(*) FROM idem_processed", &[]).await,
+        );
+        assert_eq!((in_day, all), (9, 9), "every claim went into {part}");
+    }
     drop((idem, unpipelined, store, admin));
     schema.drop().await;
 }

@@ -1,0 +1,381 @@
+//! Claims partitioned by the ID's own time, against the real PostgreSQL server in
+//! `IDEM_TEST_POSTGRES_URL`: retention drops whole days, and deduplication holds across every
+//! move maintenance makes (a late claim out of a dropped day, a future day's claims out of the
+//! default partition); the same scenarios as `idem-sql`'s `tests/partitions_postgres.rs`. Each
+//! test gets its own schema.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::Conns;
+use idem_core::partition::{Day, PartitionKind, Partitioning, uuid_v7};
+use idem_core::{
+    ClaimRequest, ConsumerName, ErrorKind, Fingerprint, ManualClock, Message, MessageId, Migrate,
+    Outcome, Processor, Retention, Stamp, Timestamp,
+};
+use idem_postgres::tokio_postgres::Client;
+use idem_postgres::{PgStore, TableName};
+use idem_testkit::isolated::PgSchema;
+
+const DAY: Duration = Duration::from_secs(86_400);
+
+/// A UUIDv7 (text) made at `t`, distinct per `n`.
+fn uuid_at(t: Timestamp, n: u16) -> MessageId {
+    let ms = u64::try_from(t.as_micros() / 1000).expect("after the epoch");
+    let hex = format!("{ms:012x}");
+    let id = format!(
+        "{}-{}-7{:03x}-8000-{:012x}",
+        &hex[..8],
+        &hex[8..],
+        n & 0xfff,
+        u64::from(n)
+    );
+    let id = MessageId::new(id).expect("id");
+    assert_eq!(
+        uuid_v7(&id).map(|x| x.as_micros() / 1000),
+        Some(t.as_micros() / 1000)
+    );
+    id
+}
+
+fn msg(id: &MessageId) -> Message<Vec<u8>> {
+    Message::new(id.clone(), b"{}".to_vec())
+}
+
+async fn db_now(admin: &Client) -> Timestamp {
+    let now: i64 = admin
+        .query_one("SELECT (extract(epoch from now()) * 1000000)::bigint", &[])
+        .await
+        .expect("clock")
+        .get(0);
+    Timestamp::from_micros(now)
+}
+
+struct Setup {
+    schema: PgSchema,
+    store: PgStore,
+    admin: Client,
+}
+
+async fn setup(test: &str, conns: Conns) -> Option<Setup> {
+    let schema = PgSchema::create("idem_pg_part", test).await?;
+    let config = common::config(&schema);
+    let retention = Retention::new(7 * DAY, 7 * DAY).expect("retention");
+    let store = common::store(&config, conns)
+        .await
+        .partitioned(Partitioning::uuid_v7().retention(retention))
+        .expect("partitioned");
+    store.migrate().await.expect("migrate");
+    let admin = common::client(&config).await;
+    admin
+        .batch_execute("CREATE TABLE effects (id bytea NOT NULL)")
+        .await
+        .expect("effects");
+    Some(Setup {
+        schema,
+        store,
+        admin,
+    })
+}
+
+async fn process(p: &Processor<PgStore, Arc<ManualClock>>, id: &MessageId) -> bool {
+    let outcome = p
+        .process(&msg(id), async |tx| {
+            let insert = tx
+                .prepare_cached("INSERT INTO effects (id) VALUES ($1)")
+                .await?;
+            tx.execute(&insert, &[&id.as_bytes()]).await
+        })
+        .await
+        .expect("process");
+    match outcome {
+        Outcome::Processed(_) => true,
+        Outcome::Duplicate => false,
+        other => panic!("{id}: {other:?}"),
+    }
+}
+
+async fn located(admin: &Client, id: &MessageId) -> Vec<String> {
+    admin
+        .query(
+            "SELECT tableoid::regclass::text FROM idem_processed WHERE message_id = $1",
+            &[&id.as_bytes()],
+        )
+        .await
+        .expect("locate")
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
+async fn retention_drops_whole_days_and_every_move_keeps_deduplicating(test: &str, conns: Conns) {
+    let Some(Setup {
+        schema,
+        store,
+        admin,
+    }) = setup(test, conns).await
+    else {
+        return;
+    };
+    let now = db_now(&admin).await;
+    let ago = |days: u32| now.saturating_sub(DAY * days);
+    // migrate created today and two days ahead; a backfill makes the past days.
+    let created = store
+        .create_partitions([20, 19, 1].map(|d| Day::of(ago(d))))
+        .await
+        .expect("backfill");
+    assert_eq!(created.created.len(), 3, "{created:?}");
+
+    // Claims stamped by a clock at their own day, as a consumer would have written them.
+    let clock = Arc::new(ManualClock::new(ago(20)));
+    let p = Processor::builder(store.clone(), "billing")
+        .clock(clock.clone())
+        .build()
+        .expect("processor");
+    let old: Vec<_> = (0..5).map(|n| uuid_at(ago(20), n)).collect();
+    for id in &old {
+        assert!(process(&p, id).await);
+    }
+    clock.advance(DAY * 19);
+    let recent = uuid_at(ago(1), 1);
+    assert!(process(&p, &recent).await);
+    // An old ID processed late: its day is past retention, its claim is not.
+    clock.advance(DAY);
+    let late = uuid_at(ago(19), 7);
+    assert!(process(&p, &late).await);
+    let undated = MessageId::new("payment-42").expect("id");
+    assert!(process(&p, &undated).await);
+    let future = uuid_at(now.saturating_add(DAY * 10), 3);
+    assert!(process(&p, &future).await);
+    assert_eq!(
+        located(&admin, &future).await,
+        vec!["idem_processed_default"]
+    );
+    assert_eq!(
+        located(&admin, &undated).await,
+        vec!["idem_processed_undated"]
+    );
+
+    let report = store.maintain_partitions().await.expect("maintenance");
+    let dropped: Vec<Day> = report.dropped.iter().map(|(d, _)| *d).collect();
+    assert_eq!(
+        dropped,
+        vec![Day::of(ago(20)), Day::of(ago(19))],
+        "{report:?}"
+    );
+    assert_eq!(
+        report.moved, 1,
+        "the late claim moved out of its dropped day"
+    );
+    assert_eq!(located(&admin, &late).await, vec!["idem_processed_default"]);
+
+    // Past retention: gone, so a redelivery is processed again (as without partitions).
+    for id in &old {
+        assert!(located(&admin, id).await.is_empty(), "{id}");
+    }
+    // Inside retention: still duplicates, wherever maintenance moved them.
+    for id in [&recent, &late, &undated, &future] {
+        assert!(!process(&p, id).await, "{id} must stay a duplicate");
+    }
+
+    // The future day's partition, once created, takes its claim out of the default one.
+    let moved = store
+        .create_partitions([Day::of(now.saturating_add(DAY * 10))])
+        .await
+        .expect("create ahead");
+    assert_eq!(moved.moved, 1);
+    let day = Day::of(now.saturating_add(DAY * 10)).suffix();
+    assert_eq!(
+        located(&admin, &future).await,
+        vec![format!("idem_processed_p{day}")]
+    );
+    assert!(
+        !process(&p, &future).await,
+        "still a duplicate after the move"
+    );
+
+    // The batch claim finds claims in every kind of partition too.
+    let batch: Vec<_> = [&recent, &late, &undated, &future]
+        .into_iter()
+        .chain([&uuid_at(now, 9)])
+        .map(msg)
+        .collect();
+    let set = p
+        .process_batch_set(&batch, async |_, _| Ok::<_, idem_core::BoxError>(()))
+        .await
+        .expect("batch");
+    let fresh = set
+        .outcomes
+        .iter()
+        .filter(|o| matches!(o, Ok(Outcome::Processed(_))))
+        .count();
+    assert_eq!(fresh, 1, "{:?}", set.outcomes);
+
+    let kinds: Vec<PartitionKind> = store
+        .partitions()
+        .await
+        .expect("partitions")
+        .into_iter()
+        .map(|p| p.kind)
+        .collect();
+    assert!(kinds.contains(&PartitionKind::Default) && kinds.contains(&PartitionKind::Undated));
+    assert!(!kinds.contains(&PartitionKind::Day(Day::of(ago(20)))));
+    assert!(kinds.contains(&PartitionKind::Day(Day::of(now))));
+    drop((p, store, admin));
+    schema.drop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_drops_whole_days_and_every_move_keeps_deduplicating_pooled() {
+    retention_drops_whole_days_and_every_move_keeps_deduplicating(
+        "retention_drops_whole_days_and_every_move_keeps_deduplicating_pooled",
+        Conns::Pool(8),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_drops_whole_days_and_every_move_keeps_deduplicating_on_clients() {
+    retention_drops_whole_days_and_every_move_keeps_deduplicating(
+        "retention_drops_whole_days_and_every_move_keeps_deduplicating_on_clients",
+        Conns::Clients(2),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prune_drops_days_and_prunes_the_default_partition_row_by_row() {
+    let Some(Setup {
+        schema,
+        store,
+        admin,
+    }) = setup(
+        "prune_drops_days_and_prunes_the_default_partition_row_by_row",
+        Conns::Pool(8),
+    )
+    .await
+    else {
+        return;
+    };
+    let now = db_now(&admin).await;
+    store
+        .create_partitions([Day::of(now.saturating_sub(DAY * 30))])
+        .await
+        .expect("backfill");
+    let clock = Arc::new(ManualClock::new(now.saturating_sub(DAY * 30)));
+    let p = Processor::builder(store.clone(), "billing")
+        .clock(clock.clone())
+        .build()
+        .expect("processor");
+    let dated = uuid_at(now.saturating_sub(DAY * 30), 1);
+    let undated = MessageId::new("order-1").expect("id");
+    let future = uuid_at(now.saturating_add(DAY * 30), 2);
+    assert!(process(&p, &dated).await);
+    assert!(process(&p, &undated).await);
+    assert!(process(&p, &future).await);
+    clock.advance(DAY * 30);
+    let fresh = MessageId::new("order-2").expect("id");
+    assert!(process(&p, &fresh).await);
+
+    // The dropped day counts by the planner's estimate (none before an ANALYZE); the old
+    // undated claim and the old claim in the default partition were deleted row by row.
+    let pruned = p.prune().await.expect("prune");
+    assert!(pruned >= 2, "the old undated and default claims: {pruned}");
+    assert!(located(&admin, &dated).await.is_empty());
+    assert!(located(&admin, &undated).await.is_empty());
+    assert!(located(&admin, &future).await.is_empty());
+    assert!(!process(&p, &fresh).await, "young claims are kept");
+    drop((p, store, admin));
+    schema.drop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_and_a_table_of_the_other_shape_are_refused() {
+    let Some(Setup {
+        schema,
+        store: partitioned,
+        admin,
+    }) = setup(
+        "a_store_and_a_table_of_the_other_shape_are_refused",
+        Conns::Pool(4),
+    )
+    .await
+    else {
+        return;
+    };
+    let config = common::config(&schema);
+    let plain = common::store(&config, Conns::Pool(2)).await;
+    let err = plain
+        .migrate()
+        .await
+        .expect_err("plain store on a partitioned table");
+    assert_eq!(err.kind(), ErrorKind::Misconfigured, "{err}");
+    // The catalog read works unconfigured; maintenance does not.
+    let parts = plain.partitions().await.expect("partitions");
+    assert_eq!(parts, partitioned.partitions().await.expect("partitions"));
+    assert!(parts.len() >= 5, "undated, default, today and two ahead");
+    let err = plain
+        .maintain_partitions()
+        .await
+        .expect_err("not partitioned");
+    assert_eq!(err.kind(), ErrorKind::InvalidConfig, "{err}");
+
+    let plain = plain
+        .with_table(TableName::new("plain_claims").expect("name"))
+        .expect("table");
+    plain.migrate().await.expect("a plain table");
+    assert_eq!(plain.partitions().await.expect("none"), vec![]);
+    let err = plain
+        .partitioned(Partitioning::ulid())
+        .expect("partitioned")
+        .migrate()
+        .await
+        .expect_err("partitioned store on a plain table");
+    assert_eq!(err.kind(), ErrorKind::Misconfigured, "{err}");
+
+    drop((partitioned, admin));
+    schema.drop().await;
+}
+
+/// The low-level claim inside a caller's own `tokio_postgres::Transaction` binds the key too:
+/// new once, then the stored fingerprint, in the ID's day partition.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claim_on_a_partitioned_table_finds_the_claim_by_its_key() {
+    let Some(Setup {
+        schema,
+        store,
+        admin,
+    }) = setup(
+        "claim_on_a_partitioned_table_finds_the_claim_by_its_key",
+        Conns::Pool(2),
+    )
+    .await
+    else {
+        return;
+    };
+    let now = db_now(&admin).await;
+    let mut own = common::client(&common::config(&schema)).await;
+    let consumer = ConsumerName::new("own").expect("consumer");
+    let fp = Fingerprint::of(b"x");
+    let id = uuid_at(now, 1);
+    for expected in [None, Some(fp)] {
+        let tx = own.transaction().await.expect("begin");
+        let claim = ClaimRequest {
+            consumer: &consumer,
+            id: &id,
+            fingerprint: &fp,
+            at: Stamp::StoreClock,
+        };
+        let found = store.claim_on(&tx, claim).await.expect("claim");
+        assert_eq!(found, expected);
+        tx.commit().await.expect("commit");
+    }
+    assert_eq!(
+        located(&admin, &id).await,
+        vec![format!("idem_processed_p{}", Day::of(now).suffix())]
+    );
+    drop((store, own, admin));
+    schema.drop().await;
+}
