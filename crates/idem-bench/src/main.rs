@@ -2,8 +2,9 @@
 //! idempotency claim, measured side by side in one run.
 //!
 //! This file owns the options, the order in which scenarios run and the report. The
-//! scenarios live in [`postgres`] (P1 per message, P2 batched) and [`sqlite`] (P3); the timing
-//! loop and the interleaving of rounds in [`measure`]; the message stream in [`workload`].
+//! scenarios live in [`postgres`] (P1 per message, P2 batched, and pruning under load) and
+//! [`sqlite`] (P3); the timing loop and the interleaving of rounds in [`measure`]; the message
+//! stream in [`workload`].
 //!
 //! Each scenario compares variants of one workload, so the report gives ratios to the bare
 //! variant of the same table rather than absolute numbers across tables: absolute rates depend
@@ -42,12 +43,15 @@ struct BenchArgs {
     /// SQLite database file for P3 [default: a temporary file, deleted afterwards].
     #[arg(long, value_name = "PATH")]
     sqlite: Option<PathBuf>,
-    /// Scenarios to run: p1 (per message, PostgreSQL), p2 (batched, PostgreSQL), p3 (SQLite).
+    /// Scenarios to run: p1 (per message, PostgreSQL), p2 (batched, PostgreSQL), p3 (SQLite);
+    /// prune (a large claims table pruned under a running consumer, PostgreSQL; minutes, so
+    /// only when asked for).
     #[arg(long, value_delimiter = ',', default_value = "p1,p2,p3")]
     only: Vec<Scenario>,
-    /// Counted seconds per measurement (a short warm-up runs before each).
-    #[arg(long, default_value_t = 3.0)]
-    seconds: f64,
+    /// Counted seconds per measurement (a short warm-up runs before each) [default: 3]; for
+    /// prune, the windows before and after pruning [default: 15].
+    #[arg(long)]
+    seconds: Option<f64>,
     /// Interleaved rounds per variant; the report gives the median.
     #[arg(long, default_value_t = 3)]
     rounds: usize,
@@ -73,6 +77,21 @@ struct BenchArgs {
     /// profiling one variant. Experimental keys need --experimental.
     #[arg(long, value_delimiter = ',', value_name = "KEYS")]
     variants: Vec<String>,
+    /// Prune: synthetic claims in the table before the consumer starts, spread over 14 days.
+    #[arg(long, default_value_t = 10_000_000)]
+    claims: u64,
+    /// Prune: the consumer's concurrent workers.
+    #[arg(long, default_value_t = 8)]
+    prune_workers: usize,
+    /// Prune: claims per row-wise prune batch.
+    #[arg(long, default_value_t = 10_000)]
+    prune_batch: u32,
+    /// Prune: stop row-wise pruning after this many seconds (checked between batches).
+    #[arg(long, default_value_t = 600.0, value_name = "SECONDS")]
+    prune_cap: f64,
+    /// Prune: the tables to prune, in order: plain (row-wise), partitioned (partition drop).
+    #[arg(long, value_delimiter = ',', default_value = "plain,partitioned")]
+    prune_tables: Vec<postgres::PruneLayout>,
 }
 
 fn main() -> ExitCode {
@@ -102,6 +121,7 @@ enum Scenario {
     P1,
     P2,
     P3,
+    Prune,
 }
 
 /// What every scenario needs to know about the run.
@@ -349,9 +369,13 @@ fn verdict(met: bool) -> &'static str {
 
 /// Runs the scenarios `args` selects and prints the report.
 async fn run(args: BenchArgs) -> anyhow::Result<()> {
-    if !(args.seconds.is_finite() && args.seconds > 0.0 && args.seconds <= 3600.0) {
-        bail!("--seconds must be a positive number of seconds (at most 3600)");
-    }
+    let seconds = |default: f64| -> anyhow::Result<Duration> {
+        let s = args.seconds.unwrap_or(default);
+        if !(s.is_finite() && s > 0.0 && s <= 3600.0) {
+            bail!("--seconds must be a positive number of seconds (at most 3600)");
+        }
+        Ok(Duration::from_secs_f64(s))
+    };
     if args.rounds == 0 || args.rounds > 100 {
         bail!("--rounds must be between 1 and 100");
     }
@@ -367,7 +391,7 @@ async fn run(args: BenchArgs) -> anyhow::Result<()> {
             bail!("{flag}: worker counts must be between 1 and 256");
         }
     }
-    let measure = Duration::from_secs_f64(args.seconds);
+    let measure = seconds(3.0)?;
     let settings = Settings {
         // Long enough to fill statement caches and reach steady state, short next to the window.
         window: Window {
@@ -382,12 +406,37 @@ async fn run(args: BenchArgs) -> anyhow::Result<()> {
     };
     let wants = |s| args.only.contains(&s);
 
+    let prune = if wants(Scenario::Prune) {
+        if args.prune_workers == 0 || args.prune_workers > 256 {
+            bail!("--prune-workers must be between 1 and 256");
+        }
+        if args.prune_batch == 0 {
+            bail!("--prune-batch must be at least 1");
+        }
+        if !(args.prune_cap.is_finite() && args.prune_cap > 0.0) {
+            bail!("--prune-cap must be a positive number of seconds");
+        }
+        let window = seconds(15.0)?;
+        Some(postgres::PruneOptions {
+            claims: args.claims,
+            workers: args.prune_workers,
+            before: window,
+            after: window,
+            cap: Duration::from_secs_f64(args.prune_cap),
+            batch: args.prune_batch,
+            layouts: args.prune_tables.clone(),
+        })
+    } else {
+        None
+    };
+
     let mut env = Environment::probe();
     let host_before = HostCpu::read();
     let mut groups = Vec::new();
+    let mut pruned = None;
     let mut skipped = Vec::new();
 
-    if wants(Scenario::P1) || wants(Scenario::P2) {
+    if wants(Scenario::P1) || wants(Scenario::P2) || prune.is_some() {
         let url = args
             .postgres
             .clone()
@@ -396,19 +445,30 @@ async fn run(args: BenchArgs) -> anyhow::Result<()> {
         match postgres::Bench::connect(&url, &settings).await {
             Ok(pg) => {
                 env.postgres = Some(pg.describe().to_string());
-                if wants(Scenario::P1) {
-                    groups.extend(pg.p1(&args.p1_workers).await?);
+                if wants(Scenario::P1) || wants(Scenario::P2) {
+                    pg.create_tables().await?;
+                    if wants(Scenario::P1) {
+                        groups.extend(pg.p1(&args.p1_workers).await?);
+                    }
+                    if wants(Scenario::P2) {
+                        groups.extend(pg.p2(&args.p2_workers).await?);
+                    }
+                    pg.cleanup().await;
                 }
-                if wants(Scenario::P2) {
-                    groups.extend(pg.p2(&args.p2_workers).await?);
+                if let Some(options) = &prune {
+                    pruned = Some(pg.prune(options).await?);
                 }
-                pg.cleanup().await;
             }
             Err(e) => {
                 let line = format!(
-                    "P1/P2 skipped: PostgreSQL at {} is unreachable ({e:#})",
+                    "PostgreSQL scenarios skipped: PostgreSQL at {} is unreachable ({e:#})",
                     idem_core::redact_url(&url)
                 );
+                if prune.is_some() {
+                    // Nothing else would tell the caller that the scenario they asked for
+                    // did not run.
+                    bail!("{line}");
+                }
                 eprintln!("{line}");
                 skipped.push(line);
             }
@@ -425,11 +485,18 @@ async fn run(args: BenchArgs) -> anyhow::Result<()> {
     env.noise = host_before
         .zip(HostCpu::read())
         .map(|(a, b)| a.noise_until(&b));
-    let report = if args.markdown {
+    let mut report = if args.markdown {
         markdown(&env, &settings, &groups, &skipped)
     } else {
         plain(&env, &settings, &groups, &skipped)
     };
+    if let Some(pruned) = &pruned {
+        report.push_str(&if args.markdown {
+            pruned.markdown()
+        } else {
+            pruned.plain()
+        });
+    }
     print!("{report}");
     Ok(())
 }
@@ -450,6 +517,8 @@ struct Environment {
     postgres: Option<String>,
     sqlite: Option<String>,
     noise: Option<String>,
+    /// `/proc/loadavg` as the run starts: others' work on a shared machine.
+    load: Option<String>,
 }
 
 /// The machine-wide CPU counters of `/proc/stat`, to say how noisy the run was: a shared or
@@ -521,29 +590,36 @@ impl Environment {
             postgres: None,
             noise: None,
             sqlite: None,
+            load: std::fs::read_to_string("/proc/loadavg")
+                .ok()
+                .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" ")),
         }
     }
 
-    fn lines(&self, settings: &Settings) -> Vec<String> {
-        let mut lines = vec![
-            format!(
-                "machine: {} CPUs (nproc){}; {}",
-                self.cpus,
-                self.cpu_model
-                    .as_deref()
-                    .map(|m| format!(", {m}"))
-                    .unwrap_or_default(),
-                self.date
-            ),
-            format!(
+    /// The header's lines; `rounds`: whether the interleaved-rounds scenarios ran.
+    fn lines(&self, settings: &Settings, rounds: bool) -> Vec<String> {
+        let mut lines = vec![format!(
+            "machine: {} CPUs (nproc){}; {}",
+            self.cpus,
+            self.cpu_model
+                .as_deref()
+                .map(|m| format!(", {m}"))
+                .unwrap_or_default(),
+            self.date
+        )];
+        if let Some(load) = &self.load {
+            lines.push(format!("load average at the start (1, 5, 15 min): {load}"));
+        }
+        if rounds {
+            lines.push(format!(
                 "method: {} interleaved rounds per variant, each {:.1} s counted after a {:.1} s \
                  warm-up; median shown; every message has a fresh ID (every claim is a real \
                  insert); tables truncated before each measurement",
                 settings.rounds,
                 settings.window.measure.as_secs_f64(),
                 settings.window.warmup.as_secs_f64()
-            ),
-        ];
+            ));
+        }
         if let Some(pg) = &self.postgres {
             lines.push(format!("PostgreSQL: {pg}"));
         }
@@ -552,6 +628,9 @@ impl Environment {
         }
         if let Some(sqlite) = &self.sqlite {
             lines.push(format!("SQLite: {sqlite}"));
+        }
+        if !rounds {
+            return lines;
         }
         lines.push(
             "round trips: pool pings are sqlx's (one when a pooled connection is acquired, one \
@@ -577,7 +656,7 @@ fn markdown(
     let mut out = String::new();
     let _ = writeln!(out, "## `idem-bench`\n");
     let _ = writeln!(out, "- command: `{}`", env.command);
-    for line in env.lines(settings) {
+    for line in env.lines(settings, !groups.is_empty()) {
         let _ = writeln!(out, "- {line}");
     }
     for line in skipped {
@@ -619,7 +698,11 @@ fn markdown(
 fn plain(env: &Environment, settings: &Settings, groups: &[Group], skipped: &[String]) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "idem-bench: {}", env.command);
-    for line in env.lines(settings).iter().chain(skipped) {
+    for line in env
+        .lines(settings, !groups.is_empty())
+        .iter()
+        .chain(skipped)
+    {
         let _ = writeln!(out, "  {line}");
     }
     for g in groups.iter().filter(|g| !g.rows.is_empty()) {

@@ -61,12 +61,24 @@ impl Ids {
             worker & 0xffff,
             n & 0xffff_ffff_ffff
         );
-        let h = mix(((worker as u64) << 40) ^ n);
-        Ok(Delivery {
-            id: MessageId::new(id)?,
-            account: account_name(h % ACCOUNTS),
-            amount: 1 + ((h >> 32) % 100) as i64,
-        })
+        Ok(charge(MessageId::new(id)?, worker, n))
+    }
+
+    /// Message `n` of worker `worker` with a UUIDv7 ID made at `ms` (Unix milliseconds), as
+    /// producers that partition by ID time send: the charge is [`Self::delivery`]'s. The 74
+    /// random bits are the worker (12 bits), then this measurement (14) and `n` (48), so IDs
+    /// stay distinct even within one millisecond.
+    pub(crate) fn delivery_v7(&self, worker: usize, n: u64, ms: u64) -> anyhow::Result<Delivery> {
+        let rand_a = worker as u64 & 0xfff;
+        let rand_b = (u64::from(self.measurement & 0x3fff) << 48) | (n & 0xffff_ffff_ffff);
+        let id = format!(
+            "{:08x}-{:04x}-7{rand_a:03x}-{:04x}-{:012x}",
+            (ms >> 16) & 0xffff_ffff,
+            ms & 0xffff,
+            0x8000 | (rand_b >> 48), // the RFC variant, 0b10, then 14 random bits
+            rand_b & 0xffff_ffff_ffff
+        );
+        Ok(charge(MessageId::new(id)?, worker, n))
     }
 
     /// Batch `seq` of `size` messages of worker `worker`.
@@ -80,6 +92,16 @@ impl Ids {
         (0..size64)
             .map(|i| self.delivery(worker, seq * size64 + i))
             .collect()
+    }
+}
+
+/// "Charge `amount` to `account`", depending only on `(worker, n)`.
+fn charge(id: MessageId, worker: usize, n: u64) -> Delivery {
+    let h = mix(((worker as u64) << 40) ^ n);
+    Delivery {
+        id,
+        account: account_name(h % ACCOUNTS),
+        amount: 1 + ((h >> 32) % 100) as i64,
     }
 }
 
@@ -119,6 +141,20 @@ mod tests {
         assert_ne!(a.id, Ids::new(7, 2).delivery(0, 5)?.id);
         // Same account stream for every measurement: variants stay comparable.
         assert_eq!(a.account, Ids::new(9, 3).delivery(0, 5)?.account);
+        Ok(())
+    }
+
+    #[test]
+    fn v7_ids_carry_their_time_and_stay_distinct() -> anyhow::Result<()> {
+        let ms = 1_733_000_000_123;
+        let a = Ids::new(7, 1).delivery_v7(3, 5, ms)?;
+        assert_eq!(a.id.len(), 36);
+        let t = idem_core::partition::uuid_v7(&a.id).map(|t| t.as_micros());
+        assert_eq!(t, Some(ms as i64 * 1000));
+        assert_ne!(a.id, Ids::new(7, 1).delivery_v7(4, 5, ms)?.id);
+        assert_ne!(a.id, Ids::new(7, 1).delivery_v7(3, 6, ms)?.id);
+        assert_ne!(a.id, Ids::new(7, 2).delivery_v7(3, 5, ms)?.id);
+        assert_eq!(a.account, Ids::new(7, 1).delivery(3, 5)?.account);
         Ok(())
     }
 

@@ -1,6 +1,7 @@
 //! P1 (one message per transaction, [`p1`]) and P2 (batches, [`p2`]) on PostgreSQL; this
 //! module owns the tables, the pools and the handler under test. P1 also measures
-//! `idem-postgres` on tokio-postgres ([`tokio_pg`]) beside the sqlx store.
+//! `idem-postgres` on tokio-postgres ([`tokio_pg`]) beside the sqlx store. [`prune`] runs the
+//! same handler as a consumer while a large claims table is pruned, in a schema of its own.
 //!
 //! Every variant goes through `pool.begin()` on a pool of exactly `workers` connections, as
 //! `PostgresStore` does, so the pool's own costs (sqlx pings a connection when it is acquired
@@ -14,7 +15,10 @@
 
 mod p1;
 mod p2;
+mod prune;
 mod tokio_pg;
+
+pub(crate) use prune::{Layout as PruneLayout, Options as PruneOptions};
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -54,7 +58,7 @@ pub(crate) struct Bench {
 }
 
 impl Bench {
-    /// Connects, and (re)creates the idem_bench_* tables.
+    /// Connects; P1 and P2 then need [`Self::create_tables`].
     pub(crate) async fn connect(url: &str, settings: &Settings) -> anyhow::Result<Self> {
         // One plain connection first: a pool reports a refused connection only as "timed out".
         let probe = tokio::time::timeout(Duration::from_secs(5), PgConnection::connect(url))
@@ -70,7 +74,13 @@ impl Bench {
             .fetch_one(&admin)
             .await?;
         let mut settings_text = Vec::new();
-        for name in ["fsync", "synchronous_commit", "shared_buffers"] {
+        for name in [
+            "fsync",
+            "synchronous_commit",
+            "shared_buffers",
+            "max_wal_size",
+            "autovacuum",
+        ] {
             let value: String = sqlx::query_scalar(&format!("SHOW {name}"))
                 .fetch_one(&admin)
                 .await?;
@@ -86,7 +96,6 @@ impl Bench {
                 settings_text.join(", ")
             ),
         };
-        bench.create_tables().await?;
         Ok(bench)
     }
 
@@ -95,7 +104,8 @@ impl Bench {
         &self.describe
     }
 
-    async fn create_tables(&self) -> anyhow::Result<()> {
+    /// (Re)creates P1's and P2's idem_bench_* tables; [`Self::cleanup`] drops them.
+    pub(crate) async fn create_tables(&self) -> anyhow::Result<()> {
         self.drop_tables().await?;
         sqlx::raw_sql(
             "CREATE TABLE idem_bench_accounts (id text PRIMARY KEY, balance bigint NOT NULL);
