@@ -83,12 +83,13 @@ mod partitioned;
 mod requests;
 mod sql;
 mod store;
-mod table;
+
 mod tx;
 
+/// Table names are idem-core's, shared with idem-sql.
+pub use idem_core::{DEFAULT_REQUESTS_TABLE, DEFAULT_TABLE, TableName};
 pub use requests::MAX_REQUEST_KEY_LEN;
 pub use store::{MAX_MESSAGE_ID_LEN, PgStore};
-pub use table::{DEFAULT_REQUESTS_TABLE, DEFAULT_TABLE, TableName};
 pub use tx::PgTx;
 
 /// The pool crate this store runs on, re-exported so its version matches.

@@ -19,8 +19,8 @@ use tokio_postgres::SimpleQueryMessage;
 use crate::errors::{commit_error, store_error};
 use crate::sql::ClaimSql;
 use crate::store::{PgStore, micros};
-use crate::table::TableName;
 use crate::tx::PgTx;
+use idem_core::TableName;
 
 /// How long maintenance waits for a lock on the claims table before giving up until the next
 /// round: dropping or creating a partition takes an exclusive lock on the parent for a moment,

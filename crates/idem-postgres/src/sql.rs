@@ -10,7 +10,7 @@
 //! commit the insert waited for. `processed_at` is stamped by the server's clock (`now()`, the
 //! transaction's start) unless the processor has a clock of its own.
 
-use crate::table::TableName;
+use idem_core::TableName;
 
 /// The server's clock in `processed_at` units: the transaction's start, in microseconds since
 /// the Unix epoch (`now()` is fixed for the whole transaction, so a batch shares one stamp).

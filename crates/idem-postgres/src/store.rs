@@ -40,8 +40,8 @@ use tokio_postgres::{Client, GenericClient, Row};
 use crate::conn::{Clients, Lease, Source, begin_error};
 use crate::errors::{commit_error, store_error};
 use crate::sql::{self, ClaimSql, RequestSql};
-use crate::table::TableName;
 use crate::tx::PgTx;
+use idem_core::TableName;
 
 /// Longest message ID the schema holds (the same limit as `idem-sql`'s PostgreSQL store): well
 /// inside the btree tuple limit.
@@ -698,15 +698,7 @@ impl Migrate for PgStore {
     /// [`ErrorKind::Misconfigured`]; a partitioned store then creates today's partition and
     /// those ahead ([`maintain_partitions`](PgStore::maintain_partitions)).
     async fn migrate(&self) -> Result<(), Error> {
-        if self.table == self.requests {
-            return Err(Error::new(
-                ErrorKind::InvalidConfig,
-                format!(
-                    "the requests table and the claims table are both {}; name them apart",
-                    self.table
-                ),
-            ));
-        }
+        TableName::check_distinct(&self.table, &self.requests)?;
         let tx = self.begin_tx().await?;
         tx.batch_execute(sql::MIGRATE_LOCK)
             .await
