@@ -34,6 +34,18 @@ use super::measure::{self, CpuProbe, Op, Sample};
 use super::workload::{ACCOUNTS, CONSUMER, Delivery, per_account};
 
 const CLAIMS: &str = "idem_bench_claims";
+/// The same claims, in a table partitioned by the ID's time (P1's `-part` rows).
+const CLAIMS_PART: &str = "idem_bench_claims_part";
+
+/// The partitioning of [`CLAIMS_PART`]: the bench's IDs carry no time, so every ID is read as
+/// made at the start of today (UTC), as a live stream of UUIDv7 IDs lands in today's
+/// partition; the default partition and the undated one stay empty.
+fn bench_partitioning() -> idem_core::partition::Partitioning {
+    use idem_core::partition::{Day, Partitioning};
+    let today = Day::of(idem_core::Timestamp::from(std::time::SystemTime::now()));
+    let at = idem_core::Timestamp::from_micros(today.start() + 1);
+    Partitioning::by(move |_: &idem_core::MessageId| Some(at))
+}
 
 const CHARGE: &str = "INSERT INTO idem_bench_charges (account, amount) VALUES ($1, $2)";
 const CREDIT: &str = "UPDATE idem_bench_accounts SET balance = balance + $2 WHERE id = $1";
@@ -123,13 +135,18 @@ impl Bench {
             .with_table(TableName::new(CLAIMS)?)?
             .migrate()
             .await?;
+        PostgresStore::from_pool(self.admin.clone())
+            .with_table(TableName::new(CLAIMS_PART)?)?
+            .partitioned(bench_partitioning())?
+            .migrate()
+            .await?;
         Ok(())
     }
 
     async fn drop_tables(&self) -> anyhow::Result<()> {
         sqlx::raw_sql(
             "DROP TABLE IF EXISTS idem_bench_accounts, idem_bench_charges, \
-             idem_bench_claims, idem_bench_narrow_claims",
+             idem_bench_claims, idem_bench_claims_part, idem_bench_narrow_claims",
         )
         .execute(&self.admin)
         .await
@@ -148,8 +165,8 @@ impl Bench {
     /// measurement starts equally far from the next checkpoint's burst of writes.
     async fn reset(&self) -> anyhow::Result<()> {
         sqlx::raw_sql(&format!(
-            "TRUNCATE idem_bench_charges, idem_bench_claims, idem_bench_narrow_claims, \
-                 idem_bench_accounts RESTART IDENTITY;
+            "TRUNCATE idem_bench_charges, idem_bench_claims, idem_bench_claims_part, \
+                 idem_bench_narrow_claims, idem_bench_accounts RESTART IDENTITY;
              INSERT INTO idem_bench_accounts (id, balance)
                  SELECT 'acc-' || lpad(i::text, 4, '0'), 0 FROM generate_series(0, {}) AS i;
              ANALYZE idem_bench_accounts;",
@@ -230,6 +247,14 @@ impl Bench {
             CONSUMER,
         )
         .build()?;
+        let held_part = Processor::builder(
+            PostgresStore::from_pool(pool.clone())
+                .with_table(TableName::new(CLAIMS_PART)?)?
+                .partitioned(bench_partitioning())?
+                .hold_connections(u32::try_from(workers)?),
+            CONSUMER,
+        )
+        .build()?;
         let lean = if lean {
             let (pool, lean_pids) = self.pool(workers, false).await?;
             pids.extend(lean_pids);
@@ -242,6 +267,7 @@ impl Bench {
             pool,
             processor,
             held,
+            held_part,
             lean,
             tokio_pg,
             cpu: CpuProbe::new(pids),
@@ -269,6 +295,8 @@ struct Ctx {
     /// The same store with `hold_connections(workers)`: transactions without pool pings.
     /// Its connections open on first use, so the CPU column does not see their backends.
     held: Processor<PostgresStore>,
+    /// `held` on the partitioned claims table.
+    held_part: Processor<PostgresStore>,
     /// Experimental: the same, on a pool that does not ping on acquire.
     lean: Option<(PgPool, Processor<PostgresStore>)>,
     /// The tokio-postgres variants' pool and idem-postgres processor.

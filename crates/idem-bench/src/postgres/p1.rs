@@ -39,6 +39,8 @@ impl Bench {
             P1::IdemHeld,
             P1::BareTokioPg,
             P1::IdemTokioPg,
+            P1::IdemHeldPart,
+            P1::IdemTokioPgPart,
         ];
         if self.settings.experimental {
             variants.extend([
@@ -58,7 +60,7 @@ impl Bench {
                     .context_with(
                         workers,
                         matches!(v, P1::BareLean | P1::IdemLean),
-                        matches!(v, P1::BareTokioPg | P1::IdemTokioPg),
+                        matches!(v, P1::BareTokioPg | P1::IdemTokioPg | P1::IdemTokioPgPart),
                     )
                     .await?;
                 let op = P1Op {
@@ -85,6 +87,8 @@ impl Bench {
                 Target::at_least("idem-tp", "bare-tp", 0.95),
                 Target::compare("idem-tp", "idem"),
                 Target::compare("idem-tp", "idem-held"),
+                Target::at_least("idem-held-part", "idem-held", 0.95),
+                Target::at_least("idem-tp-part", "idem-tp", 0.95),
             ]);
             let group = if self.settings.experimental {
                 group
@@ -117,6 +121,10 @@ impl Bench {
                          connection per worker (RecyclingMethod::Fast: no ping), statements \
                          prepared once per connection; idem-postgres sends BEGIN and the \
                          claim in one flight",
+                    )
+                    .note(
+                        "`-part` rows: the same store on a claims table partitioned by the \
+                         ID's time (every claim in today's partition, as a live stream's)",
                     ),
             );
         }
@@ -140,6 +148,8 @@ enum P1 {
     Narrow,
     BareTokioPg,
     IdemTokioPg,
+    IdemHeldPart,
+    IdemTokioPgPart,
 }
 
 impl Variant for P1 {
@@ -159,6 +169,8 @@ impl Variant for P1 {
             P1::Narrow => "narrow",
             P1::BareTokioPg => "bare-tp",
             P1::IdemTokioPg => "idem-tp",
+            P1::IdemHeldPart => "idem-held-part",
+            P1::IdemTokioPgPart => "idem-tp-part",
         }
     }
 
@@ -178,6 +190,8 @@ impl Variant for P1 {
             P1::Narrow => "exp: hand-written claim, id-only row",
             P1::BareTokioPg => "bare, tokio-postgres + deadpool",
             P1::IdemTokioPg => "idem-postgres `process`, deadpool",
+            P1::IdemHeldPart => "idem-held, partitioned claims table",
+            P1::IdemTokioPgPart => "idem-tp, partitioned claims table",
         }
     }
 
@@ -187,8 +201,8 @@ impl Variant for P1 {
             P1::Hand | P1::Idem | P1::Narrow => "7 = 5 + 2 pings",
             P1::Naive => "12 = 6 + 6 pings, 2 commits",
             P1::BareHeld | P1::PipelinedHeld | P1::BareTokioPg => "4",
-            P1::IdemTokioPg => "4 (BEGIN + claim in one)",
-            P1::ClaimOnHeld | P1::IdemHeld => "5",
+            P1::IdemTokioPg | P1::IdemTokioPgPart => "4 (BEGIN + claim in one)",
+            P1::ClaimOnHeld | P1::IdemHeld | P1::IdemHeldPart => "5",
             P1::BareLean => "5 = 4 + 1 ping",
             P1::IdemLean => "6 = 5 + 1 ping",
             P1::Pipelined => "6 = 4 + 2 pings",
@@ -245,7 +259,9 @@ impl Op for P1Op {
                 pipelined(conn, &ctx.consumer, &d).await?;
             }
             P1::BareTokioPg => ctx.tokio_pg()?.bare(&d).await?,
-            P1::IdemTokioPg => ctx.tokio_pg()?.idem(&d).await?,
+            P1::IdemTokioPg => ctx.tokio_pg()?.idem(&d, false).await?,
+            P1::IdemHeldPart => idem(&ctx.held_part, &d).await?,
+            P1::IdemTokioPgPart => ctx.tokio_pg()?.idem(&d, true).await?,
         }
         Ok(1)
     }

@@ -12,7 +12,7 @@ use idem_postgres::deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMe
 use idem_postgres::tokio_postgres::{self, Client, NoTls};
 use idem_postgres::{PgStore, PgTx, TableName};
 
-use super::{CHARGE, CLAIMS, CREDIT};
+use super::{CHARGE, CLAIMS, CLAIMS_PART, CREDIT, bench_partitioning};
 use crate::measure::CpuProbe;
 use crate::workload::{CONSUMER, Delivery};
 
@@ -21,6 +21,8 @@ use crate::workload::{CONSUMER, Delivery};
 pub(super) struct TokioPg {
     pool: Pool,
     processor: Processor<PgStore>,
+    /// The same on the partitioned claims table.
+    partitioned: Processor<PgStore>,
 }
 
 impl TokioPg {
@@ -54,7 +56,18 @@ impl TokioPg {
         }
         let store = PgStore::from_pool(pool.clone()).with_table(TableName::new(CLAIMS)?)?;
         let processor = Processor::builder(store, CONSUMER).build()?;
-        Ok((Self { pool, processor }, pids))
+        let store = PgStore::from_pool(pool.clone())
+            .with_table(TableName::new(CLAIMS_PART)?)?
+            .partitioned(bench_partitioning())?;
+        let partitioned = Processor::builder(store, CONSUMER).build()?;
+        Ok((
+            Self {
+                pool,
+                processor,
+                partitioned,
+            },
+            pids,
+        ))
     }
 
     pub(super) fn close(&self) {
@@ -75,12 +88,15 @@ impl TokioPg {
         Ok(())
     }
 
-    /// The same handler through `Processor::process` on `idem-postgres`.
-    pub(super) async fn idem(&self, d: &Delivery) -> anyhow::Result<()> {
-        let outcome = self
-            .processor
-            .process(d, async |tx| charge(tx, d).await)
-            .await?;
+    /// The same handler through `Processor::process` on `idem-postgres` (on the partitioned
+    /// claims table with `partitioned`).
+    pub(super) async fn idem(&self, d: &Delivery, partitioned: bool) -> anyhow::Result<()> {
+        let processor = if partitioned {
+            &self.partitioned
+        } else {
+            &self.processor
+        };
+        let outcome = processor.process(d, async |tx| charge(tx, d).await).await?;
         match outcome {
             Outcome::Processed(()) => Ok(()),
             other => bail!("fresh message {:?} was not new: {other:?}", d.id),
