@@ -203,21 +203,32 @@ async fn drive(
     let mut failing = false;
     let mut reconnect_at: Option<Instant> = None;
     loop {
-        let polled = tokio::select! {
-            r = event_loop.poll() => r,
-            // Dropping a poll future midway at worst loses a PUBACK or ping, which a reconnect
-            // repairs (redelivery, duplicate); abandons are rare.
-            _ = link.abandoned.notified(), if reconnect_at.is_none() => {
-                reconnect_at = Some(Instant::now() + REDELIVERY_DELAY);
-                continue;
+        // The poll in progress survives an abandon: it may have taken a PUBACK off the request
+        // channel and not written it yet, and dropping it then would lose the ack of a message
+        // that committed — at a graceful stop, where the runner gives back what it did not
+        // start right after acking what it did, that made a committed message come back.
+        // Only the reconnect itself drops it, on a connection it abandons anyway.
+        let polled = {
+            let poll = event_loop.poll();
+            tokio::pin!(poll);
+            loop {
+                tokio::select! {
+                    r = &mut poll => break Some(r),
+                    _ = link.abandoned.notified(), if reconnect_at.is_none() => {
+                        reconnect_at = Some(Instant::now() + REDELIVERY_DELAY);
+                    }
+                    _ = tokio::time::sleep_until(reconnect_at.unwrap_or_else(Instant::now)), if reconnect_at.is_some() => {
+                        break None;
+                    }
+                }
             }
-            _ = tokio::time::sleep_until(reconnect_at.unwrap_or_else(Instant::now)), if reconnect_at.is_some() => {
-                reconnect_at = None;
-                link.generation.fetch_add(1, Ordering::SeqCst);
-                event_loop.drop_connection();
-                tracing::info!(client_id = %link.client_id, "reconnecting so the broker redelivers abandoned messages");
-                continue;
-            }
+        };
+        let Some(polled) = polled else {
+            reconnect_at = None;
+            link.generation.fetch_add(1, Ordering::SeqCst);
+            event_loop.drop_connection();
+            tracing::info!(client_id = %link.client_id, "reconnecting so the broker redelivers abandoned messages");
+            continue;
         };
         match polled {
             Ok(Polled::ConnAck { session_present }) => {
