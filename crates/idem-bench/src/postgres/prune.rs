@@ -169,7 +169,8 @@ struct Leg {
     capped: bool,
     size_before: u64,
     size_after: u64,
-    windows: [WindowStats; 3],
+    /// Before, during, after, and as long as before from the start of pruning.
+    windows: [WindowStats; 4],
     retries: u64,
     checks: Vec<String>,
 }
@@ -221,6 +222,21 @@ struct Timeline {
     before: (Duration, Duration),
     during: (Duration, Duration),
     after: (Duration, Duration),
+}
+
+impl Timeline {
+    /// The windows the report shows, in its order. The last is as long as `before` and
+    /// starts with pruning: a drop that lasts a fraction of a second is then also seen on the
+    /// same time scale as the baseline it is compared with.
+    fn windows(&self) -> [(Duration, Duration); 4] {
+        let same_as_before = self.before.1 - self.before.0;
+        [
+            self.before,
+            self.during,
+            self.after,
+            (self.during.0, self.during.0 + same_as_before),
+        ]
+    }
 }
 
 /// What pruning did, and the server's cutoff (now − prune age, microseconds) as it started
@@ -389,7 +405,8 @@ impl Bench {
         let retries = logs.iter().map(|l| l.retries).sum();
         let mut done: Vec<Done> = logs.into_iter().flat_map(|l| l.done).collect();
         done.sort_by_key(|d| d.at_ns);
-        let windows = [timeline.before, timeline.during, timeline.after]
+        let windows = timeline
+            .windows()
             .map(|(from, to)| window_stats(&done, from, to));
 
         checks.extend(
@@ -1112,12 +1129,14 @@ impl Report {
             ),
             format!(
                 "windows: before = {:.0} s after a {:.1} s warm-up; during = pruning, however \
-                 long it takes; after = {:.0} s once pruning returned; sizes: \
-                 `pg_total_relation_size` over the table, its partitions and indexes, just \
-                 before and just after pruning",
+                 long it takes; after = {:.0} s once pruning returned; and {} = as long as \
+                 before, from the start of pruning (a short drop seen on the baseline's time \
+                 scale); sizes: `pg_total_relation_size` over the table, its partitions and \
+                 indexes, just before and just after pruning",
                 o.before.as_secs_f64(),
                 o.warmup().as_secs_f64(),
-                o.after.as_secs_f64()
+                o.after.as_secs_f64(),
+                self.since_start()
             ),
         ]
     }
@@ -1144,7 +1163,8 @@ impl Report {
         let mut windows = Vec::new();
         for l in &self.legs {
             let before = l.windows[0].p99_us;
-            for (name, w) in ["before", "during", "after"].iter().zip(&l.windows) {
+            let names = ["before", "during", "after", &self.since_start()];
+            for (name, w) in names.iter().zip(&l.windows) {
                 windows.push([
                     l.layout.name().to_string(),
                     name.to_string(),
@@ -1161,24 +1181,36 @@ impl Report {
         (prunes, windows)
     }
 
+    /// The fourth window's name.
+    fn since_start(&self) -> String {
+        format!("{:.0} s from its start", self.options.before.as_secs_f64())
+    }
+
     /// The ratio lines and the checks.
     fn lines(&self) -> Vec<String> {
         let mut out = Vec::new();
         for l in &self.legs {
-            let (before, during) = (l.windows[0].p99_us, l.windows[1].p99_us);
-            let r = if before > 0 {
-                f64::from(during) / f64::from(before)
-            } else {
-                0.0
+            let before = l.windows[0].p99_us;
+            let r = |w: &WindowStats| {
+                if before > 0 {
+                    f64::from(w.p99_us) / f64::from(before)
+                } else {
+                    0.0
+                }
             };
+            let (during, from_start) = (r(&l.windows[1]), r(&l.windows[3]));
             out.push(match l.layout {
                 Layout::Partitioned => format!(
-                    "partitioned: p99 during / before = {r:.2} (target ≤ {P99_TARGET:.2}): {}",
-                    crate::verdict(before > 0 && r <= P99_TARGET)
+                    "partitioned: p99 during / before = {during:.2} (target ≤ {P99_TARGET:.2}): \
+                     {}; over the {} = {from_start:.2}",
+                    crate::verdict(before > 0 && during <= P99_TARGET),
+                    self.since_start()
                 ),
-                Layout::Plain => {
-                    format!("plain: p99 during / before = {r:.2} (row-wise: reported, no target)")
-                }
+                Layout::Plain => format!(
+                    "plain: p99 during / before = {during:.2} (row-wise: reported, no target); \
+                     over the {} = {from_start:.2}",
+                    self.since_start()
+                ),
             });
         }
         for l in &self.legs {
