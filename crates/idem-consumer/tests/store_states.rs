@@ -13,7 +13,7 @@ use idem_consumer::{
     CancellationToken, Consumer, Handler, InMemoryBroker, Json, RetryPolicy, RunStats, metrics,
 };
 use idem_core::{BoxError, ErrorKind, Message, Migrate, Processor};
-use idem_sql::{PostgresTx, PostgresStore, SqliteOptions, SqliteStore, TableName, Tx};
+use idem_sql::{PostgresStore, PostgresTx, SqliteOptions, SqliteStore, TableName, Tx};
 use idem_testkit::{service_url, services, unique_name};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};

@@ -17,11 +17,11 @@
 
 use std::time::Duration;
 
+pub use idem_core::request_record::MAX_REQUEST_KEY_LEN;
+pub(crate) use idem_core::request_record::RecordRow;
 use idem_core::request_record::{
     MAX_ATTEMPTS, Next, bound_fence, decide, lease_lost, next_fence, span, stored_fence,
 };
-pub use idem_core::request_record::MAX_REQUEST_KEY_LEN;
-pub(crate) use idem_core::request_record::RecordRow;
 use idem_core::store::{ReapRequests, RequestStore};
 use idem_core::{Begin, Error, ErrorKind, Fence, Fingerprint, RequestKey};
 
