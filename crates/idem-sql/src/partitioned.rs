@@ -68,9 +68,19 @@ impl SqlStore<Postgres> {
     pub async fn maintain_partitions(&self) -> Result<PartitionReport, Error> {
         let p = self.require_partitioning()?;
         let now = self.server_now().await?;
-        let mut report = self.create_partitions(p.days_to_create(now)).await?;
-        let cutoff = now.as_micros() - micros(p.table_retention().prune_age());
-        for (day, _) in self.day_partitions().await? {
+        // One catalog read decides both: it runs with every prune batch, and opening a locked
+        // transaction per day ahead only to find it exists would cost three each time.
+        // `create_day` still checks again under the lock.
+        let existing: Vec<Day> = self
+            .day_partitions()
+            .await?
+            .into_iter()
+            .map(|(d, _)| d)
+            .collect();
+        let missing = p.days_to_create(now).filter(|d| !existing.contains(d));
+        let mut report = self.create_partitions(missing).await?;
+        let cutoff = now.as_micros() - crate::common::micros(p.table_retention().prune_age());
+        for day in existing {
             if p.droppable(day, now) {
                 let (rows, moved) = self.drop_day(day, cutoff).await?;
                 report.dropped.push((day, rows));
@@ -272,10 +282,6 @@ fn kind_of(t: &TableName, relname: &str) -> Option<PartitionKind> {
         "undated" => Some(PartitionKind::Undated),
         _ => Day::parse_suffix(rest.strip_prefix('p')?).map(PartitionKind::Day),
     }
-}
-
-fn micros(d: std::time::Duration) -> i64 {
-    crate::common::micros(d)
 }
 
 /// The partitioned schema's statements, after the requests table's (same transaction, same
