@@ -13,16 +13,32 @@ use serde::de::DeserializeOwned;
 
 use crate::engine::{Idempotency, Start};
 
+mod canonical;
+
 impl<S: RequestStore + Clone + 'static> Idempotency<S> {
     /// Runs `f` once per (`scope`, `key`) and returns its result; every repeat gets the first
     /// result back, deserialized, without running `f`.
     ///
     /// `input` is what the call is about: its JSON encoding is the fingerprint, so the same key
-    /// with a different input is refused ([`ErrorKind::KeyReused`]) rather than replayed. `f`
+    /// with a different input is refused ([`ErrorKind::KeyReused`]) rather than replayed. The
+    /// encoding is canonical: serde_json's compact JSON with the entries of every map (a
+    /// `HashMap`, a `BTreeMap`, a `serde_json::Value` object, a struct with
+    /// `#[serde(flatten)]`) sorted by key, so an equal input rebuilt in another iteration
+    /// order is the same input; struct fields keep their declaration order. `f`
     /// writes through the store's transaction, which commits together with the stored
     /// result. An error from `f` (or a panic) is not stored: its writes roll back and a repeat
     /// runs `f` again. A repeat while the first call runs fails at once with
     /// [`ErrorKind::InProgress`] and a [`retry_after`](Error::retry_after).
+    ///
+    /// **Fingerprints from earlier versions.** Before maps were sorted the fingerprint hashed
+    /// `serde_json::to_vec(input)`. The canonical encoding is byte for byte the same for every
+    /// input without a map, and for maps whose serialization order already was sorted by key
+    /// as a string (`BTreeMap<String, _>`, `serde_json::Value` without `preserve_order`), so
+    /// their records still match. An input with a map in another order (a `HashMap`, a
+    /// `BTreeMap` with integer keys, a flattened struct, a `preserve_order` object) gets a new
+    /// fingerprint: a retry that straddles the upgrade is refused as [`ErrorKind::KeyReused`]
+    /// until the earlier record expires (its TTL). A `HashMap` rarely had a repeatable
+    /// fingerprint before, so this bites mainly integer-keyed `BTreeMap`s and flattened structs.
     pub async fn call<I, T, E, F>(
         &self,
         scope: RequestScope,
@@ -36,7 +52,7 @@ impl<S: RequestStore + Clone + 'static> Idempotency<S> {
         E: Into<BoxError>,
         F: AsyncFnOnce(&mut S::Tx) -> Result<T, E>,
     {
-        let encoded = serde_json::to_vec(input).map_err(|e| {
+        let encoded = canonical::to_vec(input).map_err(|e| {
             Error::new(
                 ErrorKind::InvalidConfig,
                 format!("the call's input does not serialize: {e}"),
@@ -105,3 +121,6 @@ impl<S: RequestStore + Clone + 'static> Idempotency<S> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -13,7 +13,9 @@
 //! executor's late completion is refused and its writes roll back.
 //!
 //! [`Idempotency::call`] is the function-level API on top: any async function, keyed,
-//! whose result is serialized with serde and replayed on a repeat.
+//! whose result is serialized with serde and replayed on a repeat. Its input is fingerprinted
+//! by its canonical JSON (every map's entries sorted by key), so an equal `HashMap` rebuilt in
+//! another iteration order is the same input.
 //!
 //! ```
 //! use idem_core::{IdempotencyKey, RequestScope};
