@@ -1,6 +1,9 @@
 //! Classification of Redis errors into idem's kinds, by the error's kind and code rather than
 //! its text, in idem's message style (`Redis: <what idem was doing>: <what Redis said>`).
 
+use std::fmt;
+use std::time::Duration;
+
 use idem_core::{Error, ErrorKind};
 use redis::{RedisError, ServerErrorKind};
 
@@ -55,6 +58,111 @@ pub(crate) fn unexpected(what: &str, reply: &redis::Value) -> Error {
         format!("unexpected reply {reply:?}"),
     )
 }
+
+/// Which write fewer replicas than asked acknowledged in time (see [`ReplicasNotConfirmed`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum UnconfirmedWrite {
+    /// Taking a record (new, or a takeover). The store released the record again before
+    /// failing with [`ErrorKind::Unavailable`]: nothing ran and the key is free, so a retry
+    /// later takes it anew.
+    Take,
+    /// Completing a record. The result **is stored on the primary**; the store fails with
+    /// [`ErrorKind::OutcomeUnknown`] because a failover before the replicas catch up would
+    /// lose it. A retry replays it from the primary, or, after such a failover, runs the
+    /// operation again.
+    Complete,
+}
+
+/// The source of the error when, with
+/// [`wait_for_replicas`](crate::RedisRequestStoreBuilder::wait_for_replicas), fewer replicas
+/// than asked acknowledged a take or a completion within the timeout (`WAIT` answered with a
+/// smaller count). Find it with [`ReplicasNotConfirmed::of`]; the error's kind already says
+/// what to do (see [`UnconfirmedWrite`]).
+///
+/// ```
+/// # fn handle(err: idem_core::Error) {
+/// use idem_redis::{ReplicasNotConfirmed, UnconfirmedWrite};
+///
+/// if let Some(why) = ReplicasNotConfirmed::of(&err) {
+///     eprintln!(
+///         "{} of {} replicas confirmed the {:?} in {:?}",
+///         why.acknowledged(), why.asked(), why.write(), why.timeout()
+///     );
+/// }
+/// # }
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicasNotConfirmed {
+    write: UnconfirmedWrite,
+    asked: usize,
+    acknowledged: usize,
+    timeout: Duration,
+}
+
+impl ReplicasNotConfirmed {
+    pub(crate) fn new(
+        write: UnconfirmedWrite,
+        asked: usize,
+        acknowledged: usize,
+        timeout: Duration,
+    ) -> Self {
+        Self {
+            write,
+            asked,
+            acknowledged,
+            timeout,
+        }
+    }
+
+    /// The `ReplicasNotConfirmed` in `error`'s chain of sources, if there is one.
+    pub fn of<'e>(error: &'e (dyn std::error::Error + 'static)) -> Option<&'e Self> {
+        let mut next = Some(error);
+        while let Some(e) = next {
+            if let Some(found) = e.downcast_ref::<Self>() {
+                return Some(found);
+            }
+            next = e.source();
+        }
+        None
+    }
+
+    /// The write that was not confirmed.
+    pub fn write(&self) -> UnconfirmedWrite {
+        self.write
+    }
+
+    /// How many replicas the store waits for.
+    pub fn asked(&self) -> usize {
+        self.asked
+    }
+
+    /// How many acknowledged within [`timeout`](Self::timeout).
+    pub fn acknowledged(&self) -> usize {
+        self.acknowledged
+    }
+
+    /// How long the store waited.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+}
+
+impl fmt::Display for ReplicasNotConfirmed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let what = match self.write {
+            UnconfirmedWrite::Take => "taking the record",
+            UnconfirmedWrite::Complete => "completing the record",
+        };
+        write!(
+            f,
+            "{} of {} Redis replicas acknowledged {what} within {:?}",
+            self.acknowledged, self.asked, self.timeout
+        )
+    }
+}
+
+impl std::error::Error for ReplicasNotConfirmed {}
 
 #[cfg(test)]
 mod tests {

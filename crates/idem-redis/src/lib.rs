@@ -57,6 +57,53 @@
 //! neither" matters; choose Redis for a replay in one round trip in front of effects that are
 //! idempotent by themselves.
 //!
+//! # Losing records
+//!
+//! A record protects a request only while Redis keeps it. Three things can remove one early,
+//! and each has the effect of a record or lease that ran out too soon:
+//!
+//! - **Eviction.** Every key this store writes carries an expiry, so under `maxmemory` a
+//!   `volatile-*` policy may evict any of them, and an `allkeys-*` policy may evict any key at
+//!   all. An evicted completed record **runs its request again**; an evicted lease lets a
+//!   retry take the record over **while its executor still runs** (two executors; the first
+//!   one's completion is refused by its fence, but what it did is done). So
+//!   [`connect`](RedisRequestStoreBuilder::connect) reads `maxmemory-policy` (`CONFIG GET`, or
+//!   the `maxmemory_policy` field of `INFO memory` where `CONFIG` is disabled or renamed, as
+//!   on many managed services) and refuses with
+//!   [`Misconfigured`](idem_core::ErrorKind::Misconfigured) unless it is `noeviction`, and
+//!   also when neither command answers. Under `noeviction` a full Redis refuses writes
+//!   (`OOM`), which fails requests as [`Unavailable`](idem_core::ErrorKind::Unavailable) and
+//!   loses nothing. [`skip_maxmemory_policy_check`](RedisRequestStoreBuilder::skip_maxmemory_policy_check)
+//!   opts out (a policy you verified yourself, or a risk you accept); a store made
+//!   [`with_connection`](RedisRequestStore::with_connection) runs the check only when you
+//!   call [`check_maxmemory_policy`](RedisRequestStore::check_maxmemory_policy).
+//! - **Failover.** Replication is asynchronous: the primary answers before its replicas have
+//!   the write. When a failover (Sentinel, Cluster, a managed service) promotes a replica that
+//!   missed the latest writes, a **missing completed record runs its request again**, and a
+//!   **missing take lets a second executor run** beside the first. With
+//!   [`wait_for_replicas(n, timeout)`](RedisRequestStoreBuilder::wait_for_replicas) every take
+//!   and completion is followed by `WAIT n timeout`, in one pipeline with its script (still
+//!   one round trip); a write that fewer than `n` replicas acknowledged in time fails with a
+//!   [`ReplicasNotConfirmed`] source:
+//!
+//!   | write | the store | the error's kind | the caller |
+//!   |---|---|---|---|
+//!   | take | releases the record again: nothing ran, the key is free | [`Unavailable`](idem_core::ErrorKind::Unavailable) | retries later (HTTP: 503) |
+//!   | completion | keeps the result, stored on the primary | [`OutcomeUnknown`](idem_core::ErrorKind::OutcomeUnknown) | retries: the stored result replays, or after a failover that lost it the operation runs again |
+//!
+//!   `WAIT` puts a write on `n` replicas; it does not choose which replica a failover
+//!   promotes. Sentinel and Cluster prefer the one with the most data (after any configured
+//!   replica priority), so with `n` equal to the number of replicas every candidate has the
+//!   record, and with fewer the promoted one may still lack it. Lease
+//!   extensions and releases are not waited for: a failover may lose a heartbeat's
+//!   extension, so the lease on the new primary ends earlier. `WAIT` blocks the connection
+//!   it runs on, and the store's connection is shared by the whole process: each take and
+//!   completion holds the others back for a round trip to the replicas, up to `timeout` when
+//!   they lag.
+//! - **A restart without persistence** loses every record, as a failover to an empty replica
+//!   would. Run Redis with `appendonly yes` if a restart must not repeat requests
+//!   (`appendfsync everysec` can lose the last second).
+//!
 //! # Records
 //!
 //! Three keys per record, `<prefix>:{<scope hex>:<key>}:rec | lease | fence`. The braces are
@@ -92,10 +139,12 @@
 //!
 //! Needs Redis 5 or later (the begin script writes after calling `TIME`); tested on Redis 7.0.
 
+mod durability;
 mod error;
 mod keys;
 mod scripts;
 mod store;
 
+pub use error::{ReplicasNotConfirmed, UnconfirmedWrite};
 pub use keys::DEFAULT_KEY_PREFIX;
 pub use store::{MAX_KEY_LEN, RedisRequestStore, RedisRequestStoreBuilder, RedisTx};

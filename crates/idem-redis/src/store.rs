@@ -10,9 +10,10 @@ use idem_core::{
     Begin, Error, ErrorKind, Fence, Fingerprint, RequestKey, TransactionalStore, redact_url,
 };
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
-use redis::{FromRedisValue, Script};
+use redis::{FromRedisValue, RedisResult, Script, ServerErrorKind};
 
-use crate::error::{SYSTEM, kind_of, redis_error};
+use crate::durability::{self, ReplicaWait};
+use crate::error::{ReplicasNotConfirmed, SYSTEM, UnconfirmedWrite, kind_of, redis_error};
 use crate::keys::{DEFAULT_KEY_PREFIX, RecordKeys, validate_prefix};
 use crate::scripts::{self, millis};
 
@@ -35,6 +36,8 @@ pub struct RedisRequestStore<C = ConnectionManager> {
     prefix: Arc<str>,
     /// The server's URL with its secrets masked, for `Debug`; `None` for a caller's connection.
     server: Option<Arc<str>>,
+    /// `WAIT` after a take and a completion, if configured.
+    wait: Option<ReplicaWait>,
 }
 
 impl<C: Clone> Clone for RedisRequestStore<C> {
@@ -43,6 +46,7 @@ impl<C: Clone> Clone for RedisRequestStore<C> {
             conn: self.conn.clone(),
             prefix: Arc::clone(&self.prefix),
             server: self.server.clone(),
+            wait: self.wait,
         }
     }
 }
@@ -55,6 +59,7 @@ impl<C> fmt::Debug for RedisRequestStore<C> {
                 &self.server.as_deref().unwrap_or("(caller's connection)"),
             )
             .field("key_prefix", &&*self.prefix)
+            .field("wait_for_replicas", &self.wait)
             .finish_non_exhaustive()
     }
 }
@@ -81,6 +86,8 @@ pub struct RedisRequestStoreBuilder {
     response_timeout: Duration,
     connection_timeout: Duration,
     connection_retries: usize,
+    check_policy: bool,
+    wait: Option<(usize, Duration)>,
 }
 
 impl fmt::Debug for RedisRequestStoreBuilder {
@@ -91,6 +98,8 @@ impl fmt::Debug for RedisRequestStoreBuilder {
             .field("response_timeout", &self.response_timeout)
             .field("connection_timeout", &self.connection_timeout)
             .field("connection_retries", &self.connection_retries)
+            .field("check_maxmemory_policy", &self.check_policy)
+            .field("wait_for_replicas", &self.wait)
             .finish()
     }
 }
@@ -124,13 +133,67 @@ impl RedisRequestStoreBuilder {
         self
     }
 
-    /// Validates the configuration and connects.
+    /// Connects without checking the server's `maxmemory-policy`.
     ///
-    /// [`ErrorKind::InvalidConfig`] for a URL that does not parse or a bad prefix;
-    /// [`ErrorKind::Unavailable`] when the server cannot be reached. Error messages show the
-    /// URL with its password masked.
+    /// By default [`connect`](Self::connect) refuses a server whose policy is not
+    /// `noeviction`, because any other policy may evict idem's keys under memory pressure (see
+    /// the [crate docs](crate#losing-records)). Use this when the check cannot run (a managed
+    /// Redis that answers neither `CONFIG GET` nor `INFO`) and you have verified the policy
+    /// yourself, or when you accept that a record may be evicted.
+    pub fn skip_maxmemory_policy_check(mut self) -> Self {
+        self.check_policy = false;
+        self
+    }
+
+    /// After taking a record and after completing one, waits until at least `replicas`
+    /// replicas have acknowledged the write (`WAIT replicas timeout`), at most `timeout`.
+    ///
+    /// Redis replicates asynchronously: without this, a failover can promote a replica that
+    /// never received a record (see the [crate docs](crate#losing-records)). With it, fewer
+    /// acknowledgements in time fail the operation with a [`ReplicasNotConfirmed`] source: a
+    /// take is released again and fails as [`ErrorKind::Unavailable`] (nothing ran); a
+    /// completion stays stored on the primary and fails as [`ErrorKind::OutcomeUnknown`]. The
+    /// `WAIT` goes in one pipeline with the script, so each operation stays one round trip.
+    ///
+    /// `WAIT` blocks the connection it runs on, and the store's connection is shared by every
+    /// request of the process: each take and completion holds the others back for about one
+    /// round trip to the replicas, and for up to `timeout` when they lag. Keep `timeout`
+    /// short. [`connect`](Self::connect) refuses `replicas == 0`, a zero `timeout`, and a
+    /// `timeout` not shorter than the [response timeout](Self::response_timeout) (the client
+    /// would give up on the `WAIT` first, not knowing whether the record was taken).
+    pub fn wait_for_replicas(mut self, replicas: usize, timeout: Duration) -> Self {
+        self.wait = Some((replicas, timeout));
+        self
+    }
+
+    /// Validates the configuration, connects, and checks the server's `maxmemory-policy`.
+    ///
+    /// [`ErrorKind::InvalidConfig`] for a URL that does not parse, a bad prefix or replica
+    /// wait; [`ErrorKind::Unavailable`] when the server cannot be reached;
+    /// [`ErrorKind::Misconfigured`] when its `maxmemory-policy` is not `noeviction`, or cannot
+    /// be read (neither `CONFIG GET` nor `INFO memory` answers), unless
+    /// [`skip_maxmemory_policy_check`](Self::skip_maxmemory_policy_check). Error messages show
+    /// the URL with its password masked.
     pub async fn connect(self) -> Result<RedisRequestStore, Error> {
         validate_prefix(&self.prefix)?;
+        let wait = match self.wait {
+            None => None,
+            Some((replicas, timeout)) => {
+                let wait = ReplicaWait::new(replicas, timeout)?;
+                if timeout >= self.response_timeout {
+                    return Err(Error::new(
+                        ErrorKind::InvalidConfig,
+                        format!(
+                            "the replica wait of {timeout:?} must be shorter than the \
+                             response timeout of {:?}, or the client gives up on WAIT first \
+                             and cannot tell whether the record was taken",
+                            self.response_timeout
+                        ),
+                    ));
+                }
+                Some(wait)
+            }
+        };
         let shown = redact_url(&self.url);
         let client = redis::Client::open(self.url.as_str()).map_err(|e| {
             Error::new(
@@ -153,10 +216,14 @@ impl RedisRequestStoreBuilder {
                 };
                 Error::from_system(kind, SYSTEM, format_args!("connecting to {shown}"), e)
             })?;
+        if self.check_policy {
+            durability::check_maxmemory_policy(&mut conn.clone(), Some(&shown)).await?;
+        }
         Ok(RedisRequestStore {
             conn,
             prefix: self.prefix.into(),
             server: Some(shown.into()),
+            wait,
         })
     }
 }
@@ -170,10 +237,13 @@ impl RedisRequestStore {
             response_timeout: Duration::from_secs(5),
             connection_timeout: Duration::from_secs(5),
             connection_retries: 6,
+            check_policy: true,
+            wait: None,
         }
     }
 
-    /// Connects to `url` with the defaults (prefix `idem:req`).
+    /// Connects to `url` with the defaults (prefix `idem:req`, the `maxmemory-policy` checked,
+    /// no waiting for replicas).
     pub async fn connect(url: &str) -> Result<Self, Error> {
         Self::builder(url).connect().await
     }
@@ -182,6 +252,9 @@ impl RedisRequestStore {
 impl<C> RedisRequestStore<C> {
     /// A store on a connection the caller set up (TLS, RESP3, credentials, a cluster), with
     /// keys under `prefix`. [`ErrorKind::InvalidConfig`] for a bad prefix.
+    ///
+    /// Nothing is sent to the server here: the `maxmemory-policy` is not checked unless you
+    /// call [`check_maxmemory_policy`](Self::check_maxmemory_policy).
     pub fn with_connection(conn: C, prefix: impl Into<String>) -> Result<Self, Error> {
         let prefix = prefix.into();
         validate_prefix(&prefix)?;
@@ -189,7 +262,20 @@ impl<C> RedisRequestStore<C> {
             conn,
             prefix: prefix.into(),
             server: None,
+            wait: None,
         })
+    }
+
+    /// Waits for `replicas` replicas after each take and completion, as
+    /// [`RedisRequestStoreBuilder::wait_for_replicas`] does. [`ErrorKind::InvalidConfig`] for
+    /// `replicas == 0` or a zero `timeout`; keep `timeout` shorter than your connection's
+    /// response timeout. `WAIT` counts the writes of the connection it runs on, so `C` must
+    /// send both commands of a pipeline over one connection to the record's primary (a plain
+    /// or multiplexed connection, a connection manager; a cluster connection routes `WAIT`
+    /// by its own rules).
+    pub fn wait_for_replicas(mut self, replicas: usize, timeout: Duration) -> Result<Self, Error> {
+        self.wait = Some(ReplicaWait::new(replicas, timeout)?);
+        Ok(self)
     }
 
     /// The prefix of every key this store writes.
@@ -207,6 +293,14 @@ impl<C> RedisRequestStore<C>
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
+    /// Refuses a server whose `maxmemory-policy` is not `noeviction`, as
+    /// [`RedisRequestStoreBuilder::connect`] does: [`ErrorKind::Misconfigured`] when it may
+    /// evict idem's keys or cannot be read, [`ErrorKind::Unavailable`] when the server is out of
+    /// reach. For stores made [`with_connection`](RedisRequestStore::with_connection).
+    pub async fn check_maxmemory_policy(&self) -> Result<(), Error> {
+        durability::check_maxmemory_policy(&mut self.conn.clone(), self.server.as_deref()).await
+    }
+
     /// Runs `script` on the record's keys with `args`: one `EVALSHA`, or on `NOSCRIPT`
     /// `SCRIPT LOAD` and the `EVALSHA` again.
     async fn run<T: FromRedisValue>(
@@ -224,6 +318,102 @@ where
         call.invoke_async(&mut self.conn.clone())
             .await
             .map_err(|e| redis_error(what, e))
+    }
+
+    /// [`run`](Self::run) followed by `WAIT`, as one pipeline on one connection, and how many
+    /// replicas acknowledged (or why `WAIT` failed). `WAIT` counts the acknowledgements of its
+    /// own connection's writes: sent separately, after a reconnect in between, it would report
+    /// every replica without waiting for any. On `NOSCRIPT`: `SCRIPT LOAD`, the pipeline again.
+    async fn run_and_wait<T: FromRedisValue>(
+        &self,
+        what: &str,
+        script: &Script,
+        keys: &RecordKeys,
+        args: &[&[u8]],
+        wait: ReplicaWait,
+    ) -> Result<(T, Result<usize, Error>), Error> {
+        let mut evalsha = redis::cmd("EVALSHA");
+        evalsha
+            .arg(script.get_hash())
+            .arg(3)
+            .arg(&keys.record)
+            .arg(&keys.lease)
+            .arg(&keys.fence);
+        for arg in args {
+            evalsha.arg(*arg);
+        }
+        let mut pipe = redis::pipe();
+        pipe.add_command(evalsha)
+            .cmd("WAIT")
+            .arg(wait.replicas)
+            .arg(millis(wait.timeout))
+            .ignore_errors();
+        let mut conn = self.conn.clone();
+        let send = async |conn: &mut C| {
+            pipe.query_async::<(RedisResult<T>, RedisResult<i64>)>(conn)
+                .await
+                .map_err(|e| redis_error(what, e))
+        };
+        let (mut reply, mut acked) = send(&mut conn).await?;
+        if let Err(e) = &reply
+            && e.kind() == redis::ErrorKind::Server(ServerErrorKind::NoScript)
+        {
+            script
+                .load_async(&mut conn)
+                .await
+                .map_err(|e| redis_error(what, e))?;
+            (reply, acked) = send(&mut conn).await?;
+        }
+        let reply = reply.map_err(|e| redis_error(what, e))?;
+        let acked = acked
+            .map(|n| usize::try_from(n).unwrap_or(0))
+            .map_err(|e| redis_error(&format!("{what}: waiting for replicas"), e));
+        Ok((reply, acked))
+    }
+
+    /// A take that `wait` did not see confirmed: released again (nothing has run yet), and
+    /// the error that says so.
+    async fn undo_unconfirmed_take(
+        &self,
+        key: &RequestKey,
+        keys: &RecordKeys,
+        fence: Fence,
+        wait: ReplicaWait,
+        acked: Result<usize, Error>,
+    ) -> Error {
+        let released = self
+            .run::<i64>(
+                "release request",
+                &scripts::RELEASE,
+                keys,
+                &[fence.0.to_string().as_bytes()],
+            )
+            .await;
+        let undone = match &released {
+            Ok(_) => "the record was released again and nothing ran; retry later".to_owned(),
+            Err(e) => format!(
+                "releasing the record failed too ({e}); nothing ran, and the key frees itself \
+                 when its lease runs out"
+            ),
+        };
+        match acked {
+            Ok(acknowledged) => {
+                let why = ReplicasNotConfirmed::new(
+                    UnconfirmedWrite::Take,
+                    wait.replicas,
+                    acknowledged,
+                    wait.timeout,
+                );
+                Error::new(
+                    ErrorKind::Unavailable,
+                    format!("key {}: only {why}; {undone}", key.key),
+                )
+                .with_source(why)
+            }
+            Err(e) => {
+                Error::new(e.kind(), format!("key {}: {e}; {undone}", key.key)).with_source(e)
+            }
+        }
     }
 
     fn keys(&self, key: &RequestKey) -> Result<RecordKeys, Error> {
@@ -291,19 +481,31 @@ where
         let keys = self.keys(key)?;
         let lease_ms = millis(lease);
         let keep_ms = lease_ms.max(millis(ttl));
-        let reply = self
-            .run(
-                "begin request",
-                &scripts::BEGIN,
-                &keys,
-                &[
-                    fingerprint.as_bytes(),
-                    lease_ms.to_string().as_bytes(),
-                    keep_ms.to_string().as_bytes(),
-                ],
-            )
+        let (lease_ms, keep_ms) = (lease_ms.to_string(), keep_ms.to_string());
+        let args: [&[u8]; 3] = [
+            fingerprint.as_bytes(),
+            lease_ms.as_bytes(),
+            keep_ms.as_bytes(),
+        ];
+        let what = "begin request";
+        let Some(wait) = self.wait else {
+            let reply = self.run(what, &scripts::BEGIN, &keys, &args).await?;
+            return scripts::decode_begin(reply);
+        };
+        let (reply, acked) = self
+            .run_and_wait(what, &scripts::BEGIN, &keys, &args, wait)
             .await?;
-        scripts::decode_begin(reply)
+        let begin = scripts::decode_begin(reply)?;
+        // Only a take wrote something worth confirming; a replay, a busy or a mismatch answer
+        // stands whatever the replicas say.
+        if let Begin::Acquired { fence, .. } = begin
+            && !matches!(acked, Ok(n) if n >= wait.replicas)
+        {
+            return Err(self
+                .undo_unconfirmed_take(key, &keys, fence, wait, acked)
+                .await);
+        }
+        Ok(begin)
     }
 
     /// Takes effect at once (there is no transaction to wait for): the result is stored, the
@@ -317,20 +519,50 @@ where
         ttl: Duration,
     ) -> Result<(), Error> {
         let keys = self.keys(key)?;
-        let done: i64 = self
-            .run(
-                "complete request",
-                &scripts::COMPLETE,
-                &keys,
-                &[
-                    fence.0.to_string().as_bytes(),
-                    result,
-                    millis(ttl).to_string().as_bytes(),
-                ],
-            )
-            .await?;
+        let (fence_arg, ttl_ms) = (fence.0.to_string(), millis(ttl).to_string());
+        let args: [&[u8]; 3] = [fence_arg.as_bytes(), result, ttl_ms.as_bytes()];
+        let what = "complete request";
+        let (done, acked): (i64, _) = match self.wait {
+            None => (
+                self.run(what, &scripts::COMPLETE, &keys, &args).await?,
+                None,
+            ),
+            Some(wait) => {
+                let (done, acked) = self
+                    .run_and_wait(what, &scripts::COMPLETE, &keys, &args, wait)
+                    .await?;
+                (done, Some((wait, acked)))
+            }
+        };
         if done == 1 {
-            Ok(())
+            let stored = "the result is stored on the Redis primary, but";
+            let then = "a retry replays it, unless a failover first promotes a replica \
+                        without it, in which case the operation runs again";
+            match acked {
+                None => Ok(()),
+                Some((wait, Ok(n))) if n >= wait.replicas => Ok(()),
+                Some((wait, Ok(acknowledged))) => {
+                    let why = ReplicasNotConfirmed::new(
+                        UnconfirmedWrite::Complete,
+                        wait.replicas,
+                        acknowledged,
+                        wait.timeout,
+                    );
+                    Err(Error::new(
+                        ErrorKind::OutcomeUnknown,
+                        format!("key {}: {stored} only {why}; {then}", key.key),
+                    )
+                    .with_source(why))
+                }
+                Some((_, Err(e))) => Err(Error::new(
+                    ErrorKind::OutcomeUnknown,
+                    format!(
+                        "key {}: {stored} waiting for its replicas failed ({e}); {then}",
+                        key.key
+                    ),
+                )
+                .with_source(e)),
+            }
         } else {
             Err(Error::new(
                 ErrorKind::LeaseLost,

@@ -1,5 +1,8 @@
 //! What the conformance suite cannot see: round trips per operation, the script-cache
-//! fallback, the keys and their expiries, fences across an expired record, and errors.
+//! fallback, the keys and their expiries, fences across an expired record, and errors; and,
+//! on servers of the tests' own, the eviction-policy check and waiting for replicas.
+
+mod durability;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
