@@ -35,13 +35,16 @@ pub trait Engine: Driver + sealed::Sealed {
     const MAX_MESSAGE_ID_LEN: usize;
 
     /// Begins a transaction: `BEGIN`, or SQLite's `BEGIN IMMEDIATE`, which takes the write lock
-    /// up front so a concurrent duplicate waits for the first claim instead of failing.
+    /// up front so a concurrent duplicate waits for the first claim instead of failing. It is
+    /// sent through sqlx's transaction manager, so that sqlx counts the transaction and a
+    /// handler's nested `begin()` is a savepoint (see [`Tx`]).
     const BEGIN: &'static str;
 
-    /// Commits, as one simple query. PostgreSQL's is `SELECT 1; COMMIT`: after any failed
+    /// How a transaction commits where sqlx's own `COMMIT` would not do; `None`: through
+    /// sqlx's transaction manager. PostgreSQL's is `SELECT 1; COMMIT`: after any failed
     /// statement it aborts the transaction and a bare `COMMIT` would roll back *and report
     /// success*; the `SELECT` fails first instead (see [`Engine::aborted`]).
-    const COMMIT: &'static str;
+    const CHECKED_COMMIT: Option<CheckedCommit> = None;
 
     /// The claim statements for `table`, parameters bound in the order
     /// [`ClaimStatements`] documents; `partitioned`: for a table partitioned by the ID's time
@@ -109,6 +112,16 @@ pub trait Engine: Driver + sealed::Sealed {
     ) -> impl Future<Output = Result<Option<u64>, sqlx::Error>> + Send + 'e {
         async move { Self::execute_pool(pool, sql, params).await.map(Some) }
     }
+}
+
+/// A commit as one simple query, in the two forms a [`Tx`] sends (see `tx.rs`).
+#[derive(Debug, Clone, Copy)]
+pub struct CheckedCommit {
+    /// The commit alone (`SELECT 1; COMMIT`).
+    pub(crate) alone: &'static str,
+    /// The commit followed by `BEGIN`, leaving an empty transaction that sqlx's queued
+    /// `ROLLBACK` ends (`SELECT 1; COMMIT; BEGIN`).
+    pub(crate) then_begin: &'static str,
 }
 
 pub(crate) mod sealed {

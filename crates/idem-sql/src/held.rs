@@ -16,6 +16,7 @@ use sqlx::Connection;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::engine::Engine;
+use crate::tx::begin_on;
 
 type Options<E> = <<E as sqlx::Database>::Connection as Connection>::Options;
 
@@ -56,7 +57,7 @@ impl<E: Engine> HeldConnections<E> {
         })
     }
 
-    /// A connection with the engine's `BEGIN` run on it.
+    /// A connection with the engine's `BEGIN` run on it (see `tx.rs` for how).
     pub(crate) async fn begin(self: &Arc<Self>) -> Result<Held<E>, sqlx::Error> {
         let permit = tokio::time::timeout(self.wait, self.permits.clone().acquire_owned())
             .await
@@ -70,7 +71,7 @@ impl<E: Engine> HeldConnections<E> {
             _permit: permit,
         };
         if let Some(conn) = held.conn.as_mut() {
-            if E::execute_simple(conn, E::BEGIN).await.is_ok() {
+            if begin_on::<E>(conn, true).await.is_ok() {
                 held.spoiled = false;
                 return Ok(held);
             }
@@ -80,7 +81,7 @@ impl<E: Engine> HeldConnections<E> {
         let mut conn = tokio::time::timeout(self.wait, E::Connection::connect_with(&self.options))
             .await
             .map_err(|_| sqlx::Error::PoolTimedOut)??;
-        E::execute_simple(&mut conn, E::BEGIN).await?;
+        begin_on::<E>(&mut conn, true).await?;
         held.conn = Some(conn);
         held.spoiled = false;
         Ok(held)

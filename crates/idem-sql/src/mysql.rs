@@ -50,7 +50,6 @@ impl crate::engine::sealed::Sealed for MySql {}
 impl Engine for MySql {
     const MAX_MESSAGE_ID_LEN: usize = MAX_MESSAGE_ID_LEN;
     const BEGIN: &'static str = "BEGIN";
-    const COMMIT: &'static str = "COMMIT";
 
     fn claim_statements(t: &TableName, _partitioned: bool) -> ClaimStatements {
         ClaimStatements {

@@ -16,7 +16,7 @@ use sqlx::Postgres;
 use sqlx::error::DatabaseError;
 
 use crate::common::{server_stamp, stored_fingerprint};
-use crate::engine::{Driver, Engine};
+use crate::engine::{CheckedCommit, Driver, Engine};
 use crate::errors::{commit_error, store_error};
 use crate::requests::RequestStatements;
 use crate::store::{ClaimStatements, SqlStore};
@@ -43,9 +43,12 @@ impl crate::engine::sealed::Sealed for Postgres {}
 impl Engine for Postgres {
     const MAX_MESSAGE_ID_LEN: usize = MAX_MESSAGE_ID_LEN;
     const BEGIN: &'static str = "BEGIN";
-    // In an aborted transaction the SELECT fails with 25P02 and the COMMIT never runs; both
+    // In an aborted transaction the SELECT fails with 25P02 and the COMMIT never runs; all
     // travel in one simple-query round trip.
-    const COMMIT: &'static str = "SELECT 1; COMMIT";
+    const CHECKED_COMMIT: Option<CheckedCommit> = Some(CheckedCommit {
+        alone: "SELECT 1; COMMIT",
+        then_begin: "SELECT 1; COMMIT; BEGIN",
+    });
 
     fn claim_statements(t: &TableName, partitioned: bool) -> ClaimStatements {
         // A partitioned table's unique key holds the partition key, which every statement

@@ -2,19 +2,54 @@
 //!
 //! One type for the three engines: a connection (from the pool, or one the store holds, see
 //! [`SqlStore::hold_connections`](crate::SqlStore::hold_connections)) on which the engine's
-//! `BEGIN` ran. Committing sends the engine's [`COMMIT`](crate::engine::Engine::COMMIT) as
-//! one simple query; on PostgreSQL that is `SELECT 1; COMMIT`, so a transaction a swallowed
-//! error aborted fails with 25P02 instead of rolling back while reporting success.
+//! `BEGIN` ran.
+//!
+//! # sqlx counts the transaction
+//!
+//! sqlx keeps a transaction depth per connection, and a `begin()` on a connection at depth 0
+//! sends `BEGIN` where at depth 1 or more it sends a `SAVEPOINT`. So idem begins and ends its
+//! transactions through sqlx's transaction manager (`<E as sqlx::Database>::TransactionManager`),
+//! never as raw SQL alone: a handler that calls `(&mut **tx).begin()` — the usual `Acquire`
+//! helper pattern — gets a savepoint, as inside a `sqlx::Transaction`, and the helper's
+//! `commit()` releases it. (A raw `BEGIN` left the depth at 0: the helper's `BEGIN` then
+//! committed the claim on MySQL, its `commit()` committed it on PostgreSQL, and everything
+//! after ran in autocommit.)
+//!
+//! `BEGIN` (SQLite's `BEGIN IMMEDIATE`) goes through the manager's `begin` at depth 0, which
+//! takes a custom statement there. SQLite and MySQL commit and roll back through the manager.
+//! PostgreSQL commits with its [checked commit](crate::engine::Engine::CHECKED_COMMIT),
+//! `SELECT 1; COMMIT`, one simple query that fails with 25P02 in a transaction a swallowed
+//! error aborted, where the manager's bare `COMMIT` would roll back and report success. Raw
+//! SQL leaves sqlx's depth at 1, and the only ways to bring it to 0 without a round trip are
+//! the manager's `start_rollback`, which queues a `ROLLBACK` for the connection's next
+//! message. How the depth is brought back depends on where the connection goes:
+//!
+//! - **to sqlx's pool** (which the application shares: its own `pool.begin()` must find depth
+//!   0): `SELECT 1; COMMIT; BEGIN`, then `start_rollback`. The queued `ROLLBACK` ends the
+//!   empty transaction and travels with the pool's return ping — no round trip of its own,
+//!   and no "no transaction in progress" warning, since one is open. The connection is never
+//!   idle inside it: the ping is sent as it is returned.
+//! - **to the store's held connections**, which nothing but idem's transactions ever use:
+//!   `SELECT 1; COMMIT` and the depth stays at 1 — a held PostgreSQL connection rests at
+//!   depth 1, outside any transaction on the server, and its next `BEGIN` is sent raw. The
+//!   pooled form would leave it *idle in transaction* between transactions: a connection
+//!   pinned by a pgbouncer in transaction mode, killed by `idle_in_transaction_session_timeout`
+//!   and reported by every monitoring query.
+//!
+//! Either way a transaction costs the round trips it did before: `BEGIN`, the statements, one
+//! for the commit.
 //!
 //! It has no lifetime parameter: with one, a future that runs a handler is rejected by
 //! `tokio::spawn` with "implementation of `AsyncFnOnce` is not general enough" (the compiler
 //! erases that lifetime when it checks `Send`, and cannot prove the handler works for every
 //! lifetime).
 
+use std::borrow::Cow;
 use std::fmt;
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
 
+use sqlx::TransactionManager;
 use sqlx::pool::PoolConnection;
 
 use crate::engine::Engine;
@@ -25,6 +60,12 @@ use crate::held::{Held, HeldConnections};
 /// Handlers run their queries on `&mut **tx` (the connection), exactly as with a
 /// `sqlx::Transaction`; to a helper taking `&mut SqliteConnection` (or `PgConnection`,
 /// `MySqlConnection`) pass `tx` itself and let deref coercion do the rest.
+///
+/// Nesting works as in a `sqlx::Transaction`: `(&mut **tx).begin()` (or `Acquire::begin` on
+/// `&mut **tx`) opens a **savepoint**, whose `commit()` releases it and whose `rollback()` —
+/// or drop — undoes only what ran since; nothing is committed before this transaction's own
+/// commit, and a handler error still rolls everything back, claim included. A nested
+/// transaction must end before the handler returns: one left open (leaked) fails the commit.
 pub struct Tx<E: Engine> {
     conn: Conn<E>,
     open: bool,
@@ -51,7 +92,7 @@ enum Conn<E: Engine> {
 impl<E: Engine> Tx<E> {
     pub(crate) async fn begin(pool: &sqlx::Pool<E>) -> Result<Self, sqlx::Error> {
         let mut conn = pool.acquire().await?;
-        if let Err(e) = E::execute_simple(&mut conn, E::BEGIN).await {
+        if let Err(e) = begin_on::<E>(&mut conn, false).await {
             // The connection's state is unknown; do not hand it back to the pool.
             conn.close_on_drop();
             return Err(e);
@@ -69,19 +110,72 @@ impl<E: Engine> Tx<E> {
         })
     }
 
+    fn held(&self) -> bool {
+        matches!(self.conn, Conn::Held(_))
+    }
+
     /// Commits. On PostgreSQL, fails with SQLSTATE 25P02 if a statement of this transaction
-    /// failed (nothing committed).
+    /// failed (nothing committed). Fails, committing nothing, while a nested transaction the
+    /// handler began is still open.
     pub async fn commit(mut self) -> Result<(), sqlx::Error> {
-        E::execute_simple(&mut self, E::COMMIT).await?;
+        let held = self.held();
+        let conn: &mut E::Connection = &mut self;
+        let depth = E::TransactionManager::get_transaction_depth(conn);
+        if depth != 1 {
+            // Left open, the connection is closed on drop: the server rolls back.
+            return Err(sqlx::Error::InvalidArgument(format!(
+                "nothing was committed: {} nested transaction(s) the handler began are still \
+                 open (leaked?); a nested transaction must commit or roll back before the \
+                 handler returns",
+                depth.saturating_sub(1)
+            )));
+        }
+        match E::CHECKED_COMMIT {
+            None => E::TransactionManager::commit(conn).await,
+            // A held connection rests at depth 1 (see the module docs).
+            Some(c) if held => E::execute_simple(conn, c.alone).await.map(drop),
+            Some(c) => E::execute_simple(conn, c.then_begin).await.map(|_| {
+                // Depth 0 for the pool; the ROLLBACK of the empty transaction rides with the
+                // pool's return ping.
+                E::TransactionManager::start_rollback(conn);
+            }),
+        }?;
         self.open = false;
         Ok(())
     }
 
     /// Rolls back.
     pub async fn rollback(mut self) -> Result<(), sqlx::Error> {
-        E::execute_simple(&mut self, "ROLLBACK").await?;
+        let held = self.held();
+        let conn: &mut E::Connection = &mut self;
+        if E::TransactionManager::get_transaction_depth(conn) != 1 {
+            // A nested transaction was leaked: sqlx would only roll back to its savepoint.
+            // Left open, the connection is closed on drop, which rolls everything back.
+            return Ok(());
+        }
+        match E::CHECKED_COMMIT {
+            Some(_) if held => E::execute_simple(conn, "ROLLBACK").await.map(drop)?,
+            _ => E::TransactionManager::rollback(conn).await?,
+        }
         self.open = false;
         Ok(())
+    }
+}
+
+/// Begins idem's transaction on `conn`, through sqlx's transaction manager so that sqlx counts
+/// it (see the module docs). A held connection on an engine with a checked commit rests at
+/// depth 1, outside any transaction on the server; its `BEGIN` is then sent raw.
+pub(crate) async fn begin_on<E: Engine>(
+    conn: &mut E::Connection,
+    held: bool,
+) -> Result<(), sqlx::Error> {
+    let rests_at = usize::from(held && E::CHECKED_COMMIT.is_some());
+    match E::TransactionManager::get_transaction_depth(conn) {
+        0 => E::TransactionManager::begin(conn, Some(Cow::Borrowed(E::BEGIN))).await,
+        1 if rests_at == 1 => E::execute_simple(conn, E::BEGIN).await.map(drop),
+        depth => Err(sqlx::Error::InvalidArgument(format!(
+            "a connection at transaction depth {depth} cannot begin idem's transaction"
+        ))),
     }
 }
 
@@ -124,6 +218,7 @@ impl<E: Engine> fmt::Debug for Tx<E> {
         f.debug_struct("Tx")
             .field("engine", &<E as sqlx::Database>::NAME)
             .field("open", &self.open)
+            .field("held", &self.held())
             .finish()
     }
 }
