@@ -46,6 +46,12 @@ pub trait Engine: Driver + sealed::Sealed {
     /// success*; the `SELECT` fails first instead (see [`Engine::aborted`]).
     const CHECKED_COMMIT: Option<CheckedCommit> = None;
 
+    /// Whether the database is a server at the other end of a socket (not an embedded file):
+    /// a `BEGIN` may then hang on a peer that vanished, so it gets a timeout by default (see
+    /// `SqlStore::begin_timeout`). SQLite's `BEGIN IMMEDIATE` waits for the write lock, which
+    /// its busy timeout bounds already.
+    const SERVER: bool;
+
     /// The claim statements for `table`, parameters bound in the order
     /// [`ClaimStatements`] documents; `partitioned`: for a table partitioned by the ID's time
     /// (only engines that support it are ever asked, see `PostgresStore::partitioned`).
@@ -67,6 +73,14 @@ pub trait Engine: Driver + sealed::Sealed {
     /// What a database error means for a consumer, by the driver's code — never its message
     /// text, except where the engine has no code for it (SQLite's `no such table`).
     fn database_kind(error: &dyn DatabaseError) -> ErrorKind;
+
+    /// Whether an error says the database takes no writes on this connection (PostgreSQL's
+    /// 25006 on a standby or a read-only session, MySQL's `--read-only`): after a failover
+    /// behind a stale DNS name a connection can stay on the old primary, now a replica, while
+    /// a new one would reach the new primary (see `SqlStore::read_only_limit`).
+    fn read_only(_error: &dyn DatabaseError) -> bool {
+        false
+    }
 
     /// Whether a failed commit says the transaction had already aborted (PostgreSQL's 25P02):
     /// nothing committed because the handler swallowed a failed statement.

@@ -49,6 +49,7 @@ impl Engine for Postgres {
         alone: "SELECT 1; COMMIT",
         then_begin: "SELECT 1; COMMIT; BEGIN",
     });
+    const SERVER: bool = true;
 
     fn claim_statements(t: &TableName, partitioned: bool) -> ClaimStatements {
         // A partitioned table's unique key holds the partition key, which every statement
@@ -179,6 +180,12 @@ impl Engine for Postgres {
 
     fn database_kind(db: &dyn DatabaseError) -> ErrorKind {
         idem_core::sqlstate::kind(db.code().as_deref().unwrap_or(""))
+    }
+
+    /// 25006 `read_only_sql_transaction`: a standby, or a session or role with
+    /// `default_transaction_read_only`.
+    fn read_only(db: &dyn DatabaseError) -> bool {
+        db.code().as_deref() == Some("25006")
     }
 
     fn aborted(db: &dyn DatabaseError) -> bool {

@@ -46,14 +46,16 @@
 
 use std::borrow::Cow;
 use std::fmt;
+use std::future::Future;
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
+use std::time::Duration;
 
 use sqlx::TransactionManager;
 use sqlx::pool::PoolConnection;
 
 use crate::engine::Engine;
-use crate::held::{Held, HeldConnections};
+use crate::held::{Held, HeldConnections, PoolStrikes};
 
 /// An open transaction on the business database, holding the claim until commit.
 ///
@@ -69,6 +71,9 @@ use crate::held::{Held, HeldConnections};
 pub struct Tx<E: Engine> {
     conn: Conn<E>,
     open: bool,
+    /// What idem's own writes in this transaction (the claim, the commit) said about the
+    /// server, for [`crate::SqlStore::read_only_limit`].
+    writes: Writes,
 }
 
 /// [`Tx`] on SQLite.
@@ -83,23 +88,47 @@ pub type MySqlTx = Tx<sqlx::MySql>;
 
 /// Where the transaction's connection comes from.
 enum Conn<E: Engine> {
-    /// sqlx's pool: a ping when acquired and another when returned.
-    Pooled(PoolConnection<E>),
+    /// sqlx's pool: a ping when acquired and another when returned; the store's read-only
+    /// count, if this transaction is the store's (not maintenance).
+    Pooled(PoolConnection<E>, Option<Arc<PoolStrikes>>),
     /// The store's own held connections: no pings.
     Held(Held<E>),
 }
 
+/// What a transaction's writes said about the server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Writes {
+    /// No write of idem's ran, or it failed for another reason.
+    Unknown,
+    /// A write succeeded: the server takes writes on this connection.
+    Taken,
+    /// A write was refused as read-only.
+    ReadOnly,
+}
+
 impl<E: Engine> Tx<E> {
+    /// A transaction on sqlx's pool, without a `BEGIN` timeout or read-only count (schema
+    /// maintenance).
     pub(crate) async fn begin(pool: &sqlx::Pool<E>) -> Result<Self, sqlx::Error> {
+        Self::begin_pooled(pool, None, None).await
+    }
+
+    /// A transaction on sqlx's pool.
+    pub(crate) async fn begin_pooled(
+        pool: &sqlx::Pool<E>,
+        timeout: Option<Duration>,
+        strikes: Option<Arc<PoolStrikes>>,
+    ) -> Result<Self, sqlx::Error> {
         let mut conn = pool.acquire().await?;
-        if let Err(e) = begin_on::<E>(&mut conn, false).await {
+        if let Err(e) = bounded(timeout, begin_on::<E>(&mut conn, false)).await {
             // The connection's state is unknown; do not hand it back to the pool.
             conn.close_on_drop();
             return Err(e);
         }
         Ok(Self {
-            conn: Conn::Pooled(conn),
+            conn: Conn::Pooled(conn, strikes),
             open: true,
+            writes: Writes::Unknown,
         })
     }
 
@@ -107,6 +136,7 @@ impl<E: Engine> Tx<E> {
         Ok(Self {
             conn: Conn::Held(held.begin().await?),
             open: true,
+            writes: Writes::Unknown,
         })
     }
 
@@ -130,7 +160,7 @@ impl<E: Engine> Tx<E> {
                 depth.saturating_sub(1)
             )));
         }
-        match E::CHECKED_COMMIT {
+        let done = match E::CHECKED_COMMIT {
             None => E::TransactionManager::commit(conn).await,
             // A held connection rests at depth 1 (see the module docs).
             Some(c) if held => E::execute_simple(conn, c.alone).await.map(drop),
@@ -139,7 +169,9 @@ impl<E: Engine> Tx<E> {
                 // pool's return ping.
                 E::TransactionManager::start_rollback(conn);
             }),
-        }?;
+        };
+        self.saw_sqlx(&done);
+        done?;
         self.open = false;
         Ok(())
     }
@@ -160,6 +192,37 @@ impl<E: Engine> Tx<E> {
         self.open = false;
         Ok(())
     }
+
+    /// Notes what one of idem's writes in this transaction said about the server.
+    pub(crate) fn saw<T>(&mut self, result: &Result<T, idem_core::Error>) {
+        match result {
+            Ok(_) => self.writes = Writes::Taken,
+            Err(e) if read_only_error::<E>(e) => self.writes = Writes::ReadOnly,
+            Err(_) => {}
+        }
+    }
+
+    fn saw_sqlx<T>(&mut self, result: &Result<T, sqlx::Error>) {
+        match result {
+            Ok(_) => self.writes = Writes::Taken,
+            Err(sqlx::Error::Database(db)) if E::read_only(db.as_ref()) => {
+                self.writes = Writes::ReadOnly;
+            }
+            Err(_) => {}
+        }
+    }
+}
+
+/// Whether `error` (or an error it wraps) is the database refusing a write as read-only.
+fn read_only_error<E: Engine>(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(error);
+    while let Some(e) = cause {
+        if let Some(sqlx::Error::Database(db)) = e.downcast_ref::<sqlx::Error>() {
+            return E::read_only(db.as_ref());
+        }
+        cause = e.source();
+    }
+    false
 }
 
 /// Begins idem's transaction on `conn`, through sqlx's transaction manager so that sqlx counts
@@ -179,15 +242,45 @@ pub(crate) async fn begin_on<E: Engine>(
     }
 }
 
+/// `begin` within `limit`: past it, an I/O timeout (unavailable), and the future — with its
+/// half-sent `BEGIN` — is dropped; the caller drops the connection.
+pub(crate) async fn bounded<T>(
+    limit: Option<Duration>,
+    begin: impl Future<Output = Result<T, sqlx::Error>>,
+) -> Result<T, sqlx::Error> {
+    let Some(limit) = limit else {
+        return begin.await;
+    };
+    match tokio::time::timeout(limit, begin).await {
+        Ok(result) => result,
+        Err(_) => Err(sqlx::Error::Io(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!(
+                "no answer to BEGIN within {limit:?}; the connection was closed (a peer that \
+                 vanished, or a network path that stopped forwarding)"
+            ),
+        ))),
+    }
+}
+
 impl<E: Engine> Drop for Tx<E> {
     fn drop(&mut self) {
         // Dropped while open (a cancelled future, a failed commit): closing the connection is
         // the one way to end the transaction without an await; the server (or SQLite, as the
-        // connection closes) rolls it back.
-        if self.open {
-            match &mut self.conn {
-                Conn::Pooled(c) => c.close_on_drop(),
-                Conn::Held(h) => h.spoil(),
+        // connection closes) rolls it back. A connection refused as read-only too often is
+        // closed as well: a new one may reach the new primary.
+        match &mut self.conn {
+            Conn::Pooled(c, strikes) => {
+                let retire = strikes.as_ref().is_some_and(|s| s.settle(self.writes));
+                if self.open || retire {
+                    c.close_on_drop();
+                }
+            }
+            Conn::Held(h) => {
+                h.settle(self.writes);
+                if self.open {
+                    h.spoil();
+                }
             }
         }
     }
@@ -198,7 +291,7 @@ impl<E: Engine> Deref for Tx<E> {
 
     fn deref(&self) -> &E::Connection {
         match &self.conn {
-            Conn::Pooled(c) => c,
+            Conn::Pooled(c, _) => c,
             Conn::Held(h) => h.conn(),
         }
     }
@@ -207,7 +300,7 @@ impl<E: Engine> Deref for Tx<E> {
 impl<E: Engine> DerefMut for Tx<E> {
     fn deref_mut(&mut self) -> &mut E::Connection {
         match &mut self.conn {
-            Conn::Pooled(c) => c,
+            Conn::Pooled(c, _) => c,
             Conn::Held(h) => h.conn_mut(),
         }
     }

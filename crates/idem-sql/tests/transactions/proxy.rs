@@ -1,5 +1,6 @@
 //! A TCP proxy in front of the real server that counts the client's *flights* (the times it
-//! sent something after an answer reached it).
+//! sent something after an answer reached it) and can stop forwarding altogether, as a peer
+//! that vanished behind a network that drops its packets.
 //!
 //! With `hold`, every answer is held back that long: whatever the client sends without waiting
 //! reaches the proxy long before any answer does, so it joins the flight before it, and the
@@ -17,6 +18,7 @@ use tokio::net::{TcpListener, TcpStream};
 pub(crate) struct Proxy {
     addr: SocketAddr,
     flights: Arc<AtomicUsize>,
+    frozen: Arc<AtomicBool>,
 }
 
 impl Proxy {
@@ -25,19 +27,29 @@ impl Proxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
         let flights = Arc::new(AtomicUsize::new(0));
-        let counted = flights.clone();
+        let frozen = Arc::new(AtomicBool::new(false));
+        let (counted, stopped) = (flights.clone(), frozen.clone());
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
-                let counted = counted.clone();
+                let (counted, stopped) = (counted.clone(), stopped.clone());
                 tokio::spawn(async move {
+                    if stopped.load(Ordering::SeqCst) {
+                        // Accepted by the kernel, never answered.
+                        swallow(client).await;
+                        return;
+                    }
                     match TcpStream::connect(upstream).await {
-                        Ok(server) => relay(client, server, counted, hold).await,
+                        Ok(server) => relay(client, server, counted, stopped, hold).await,
                         Err(_) => drop(client),
                     }
                 });
             }
         });
-        Self { addr, flights }
+        Self {
+            addr,
+            flights,
+            frozen,
+        }
     }
 
     pub(crate) fn port(&self) -> u16 {
@@ -47,6 +59,16 @@ impl Proxy {
     /// Flights since the last call.
     pub(crate) fn take(&self) -> usize {
         self.flights.swap(0, Ordering::SeqCst)
+    }
+
+    /// Stops forwarding anything, on open connections and new ones.
+    pub(crate) fn freeze(&self) {
+        self.frozen.store(true, Ordering::SeqCst);
+    }
+
+    /// Forwards again, on new connections (open ones lost bytes meanwhile).
+    pub(crate) fn thaw(&self) {
+        self.frozen.store(false, Ordering::SeqCst);
     }
 }
 
@@ -62,17 +84,35 @@ pub(crate) async fn upstream(url: &str, default_port: u16) -> SocketAddr {
         .expect("an address")
 }
 
-async fn relay(client: TcpStream, server: TcpStream, flights: Arc<AtomicUsize>, hold: Duration) {
+async fn swallow(mut client: TcpStream) {
+    let mut buf = vec![0u8; 4096];
+    while let Ok(n) = client.read(&mut buf).await {
+        if n == 0 {
+            break;
+        }
+    }
+}
+
+async fn relay(
+    client: TcpStream,
+    server: TcpStream,
+    flights: Arc<AtomicUsize>,
+    frozen: Arc<AtomicBool>,
+    hold: Duration,
+) {
     let (mut client_read, mut client_write) = client.into_split();
     let (mut server_read, mut server_write) = server.into_split();
     // Whether an answer reached the client since it last sent something.
     let answered = Arc::new(AtomicBool::new(true));
-    let seen = answered.clone();
+    let (seen, frozen_up) = (answered.clone(), frozen.clone());
     let up = async move {
         let mut buf = vec![0u8; 64 * 1024];
         while let Ok(n) = client_read.read(&mut buf).await {
             if n == 0 {
                 break;
+            }
+            if frozen_up.load(Ordering::SeqCst) {
+                continue;
             }
             if seen.swap(false, Ordering::SeqCst) {
                 flights.fetch_add(1, Ordering::SeqCst);
@@ -90,6 +130,9 @@ async fn relay(client: TcpStream, server: TcpStream, flights: Arc<AtomicUsize>, 
             }
             if !hold.is_zero() {
                 tokio::time::sleep(hold).await;
+            }
+            if frozen.load(Ordering::SeqCst) {
+                continue;
             }
             if client_write.write_all(&buf[..n]).await.is_err() {
                 break;
