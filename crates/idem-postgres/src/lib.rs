@@ -12,7 +12,11 @@
 //!
 //! - **Connections:** a deadpool-postgres pool ([`PgStore::from_pool`], [`PgStore::connect`];
 //!   cargo feature `deadpool`, on by default) or plain `tokio_postgres::Client`s
-//!   ([`PgStore::from_clients`]); statements are prepared once per connection.
+//!   ([`PgStore::from_clients`]); statements are prepared once per connection. Pooled
+//!   connections are retired past a lifetime or idle timeout, after a `BEGIN` that got no
+//!   answer, and after repeated read-only answers ([`PgStore::max_lifetime`] and the options
+//!   after it), so that a failover behind a DNS name does not leave the store on the old
+//!   primary.
 //! - **Handlers** receive a [`PgTx`], which derefs to `tokio_postgres::Client`: run
 //!   `tx.execute(..)` / `tx.query(..)`, and [`PgTx::prepare_cached`] for the handler's own
 //!   statements, and [`PgTx::savepoint`] for a nested unit of work (`Client::transaction`

@@ -8,10 +8,12 @@
 
 use std::fmt;
 use std::ops::{Deref, DerefMut};
+use std::sync::Arc;
 
+use tokio_postgres::error::SqlState;
 use tokio_postgres::{Client, Statement};
 
-use crate::conn::Lease;
+use crate::conn::{Lease, Limits, Writes};
 use crate::sql;
 
 /// An open transaction on the business database, holding the claim until commit.
@@ -41,21 +43,46 @@ use crate::sql;
 pub struct PgTx {
     lease: Option<Lease>,
     open: bool,
+    /// The store's connection limits (read-only count).
+    limits: Arc<Limits>,
+    /// What idem's own writes (the claim, the commit) said about the server.
+    writes: Writes,
     /// Savepoints open now (names are numbered by depth).
     savepoints: u32,
     /// A savepoint was dropped without release or rollback: the commit must fail.
     abandoned: bool,
+    /// Close the connection instead of giving it back (a `BEGIN` that hung).
+    discard: bool,
 }
 
 impl PgTx {
     /// A transaction on `lease`, whose `BEGIN` has been sent: until it has succeeded, the
     /// transaction counts as open, so a failure abandons the connection.
-    pub(crate) fn begun(lease: Lease) -> Self {
+    pub(crate) fn begun(lease: Lease, limits: Arc<Limits>) -> Self {
         Self {
             lease: Some(lease),
             open: true,
+            limits,
+            writes: Writes::Unknown,
             savepoints: 0,
             abandoned: false,
+            discard: false,
+        }
+    }
+
+    /// Its connection is closed when it is dropped (a `BEGIN` that did not answer).
+    pub(crate) fn discard(&mut self) {
+        self.discard = true;
+    }
+
+    /// Notes what one of idem's writes in this transaction said about the server.
+    pub(crate) fn saw<T>(&mut self, result: &Result<T, tokio_postgres::Error>) {
+        match result {
+            Ok(_) => self.writes = Writes::Taken,
+            Err(e) if e.code() == Some(&SqlState::READ_ONLY_SQL_TRANSACTION) => {
+                self.writes = Writes::ReadOnly;
+            }
+            Err(_) => {}
         }
     }
 
@@ -82,7 +109,9 @@ impl PgTx {
             // aborts, and dropping it (open) rolls everything back.
             self.batch_execute(sql::ABANDONED_SAVEPOINT).await?;
         }
-        self.batch_execute(sql::COMMIT).await?;
+        let committed = self.batch_execute(sql::COMMIT).await;
+        self.saw(&committed);
+        committed?;
         self.open = false;
         Ok(())
     }
@@ -114,9 +143,15 @@ impl PgTx {
 
 impl Drop for PgTx {
     fn drop(&mut self) {
-        if let Some(lease) = self.lease.take()
-            && self.open
-        {
+        let Some(lease) = self.lease.take() else {
+            return;
+        };
+        // Refused as read-only too often: a new connection may reach the new primary (a
+        // plain client cannot be reopened, so it is kept).
+        let retire = self.limits.settle(self.writes) && lease.replaceable();
+        if self.discard || retire {
+            lease.discard();
+        } else if self.open {
             lease.abandon();
         }
     }
