@@ -10,9 +10,16 @@
 //! is (see [`Lease::abandon`]): a pooled connection is taken out of the pool and closed (the
 //! server rolls back), a plain client — which the store cannot reopen — gets a `ROLLBACK`
 //! before its next use.
+//!
+//! A pooled connection is not kept for ever either ([`Limits`]): deadpool has no lifetime or
+//! idle timeout of its own, so before each lease the store retires the pool's idle
+//! connections past either; a `BEGIN` that does not answer in time closes its connection (a
+//! plain client too: it is dropped for good); and once transactions are refused as read-only
+//! several times in a row, each pooled connection refused so is closed instead of returned,
+//! so that the next one — after a failover behind a DNS name — reaches the new primary.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -25,6 +32,93 @@ use crate::sql;
 
 /// How long a lease waits for a plain client to come free.
 pub(crate) const CLIENT_WAIT: Duration = Duration::from_secs(30);
+
+/// When the store gives a connection up (see `PgStore::max_lifetime` and the options after
+/// it).
+#[derive(Debug)]
+pub(crate) struct Limits {
+    /// A pooled connection older than this is closed instead of used.
+    pub(crate) max_lifetime: Option<Duration>,
+    /// A pooled connection not handed out for this long is closed instead of used.
+    pub(crate) idle_timeout: Option<Duration>,
+    /// A `BEGIN` that has not answered by then fails as unavailable, and its connection is
+    /// closed.
+    pub(crate) begin_timeout: Option<Duration>,
+    /// After this many transactions in a row refused as read-only, each pooled connection
+    /// refused so is closed; 0: never.
+    pub(crate) read_only_limit: u32,
+    /// Transactions refused as read-only in a row (the store's: the pool does not tell its
+    /// connections apart).
+    strikes: AtomicU32,
+}
+
+/// What a transaction's writes said about the server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Writes {
+    /// No write of idem's ran, or it failed for another reason.
+    Unknown,
+    /// A write succeeded: the server takes writes on this connection.
+    Taken,
+    /// A write was refused as read-only (SQLSTATE 25006).
+    ReadOnly,
+}
+
+impl Limits {
+    /// sqlx's pool defaults (deadpool has none): 30 minutes, 10 minutes; a `BEGIN` waits as
+    /// long as a lease may (`wait`); two read-only answers in a row.
+    pub(crate) fn new(wait: Duration) -> Self {
+        Self {
+            max_lifetime: Some(Duration::from_secs(30 * 60)),
+            idle_timeout: Some(Duration::from_secs(10 * 60)),
+            begin_timeout: Some(wait),
+            read_only_limit: 2,
+            strikes: AtomicU32::new(0),
+        }
+    }
+
+    /// The same limits, with a fresh count (for the store's builder methods).
+    pub(crate) fn with(&self, change: impl FnOnce(&mut Self)) -> Self {
+        let mut limits = Self {
+            strikes: AtomicU32::new(0),
+            ..*self
+        };
+        change(&mut limits);
+        limits
+    }
+
+    /// Counts what a transaction's writes said; whether its connection must be closed.
+    pub(crate) fn settle(&self, writes: Writes) -> bool {
+        match writes {
+            Writes::Unknown => false,
+            Writes::Taken => {
+                self.strikes.store(0, Ordering::Relaxed);
+                false
+            }
+            Writes::ReadOnly => {
+                let strikes = self
+                    .strikes
+                    .fetch_add(1, Ordering::Relaxed)
+                    .saturating_add(1);
+                self.read_only_limit > 0 && strikes >= self.read_only_limit
+            }
+        }
+    }
+
+    /// Closes the pool's idle connections past their lifetime or idle timeout. deadpool
+    /// counts idleness from when a connection was last handed out (its `last_used`), which
+    /// for a consumer's short transactions is when it was last given back, give or take one.
+    #[cfg(feature = "deadpool")]
+    fn retire_worn(&self, pool: &deadpool_postgres::Pool) {
+        if self.max_lifetime.is_none() && self.idle_timeout.is_none() {
+            return;
+        }
+        // Dropping the retired clients ends their connections (the server sees a Terminate).
+        drop(pool.retain(|_, metrics| {
+            !(self.max_lifetime.is_some_and(|l| metrics.age() >= l)
+                || self.idle_timeout.is_some_and(|t| metrics.last_used() >= t))
+        }));
+    }
+}
 
 /// The store's connections.
 #[derive(Clone)]
@@ -47,15 +141,18 @@ impl std::fmt::Debug for Source {
 }
 
 impl Source {
-    /// A connection, outside any transaction.
-    pub(crate) async fn get(&self) -> Result<Lease, Error> {
+    /// A connection, outside any transaction; on a pool, first retires the idle connections
+    /// past `limits`.
+    pub(crate) async fn get(&self, limits: &Limits) -> Result<Lease, Error> {
         match self {
             #[cfg(feature = "deadpool")]
-            Source::Pool(pool) => pool
-                .get()
-                .await
-                .map(Lease::Pooled)
-                .map_err(|e| crate::errors::pool_error("getting a connection", e)),
+            Source::Pool(pool) => {
+                limits.retire_worn(pool);
+                pool.get()
+                    .await
+                    .map(Lease::Pooled)
+                    .map_err(|e| crate::errors::pool_error("getting a connection", e))
+            }
             Source::Clients(clients) => clients.get().await.map(Lease::Plain),
         }
     }
@@ -86,6 +183,31 @@ impl Lease {
             #[cfg(feature = "deadpool")]
             Lease::Pooled(object) => object.prepare_cached(sql).await,
             Lease::Plain(plain) => plain.conn().prepare(sql).await,
+        }
+    }
+
+    /// Whether the store can replace this connection (a pooled one) rather than only lose it.
+    pub(crate) fn replaceable(&self) -> bool {
+        match self {
+            #[cfg(feature = "deadpool")]
+            Lease::Pooled(_) => true,
+            Lease::Plain(_) => false,
+        }
+    }
+
+    /// Closes the connection for good: it hung, or talks to a server it should not. A pooled
+    /// one is taken out of the pool (which opens another when needed); a plain client is
+    /// dropped and the store works on with the others.
+    pub(crate) fn discard(self) {
+        match self {
+            #[cfg(feature = "deadpool")]
+            Lease::Pooled(object) => drop(deadpool_postgres::Object::take(object)),
+            Lease::Plain(mut plain) => {
+                if let (Some(conn), Some(permit)) = (plain.conn.take(), plain.permit.take()) {
+                    drop(conn);
+                    plain.home.lose(permit);
+                }
+            }
         }
     }
 

@@ -12,10 +12,16 @@
 //!
 //! - **Connections:** a deadpool-postgres pool ([`PgStore::from_pool`], [`PgStore::connect`];
 //!   cargo feature `deadpool`, on by default) or plain `tokio_postgres::Client`s
-//!   ([`PgStore::from_clients`]); statements are prepared once per connection.
+//!   ([`PgStore::from_clients`]); statements are prepared once per connection. Pooled
+//!   connections are retired past a lifetime or idle timeout, after a `BEGIN` that got no
+//!   answer, and after repeated read-only answers ([`PgStore::max_lifetime`] and the options
+//!   after it), so that a failover behind a DNS name does not leave the store on the old
+//!   primary.
 //! - **Handlers** receive a [`PgTx`], which derefs to `tokio_postgres::Client`: run
 //!   `tx.execute(..)` / `tx.query(..)`, and [`PgTx::prepare_cached`] for the handler's own
-//!   statements. A transaction dropped while open never leaves its connection inside it.
+//!   statements, and [`PgTx::savepoint`] for a nested unit of work (`Client::transaction`
+//!   needs `&mut Client`, which a transaction does not hand out). A transaction dropped while
+//!   open never leaves its connection inside it.
 //! - **Same tables as `idem-sql`:** `idem_processed` and `idem_requests`, the same columns,
 //!   statements, migration (under the same advisory lock) and server-clock stamps, so the two
 //!   stores can share a database and take over from each other.
@@ -90,7 +96,7 @@ mod tx;
 pub use idem_core::{DEFAULT_REQUESTS_TABLE, DEFAULT_TABLE, TableName};
 pub use requests::MAX_REQUEST_KEY_LEN;
 pub use store::{MAX_MESSAGE_ID_LEN, PgStore};
-pub use tx::PgTx;
+pub use tx::{PgSavepoint, PgTx};
 
 /// The pool crate this store runs on, re-exported so its version matches.
 #[cfg(feature = "deadpool")]

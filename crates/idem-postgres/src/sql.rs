@@ -32,6 +32,12 @@ pub(crate) const COMMIT: &str = "SELECT 1; COMMIT";
 /// Rolls back.
 pub(crate) const ROLLBACK: &str = "ROLLBACK";
 
+/// Fails the transaction, with the server's own error, when a savepoint of it was dropped
+/// without release or rollback (`PgTx::commit`).
+pub(crate) const ABANDONED_SAVEPOINT: &str = "DO $$ BEGIN RAISE EXCEPTION 'idem: a savepoint \
+     of this transaction was dropped without release() or rollback(), so nothing was \
+     committed'; END $$";
+
 /// The claim statements of one claims table. Parameters are bound in the order listed; a
 /// `now`/`processed_at` parameter is `NULL` for the server's clock. On a partitioned table the
 /// claim, the batch claim and the fingerprint reads take the partition key (`id_time`, the

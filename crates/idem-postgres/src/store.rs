@@ -24,6 +24,7 @@
 //! [`begin_and_claim`]: idem_core::ClaimStore::begin_and_claim
 
 use std::collections::{HashMap, HashSet};
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -37,7 +38,7 @@ use idem_core::{
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, GenericClient, Row};
 
-use crate::conn::{Clients, Lease, Source, begin_error};
+use crate::conn::{CLIENT_WAIT, Clients, Lease, Limits, Source, begin_error};
 use crate::errors::{commit_error, store_error};
 use crate::sql::{self, ClaimSql, RequestSql};
 use crate::tx::PgTx;
@@ -60,6 +61,8 @@ pub const MAX_MESSAGE_ID_LEN: usize = 1024;
 #[derive(Clone)]
 pub struct PgStore {
     pub(crate) source: Source,
+    /// When a connection is given up (lifetime, idle time, `BEGIN` timeout, read-only).
+    limits: Arc<Limits>,
     table: TableName,
     pub(crate) sql: Arc<ClaimSql>,
     requests: TableName,
@@ -72,6 +75,7 @@ impl std::fmt::Debug for PgStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PgStore")
             .field("source", &self.source)
+            .field("limits", &self.limits)
             .field("table", &self.table)
             .field("requests", &self.requests)
             .field("partitioning", &self.partitioning)
@@ -80,10 +84,11 @@ impl std::fmt::Debug for PgStore {
 }
 
 impl PgStore {
-    fn new(source: Source) -> Self {
+    fn new(source: Source, wait: Duration) -> Self {
         let (table, requests) = (TableName::default(), TableName::default_requests());
         Self {
             source,
+            limits: Arc::new(Limits::new(wait)),
             sql: Arc::new(ClaimSql::new(&table, false)),
             rsql: Arc::new(RequestSql::new(&requests)),
             table,
@@ -96,9 +101,16 @@ impl PgStore {
     /// `idem_requests`): claims then share connections — and their statement caches — with the
     /// application's own queries. Its recycling method should be `RecyclingMethod::Fast` (the
     /// default), which hands a connection out without a round trip.
+    ///
+    /// The store retires the pool's connections past [`max_lifetime`](Self::max_lifetime) or
+    /// [`idle_timeout`](Self::idle_timeout) before it takes one (deadpool has neither), bounds
+    /// each `BEGIN` by [`begin_timeout`](Self::begin_timeout) (default: the pool's wait
+    /// timeout, or 30 s), and closes connections refused as read-only
+    /// ([`read_only_limit`](Self::read_only_limit)).
     #[cfg(feature = "deadpool")]
     pub fn from_pool(pool: deadpool_postgres::Pool) -> Self {
-        Self::new(Source::Pool(pool))
+        let wait = pool.timeouts().wait.unwrap_or(CLIENT_WAIT);
+        Self::new(Source::Pool(pool), wait)
     }
 
     /// Connects a pool of up to 16 connections to `url` (`postgres://user@host/db`, without
@@ -161,9 +173,12 @@ impl PgStore {
     /// (plus one for request lookups, which run beside the operation's transaction). Each
     /// client keeps the statements prepared on it. A client whose connection closed is
     /// dropped; the store cannot reopen it, so it works on with the others, and reports
-    /// [`ErrorKind::Unavailable`] once none is left.
+    /// [`ErrorKind::Unavailable`] once none is left. The same for a client whose `BEGIN` gets
+    /// no answer within [`begin_timeout`](Self::begin_timeout) (default 30 s). Plain clients
+    /// are not recycled otherwise (no lifetime, idle timeout or read-only limit): the store
+    /// has no configuration to open their replacements with.
     pub fn from_clients(clients: impl IntoIterator<Item = Client>) -> Self {
-        Self::new(Source::Clients(Clients::new(clients)))
+        Self::new(Source::Clients(Clients::new(clients)), CLIENT_WAIT)
     }
 
     /// [`from_clients`](Self::from_clients) with one client: every transaction and statement
@@ -190,6 +205,38 @@ impl PgStore {
         Ok(self)
     }
 
+    /// How long a pooled connection is used after it was opened (`None`: for ever); default
+    /// 30 minutes, sqlx's. Checked before each lease, on the pool's idle connections.
+    pub fn max_lifetime(mut self, lifetime: Option<Duration>) -> Self {
+        self.limits = Arc::new(self.limits.with(|l| l.max_lifetime = lifetime));
+        self
+    }
+
+    /// How long a pooled connection may go without being handed out and still be used
+    /// (`None`: for ever); default 10 minutes, sqlx's. Checked before each lease.
+    pub fn idle_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.limits = Arc::new(self.limits.with(|l| l.idle_timeout = timeout));
+        self
+    }
+
+    /// How long a transaction's `BEGIN` may take (`None`: as long as the network does) before
+    /// it fails as [`ErrorKind::Unavailable`] and its connection is closed — a peer that
+    /// vanished answers nothing until TCP gives up. Pipelined with the claim, only the
+    /// `BEGIN`'s answer is timed, not a claim waiting on a concurrent duplicate's lock.
+    pub fn begin_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.limits = Arc::new(self.limits.with(|l| l.begin_timeout = timeout));
+        self
+    }
+
+    /// After how many transactions in a row whose claim or commit the server refused as
+    /// read-only (SQLSTATE 25006: a standby, a read-only session) each pooled connection
+    /// refused so is closed instead of returned, until a write succeeds (0: never); default
+    /// 2. After a failover behind a DNS name, the next connection reaches the new primary.
+    pub fn read_only_limit(mut self, limit: u32) -> Self {
+        self.limits = Arc::new(self.limits.with(|l| l.read_only_limit = limit));
+        self
+    }
+
     /// The pool, when the store runs on one.
     #[cfg(feature = "deadpool")]
     pub fn pool(&self) -> Option<&deadpool_postgres::Pool> {
@@ -213,8 +260,13 @@ impl PgStore {
     /// [`claim`](ClaimStore::claim) or `Processor::claim_in`) and commits it with
     /// [`TransactionalStore::commit`] or [`PgTx::commit`].
     pub async fn begin_tx(&self) -> Result<PgTx, Error> {
-        let tx = PgTx::begun(self.source.get().await?);
-        tx.batch_execute(sql::BEGIN).await.map_err(begin_error)?;
+        let mut tx = PgTx::begun(self.lease().await?, self.limits.clone());
+        let limit = self.limits.begin_timeout;
+        let begun = bounded(limit, tx.batch_execute(sql::BEGIN)).await;
+        match begun {
+            Some(begun) => begun.map_err(begin_error)?,
+            None => return Err(begin_hung(&mut tx, limit)),
+        }
         Ok(tx)
     }
 
@@ -341,7 +393,7 @@ impl PgStore {
         sql: &str,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<u64, Error> {
-        let lease = self.source.get().await?;
+        let lease = self.lease().await?;
         let statement = lease.prepare(sql).await.map_err(|e| store_error(what, e))?;
         lease
             .client()
@@ -352,7 +404,7 @@ impl PgStore {
 
     /// A lease's connection, for the request store's lookups.
     pub(crate) async fn lease(&self) -> Result<Lease, Error> {
-        self.source.get().await
+        self.source.get(&self.limits).await
     }
 
     /// Runs a fixed statement inside `tx`.
@@ -449,6 +501,62 @@ fn stored_fingerprint(bytes: Option<Vec<u8>>) -> Result<Fingerprint, Error> {
     }
 }
 
+/// `begin` within `limit`: `None` past it (the future, with its half-sent `BEGIN`, dropped).
+async fn bounded<T>(limit: Option<Duration>, begin: impl Future<Output = T>) -> Option<T> {
+    match limit {
+        None => Some(begin.await),
+        Some(limit) => tokio::time::timeout(limit, begin).await.ok(),
+    }
+}
+
+/// `BEGIN` and the claim pipelined in one flight (`join` polls `begin` first, so it is queued
+/// first): `None` if `BEGIN` has not answered within `limit`. Only `BEGIN` is timed: a claim
+/// may rightly wait for a concurrent duplicate's transaction to end.
+async fn begin_with<B, C>(
+    limit: Option<Duration>,
+    begin: impl Future<Output = B>,
+    claim: impl Future<Output = C>,
+) -> Option<(B, C)> {
+    let Some(limit) = limit else {
+        return Some(join(begin, claim).await);
+    };
+    let answered = std::sync::atomic::AtomicBool::new(false);
+    let begin = async {
+        let begun = begin.await;
+        answered.store(true, std::sync::atomic::Ordering::Relaxed);
+        begun
+    };
+    let flight = join(begin, claim);
+    let deadline = tokio::time::sleep(limit);
+    tokio::pin!(flight, deadline);
+    loop {
+        let unanswered = !answered.load(std::sync::atomic::Ordering::Relaxed);
+        tokio::select! {
+            biased;
+            both = &mut flight => return Some(both),
+            () = &mut deadline, if unanswered => {
+                if !answered.load(std::sync::atomic::Ordering::Relaxed) {
+                    return None;
+                }
+            }
+        }
+    }
+}
+
+/// A `BEGIN` that got no answer in time: its connection is closed, and the error says so.
+fn begin_hung(tx: &mut PgTx, limit: Option<Duration>) -> Error {
+    tx.discard();
+    Error::new(
+        ErrorKind::Unavailable,
+        format!(
+            "PostgreSQL: {}: no answer within {:?}; the connection was closed (a peer that \
+             vanished, or a network path that stopped forwarding)",
+            sql::BEGIN,
+            limit.unwrap_or_default()
+        ),
+    )
+}
+
 /// Ends a transaction whose claim failed; a failed rollback abandons the connection, and the
 /// claim's error is the one worth reporting.
 async fn end(tx: PgTx) {
@@ -491,11 +599,9 @@ impl ClaimStore for PgStore {
             .await
             .map_err(|e| store_error("claim", e))?;
         let params: [&(dyn ToSql + Sync); 5] = [&p.consumer, &p.id, &p.fingerprint, &p.at, &p.key];
-        let inserted = tx
-            .execute(&insert, p.bound(&params))
-            .await
-            .map_err(|e| store_error("claim", e))?;
-        if inserted == 1 {
+        let inserted = tx.execute(&insert, p.bound(&params)).await;
+        tx.saw(&inserted);
+        if inserted.map_err(|e| store_error("claim", e))? == 1 {
             return Ok(None);
         }
         self.read_fingerprint(tx, &p).await.map(Some)
@@ -507,20 +613,26 @@ impl ClaimStore for PgStore {
         claim: ClaimRequest<'_>,
     ) -> Result<(PgTx, Option<Fingerprint>), Error> {
         let p = self.params(&claim);
-        let lease = self.source.get().await?;
+        let lease = self.lease().await?;
         let insert = lease
             .prepare(&self.sql.claim)
             .await
             .map_err(|e| store_error("claim", e))?;
-        let tx = PgTx::begun(lease);
+        let mut tx = PgTx::begun(lease, self.limits.clone());
         let params: [&(dyn ToSql + Sync); 5] = [&p.consumer, &p.id, &p.fingerprint, &p.at, &p.key];
-        let (begun, inserted) = join(
+        let limit = self.limits.begin_timeout;
+        let flight = begin_with(
+            limit,
             tx.batch_execute(sql::BEGIN),
             tx.execute(&insert, p.bound(&params)),
         )
         .await;
+        let Some((begun, inserted)) = flight else {
+            return Err(begin_hung(&mut tx, limit));
+        };
         // A failed BEGIN drops `tx` while open, which abandons the connection.
         begun.map_err(begin_error)?;
+        tx.saw(&inserted);
         let inserted = match inserted {
             Ok(n) => n,
             Err(e) => {
@@ -559,10 +671,9 @@ impl BatchClaimStore for PgStore {
             .map_err(|e| store_error("batch claim", e))?;
         let params: [&(dyn ToSql + Sync); 5] =
             [&consumer, &batch.ids, &batch.fps, &at, &batch.keys];
-        let inserted = tx
-            .query(&insert, batch.bound(&params))
-            .await
-            .map_err(|e| store_error("batch claim", e))?;
+        let inserted = tx.query(&insert, batch.bound(&params)).await;
+        tx.saw(&inserted);
+        let inserted = inserted.map_err(|e| store_error("batch claim", e))?;
         self.claimed_many(tx, consumer, &batch, inserted).await
     }
 
@@ -575,20 +686,26 @@ impl BatchClaimStore for PgStore {
     ) -> Result<(PgTx, Vec<Option<Fingerprint>>), Error> {
         let batch = self.batch(items);
         let (consumer, at) = (consumer.as_str(), stamp(at));
-        let lease = self.source.get().await?;
+        let lease = self.lease().await?;
         let insert = lease
             .prepare(&self.sql.claim_many)
             .await
             .map_err(|e| store_error("batch claim", e))?;
-        let tx = PgTx::begun(lease);
+        let mut tx = PgTx::begun(lease, self.limits.clone());
         let params: [&(dyn ToSql + Sync); 5] =
             [&consumer, &batch.ids, &batch.fps, &at, &batch.keys];
-        let (begun, inserted) = join(
+        let limit = self.limits.begin_timeout;
+        let flight = begin_with(
+            limit,
             tx.batch_execute(sql::BEGIN),
             tx.query(&insert, batch.bound(&params)),
         )
         .await;
+        let Some((begun, inserted)) = flight else {
+            return Err(begin_hung(&mut tx, limit));
+        };
         begun.map_err(begin_error)?;
+        tx.saw(&inserted);
         let inserted = match inserted {
             Ok(rows) => rows,
             Err(e) => {
@@ -674,7 +791,7 @@ impl PgStore {
 impl Stats for PgStore {
     async fn stats(&self) -> Result<Vec<ConsumerStats>, Error> {
         let err = |e| store_error("stats", e);
-        let lease = self.source.get().await?;
+        let lease = self.lease().await?;
         let statement = lease.prepare(&self.sql.stats).await.map_err(err)?;
         let rows = lease.client().query(&statement, &[]).await.map_err(err)?;
         rows.iter()

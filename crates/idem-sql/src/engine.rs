@@ -35,13 +35,22 @@ pub trait Engine: Driver + sealed::Sealed {
     const MAX_MESSAGE_ID_LEN: usize;
 
     /// Begins a transaction: `BEGIN`, or SQLite's `BEGIN IMMEDIATE`, which takes the write lock
-    /// up front so a concurrent duplicate waits for the first claim instead of failing.
+    /// up front so a concurrent duplicate waits for the first claim instead of failing. It is
+    /// sent through sqlx's transaction manager, so that sqlx counts the transaction and a
+    /// handler's nested `begin()` is a savepoint (see [`Tx`]).
     const BEGIN: &'static str;
 
-    /// Commits, as one simple query. PostgreSQL's is `SELECT 1; COMMIT`: after any failed
+    /// How a transaction commits where sqlx's own `COMMIT` would not do; `None`: through
+    /// sqlx's transaction manager. PostgreSQL's is `SELECT 1; COMMIT`: after any failed
     /// statement it aborts the transaction and a bare `COMMIT` would roll back *and report
     /// success*; the `SELECT` fails first instead (see [`Engine::aborted`]).
-    const COMMIT: &'static str;
+    const CHECKED_COMMIT: Option<CheckedCommit> = None;
+
+    /// Whether the database is a server at the other end of a socket (not an embedded file):
+    /// a `BEGIN` may then hang on a peer that vanished, so it gets a timeout by default (see
+    /// `SqlStore::begin_timeout`). SQLite's `BEGIN IMMEDIATE` waits for the write lock, which
+    /// its busy timeout bounds already.
+    const SERVER: bool;
 
     /// The claim statements for `table`, parameters bound in the order
     /// [`ClaimStatements`] documents; `partitioned`: for a table partitioned by the ID's time
@@ -64,6 +73,14 @@ pub trait Engine: Driver + sealed::Sealed {
     /// What a database error means for a consumer, by the driver's code — never its message
     /// text, except where the engine has no code for it (SQLite's `no such table`).
     fn database_kind(error: &dyn DatabaseError) -> ErrorKind;
+
+    /// Whether an error says the database takes no writes on this connection (PostgreSQL's
+    /// 25006 on a standby or a read-only session, MySQL's `--read-only`): after a failover
+    /// behind a stale DNS name a connection can stay on the old primary, now a replica, while
+    /// a new one would reach the new primary (see `SqlStore::read_only_limit`).
+    fn read_only(_error: &dyn DatabaseError) -> bool {
+        false
+    }
 
     /// Whether a failed commit says the transaction had already aborted (PostgreSQL's 25P02):
     /// nothing committed because the handler swallowed a failed statement.
@@ -109,6 +126,16 @@ pub trait Engine: Driver + sealed::Sealed {
     ) -> impl Future<Output = Result<Option<u64>, sqlx::Error>> + Send + 'e {
         async move { Self::execute_pool(pool, sql, params).await.map(Some) }
     }
+}
+
+/// A commit as one simple query, in the two forms a [`Tx`] sends (see `tx.rs`).
+#[derive(Debug, Clone, Copy)]
+pub struct CheckedCommit {
+    /// The commit alone (`SELECT 1; COMMIT`).
+    pub(crate) alone: &'static str,
+    /// The commit followed by `BEGIN`, leaving an empty transaction that sqlx's queued
+    /// `ROLLBACK` ends (`SELECT 1; COMMIT; BEGIN`).
+    pub(crate) then_begin: &'static str,
 }
 
 pub(crate) mod sealed {

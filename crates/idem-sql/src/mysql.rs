@@ -50,7 +50,7 @@ impl crate::engine::sealed::Sealed for MySql {}
 impl Engine for MySql {
     const MAX_MESSAGE_ID_LEN: usize = MAX_MESSAGE_ID_LEN;
     const BEGIN: &'static str = "BEGIN";
-    const COMMIT: &'static str = "COMMIT";
+    const SERVER: bool = true;
 
     fn claim_statements(t: &TableName, _partitioned: bool) -> ClaimStatements {
         ClaimStatements {
@@ -134,6 +134,13 @@ impl Engine for MySql {
             Some(my) => crate::errors::mysql_kind(my.number()),
             None => ErrorKind::Store,
         }
+    }
+
+    /// 1290 running with `--read-only` (`super_read_only`), 1792 a read-only transaction,
+    /// 1836 read-only mode.
+    fn read_only(db: &dyn DatabaseError) -> bool {
+        db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+            .is_some_and(|my| matches!(my.number(), 1290 | 1792 | 1836))
     }
 
     async fn claim_many(

@@ -16,7 +16,7 @@ use sqlx::Postgres;
 use sqlx::error::DatabaseError;
 
 use crate::common::{server_stamp, stored_fingerprint};
-use crate::engine::{Driver, Engine};
+use crate::engine::{CheckedCommit, Driver, Engine};
 use crate::errors::{commit_error, store_error};
 use crate::requests::RequestStatements;
 use crate::store::{ClaimStatements, SqlStore};
@@ -43,9 +43,13 @@ impl crate::engine::sealed::Sealed for Postgres {}
 impl Engine for Postgres {
     const MAX_MESSAGE_ID_LEN: usize = MAX_MESSAGE_ID_LEN;
     const BEGIN: &'static str = "BEGIN";
-    // In an aborted transaction the SELECT fails with 25P02 and the COMMIT never runs; both
+    // In an aborted transaction the SELECT fails with 25P02 and the COMMIT never runs; all
     // travel in one simple-query round trip.
-    const COMMIT: &'static str = "SELECT 1; COMMIT";
+    const CHECKED_COMMIT: Option<CheckedCommit> = Some(CheckedCommit {
+        alone: "SELECT 1; COMMIT",
+        then_begin: "SELECT 1; COMMIT; BEGIN",
+    });
+    const SERVER: bool = true;
 
     fn claim_statements(t: &TableName, partitioned: bool) -> ClaimStatements {
         // A partitioned table's unique key holds the partition key, which every statement
@@ -176,6 +180,12 @@ impl Engine for Postgres {
 
     fn database_kind(db: &dyn DatabaseError) -> ErrorKind {
         idem_core::sqlstate::kind(db.code().as_deref().unwrap_or(""))
+    }
+
+    /// 25006 `read_only_sql_transaction`: a standby, or a session or role with
+    /// `default_transaction_read_only`.
+    fn read_only(db: &dyn DatabaseError) -> bool {
+        db.code().as_deref() == Some("25006")
     }
 
     fn aborted(db: &dyn DatabaseError) -> bool {

@@ -45,7 +45,7 @@ impl crate::engine::sealed::Sealed for Sqlite {}
 impl Engine for Sqlite {
     const MAX_MESSAGE_ID_LEN: usize = MAX_MESSAGE_ID_LEN;
     const BEGIN: &'static str = "BEGIN IMMEDIATE";
-    const COMMIT: &'static str = "COMMIT";
+    const SERVER: bool = false;
 
     fn claim_statements(t: &TableName, _partitioned: bool) -> ClaimStatements {
         ClaimStatements {

@@ -16,7 +16,7 @@ use idem_core::{
 use crate::common::{micros, stored_fingerprint};
 use crate::engine::{Engine, Param};
 use crate::errors::{commit_error, store_error};
-use crate::held::HeldConnections;
+use crate::held::{HeldConnections, PoolStrikes, Recycling};
 use crate::requests::RequestStatements;
 use crate::tx::Tx;
 use idem_core::TableName;
@@ -30,6 +30,10 @@ pub struct SqlStore<E: Engine> {
     pub(crate) pool: sqlx::Pool<E>,
     /// Set by [`SqlStore::hold_connections`]: transactions run on these instead.
     held: Option<Arc<HeldConnections<E>>>,
+    /// When a connection is given up (lifetime, idle time, `BEGIN` timeout, read-only).
+    recycling: Recycling,
+    /// Read-only refusals in a row of the transactions on the pool.
+    strikes: Arc<PoolStrikes>,
     table: TableName,
     pub(crate) sql: ClaimStatements,
     requests: TableName,
@@ -43,6 +47,8 @@ impl<E: Engine> Clone for SqlStore<E> {
         Self {
             pool: self.pool.clone(),
             held: self.held.clone(),
+            recycling: self.recycling,
+            strikes: self.strikes.clone(),
             table: self.table.clone(),
             sql: self.sql.clone(),
             requests: self.requests.clone(),
@@ -59,6 +65,7 @@ impl<E: Engine> std::fmt::Debug for SqlStore<E> {
             .field("table", &self.table)
             .field("requests", &self.requests)
             .field("held", &self.held)
+            .field("recycling", &self.recycling)
             .field("partitioning", &self.partitioning)
             .finish_non_exhaustive()
     }
@@ -97,11 +104,14 @@ impl<E: Engine> SqlStore<E> {
     /// configures.
     pub fn from_pool(pool: sqlx::Pool<E>) -> Self {
         let (table, requests) = (TableName::default(), TableName::default_requests());
+        let recycling = Recycling::of_pool(&pool);
         Self {
             sql: E::claim_statements(&table, false),
             rsql: E::request_statements(&requests),
             pool,
             held: None,
+            recycling,
+            strikes: PoolStrikes::new(recycling),
             table,
             requests,
             partitioning: None,
@@ -131,15 +141,73 @@ impl<E: Engine> SqlStore<E> {
     /// Runs transactions on up to `max` connections the store keeps for them, instead of on
     /// the pool: a finished transaction's connection goes straight to the next one, without
     /// the two pings (acquire and return) sqlx's pool sends, which are a third of a
-    /// one-message PostgreSQL transaction's round trips. The connections are opened on demand
-    /// with the pool's connect options and wait up to its acquire timeout; one that failed is
-    /// closed and replaced, and a stale idle one (after a server restart) is replaced when its
-    /// `BEGIN` fails. Give a consumer as many as it has messages in flight. The pool still
-    /// serves pruning, statistics, request lookups and migrations.
+    /// one-message PostgreSQL transaction's round trips. Give a consumer as many as it has
+    /// messages in flight. The pool still serves pruning, statistics, request lookups and
+    /// migrations.
+    ///
+    /// The connections are opened on demand with the pool's connect options and wait up to
+    /// its acquire timeout. A connection is closed, and the next transaction opens a new one
+    /// (which resolves the server's name again: after a failover behind DNS it reaches the
+    /// new primary):
+    ///
+    /// - when one of its transactions failed in a way that leaves it in doubt;
+    /// - when its `BEGIN` fails (a stale idle connection after a server restart or a
+    ///   terminated backend) or does not answer within [`begin_timeout`](Self::begin_timeout)
+    ///   (a peer that vanished): the transaction is retried at once on a new connection;
+    /// - past [`held_max_lifetime`](Self::held_max_lifetime) or
+    ///   [`held_idle_timeout`](Self::held_idle_timeout) (by default the pool's
+    ///   `max_lifetime` and `idle_timeout`, sqlx's defaults 30 and 10 minutes), checked when a
+    ///   transaction begins;
+    /// - after [`read_only_limit`](Self::read_only_limit) transactions in a row on it were
+    ///   refused as read-only (a replica, a read-only session).
+    ///
+    /// Set those options before cloning the store.
     pub fn hold_connections(mut self, max: u32) -> Self {
         let options = (*self.pool.connect_options()).clone();
         let wait = self.pool.options().get_acquire_timeout();
-        self.held = Some(HeldConnections::new(options, max, wait));
+        self.held = Some(HeldConnections::new(options, max, wait, self.recycling));
+        self
+    }
+
+    /// How long a held connection is used after it was opened (`None`: for ever); default:
+    /// the pool's `max_lifetime`. Checked when a transaction begins.
+    pub fn held_max_lifetime(mut self, lifetime: Option<Duration>) -> Self {
+        self.recycling.max_lifetime = lifetime;
+        self.recycled()
+    }
+
+    /// How long a held connection may stay unused and still be used (`None`: for ever);
+    /// default: the pool's `idle_timeout`. Checked when a transaction begins.
+    pub fn held_idle_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.recycling.idle_timeout = timeout;
+        self.recycled()
+    }
+
+    /// How long a transaction's `BEGIN` may take (`None`: as long as the network does) before
+    /// it fails as [`ErrorKind::Unavailable`] and its connection is closed; a held
+    /// connection's is first retried on a new connection. Default: the pool's acquire
+    /// timeout (30 s unless set) on PostgreSQL and MySQL, none on SQLite (its `BEGIN
+    /// IMMEDIATE` waits for the write lock, which the busy timeout bounds).
+    pub fn begin_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.recycling.begin_timeout = timeout;
+        self.recycled()
+    }
+
+    /// After how many transactions in a row whose claim or commit the database refused as
+    /// read-only (PostgreSQL 25006, MySQL 1290 / 1792 / 1836) a connection is closed, so that
+    /// the next one opens afresh (0: never); default 2. On held connections the count is each
+    /// connection's; on the pool, which does not tell its connections apart, it is the
+    /// store's, and once reached every connection refused as read-only is closed until a
+    /// write succeeds. The transaction itself fails as before (`Unavailable`, retried).
+    pub fn read_only_limit(mut self, limit: u32) -> Self {
+        self.recycling.read_only_limit = limit;
+        self.recycled()
+    }
+
+    /// Applies changed limits to the pool's count and the held connections.
+    fn recycled(mut self) -> Self {
+        self.strikes = PoolStrikes::new(self.recycling);
+        self.held = self.held.map(|h| h.with_limits(self.recycling));
         self
     }
 
@@ -163,7 +231,10 @@ impl<E: Engine> SqlStore<E> {
     pub async fn begin_tx(&self) -> Result<Tx<E>, Error> {
         match &self.held {
             Some(held) => Tx::begin_held(held).await,
-            None => Tx::begin(&self.pool).await,
+            None => {
+                let strikes = Some(self.strikes.clone());
+                Tx::begin_pooled(&self.pool, self.recycling.begin_timeout, strikes).await
+            }
         }
         .map_err(|e| store_error::<E>(E::BEGIN, e))
     }
@@ -248,7 +319,9 @@ impl<E: Engine> ClaimStore for SqlStore<E> {
         tx: &mut Tx<E>,
         claim: ClaimRequest<'_>,
     ) -> Result<Option<Fingerprint>, Error> {
-        self.claim_on(tx, claim).await
+        let claimed = self.claim_on(tx, claim).await;
+        tx.saw(&claimed);
+        claimed
     }
 }
 
@@ -260,7 +333,9 @@ impl<E: Engine> BatchClaimStore for SqlStore<E> {
         items: &[(&MessageId, Fingerprint)],
         at: Stamp,
     ) -> Result<Vec<Option<Fingerprint>>, Error> {
-        E::claim_many(self, tx, consumer, items, at).await
+        let claimed = E::claim_many(self, tx, consumer, items, at).await;
+        tx.saw(&claimed);
+        claimed
     }
 }
 
