@@ -51,6 +51,19 @@ fn day_name(t: &TableName, day: Day) -> String {
     name(t, &format!("p{}", day.suffix()))
 }
 
+/// Takes the maintenance lock of `t`, which every replica's maintenance of the table (on
+/// either PostgreSQL store) takes turns on. Its key is the table as the catalog names it,
+/// `idem-partitions:<schema>.<table>`, however the store spells it (`Claims`, `claims`,
+/// `public.claims` are one table, so one lock); the name as given while the table is missing.
+fn lock_statement(t: &TableName) -> String {
+    format!(
+        "SELECT pg_advisory_xact_lock(hashtext('idem-partitions:' || COALESCE(\
+         (SELECT n.nspname || '.' || c.relname FROM pg_class c \
+         JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass('{t}')), \
+         '{t}')))"
+    )
+}
+
 impl PgStore {
     /// Partitions the claims table by the time inside each message ID (`p` reads it: UUIDv7,
     /// ULID, your own), one partition per UTC day, so that retention drops whole partitions
@@ -192,10 +205,7 @@ impl PgStore {
     /// table's lock.
     async fn maintenance_tx(&self) -> Result<PgTx, Error> {
         let tx = self.begin_tx().await?;
-        let lock = format!(
-            "SELECT pg_advisory_xact_lock(hashtext('idem-partitions:{}')); {LOCK_TIMEOUT}",
-            self.table()
-        );
+        let lock = format!("{}; {LOCK_TIMEOUT}", lock_statement(self.table()));
         tx.batch_execute(&lock)
             .await
             .map_err(|e| store_error("partition maintenance lock", e))?;

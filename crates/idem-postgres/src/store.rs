@@ -173,7 +173,10 @@ impl PgStore {
     }
 
     /// Stores claims in `table` instead of `idem_processed` (`schema.table` selects a schema).
+    /// Spelled in lower case from here on ([`TableName::folded`]), as PostgreSQL resolves the
+    /// unquoted name.
     pub fn with_table(mut self, table: TableName) -> Result<Self, Error> {
+        let table = table.folded();
         let partitioned = self.partitioning.is_some();
         if partitioned {
             idem_core::partition::check_table_name(table.table())?;
@@ -183,8 +186,10 @@ impl PgStore {
         Ok(self)
     }
 
-    /// Stores idempotent-request records in `table` instead of `idem_requests`.
+    /// Stores idempotent-request records in `table` instead of `idem_requests` (spelled in
+    /// lower case, as [`with_table`](Self::with_table)).
     pub fn with_requests_table(mut self, table: TableName) -> Result<Self, Error> {
+        let table = table.folded();
         self.rsql = Arc::new(RequestSql::new(&table));
         self.requests = table;
         Ok(self)

@@ -379,3 +379,96 @@ async fn claim_on_a_partitioned_table_finds_the_claim_by_its_key() {
     drop((store, own, admin));
     schema.drop().await;
 }
+
+// Issue 18: a mixed-case table name, pruning through a store not configured partitioned,
+// retention against the redelivery window, the recorded extractor, and lock order; the same
+// scenarios as idem-sql's `tests/partitions_postgres.rs`.
+
+fn retention_7d() -> Partitioning {
+    Partitioning::uuid_v7().retention(Retention::new(7 * DAY, 7 * DAY).expect("retention"))
+}
+
+/// PostgreSQL folds unquoted names to lower case, so `Claims`, `claims` and `<schema>.claims`
+/// are one table: a store given any of them finds its partitions (`partitions` lists them,
+/// retention drops days) and takes the one maintenance lock, `idem-partitions:<schema>.claims`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_name_in_any_case_or_qualification_is_one_table() {
+    let test = "a_table_name_in_any_case_or_qualification_is_one_table";
+    let Some(schema) = PgSchema::create("idem_pg_part", test).await else {
+        return;
+    };
+    let config = common::config(&schema);
+    let pool = common::pool(&config, 6);
+    let store = |table: &str| {
+        PgStore::from_pool(pool.clone())
+            .with_table(TableName::new(table).expect("name"))
+            .expect("table")
+            .partitioned(retention_7d())
+            .expect("partitioned")
+    };
+    let mixed = store("Claims");
+    mixed.migrate().await.expect("migrate");
+    let mut admin = common::client(&config).await;
+    let now = db_now(&admin).await;
+    let old = Day::of(now.saturating_sub(DAY * 20));
+    let created = mixed.create_partitions([old]).await.expect("backfill");
+    assert_eq!(created.created, vec![old]);
+    let kinds: Vec<PartitionKind> = mixed
+        .partitions()
+        .await
+        .expect("partitions")
+        .into_iter()
+        .map(|p| p.kind)
+        .collect();
+    assert!(kinds.contains(&PartitionKind::Day(old)), "{kinds:?}");
+    assert!(kinds.contains(&PartitionKind::Default), "{kinds:?}");
+    let report = mixed.maintain_partitions().await.expect("maintenance");
+    let dropped: Vec<Day> = report.dropped.iter().map(|(d, _)| *d).collect();
+    assert_eq!(dropped, vec![old], "{report:?}");
+
+    // Every spelling waits for the lock held under the canonical key.
+    let holder = admin.transaction().await.expect("begin");
+    let key = format!("idem-partitions:{}.claims", schema.name());
+    holder
+        .execute("SELECT pg_advisory_xact_lock(hashtext($1))", &[&key])
+        .await
+        .expect("hold the maintenance lock");
+    let qualified = format!("{}.claims", schema.name());
+    let shouting = qualified.to_uppercase();
+    let spellings = ["Claims", "claims", qualified.as_str(), shouting.as_str()];
+    let mut tasks = Vec::new();
+    for (n, spelling) in spellings.iter().enumerate() {
+        let store = store(spelling);
+        let day = Day::of(now.saturating_sub(DAY * (40 + n as u32)));
+        tasks.push(tokio::spawn(
+            async move { store.create_partitions([day]).await },
+        ));
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(1500);
+    let mut waiting = 0;
+    while tokio::time::Instant::now() < deadline {
+        waiting = holder
+            .query_one(
+                "SELECT count(*) FROM pg_locks w JOIN pg_locks h \
+                 USING (locktype, database, classid, objid, objsubid) \
+                 WHERE w.locktype = 'advisory' AND NOT w.granted AND h.granted \
+                 AND h.pid = pg_backend_pid()",
+                &[],
+            )
+            .await
+            .expect("pg_locks")
+            .get::<_, i64>(0);
+        if waiting == 4 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    holder.commit().await.expect("release");
+    assert_eq!(waiting, 4, "every spelling waits for {key}");
+    for task in tasks {
+        let report = task.await.expect("task").expect("create");
+        assert_eq!(report.created.len(), 1, "{report:?}");
+    }
+    drop((mixed, admin));
+    schema.drop().await;
+}

@@ -42,6 +42,19 @@ fn day_name(t: &TableName, day: Day) -> String {
     name(t, &format!("p{}", day.suffix()))
 }
 
+/// Takes the maintenance lock of `t`, which every replica's maintenance of the table (on
+/// either PostgreSQL store) takes turns on. Its key is the table as the catalog names it,
+/// `idem-partitions:<schema>.<table>`, however the store spells it (`Claims`, `claims`,
+/// `public.claims` are one table, so one lock); the name as given while the table is missing.
+fn lock_statement(t: &TableName) -> String {
+    format!(
+        "SELECT pg_advisory_xact_lock(hashtext('idem-partitions:' || COALESCE(\
+         (SELECT n.nspname || '.' || c.relname FROM pg_class c \
+         JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass('{t}')), \
+         '{t}')))"
+    )
+}
+
 impl SqlStore<Postgres> {
     /// Partitions the claims table by the time inside each message ID (`p` reads it: UUIDv7,
     /// ULID, your own), one partition per UTC day, so that retention drops whole partitions
@@ -181,10 +194,7 @@ impl SqlStore<Postgres> {
         let mut tx = Tx::begin(self.pool())
             .await
             .map_err(|e| store_error::<Postgres>("partition maintenance", e))?;
-        let lock = format!(
-            "SELECT pg_advisory_xact_lock(hashtext('idem-partitions:{}')); {LOCK_TIMEOUT}",
-            self.table()
-        );
+        let lock = format!("{}; {LOCK_TIMEOUT}", lock_statement(self.table()));
         Postgres::execute_simple(&mut tx, &lock)
             .await
             .map_err(|e| store_error::<Postgres>("partition maintenance lock", e))?;

@@ -170,6 +170,12 @@ impl Engine for Postgres {
         }
     }
 
+    /// Lower case: the statements name tables unquoted, which PostgreSQL folds, and the
+    /// catalog lookups of partitions and the maintenance lock's key must spell them as it does.
+    fn resolved_table(table: TableName) -> TableName {
+        table.folded()
+    }
+
     fn stamp(stamp: Stamp) -> Option<i64> {
         server_stamp(stamp)
     }

@@ -109,9 +109,11 @@ impl<E: Engine> SqlStore<E> {
     }
 
     /// Stores claims in `table` instead of `idem_processed` (`schema.table` selects a schema,
-    /// or a database on MySQL; SQLite refuses a qualified name).
+    /// or a database on MySQL; SQLite refuses a qualified name). PostgreSQL spells it in lower
+    /// case from here on ([`TableName::folded`]), as it resolves the unquoted name.
     pub fn with_table(mut self, table: TableName) -> Result<Self, Error> {
         E::check_table(&table)?;
+        let table = E::resolved_table(table);
         if self.partitioning.is_some() {
             idem_core::partition::check_table_name(table.table())?;
         }
@@ -123,6 +125,7 @@ impl<E: Engine> SqlStore<E> {
     /// Stores idempotent-request records in `table` instead of `idem_requests`.
     pub fn with_requests_table(mut self, table: TableName) -> Result<Self, Error> {
         E::check_table(&table)?;
+        let table = E::resolved_table(table);
         self.rsql = E::request_statements(&table);
         self.requests = table;
         Ok(self)

@@ -259,3 +259,92 @@ async fn a_store_and_a_table_of_the_other_shape_are_refused() {
     assert_eq!(err.kind(), ErrorKind::Misconfigured, "{err}");
     schema.drop().await;
 }
+
+// Issue 18: a mixed-case table name, pruning through a store not configured partitioned,
+// retention against the redelivery window, the recorded extractor, and lock order.
+
+/// A store on `pool` for `table`, partitioned by UUIDv7 with the default seven days.
+fn partitioned_on(pool: &sqlx::PgPool, table: &str) -> PostgresStore {
+    PostgresStore::from_pool(pool.clone())
+        .with_table(idem_sql::TableName::new(table).expect("name"))
+        .expect("table")
+        .partitioned(
+            Partitioning::uuid_v7().retention(Retention::new(7 * DAY, 7 * DAY).expect("r")),
+        )
+        .expect("partitioned")
+}
+
+/// PostgreSQL folds unquoted names to lower case, so `Claims`, `claims` and `<schema>.claims`
+/// are one table: a store given any of them finds its partitions (`partitions` lists them,
+/// retention drops days) and takes the one maintenance lock, `idem-partitions:<schema>.claims`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_name_in_any_case_or_qualification_is_one_table() {
+    let test = "a_table_name_in_any_case_or_qualification_is_one_table";
+    let Some(schema) = PgSchema::create("idem_part", test).await else {
+        return;
+    };
+    let pool = schema.pool(6).await;
+    let mixed = partitioned_on(&pool, "Claims");
+    mixed.migrate().await.expect("migrate");
+    let now = db_now(&mixed).await;
+    let old = Day::of(now.saturating_sub(DAY * 20));
+    let created = mixed.create_partitions([old]).await.expect("backfill");
+    assert_eq!(created.created, vec![old]);
+    let kinds: Vec<PartitionKind> = mixed
+        .partitions()
+        .await
+        .expect("partitions")
+        .into_iter()
+        .map(|p| p.kind)
+        .collect();
+    assert!(kinds.contains(&PartitionKind::Day(old)), "{kinds:?}");
+    assert!(kinds.contains(&PartitionKind::Default), "{kinds:?}");
+    let report = mixed.maintain_partitions().await.expect("maintenance");
+    let dropped: Vec<Day> = report.dropped.iter().map(|(d, _)| *d).collect();
+    assert_eq!(dropped, vec![old], "{report:?}");
+
+    // Every spelling waits for the lock held under the canonical key.
+    let mut holder = pool.begin().await.expect("begin");
+    let key = format!("idem-partitions:{}.claims", schema.name());
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
+        .bind(&key)
+        .execute(&mut *holder)
+        .await
+        .expect("hold the maintenance lock");
+    let qualified = format!("{}.claims", schema.name());
+    let shouting = qualified.to_uppercase();
+    let spellings = ["Claims", "claims", qualified.as_str(), shouting.as_str()];
+    let mut tasks = Vec::new();
+    for (n, spelling) in spellings.iter().enumerate() {
+        let store = partitioned_on(&pool, spelling);
+        let day = Day::of(now.saturating_sub(DAY * (40 + n as u32)));
+        tasks.push(tokio::spawn(
+            async move { store.create_partitions([day]).await },
+        ));
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(1500);
+    let mut waiting = 0;
+    while tokio::time::Instant::now() < deadline {
+        waiting = sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_locks w JOIN pg_locks h \
+             USING (locktype, database, classid, objid, objsubid) \
+             WHERE w.locktype = 'advisory' AND NOT w.granted AND h.granted \
+             AND h.pid = pg_backend_pid()",
+        )
+        .fetch_one(&mut *holder)
+        .await
+        .expect("pg_locks");
+        if waiting == 4 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    holder.commit().await.expect("release");
+    assert_eq!(waiting, 4, "every spelling waits for {key}");
+    for task in tasks {
+        let report = task.await.expect("task").expect("create");
+        assert_eq!(report.created.len(), 1, "{report:?}");
+    }
+    drop((mixed, pool));
+    schema.drop().await;
+}
