@@ -22,9 +22,11 @@ use crate::store::{PgStore, micros};
 use crate::tx::PgTx;
 use idem_core::TableName;
 
-/// How long maintenance waits for a lock on the claims table before giving up until the next
-/// round: dropping or creating a partition takes an exclusive lock on the parent for a moment,
-/// and a queue of claims behind a waiting DDL would stall the consumer longer than skipping.
+/// How long maintenance waits for a lock before giving up until the next round: for the
+/// claims table (creating or dropping a partition takes an exclusive lock on the parent for a
+/// moment, and a queue of claims behind a waiting DDL would stall the consumer longer than
+/// skipping), and for the maintenance lock itself (another replica holding it is doing the
+/// same work).
 const LOCK_TIMEOUT: &str = "SET LOCAL lock_timeout = '2s'";
 
 /// The server's clock in `processed_at` units (the same reading as the claim's stamp).
@@ -205,7 +207,8 @@ impl PgStore {
     /// table's lock.
     async fn maintenance_tx(&self) -> Result<PgTx, Error> {
         let tx = self.begin_tx().await?;
-        let lock = format!("{}; {LOCK_TIMEOUT}", lock_statement(self.table()));
+        // The timeout first, so that it bounds the wait for the advisory lock too.
+        let lock = format!("{LOCK_TIMEOUT}; {}", lock_statement(self.table()));
         tx.batch_execute(&lock)
             .await
             .map_err(|e| store_error("partition maintenance lock", e))?;
@@ -225,10 +228,16 @@ impl PgStore {
         }
         // No claim may land in the default partition while its day's claims move out, or the
         // new partition would not cover them; PostgreSQL then checks the default partition
-        // holds none of the day, under the same lock.
+        // holds none of the day, under the same lock. The parent is locked first, as a claim
+        // locks it (the parent, then the partition its key routes to): the other order
+        // deadlocks with a claim routed to the default partition by a transaction that holds
+        // the parent already. ACCESS EXCLUSIVE is what CREATE TABLE … PARTITION OF takes on
+        // the parent anyway; a weaker lock upgraded later would deadlock with a transaction
+        // that read the table and then claims.
         let (start, end) = (day.start(), day.end());
         let script = format!(
-            "LOCK TABLE {default} IN SHARE ROW EXCLUSIVE MODE; \
+            "LOCK TABLE ONLY {t} IN ACCESS EXCLUSIVE MODE; \
+             LOCK TABLE {default} IN SHARE ROW EXCLUSIVE MODE; \
              CREATE TEMP TABLE idem_moving (LIKE {t}) ON COMMIT DROP; \
              WITH m AS (DELETE FROM {default} WHERE id_time >= {start} AND id_time < {end} \
              RETURNING *) INSERT INTO idem_moving SELECT * FROM m; \
@@ -264,9 +273,11 @@ impl PgStore {
             .map_err(err)?
             .try_get(0)
             .map_err(err)?;
-        // Locked first so that no late claim lands in it between the look and the drop.
+        // Locked before the look so that no late claim lands in it between the look and the
+        // drop; the parent first, in the mode DETACH and DROP take on it, as in `create_day`.
         let look = format!(
-            "LOCK TABLE {part} IN SHARE ROW EXCLUSIVE MODE; \
+            "LOCK TABLE ONLY {t} IN ACCESS EXCLUSIVE MODE; \
+             LOCK TABLE {part} IN SHARE ROW EXCLUSIVE MODE; \
              CREATE TEMP TABLE idem_moving ON COMMIT DROP AS \
              SELECT * FROM {part} WHERE processed_at >= {cutoff}"
         );
@@ -375,6 +386,36 @@ pub(crate) async fn check_shape(tx: &PgTx, t: &TableName, partitioned: bool) -> 
         _ => return Ok(()),
     };
     Err(Error::new(ErrorKind::Misconfigured, message))
+}
+
+/// Migrate's round of maintenance (today's partition and those ahead): a lock it cannot get in
+/// time — another replica's maintenance at work, a long transaction on the claims table — is
+/// logged and left to the next round instead of failing start-up; the table exists by then,
+/// and claims of days not created yet wait correctly in the default partition.
+pub(crate) async fn maintain_at_start_up(store: &PgStore) -> Result<(), Error> {
+    match store.maintain_partitions().await {
+        Err(e) if lock_timed_out(&e) => {
+            tracing::info!(
+                table = %store.table(),
+                error = %e,
+                "partition maintenance left to the next prune round: a lock is busy"
+            );
+            Ok(())
+        }
+        r => r.map(drop),
+    }
+}
+
+/// Whether `e` is PostgreSQL's lock timeout (55P03), from maintenance's `lock_timeout`.
+fn lock_timed_out(e: &Error) -> bool {
+    let mut cause = std::error::Error::source(e);
+    while let Some(c) = cause {
+        if let Some(pg) = c.downcast_ref::<tokio_postgres::Error>() {
+            return pg.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE);
+        }
+        cause = c.source();
+    }
+    false
 }
 
 /// The prune of a partitioned store: maintenance (whole days past the table's retention),

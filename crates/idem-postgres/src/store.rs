@@ -701,7 +701,9 @@ impl Migrate for PgStore {
     /// migration of the same tables) by an advisory lock. A claims table of the other shape
     /// (partitioned for a plain store, or the reverse) is refused as
     /// [`ErrorKind::Misconfigured`]; a partitioned store then creates today's partition and
-    /// those ahead ([`maintain_partitions`](PgStore::maintain_partitions)).
+    /// those ahead ([`maintain_partitions`](PgStore::maintain_partitions)), or leaves them to
+    /// the next prune round when a lock is busy (logged at `info`): start-up does not wait for
+    /// another replica's maintenance nor fail behind a long transaction.
     async fn migrate(&self) -> Result<(), Error> {
         TableName::check_distinct(&self.table, &self.requests)?;
         let tx = self.begin_tx().await?;
@@ -717,7 +719,7 @@ impl Migrate for PgStore {
         }
         tx.commit().await.map_err(commit_error)?;
         if partitioned {
-            self.maintain_partitions().await?;
+            crate::partitioned::maintain_at_start_up(self).await?;
         }
         Ok(())
     }

@@ -388,6 +388,53 @@ fn retention_7d() -> Partitioning {
     Partitioning::uuid_v7().retention(Retention::new(7 * DAY, 7 * DAY).expect("retention"))
 }
 
+/// Claims `ids` in one transaction, processed at `at`.
+async fn claim_all(store: &PgStore, ids: &[MessageId], at: Stamp) {
+    use idem_core::{BatchClaimStore, TransactionalStore};
+    let consumer = ConsumerName::new("billing").expect("consumer");
+    let items: Vec<_> = ids.iter().map(|id| (id, Fingerprint::of(b"{}"))).collect();
+    let mut tx = store.begin().await.expect("begin");
+    let found = store
+        .claim_many(&mut tx, &consumer, &items, at)
+        .await
+        .expect("claim");
+    assert!(found.iter().all(Option::is_none), "{found:?}");
+    store.commit(tx).await.expect("commit");
+}
+
+/// A claim of `id` processed now, by the store's clock.
+fn now_claim<'a>(
+    consumer: &'a ConsumerName,
+    id: &'a MessageId,
+    fingerprint: &'a Fingerprint,
+) -> ClaimRequest<'a> {
+    ClaimRequest {
+        consumer,
+        id,
+        fingerprint,
+        at: Stamp::StoreClock,
+    }
+}
+
+/// Waits until some session waits for a lock on the relation `name` (or `done` says the
+/// waiter finished first); false when none did within 1.5 s.
+async fn lock_waited_on(admin: &Client, name: &str, done: impl Fn() -> bool) -> bool {
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(1500);
+    while tokio::time::Instant::now() < deadline && !done() {
+        let waiting = common::count(
+            admin,
+            "SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = to_regclass($1)",
+            &[&name],
+        )
+        .await;
+        if waiting > 0 {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    false
+}
+
 /// PostgreSQL folds unquoted names to lower case, so `Claims`, `claims` and `<schema>.claims`
 /// are one table: a store given any of them finds its partitions (`partitions` lists them,
 /// retention drops days) and takes the one maintenance lock, `idem-partitions:<schema>.claims`.
@@ -470,5 +517,202 @@ async fn a_table_name_in_any_case_or_qualification_is_one_table() {
         assert_eq!(report.created.len(), 1, "{report:?}");
     }
     drop((mixed, admin));
+    schema.drop().await;
+}
+
+/// A claim routed to the day maintenance is creating, by a transaction that already holds the
+/// claims table (an earlier claim), must not deadlock with it: maintenance locks the parent
+/// table before the partition, as a claim does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_into_a_day_being_created_do_not_deadlock_with_maintenance() {
+    use idem_core::{ClaimStore, TransactionalStore};
+    let Some(Setup {
+        schema,
+        store,
+        admin,
+    }) = setup(
+        "claims_into_a_day_being_created_do_not_deadlock_with_maintenance",
+        Conns::Pool(6),
+    )
+    .await
+    else {
+        return;
+    };
+    let now = db_now(&admin).await;
+    let later = now.saturating_add(DAY * 10);
+    let (today_id, later_id) = (uuid_at(now, 1), uuid_at(later, 2));
+    let consumer = ConsumerName::new("billing").expect("consumer");
+    let fp = Fingerprint::of(b"{}");
+    let mut tx = store.begin().await.expect("begin");
+    store
+        .claim(&mut tx, now_claim(&consumer, &today_id, &fp))
+        .await
+        .expect("claim today");
+    let maintenance = {
+        let store = store.clone();
+        tokio::spawn(async move { store.create_partitions([Day::of(later)]).await })
+    };
+    assert!(
+        lock_waited_on(&admin, "idem_processed", || maintenance.is_finished()).await,
+        "maintenance waits for the claims table"
+    );
+    // Into the default partition, where the new day's claims are moved out of.
+    let claimed = store
+        .claim(&mut tx, now_claim(&consumer, &later_id, &fp))
+        .await;
+    let committed = match claimed {
+        Ok(found) => {
+            assert_eq!(found, None);
+            store.commit(tx).await
+        }
+        Err(e) => Err(e),
+    };
+    let report = maintenance.await.expect("task");
+    committed.expect("the claims commit");
+    let report = report.expect("maintenance");
+    assert_eq!(report.created, vec![Day::of(later)]);
+    assert_eq!(report.moved, 1, "{report:?}");
+    assert_eq!(
+        located(&admin, &later_id).await,
+        vec![format!("idem_processed_p{}", Day::of(later).suffix())]
+    );
+    drop((store, admin));
+    schema.drop().await;
+}
+
+/// The same for a day being dropped: an old ID processed late, by a transaction that holds the
+/// claims table already, lands in the day maintenance is dropping without a deadlock, and is
+/// moved to the default partition (it is younger than the retention).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_into_a_day_being_dropped_do_not_deadlock_with_maintenance() {
+    use idem_core::{ClaimStore, TransactionalStore};
+    let Some(Setup {
+        schema,
+        store,
+        admin,
+    }) = setup(
+        "claims_into_a_day_being_dropped_do_not_deadlock_with_maintenance",
+        Conns::Pool(6),
+    )
+    .await
+    else {
+        return;
+    };
+    let now = db_now(&admin).await;
+    let old = now.saturating_sub(DAY * 20);
+    store
+        .create_partitions([Day::of(old)])
+        .await
+        .expect("backfill");
+    claim_all(&store, &[uuid_at(old, 1)], Stamp::At(old)).await;
+    let (today_id, late_id) = (uuid_at(now, 1), uuid_at(old, 2));
+    let consumer = ConsumerName::new("billing").expect("consumer");
+    let fp = Fingerprint::of(b"{}");
+    let mut tx = store.begin().await.expect("begin");
+    store
+        .claim(&mut tx, now_claim(&consumer, &today_id, &fp))
+        .await
+        .expect("claim today");
+    let maintenance = {
+        let store = store.clone();
+        tokio::spawn(async move { store.maintain_partitions().await })
+    };
+    assert!(
+        lock_waited_on(&admin, "idem_processed", || maintenance.is_finished()).await,
+        "maintenance waits for the claims table"
+    );
+    let claimed = store
+        .claim(&mut tx, now_claim(&consumer, &late_id, &fp))
+        .await;
+    let committed = match claimed {
+        Ok(found) => {
+            assert_eq!(found, None);
+            store.commit(tx).await
+        }
+        Err(e) => Err(e),
+    };
+    let report = maintenance.await.expect("task");
+    committed.expect("the claims commit");
+    let report = report.expect("maintenance");
+    let dropped: Vec<Day> = report.dropped.iter().map(|(d, _)| *d).collect();
+    assert_eq!(dropped, vec![Day::of(old)], "{report:?}");
+    assert_eq!(report.moved, 1, "the late claim: {report:?}");
+    assert_eq!(
+        located(&admin, &late_id).await,
+        vec!["idem_processed_default"]
+    );
+    drop((store, admin));
+    schema.drop().await;
+}
+
+/// A replica of `store`'s table whose maintenance wants a day more ahead than exists.
+async fn replica_ahead(schema: &PgSchema) -> PgStore {
+    common::store(&common::config(schema), Conns::Pool(2))
+        .await
+        .partitioned(retention_7d().ahead(3 * DAY))
+        .expect("partitioned")
+}
+
+/// Start-up goes on when partition maintenance cannot get a lock in time: the table exists,
+/// and the days ahead are created by a later round. Here another session reads the claims
+/// table in a long transaction while a replica with a longer `ahead` starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_goes_on_while_a_conflicting_table_lock_is_held() {
+    let Some(Setup {
+        schema,
+        store,
+        mut admin,
+    }) = setup(
+        "migrate_goes_on_while_a_conflicting_table_lock_is_held",
+        Conns::Pool(2),
+    )
+    .await
+    else {
+        return;
+    };
+    let reader = admin.transaction().await.expect("begin");
+    reader
+        .execute("SELECT count(*) FROM idem_processed", &[])
+        .await
+        .expect("read");
+    let replica = replica_ahead(&schema).await;
+    let started = tokio::time::timeout(Duration::from_secs(60), replica.migrate()).await;
+    reader.rollback().await.expect("end the read");
+    started
+        .expect("migrate returns")
+        .expect("migrate goes on without its maintenance");
+    drop((store, replica, admin));
+    schema.drop().await;
+}
+
+/// The same while another session holds the maintenance lock (another replica's maintenance,
+/// long at work): migrate does not wait for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_goes_on_while_another_session_holds_the_maintenance_lock() {
+    let Some(Setup {
+        schema,
+        store,
+        mut admin,
+    }) = setup(
+        "migrate_goes_on_while_another_session_holds_the_maintenance_lock",
+        Conns::Pool(2),
+    )
+    .await
+    else {
+        return;
+    };
+    let holder = admin.transaction().await.expect("begin");
+    let key = format!("idem-partitions:{}.idem_processed", schema.name());
+    holder
+        .execute("SELECT pg_advisory_xact_lock(hashtext($1))", &[&key])
+        .await
+        .expect("hold the maintenance lock");
+    let replica = replica_ahead(&schema).await;
+    let started = tokio::time::timeout(Duration::from_secs(10), replica.migrate()).await;
+    holder.rollback().await.expect("release");
+    started
+        .expect("migrate does not wait for another replica's maintenance")
+        .expect("migrate goes on without its maintenance");
+    drop((store, replica, admin));
     schema.drop().await;
 }

@@ -25,9 +25,11 @@ use idem_core::TableName;
 /// Claims stored in a PostgreSQL table (default `idem_processed`).
 type PostgresStore = SqlStore<Postgres>;
 
-/// How long maintenance waits for a lock on the claims table before giving up until the next
-/// round: dropping or creating a partition takes an exclusive lock on the parent for a moment,
-/// and a queue of claims behind a waiting DDL would stall the consumer longer than skipping.
+/// How long maintenance waits for a lock before giving up until the next round: for the
+/// claims table (creating or dropping a partition takes an exclusive lock on the parent for a
+/// moment, and a queue of claims behind a waiting DDL would stall the consumer longer than
+/// skipping), and for the maintenance lock itself (another replica holding it is doing the
+/// same work).
 const LOCK_TIMEOUT: &str = "SET LOCAL lock_timeout = '2s'";
 
 /// The name of one of `t`'s partitions: `<table>_<suffix>`, in `t`'s schema.
@@ -194,7 +196,8 @@ impl SqlStore<Postgres> {
         let mut tx = Tx::begin(self.pool())
             .await
             .map_err(|e| store_error::<Postgres>("partition maintenance", e))?;
-        let lock = format!("{}; {LOCK_TIMEOUT}", lock_statement(self.table()));
+        // The timeout first, so that it bounds the wait for the advisory lock too.
+        let lock = format!("{LOCK_TIMEOUT}; {}", lock_statement(self.table()));
         Postgres::execute_simple(&mut tx, &lock)
             .await
             .map_err(|e| store_error::<Postgres>("partition maintenance lock", e))?;
@@ -214,10 +217,16 @@ impl SqlStore<Postgres> {
         }
         // No claim may land in the default partition while its day's claims move out, or the
         // new partition would not cover them; PostgreSQL then checks the default partition
-        // holds none of the day, under the same lock.
+        // holds none of the day, under the same lock. The parent is locked first, as a claim
+        // locks it (the parent, then the partition its key routes to): the other order
+        // deadlocks with a claim routed to the default partition by a transaction that holds
+        // the parent already. ACCESS EXCLUSIVE is what CREATE TABLE … PARTITION OF takes on
+        // the parent anyway; a weaker lock upgraded later would deadlock with a transaction
+        // that read the table and then claims.
         let (start, end) = (day.start(), day.end());
         let script = format!(
-            "LOCK TABLE {default} IN SHARE ROW EXCLUSIVE MODE; \
+            "LOCK TABLE ONLY {t} IN ACCESS EXCLUSIVE MODE; \
+             LOCK TABLE {default} IN SHARE ROW EXCLUSIVE MODE; \
              CREATE TEMP TABLE idem_moving (LIKE {t}) ON COMMIT DROP; \
              WITH m AS (DELETE FROM {default} WHERE id_time >= {start} AND id_time < {end} \
              RETURNING *) INSERT INTO idem_moving SELECT * FROM m; \
@@ -252,9 +261,11 @@ impl SqlStore<Postgres> {
         .fetch_one(&mut *tx)
         .await
         .map_err(err)?;
-        // Locked first so that no late claim lands in it between the look and the drop.
+        // Locked before the look so that no late claim lands in it between the look and the
+        // drop; the parent first, in the mode DETACH and DROP take on it, as in `create_day`.
         let look = format!(
-            "LOCK TABLE {part} IN SHARE ROW EXCLUSIVE MODE; \
+            "LOCK TABLE ONLY {t} IN ACCESS EXCLUSIVE MODE; \
+             LOCK TABLE {part} IN SHARE ROW EXCLUSIVE MODE; \
              CREATE TEMP TABLE idem_moving ON COMMIT DROP AS \
              SELECT * FROM {part} WHERE processed_at >= {cutoff}"
         );
@@ -349,6 +360,36 @@ pub(crate) async fn check_shape(
         _ => return Ok(()),
     };
     Err(Error::new(ErrorKind::Misconfigured, message))
+}
+
+/// Migrate's round of maintenance (today's partition and those ahead): a lock it cannot get in
+/// time — another replica's maintenance at work, a long transaction on the claims table — is
+/// logged and left to the next round instead of failing start-up; the table exists by then,
+/// and claims of days not created yet wait correctly in the default partition.
+pub(crate) async fn maintain_at_start_up(store: &PostgresStore) -> Result<(), Error> {
+    match store.maintain_partitions().await {
+        Err(e) if lock_timed_out(&e) => {
+            tracing::info!(
+                table = %store.table(),
+                error = %e,
+                "partition maintenance left to the next prune round: a lock is busy"
+            );
+            Ok(())
+        }
+        r => r.map(drop),
+    }
+}
+
+/// Whether `e` is PostgreSQL's lock timeout (55P03), from maintenance's `lock_timeout`.
+fn lock_timed_out(e: &Error) -> bool {
+    let mut cause = std::error::Error::source(e);
+    while let Some(c) = cause {
+        if let Some(sqlx::Error::Database(db)) = c.downcast_ref::<sqlx::Error>() {
+            return db.code().as_deref() == Some("55P03");
+        }
+        cause = c.source();
+    }
+    false
 }
 
 /// The engine's prune of a partitioned store: maintenance (whole days past the table's

@@ -201,7 +201,7 @@ impl Engine for Postgres {
     async fn migrate(store: &SqlStore<Self>) -> Result<(), Error> {
         migrate(store).await?;
         if store.partitioning().is_some() {
-            store.maintain_partitions().await?;
+            crate::partitioned::maintain_at_start_up(store).await?;
         }
         Ok(())
     }
