@@ -37,6 +37,9 @@ const LIST: &str = "SELECT c.relname::text, c.reltuples::bigint, pg_total_relati
      FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
      WHERE i.inhparent = to_regclass($1) ORDER BY c.relname";
 
+/// A relation's kind (`r` plain, `p` partitioned), by its (possibly qualified) name.
+const KIND: &str = "SELECT relkind::text FROM pg_class WHERE oid = to_regclass($1)";
+
 /// The names of the partitions attached to a table.
 const NAMES: &str = "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
      WHERE i.inhparent = to_regclass($1)";
@@ -363,10 +366,7 @@ pub(crate) fn create_statements(t: &TableName) -> Vec<String> {
 /// do not fit the other, and converting a table of claims is an operator's decision.
 pub(crate) async fn check_shape(tx: &PgTx, t: &TableName, partitioned: bool) -> Result<(), Error> {
     let err = |e| store_error("migrate", e);
-    let kind = tx
-        .prepare_cached("SELECT relkind::text FROM pg_class WHERE oid = to_regclass($1)")
-        .await
-        .map_err(err)?;
+    let kind = tx.prepare_cached(KIND).await.map_err(err)?;
     let kind: Option<String> = tx
         .query_opt(&kind, &[&t.to_string()])
         .await
@@ -386,6 +386,41 @@ pub(crate) async fn check_shape(tx: &PgTx, t: &TableName, partitioned: bool) -> 
         _ => return Ok(()),
     };
     Err(Error::new(ErrorKind::Misconfigured, message))
+}
+
+/// Refuses to prune a partitioned claims table from a store not configured `.partitioned(..)`:
+/// its days must be dropped past the table's retention, which such a store does not know, and
+/// its row-wise statement deletes nothing from a parent (`ONLY`, see [`ClaimSql`]).
+pub(crate) async fn check_not_partitioned(store: &PgStore) -> Result<(), Error> {
+    let t = store.table();
+    let err = |e| store_error("prune", e);
+    let lease = store.lease().await?;
+    let kind = lease.prepare(KIND).await.map_err(err)?;
+    let kind: Option<String> = lease
+        .client()
+        .query_opt(&kind, &[&t.to_string()])
+        .await
+        .map_err(err)?
+        .map(|r| r.try_get(0))
+        .transpose()
+        .map_err(err)?;
+    if kind.as_deref() == Some("p") {
+        return Err(Error::new(
+            ErrorKind::Misconfigured,
+            not_configured_to_prune(t),
+        ));
+    }
+    Ok(())
+}
+
+/// Why a store not configured partitioned refuses to prune a partitioned table, and what to do.
+fn not_configured_to_prune(t: &TableName) -> String {
+    format!(
+        "the claims table {t} is partitioned by the ID's time, but this store is not \
+         configured for it: pruning it means dropping whole days past the table's retention, \
+         not deleting rows; configure the store with .partitioned(..) as the table was \
+         created, or run `idem prune`, which reads the table's partitioning"
+    )
 }
 
 /// Migrate's round of maintenance (today's partition and those ahead): a lock it cannot get in

@@ -634,7 +634,8 @@ impl Prune for PgStore {
     /// Deletes up to `limit` claims row by row; a partitioned store first runs
     /// [`maintain_partitions`](PgStore::maintain_partitions), which drops whole days past the
     /// table's retention (counted by the planner's estimate), and then prunes only its default
-    /// and undated partitions row by row.
+    /// and undated partitions row by row. A store not configured partitioned refuses a
+    /// partitioned table as [`ErrorKind::Misconfigured`].
     async fn prune_batch(
         &self,
         consumer: Option<&ConsumerName>,
@@ -643,10 +644,16 @@ impl Prune for PgStore {
         limit: u32,
     ) -> Result<u64, Error> {
         if self.partitioning.is_some() {
-            crate::partitioned::prune_batch(self, consumer, now, older_than, limit).await
-        } else {
-            self.prune_rows(consumer, now, older_than, limit).await
+            return crate::partitioned::prune_batch(self, consumer, now, older_than, limit).await;
         }
+        let deleted = self.prune_rows(consumer, now, older_than, limit).await?;
+        // A short batch (the last one, or nothing at all: all a partitioned parent gives) looks
+        // at the table once, so a store pointed at a partitioned table says so instead of
+        // pruning nothing, round after round.
+        if deleted < u64::from(limit) {
+            crate::partitioned::check_not_partitioned(self).await?;
+        }
+        Ok(deleted)
     }
 }
 

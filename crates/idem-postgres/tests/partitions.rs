@@ -388,6 +388,10 @@ fn retention_7d() -> Partitioning {
     Partitioning::uuid_v7().retention(Retention::new(7 * DAY, 7 * DAY).expect("retention"))
 }
 
+async fn count(admin: &Client, sql: &str) -> i64 {
+    common::count(admin, sql, &[]).await
+}
+
 /// Claims `ids` in one transaction, processed at `at`.
 async fn claim_all(store: &PgStore, ids: &[MessageId], at: Stamp) {
     use idem_core::{BatchClaimStore, TransactionalStore};
@@ -517,6 +521,69 @@ async fn a_table_name_in_any_case_or_qualification_is_one_table() {
         assert_eq!(report.created.len(), 1, "{report:?}");
     }
     drop((mixed, admin));
+    schema.drop().await;
+}
+
+/// The reproduction of issue 18: 50 claims processed 30 days ago in their day's partition and
+/// 50 processed now in today's. A store not configured partitioned refuses to prune the table
+/// (its row-wise delete by position would hit every partition: it deleted all 100), through
+/// `prune_all` and a processor's `prune` alike; the partitioned store drops the old day only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plain_store_refuses_to_prune_a_partitioned_table() {
+    let Some(Setup {
+        schema,
+        store,
+        admin,
+    }) = setup(
+        "a_plain_store_refuses_to_prune_a_partitioned_table",
+        Conns::Pool(4),
+    )
+    .await
+    else {
+        return;
+    };
+    let now = db_now(&admin).await;
+    let month_ago = now.saturating_sub(DAY * 30);
+    store
+        .create_partitions([Day::of(month_ago)])
+        .await
+        .expect("backfill");
+    let old: Vec<_> = (0..50).map(|n| uuid_at(month_ago, n)).collect();
+    let young: Vec<_> = (0..50).map(|n| uuid_at(now, n)).collect();
+    claim_all(&store, &old, Stamp::At(month_ago)).await;
+    claim_all(&store, &young, Stamp::StoreClock).await;
+    let total = "SELECT count(*) FROM idem_processed";
+    assert_eq!(count(&admin, total).await, 100);
+
+    let plain = common::store(&common::config(&schema), Conns::Pool(2)).await;
+    let err = idem_core::store::prune_all(&plain, None, Stamp::StoreClock, 14 * DAY, 10_000)
+        .await
+        .expect_err("a plain store must not prune a partitioned table");
+    assert_eq!(err.kind(), ErrorKind::Misconfigured, "{err}");
+    assert!(err.to_string().contains("idem_processed"), "{err}");
+    assert_eq!(count(&admin, total).await, 100, "nothing deleted");
+    let p = Processor::builder(plain, "billing")
+        .retention(Retention::new(14 * DAY, 7 * DAY).expect("retention"))
+        .build()
+        .expect("processor");
+    let err = p.prune().await.expect_err("the processor's prune too");
+    assert_eq!(err.kind(), ErrorKind::Misconfigured, "{err}");
+    assert_eq!(count(&admin, total).await, 100, "nothing deleted");
+
+    idem_core::store::prune_all(&store, None, Stamp::StoreClock, 14 * DAY, 10_000)
+        .await
+        .expect("the partitioned store prunes");
+    assert_eq!(count(&admin, total).await, 50, "the old day dropped");
+    let young_left = format!(
+        "SELECT count(*) FROM idem_processed WHERE id_time >= {}",
+        Day::of(now).start()
+    );
+    assert_eq!(
+        count(&admin, &young_left).await,
+        50,
+        "every young claim kept"
+    );
+    drop((p, store, admin));
     schema.drop().await;
 }
 

@@ -362,6 +362,36 @@ pub(crate) async fn check_shape(
     Err(Error::new(ErrorKind::Misconfigured, message))
 }
 
+/// Refuses to prune a partitioned claims table from a store not configured `.partitioned(..)`:
+/// its days must be dropped past the table's retention, which such a store does not know, and
+/// its row-wise statement deletes nothing from a parent (`ONLY`, see the engine's prune).
+pub(crate) async fn check_not_partitioned(store: &PostgresStore) -> Result<(), Error> {
+    let t = store.table();
+    let kind: Option<String> =
+        sqlx::query_scalar("SELECT relkind::text FROM pg_class WHERE oid = to_regclass($1)")
+            .bind(t.to_string())
+            .fetch_optional(store.pool())
+            .await
+            .map_err(|e| store_error::<Postgres>("prune", e))?;
+    if kind.as_deref() == Some("p") {
+        return Err(Error::new(
+            ErrorKind::Misconfigured,
+            not_configured_to_prune(t),
+        ));
+    }
+    Ok(())
+}
+
+/// Why a store not configured partitioned refuses to prune a partitioned table, and what to do.
+fn not_configured_to_prune(t: &TableName) -> String {
+    format!(
+        "the claims table {t} is partitioned by the ID's time, but this store is not \
+         configured for it: pruning it means dropping whole days past the table's retention, \
+         not deleting rows; configure the store with .partitioned(..) as the table was \
+         created, or run `idem prune`, which reads the table's partitioning"
+    )
+}
+
 /// Migrate's round of maintenance (today's partition and those ahead): a lock it cannot get in
 /// time — another replica's maintenance at work, a long transaction on the claims table — is
 /// logged and left to the next round instead of failing start-up; the table exists by then,

@@ -61,12 +61,17 @@ impl Engine for Postgres {
             ("", "", "")
         };
         let unnest_as = if partitioned { "u(m, f, k)" } else { "u(m, f)" };
-        // Row-wise pruning of a partitioned table covers only its default and undated
-        // partitions (whole days are dropped); ctid is unique within one partition only.
+        // A ctid names a row within one table's own heap only: `ONLY` on both sides keeps the
+        // positions and the delete in the one heap they came from. Without it, on a parent
+        // with partitions (or inheritance children), each old row's position would delete the
+        // rows at that position in every partition; with it, a parent deletes nothing (it has
+        // no rows of its own), and the store refuses to prune such a table at all (see
+        // `check_not_partitioned`). Row-wise pruning of a partitioned table covers only its
+        // default and undated partitions, plain leaf tables (whole days are dropped).
         let prune = |target: &str, consumer: &str, limit: &str| {
             format!(
-                "DELETE FROM {target} WHERE ctid = ANY(ARRAY( \
-                 SELECT ctid FROM {target} WHERE processed_at < COALESCE($1, {SERVER_NOW}) - $2 \
+                "DELETE FROM ONLY {target} WHERE ctid = ANY(ARRAY( \
+                 SELECT ctid FROM ONLY {target} WHERE processed_at < COALESCE($1, {SERVER_NOW}) - $2 \
                  {consumer} LIMIT {limit}))"
             )
         };
@@ -162,9 +167,12 @@ impl Engine for Postgres {
              WHERE scope = $2 AND idem_key = $3 AND fence = $4 AND state = 0"
             ),
             // The outer condition is checked again on a row a lookup restarted meanwhile.
+            // `ONLY`, as for the claims: migrate creates this table plain, where a ctid is one
+            // row; on a table partitioned or inherited by hand it reaps nothing rather than the
+            // rows at the same positions in other tables.
             reap: format!(
-                "DELETE FROM {t} WHERE ctid = ANY(ARRAY( \
-             SELECT ctid FROM {t} WHERE expires_at < {now} AND (state = 1 OR lease_until < {now}) \
+                "DELETE FROM ONLY {t} WHERE ctid = ANY(ARRAY( \
+             SELECT ctid FROM ONLY {t} WHERE expires_at < {now} AND (state = 1 OR lease_until < {now}) \
              LIMIT $1)) AND expires_at < {now} AND (state = 1 OR lease_until < {now})"
             ),
         }
@@ -214,10 +222,16 @@ impl Engine for Postgres {
         limit: u32,
     ) -> Result<u64, Error> {
         if store.partitioning().is_some() {
-            crate::partitioned::prune_batch(store, consumer, now, older_than, limit).await
-        } else {
-            store.prune_rows(consumer, now, older_than, limit).await
+            return crate::partitioned::prune_batch(store, consumer, now, older_than, limit).await;
         }
+        let deleted = store.prune_rows(consumer, now, older_than, limit).await?;
+        // A short batch (the last one, or nothing at all: all a partitioned parent gives) looks
+        // at the table once, so a store pointed at a partitioned table says so instead of
+        // pruning nothing, round after round.
+        if deleted < u64::from(limit) {
+            crate::partitioned::check_not_partitioned(store).await?;
+        }
+        Ok(deleted)
     }
 }
 
