@@ -279,6 +279,13 @@ impl Partitioning {
         self.retention
     }
 
+    /// How long the table keeps every claim at least: the retention's
+    /// [prune age](Retention::prune_age). A day's partition is dropped once the whole day is
+    /// older than this, and a claim in it processed later than that is moved out first.
+    pub fn kept_for(&self) -> Duration {
+        self.retention.prune_age()
+    }
+
     /// The partition key of a claim on `id`: its time in microseconds, or [`UNDATED`].
     pub fn key_of(&self, id: &MessageId) -> i64 {
         self.id_time

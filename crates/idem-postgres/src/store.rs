@@ -485,6 +485,11 @@ impl ClaimStore for PgStore {
         MAX_MESSAGE_ID_LEN
     }
 
+    /// A partitioned table's retention: its days are dropped past it.
+    fn kept_for(&self) -> Option<Duration> {
+        self.partitioning.as_ref().map(|p| p.kept_for())
+    }
+
     async fn claim(
         &self,
         tx: &mut PgTx,

@@ -587,6 +587,50 @@ async fn a_plain_store_refuses_to_prune_a_partitioned_table() {
     schema.drop().await;
 }
 
+/// A redelivery window longer than the partitioned table keeps claims (its retention, seven
+/// days and an hour by default) is refused when the processor is built: the table would drop
+/// a day's claims while the broker can still redeliver them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redelivery_window_longer_than_the_table_keeps_claims_is_refused() {
+    let Some(schema) = PgSchema::create(
+        "idem_pg_part",
+        "a_redelivery_window_longer_than_the_table_keeps_claims_is_refused",
+    )
+    .await
+    else {
+        return;
+    };
+    let config = common::config(&schema);
+    let store = common::store(&config, Conns::Pool(2))
+        .await
+        .partitioned(Partitioning::uuid_v7())
+        .expect("partitioned");
+    let err = Processor::builder(store.clone(), "billing")
+        .redelivery_window(14 * DAY)
+        .build()
+        .expect_err("14 days of redelivery against 7 of retention");
+    assert_eq!(err.kind(), ErrorKind::InvalidConfig, "{err}");
+    assert!(err.to_string().contains("14d"), "{err}");
+    Processor::builder(store.clone(), "billing")
+        .build()
+        .expect("the default window fits the default retention");
+    let long = store
+        .partitioned(
+            Partitioning::uuid_v7().retention(Retention::new(14 * DAY, 14 * DAY).expect("r")),
+        )
+        .expect("partitioned");
+    Processor::builder(long, "billing")
+        .redelivery_window(14 * DAY)
+        .build()
+        .expect("a table kept long enough");
+    let plain = common::store(&config, Conns::Pool(1)).await;
+    Processor::builder(plain, "billing")
+        .redelivery_window(30 * DAY)
+        .build()
+        .expect("a plain table keeps claims until pruned");
+    schema.drop().await;
+}
+
 /// A claim routed to the day maintenance is creating, by a transaction that already holds the
 /// claims table (an earlier claim), must not deadlock with it: maintenance locks the parent
 /// table before the partition, as a claim does.

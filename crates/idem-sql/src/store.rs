@@ -246,6 +246,11 @@ impl<E: Engine> ClaimStore for SqlStore<E> {
         E::MAX_MESSAGE_ID_LEN
     }
 
+    /// A partitioned table's retention (PostgreSQL): its days are dropped past it.
+    fn kept_for(&self) -> Option<Duration> {
+        self.partitioning.as_ref().map(|p| p.kept_for())
+    }
+
     async fn claim(
         &self,
         tx: &mut Tx<E>,
