@@ -11,7 +11,8 @@
 //! this crate does not depend on.
 
 use idem_core::partition::{
-    Day, PartitionInfo, PartitionKind, PartitionReport, Partitioning, check_table_name,
+    Day, PartitionInfo, PartitionKind, PartitionRecord, PartitionReport, Partitioning,
+    check_table_name,
 };
 use idem_core::{ConsumerName, Error, ErrorKind, Stamp, Timestamp};
 use tokio_postgres::SimpleQueryMessage;
@@ -37,12 +38,14 @@ const LIST: &str = "SELECT c.relname::text, c.reltuples::bigint, pg_total_relati
      FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
      WHERE i.inhparent = to_regclass($1) ORDER BY c.relname";
 
-/// A relation's kind (`r` plain, `p` partitioned), by its (possibly qualified) name.
-const KIND: &str = "SELECT relkind::text FROM pg_class WHERE oid = to_regclass($1)";
+/// A table's kind (`r` plain, `p` partitioned) and comment (where a partitioned table records
+/// its partitioning), by its (possibly qualified) name; no row when it does not exist.
+const SHAPE: &str = "SELECT relkind::text, obj_description(oid, 'pg_class') FROM pg_class WHERE oid = to_regclass($1)";
 
-/// The names of the partitions attached to a table.
-const NAMES: &str = "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
-     WHERE i.inhparent = to_regclass($1)";
+/// A table's comment and the names of the partitions attached to it, in one catalog read.
+const DAYS: &str = "SELECT obj_description(to_regclass($1), 'pg_class'), \
+     ARRAY(SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
+     WHERE i.inhparent = to_regclass($1))";
 
 /// The name of one of `t`'s partitions: `<table>_<suffix>`, in `t`'s schema.
 pub(crate) fn name(t: &TableName, suffix: &str) -> String {
@@ -102,7 +105,7 @@ impl PgStore {
         // transaction per day ahead only to find it exists would cost three each time.
         // `create_day` still checks again under the lock.
         let existing: Vec<Day> = self
-            .day_partitions()
+            .day_partitions(p)
             .await?
             .into_iter()
             .map(|(d, _)| d)
@@ -182,21 +185,27 @@ impl PgStore {
         Ok(Timestamp::from_micros(row.try_get(0).map_err(err)?))
     }
 
-    /// The day partitions that exist, by name, oldest first. Names only: sizing a partition
-    /// would wait for the lock another replica's maintenance holds on it.
-    async fn day_partitions(&self) -> Result<Vec<(Day, String)>, Error> {
+    /// The day partitions that exist, by name, oldest first, once the table's record says it
+    /// is read as `p` reads IDs (a table without a record passes: migrate writes it). Names
+    /// only: sizing a partition would wait for the lock another replica's maintenance holds on
+    /// it.
+    async fn day_partitions(&self, p: &Partitioning) -> Result<Vec<(Day, String)>, Error> {
         let t = self.table();
         let err = |e| store_error("listing partitions", e);
         let lease = self.lease().await?;
-        let names = lease.prepare(NAMES).await.map_err(err)?;
-        let rows = lease
+        let days = lease.prepare(DAYS).await.map_err(err)?;
+        let row = lease
             .client()
-            .query(&names, &[&t.to_string()])
+            .query_one(&days, &[&t.to_string()])
             .await
             .map_err(err)?;
-        let mut days = Vec::with_capacity(rows.len());
-        for r in rows {
-            let name: String = r.try_get(0).map_err(err)?;
+        let comment: Option<String> = row.try_get(0).map_err(err)?;
+        if let Some(record) = PartitionRecord::from_comment(t, comment.as_deref().unwrap_or(""))? {
+            record.check(t, p)?;
+        }
+        let names: Vec<String> = row.try_get(1).map_err(err)?;
+        let mut days = Vec::with_capacity(names.len());
+        for name in names {
             if let Some(PartitionKind::Day(d)) = kind_of(t, &name) {
                 days.push((d, name));
             }
@@ -333,8 +342,9 @@ fn kind_of(t: &TableName, relname: &str) -> Option<PartitionKind> {
 }
 
 /// The partitioned schema's claims-table statements, before the requests table's (same
-/// transaction, same advisory lock as the plain schema).
-pub(crate) fn create_statements(t: &TableName) -> Vec<String> {
+/// transaction, same advisory lock as the plain schema). The comment ends with `p`'s
+/// [`PartitionRecord`].
+pub(crate) fn create_statements(t: &TableName, p: &Partitioning) -> Vec<String> {
     let name = t.table();
     let (undated, default) = (self::name(t, "undated"), self::name(t, "default"));
     vec![
@@ -357,32 +367,54 @@ pub(crate) fn create_statements(t: &TableName) -> Vec<String> {
         format!(
             "COMMENT ON TABLE {t} IS 'idem claims, partitioned by the time inside the message ID \
              (id_time, microseconds since the Unix epoch; 0 when the ID has none): one row per \
-             (consumer, message_id) processed; processed_at in microseconds since the Unix epoch'"
+             (consumer, message_id) processed; processed_at in microseconds since the Unix \
+             epoch. {}'",
+            p.record()
         ),
     ]
 }
 
-/// Refuses to run a partitioned store on a plain table or the reverse: the statements of one
-/// do not fit the other, and converting a table of claims is an operator's decision.
-pub(crate) async fn check_shape(tx: &PgTx, t: &TableName, partitioned: bool) -> Result<(), Error> {
+/// Refuses to run a partitioned store on a plain table or the reverse (the statements of one
+/// do not fit the other, and converting a table of claims is an operator's decision), and a
+/// partitioned store whose extractor is not the one the table records.
+pub(crate) async fn check_shape(
+    tx: &PgTx,
+    t: &TableName,
+    partitioning: Option<&Partitioning>,
+) -> Result<(), Error> {
     let err = |e| store_error("migrate", e);
-    let kind = tx.prepare_cached(KIND).await.map_err(err)?;
-    let kind: Option<String> = tx
-        .query_opt(&kind, &[&t.to_string()])
+    let shape = tx.prepare_cached(SHAPE).await.map_err(err)?;
+    let shape = tx
+        .query_opt(&shape, &[&t.to_string()])
         .await
         .map_err(err)?
-        .map(|r| r.try_get(0))
+        .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
         .transpose()
         .map_err(err)?;
-    let message = match kind.as_deref() {
-        Some("r") if partitioned => format!(
+    shape_fits(t, shape, partitioning)
+}
+
+/// [`check_shape`]'s verdict on the table's kind and comment.
+fn shape_fits(
+    t: &TableName,
+    shape: Option<(String, Option<String>)>,
+    partitioning: Option<&Partitioning>,
+) -> Result<(), Error> {
+    let message = match (shape, partitioning) {
+        (Some((kind, _)), Some(_)) if kind == "r" => format!(
             "the claims table {t} exists and is not partitioned; partitioning is chosen when the \
              table is created: migrate into a new table (with_table) or drop .partitioned(..)"
         ),
-        Some("p") if !partitioned => format!(
+        (Some((kind, _)), None) if kind == "p" => format!(
             "the claims table {t} is partitioned by the ID's time; configure the store with \
              .partitioned(..) to use it"
         ),
+        (Some((kind, Some(comment))), Some(p)) if kind == "p" => {
+            if let Some(record) = PartitionRecord::from_comment(t, &comment)? {
+                record.check(t, p)?;
+            }
+            return Ok(());
+        }
         _ => return Ok(()),
     };
     Err(Error::new(ErrorKind::Misconfigured, message))
@@ -395,31 +427,40 @@ pub(crate) async fn check_not_partitioned(store: &PgStore) -> Result<(), Error> 
     let t = store.table();
     let err = |e| store_error("prune", e);
     let lease = store.lease().await?;
-    let kind = lease.prepare(KIND).await.map_err(err)?;
-    let kind: Option<String> = lease
+    let shape = lease.prepare(SHAPE).await.map_err(err)?;
+    let shape: Option<(String, Option<String>)> = lease
         .client()
-        .query_opt(&kind, &[&t.to_string()])
+        .query_opt(&shape, &[&t.to_string()])
         .await
         .map_err(err)?
-        .map(|r| r.try_get(0))
+        .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
         .transpose()
         .map_err(err)?;
-    if kind.as_deref() == Some("p") {
-        return Err(Error::new(
+    match shape {
+        Some((kind, comment)) if kind == "p" => Err(Error::new(
             ErrorKind::Misconfigured,
-            not_configured_to_prune(t),
-        ));
+            not_configured_to_prune(t, comment.as_deref()),
+        )),
+        _ => Ok(()),
     }
-    Ok(())
 }
 
-/// Why a store not configured partitioned refuses to prune a partitioned table, and what to do.
-fn not_configured_to_prune(t: &TableName) -> String {
+/// Why a store not configured partitioned refuses to prune a partitioned table, and what to do:
+/// configure it as the table records (`comment`), or record it first.
+fn not_configured_to_prune(t: &TableName, comment: Option<&str>) -> String {
+    let how = match PartitionRecord::from_comment(t, comment.unwrap_or("")) {
+        Ok(Some(r)) => format!(
+            "configure the store with .partitioned(..) as the table records ({r}), or run \
+             `idem prune`, which reads that record"
+        ),
+        _ => "configure the store with .partitioned(..) as the table was created, and migrate \
+              it once so that the table records its partitioning for `idem prune`"
+            .to_owned(),
+    };
     format!(
         "the claims table {t} is partitioned by the ID's time, but this store is not \
          configured for it: pruning it means dropping whole days past the table's retention, \
-         not deleting rows; configure the store with .partitioned(..) as the table was \
-         created, or run `idem prune`, which reads the table's partitioning"
+         not deleting rows; {how}"
     )
 }
 

@@ -11,6 +11,7 @@
 //! transaction's start) unless the processor has a clock of its own.
 
 use idem_core::TableName;
+use idem_core::partition::Partitioning;
 
 /// The server's clock in `processed_at` units: the transaction's start, in microseconds since
 /// the Unix epoch (`now()` is fixed for the whole transaction, so a batch shares one stamp).
@@ -218,9 +219,14 @@ impl RequestSql {
 }
 
 /// What `migrate` runs inside its transaction, after taking the advisory lock and checking the
-/// claims table's shape: the schemas, both tables (the claims table partitioned when
-/// `partitioned`), their indexes and comments, exactly as `idem-sql` creates them.
-pub(crate) fn migration(t: &TableName, r: &TableName, partitioned: bool) -> Vec<String> {
+/// claims table's shape: the schemas, both tables (the claims table partitioned as
+/// `partitioning` says, which its comment records), their indexes and comments, exactly as
+/// `idem-sql` creates them.
+pub(crate) fn migration(
+    t: &TableName,
+    r: &TableName,
+    partitioning: Option<&Partitioning>,
+) -> Vec<String> {
     let (name, rname) = (t.table(), r.table());
     let mut sql: Vec<String> = t
         .schema()
@@ -228,8 +234,8 @@ pub(crate) fn migration(t: &TableName, r: &TableName, partitioned: bool) -> Vec<
         .chain(r.schema())
         .map(|schema| format!("CREATE SCHEMA IF NOT EXISTS {schema}"))
         .collect();
-    if partitioned {
-        sql.extend(crate::partitioned::create_statements(t));
+    if let Some(p) = partitioning {
+        sql.extend(crate::partitioned::create_statements(t, p));
     } else {
         sql.extend([
             format!(

@@ -238,7 +238,7 @@ impl PgStore {
         C: GenericClient + Sync + ?Sized,
     {
         let client = client.client();
-        let p = self.params(&claim);
+        let p = self.params(&claim)?;
         let claim: [(&(dyn ToSql + Sync), Type); 5] = [
             (&p.consumer, Type::TEXT),
             (&p.id, Type::BYTEA),
@@ -400,17 +400,23 @@ impl Batch<'_> {
 }
 
 impl PgStore {
-    fn params<'a>(&self, claim: &ClaimRequest<'a>) -> ClaimParams<'a> {
-        ClaimParams {
+    /// A claim's parameters; the partition key refused when the store's partitioning cannot
+    /// read IDs (see `Partitioning::key_of`).
+    fn params<'a>(&self, claim: &ClaimRequest<'a>) -> Result<ClaimParams<'a>, Error> {
+        Ok(ClaimParams {
             consumer: claim.consumer.as_str(),
             id: claim.id.as_bytes(),
             fingerprint: &claim.fingerprint.as_bytes()[..],
             at: stamp(claim.at),
-            key: self.partitioning.as_ref().map(|p| p.key_of(claim.id)),
-        }
+            key: self
+                .partitioning
+                .as_ref()
+                .map(|p| p.key_of(claim.id))
+                .transpose()?,
+        })
     }
 
-    fn batch<'a>(&self, items: &'a [(&'a MessageId, Fingerprint)]) -> Batch<'a> {
+    fn batch<'a>(&self, items: &'a [(&'a MessageId, Fingerprint)]) -> Result<Batch<'a>, Error> {
         let (ids, fps) = items
             .iter()
             .map(|(id, fp)| (id.as_bytes(), &fp.as_bytes()[..]))
@@ -418,8 +424,9 @@ impl PgStore {
         let keys = self
             .partitioning
             .as_ref()
-            .map(|p| items.iter().map(|(id, _)| p.key_of(id)).collect());
-        Batch { ids, fps, keys }
+            .map(|p| items.iter().map(|(id, _)| p.key_of(id)).collect())
+            .transpose()?;
+        Ok(Batch { ids, fps, keys })
     }
 }
 
@@ -495,7 +502,7 @@ impl ClaimStore for PgStore {
         tx: &mut PgTx,
         claim: ClaimRequest<'_>,
     ) -> Result<Option<Fingerprint>, Error> {
-        let p = self.params(&claim);
+        let p = self.params(&claim)?;
         let insert = tx
             .prepare_cached(&self.sql.claim)
             .await
@@ -516,7 +523,7 @@ impl ClaimStore for PgStore {
         &self,
         claim: ClaimRequest<'_>,
     ) -> Result<(PgTx, Option<Fingerprint>), Error> {
-        let p = self.params(&claim);
+        let p = self.params(&claim)?;
         let lease = self.source.get().await?;
         let insert = lease
             .prepare(&self.sql.claim)
@@ -561,7 +568,7 @@ impl BatchClaimStore for PgStore {
         items: &[(&MessageId, Fingerprint)],
         at: Stamp,
     ) -> Result<Vec<Option<Fingerprint>>, Error> {
-        let batch = self.batch(items);
+        let batch = self.batch(items)?;
         let (consumer, at) = (consumer.as_str(), stamp(at));
         let insert = tx
             .prepare_cached(&self.sql.claim_many)
@@ -583,7 +590,7 @@ impl BatchClaimStore for PgStore {
         items: &[(&MessageId, Fingerprint)],
         at: Stamp,
     ) -> Result<(PgTx, Vec<Option<Fingerprint>>), Error> {
-        let batch = self.batch(items);
+        let batch = self.batch(items)?;
         let (consumer, at) = (consumer.as_str(), stamp(at));
         let lease = self.source.get().await?;
         let insert = lease
@@ -723,8 +730,9 @@ impl Migrate for PgStore {
             .await
             .map_err(|e| store_error("migrate lock", e))?;
         let partitioned = self.partitioning.is_some();
-        crate::partitioned::check_shape(&tx, &self.table, partitioned).await?;
-        for statement in sql::migration(&self.table, &self.requests, partitioned) {
+        let partitioning = self.partitioning.as_ref();
+        crate::partitioned::check_shape(&tx, &self.table, partitioning).await?;
+        for statement in sql::migration(&self.table, &self.requests, partitioning) {
             tx.batch_execute(&statement)
                 .await
                 .map_err(|e| store_error("migrate", e))?;

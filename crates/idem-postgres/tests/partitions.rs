@@ -631,6 +631,66 @@ async fn a_redelivery_window_longer_than_the_table_keeps_claims_is_refused() {
     schema.drop().await;
 }
 
+/// The table records the extractor it was created with; a store reading IDs' times with
+/// another (a rolling deploy that changed it) is refused at migrate and at maintenance, before
+/// an old claim could be looked for in the wrong partition. A table made before the record
+/// existed gets it at the next migrate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_reading_ids_otherwise_than_the_table_records_is_refused() {
+    let Some(Setup {
+        schema,
+        store,
+        admin,
+    }) = setup(
+        "a_store_reading_ids_otherwise_than_the_table_records_is_refused",
+        Conns::Pool(2),
+    )
+    .await
+    else {
+        return;
+    };
+    let other = common::store(&common::config(&schema), Conns::Pool(2))
+        .await
+        .partitioned(Partitioning::ulid())
+        .expect("partitioned");
+    let err = other.migrate().await.expect_err("another extractor");
+    assert_eq!(err.kind(), ErrorKind::Misconfigured, "{err}");
+    assert!(
+        err.to_string().contains("uuid_v7") && err.to_string().contains("ulid"),
+        "{err}"
+    );
+    let err = other
+        .maintain_partitions()
+        .await
+        .expect_err("maintenance too");
+    assert_eq!(err.kind(), ErrorKind::Misconfigured, "{err}");
+    let err = idem_core::store::prune_all(&other, None, Stamp::StoreClock, DAY, 100)
+        .await
+        .expect_err("and pruning");
+    assert_eq!(err.kind(), ErrorKind::Misconfigured, "{err}");
+
+    admin
+        .batch_execute("COMMENT ON TABLE idem_processed IS 'idem claims, from before the record'")
+        .await
+        .expect("an older table's comment");
+    store
+        .migrate()
+        .await
+        .expect("migrate records the extractor");
+    let recorded: String = admin
+        .query_one(
+            "SELECT obj_description('idem_processed'::regclass, 'pg_class')",
+            &[],
+        )
+        .await
+        .expect("comment")
+        .get(0);
+    assert!(recorded.contains("extractor=uuid_v7"), "{recorded}");
+    assert!(other.migrate().await.is_err(), "refused once recorded");
+    drop((store, other, admin));
+    schema.drop().await;
+}
+
 /// A claim routed to the day maintenance is creating, by a transaction that already holds the
 /// claims table (an earlier claim), must not deadlock with it: maintenance locks the parent
 /// table before the partition, as a claim does.

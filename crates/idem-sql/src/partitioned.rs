@@ -11,7 +11,8 @@
 //! advisory lock, from the consumer's own pruning loop.
 
 use idem_core::partition::{
-    Day, PartitionInfo, PartitionKind, PartitionReport, Partitioning, check_table_name,
+    Day, PartitionInfo, PartitionKind, PartitionRecord, PartitionReport, Partitioning,
+    check_table_name,
 };
 use idem_core::{ConsumerName, Error, ErrorKind, Stamp};
 use sqlx::{Postgres, Row};
@@ -31,6 +32,15 @@ type PostgresStore = SqlStore<Postgres>;
 /// skipping), and for the maintenance lock itself (another replica holding it is doing the
 /// same work).
 const LOCK_TIMEOUT: &str = "SET LOCAL lock_timeout = '2s'";
+
+/// A table's kind (`r` plain, `p` partitioned) and comment (where a partitioned table records
+/// its partitioning), by its (possibly qualified) name; no row when it does not exist.
+const SHAPE: &str = "SELECT relkind::text, obj_description(oid, 'pg_class') FROM pg_class WHERE oid = to_regclass($1)";
+
+/// A table's comment and the names of the partitions attached to it, in one catalog read.
+const DAYS: &str = "SELECT obj_description(to_regclass($1), 'pg_class'), \
+     ARRAY(SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
+     WHERE i.inhparent = to_regclass($1))";
 
 /// The name of one of `t`'s partitions: `<table>_<suffix>`, in `t`'s schema.
 pub(crate) fn name(t: &TableName, suffix: &str) -> String {
@@ -76,6 +86,29 @@ impl SqlStore<Postgres> {
         self.partitioning.as_ref()
     }
 
+    /// Configures the store as its claims table is: partitioned as the table records it
+    /// ([`PartitionRecord`], written by `migrate`), for a tool that maintains a table it did
+    /// not create (`idem prune`). Unchanged for a plain or missing table, for a partitioned one
+    /// made before tables recorded their partitioning (its prune and migrate then refuse it),
+    /// and for a store configured `partitioned` already. A table partitioned by a custom
+    /// extractor gets a partitioning that maintains it but claims nothing
+    /// ([`PartitionRecord::partitioning`]).
+    pub async fn with_table_partitioning(self) -> Result<Self, Error> {
+        if self.partitioning.is_some() {
+            return Ok(self);
+        }
+        let record = match table_shape(self.pool(), self.table()).await? {
+            Some((kind, Some(comment))) if kind == "p" => {
+                PartitionRecord::from_comment(self.table(), &comment)?
+            }
+            _ => None,
+        };
+        match record {
+            Some(r) => self.partitioned(r.partitioning()),
+            None => Ok(self),
+        }
+    }
+
     /// Creates today's partition and those `ahead` of it, then drops the days wholly past the
     /// table's retention (a claim in them younger than the retention first moves to the
     /// default partition). Idempotent; replicas running it at once take turns. Runs with every
@@ -87,7 +120,7 @@ impl SqlStore<Postgres> {
         // transaction per day ahead only to find it exists would cost three each time.
         // `create_day` still checks again under the lock.
         let existing: Vec<Day> = self
-            .day_partitions()
+            .day_partitions(p)
             .await?
             .into_iter()
             .map(|(d, _)| d)
@@ -168,17 +201,18 @@ impl SqlStore<Postgres> {
         Ok(idem_core::Timestamp::from_micros(now))
     }
 
-    /// The day partitions that exist, by name.
-    async fn day_partitions(&self) -> Result<Vec<(Day, String)>, Error> {
+    /// The day partitions that exist, by name, once the table's record says it is read as `p`
+    /// reads IDs (a table without a record passes: migrate writes it).
+    async fn day_partitions(&self, p: &Partitioning) -> Result<Vec<(Day, String)>, Error> {
         let t = self.table();
-        let names: Vec<String> = sqlx::query_scalar(
-            "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
-             WHERE i.inhparent = to_regclass($1)",
-        )
-        .bind(t.to_string())
-        .fetch_all(self.pool())
-        .await
-        .map_err(|e| store_error::<Postgres>("listing partitions", e))?;
+        let (comment, names): (Option<String>, Vec<String>) = sqlx::query_as(DAYS)
+            .bind(t.to_string())
+            .fetch_one(self.pool())
+            .await
+            .map_err(|e| store_error::<Postgres>("listing partitions", e))?;
+        if let Some(record) = PartitionRecord::from_comment(t, comment.as_deref().unwrap_or(""))? {
+            record.check(t, p)?;
+        }
         let mut days: Vec<_> = names
             .into_iter()
             .filter_map(|n| match kind_of(t, &n) {
@@ -306,8 +340,8 @@ fn kind_of(t: &TableName, relname: &str) -> Option<PartitionKind> {
 }
 
 /// The partitioned schema's statements, after the requests table's (same transaction, same
-/// advisory lock as the plain schema).
-pub(crate) fn create_statements(t: &TableName) -> Vec<String> {
+/// advisory lock as the plain schema). The comment ends with `p`'s [`PartitionRecord`].
+pub(crate) fn create_statements(t: &TableName, p: &Partitioning) -> Vec<String> {
     let name = t.table();
     let (undated, default) = (self::name(t, "undated"), self::name(t, "default"));
     vec![
@@ -330,36 +364,56 @@ pub(crate) fn create_statements(t: &TableName) -> Vec<String> {
         format!(
             "COMMENT ON TABLE {t} IS 'idem claims, partitioned by the time inside the message ID \
              (id_time, microseconds since the Unix epoch; 0 when the ID has none): one row per \
-             (consumer, message_id) processed; processed_at in microseconds since the Unix epoch'"
+             (consumer, message_id) processed; processed_at in microseconds since the Unix \
+             epoch. {}'",
+            p.record()
         ),
     ]
 }
 
-/// Refuses to run a partitioned store on a plain table or the reverse: the statements of one
-/// do not fit the other, and converting a table of claims is an operator's decision.
+/// Refuses to run a partitioned store on a plain table or the reverse (the statements of one
+/// do not fit the other, and converting a table of claims is an operator's decision), and a
+/// partitioned store whose extractor is not the one the table records.
 pub(crate) async fn check_shape(
     tx: &mut Tx<Postgres>,
     t: &TableName,
-    partitioned: bool,
+    partitioning: Option<&Partitioning>,
 ) -> Result<(), Error> {
-    let kind: Option<String> =
-        sqlx::query_scalar("SELECT relkind::text FROM pg_class WHERE oid = to_regclass($1)")
-            .bind(t.to_string())
-            .fetch_optional(&mut **tx)
-            .await
-            .map_err(|e| store_error::<Postgres>("migrate", e))?;
-    let message = match kind.as_deref() {
-        Some("r") if partitioned => format!(
+    let shape: Option<(String, Option<String>)> = sqlx::query_as(SHAPE)
+        .bind(t.to_string())
+        .fetch_optional(&mut **tx)
+        .await
+        .map_err(|e| store_error::<Postgres>("migrate", e))?;
+    let message = match (shape, partitioning) {
+        (Some((kind, _)), Some(_)) if kind == "r" => format!(
             "the claims table {t} exists and is not partitioned; partitioning is chosen when the \
              table is created: migrate into a new table (with_table) or drop .partitioned(..)"
         ),
-        Some("p") if !partitioned => format!(
+        (Some((kind, _)), None) if kind == "p" => format!(
             "the claims table {t} is partitioned by the ID's time; configure the store with \
              .partitioned(..) to use it"
         ),
+        (Some((kind, Some(comment))), Some(p)) if kind == "p" => {
+            if let Some(record) = PartitionRecord::from_comment(t, &comment)? {
+                record.check(t, p)?;
+            }
+            return Ok(());
+        }
         _ => return Ok(()),
     };
     Err(Error::new(ErrorKind::Misconfigured, message))
+}
+
+/// The claims table's kind and comment (see [`SHAPE`]), on the pool.
+async fn table_shape(
+    pool: &sqlx::PgPool,
+    t: &TableName,
+) -> Result<Option<(String, Option<String>)>, Error> {
+    sqlx::query_as(SHAPE)
+        .bind(t.to_string())
+        .fetch_optional(pool)
+        .await
+        .map_err(|e| store_error::<Postgres>("reading the claims table's shape", e))
 }
 
 /// Refuses to prune a partitioned claims table from a store not configured `.partitioned(..)`:
@@ -367,28 +421,31 @@ pub(crate) async fn check_shape(
 /// its row-wise statement deletes nothing from a parent (`ONLY`, see the engine's prune).
 pub(crate) async fn check_not_partitioned(store: &PostgresStore) -> Result<(), Error> {
     let t = store.table();
-    let kind: Option<String> =
-        sqlx::query_scalar("SELECT relkind::text FROM pg_class WHERE oid = to_regclass($1)")
-            .bind(t.to_string())
-            .fetch_optional(store.pool())
-            .await
-            .map_err(|e| store_error::<Postgres>("prune", e))?;
-    if kind.as_deref() == Some("p") {
-        return Err(Error::new(
+    match table_shape(store.pool(), t).await? {
+        Some((kind, comment)) if kind == "p" => Err(Error::new(
             ErrorKind::Misconfigured,
-            not_configured_to_prune(t),
-        ));
+            not_configured_to_prune(t, comment.as_deref()),
+        )),
+        _ => Ok(()),
     }
-    Ok(())
 }
 
-/// Why a store not configured partitioned refuses to prune a partitioned table, and what to do.
-fn not_configured_to_prune(t: &TableName) -> String {
+/// Why a store not configured partitioned refuses to prune a partitioned table, and what to do:
+/// configure it as the table records (`comment`), or record it first.
+fn not_configured_to_prune(t: &TableName, comment: Option<&str>) -> String {
+    let how = match PartitionRecord::from_comment(t, comment.unwrap_or("")) {
+        Ok(Some(r)) => format!(
+            "configure the store with .partitioned(..) as the table records ({r}), or run \
+             `idem prune`, which reads that record"
+        ),
+        _ => "configure the store with .partitioned(..) as the table was created, and migrate \
+              it once so that the table records its partitioning for `idem prune`"
+            .to_owned(),
+    };
     format!(
         "the claims table {t} is partitioned by the ID's time, but this store is not \
          configured for it: pruning it means dropping whole days past the table's retention, \
-         not deleting rows; configure the store with .partitioned(..) as the table was \
-         created, or run `idem prune`, which reads the table's partitioning"
+         not deleting rows; {how}"
     )
 }
 

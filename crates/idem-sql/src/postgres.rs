@@ -256,7 +256,8 @@ async fn claim_many(
     let fps: Vec<&[u8]> = items.iter().map(|(_, fp)| &fp.as_bytes()[..]).collect();
     let keys: Option<Vec<i64>> = store
         .partitioning()
-        .map(|p| items.iter().map(|(id, _)| p.key_of(id)).collect());
+        .map(|p| items.iter().map(|(id, _)| p.key_of(id)).collect())
+        .transpose()?;
     let mut claim = sqlx::query_scalar(&store.sql.claim_many)
         .bind(consumer.as_str())
         .bind(&ids)
@@ -321,10 +322,9 @@ async fn migrate(store: &PostgresStore) -> Result<(), Error> {
             .await
             .map_err(|e| store_error::<Postgres>("migrate", e))?;
     }
-    let partitioned = store.partitioning().is_some();
-    crate::partitioned::check_shape(&mut tx, t, partitioned).await?;
-    let claims = if partitioned {
-        crate::partitioned::create_statements(t)
+    crate::partitioned::check_shape(&mut tx, t, store.partitioning()).await?;
+    let claims = if let Some(p) = store.partitioning() {
+        crate::partitioned::create_statements(t, p)
     } else {
         vec![
             format!(

@@ -184,7 +184,11 @@ impl<E: Engine> SqlStore<E> {
     ) -> Result<Option<Fingerprint>, Error> {
         let (consumer, id) = (claim.consumer.as_str(), claim.id.as_bytes());
         // Unpartitioned: the key is not bound (the statements take four and two parameters).
-        let key = self.partitioning.as_ref().map(|p| p.key_of(claim.id));
+        let key = self
+            .partitioning
+            .as_ref()
+            .map(|p| p.key_of(claim.id))
+            .transpose()?;
         let params = [
             Param::Text(consumer),
             Param::Bytes(id),

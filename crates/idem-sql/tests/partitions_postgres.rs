@@ -501,6 +501,54 @@ async fn a_redelivery_window_longer_than_the_table_keeps_claims_is_refused() {
     schema.drop().await;
 }
 
+/// The table records the extractor it was created with; a store reading IDs' times with
+/// another (a rolling deploy that changed it) is refused at migrate and at maintenance, before
+/// an old claim could be looked for in the wrong partition. A table made before the record
+/// existed gets it at the next migrate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_reading_ids_otherwise_than_the_table_records_is_refused() {
+    let Some((schema, store)) =
+        setup("a_store_reading_ids_otherwise_than_the_table_records_is_refused").await
+    else {
+        return;
+    };
+    let other = PostgresStore::from_pool(store.pool().clone())
+        .partitioned(Partitioning::ulid())
+        .expect("partitioned");
+    let err = other.migrate().await.expect_err("another extractor");
+    assert_eq!(err.kind(), ErrorKind::Misconfigured, "{err}");
+    assert!(
+        err.to_string().contains("uuid_v7") && err.to_string().contains("ulid"),
+        "{err}"
+    );
+    let err = other
+        .maintain_partitions()
+        .await
+        .expect_err("maintenance too");
+    assert_eq!(err.kind(), ErrorKind::Misconfigured, "{err}");
+    let err = idem_core::store::prune_all(&other, None, idem_core::Stamp::StoreClock, DAY, 100)
+        .await
+        .expect_err("and pruning");
+    assert_eq!(err.kind(), ErrorKind::Misconfigured, "{err}");
+
+    let comment = "SELECT obj_description('idem_processed'::regclass, 'pg_class')";
+    sqlx::query("COMMENT ON TABLE idem_processed IS 'idem claims, from before the record'")
+        .execute(store.pool())
+        .await
+        .expect("an older table's comment");
+    store
+        .migrate()
+        .await
+        .expect("migrate records the extractor");
+    let recorded: String = sqlx::query_scalar(comment)
+        .fetch_one(store.pool())
+        .await
+        .expect("comment");
+    assert!(recorded.contains("extractor=uuid_v7"), "{recorded}");
+    assert!(other.migrate().await.is_err(), "refused once recorded");
+    schema.drop().await;
+}
+
 /// A claim routed to the day maintenance is creating, by a transaction that already holds the
 /// claims table (an earlier claim), must not deadlock with it: maintenance locks the parent
 /// table before the partition, as a claim does.
@@ -666,5 +714,59 @@ async fn migrate_goes_on_while_another_session_holds_the_maintenance_lock() {
     started
         .expect("migrate does not wait for another replica's maintenance")
         .expect("migrate goes on without its maintenance");
+    schema.drop().await;
+}
+
+/// A store that did not create the table (`AnyStore`, and so `idem prune`) reads how it is
+/// partitioned from the table's record: the extractor's name and the retention. A custom
+/// extractor is maintained by its name, but such a store claims nothing: the extractor's code
+/// is the application's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_takes_the_partitioning_the_table_records() {
+    let test = "a_store_takes_the_partitioning_the_table_records";
+    let Some(schema) = PgSchema::create("idem_part", test).await else {
+        return;
+    };
+    let pool = schema.pool(4).await;
+    let ten_days = Retention::new(10 * DAY, 10 * DAY).expect("retention");
+    let custom = PostgresStore::from_pool(pool.clone())
+        .partitioned(
+            Partitioning::by("order-ids", uuid_v7)
+                .expect("named")
+                .retention(ten_days),
+        )
+        .expect("partitioned");
+    custom.migrate().await.expect("migrate");
+
+    let adopted = PostgresStore::from_pool(pool.clone())
+        .with_table_partitioning()
+        .await
+        .expect("read the record");
+    let p = adopted.partitioning().expect("partitioned as recorded");
+    assert_eq!(p.extractor(), "order-ids");
+    assert_eq!(p.kept_for(), ten_days.prune_age());
+    adopted.migrate().await.expect("migrate as recorded");
+    adopted
+        .maintain_partitions()
+        .await
+        .expect("maintain as recorded");
+    let now = db_now(&adopted).await;
+    let processor = Processor::builder(adopted, "billing")
+        .build()
+        .expect("ten days cover the default window");
+    let err = processor
+        .process(&msg(&uuid_at(now, 1)), async |_tx| {
+            Ok::<_, idem_core::BoxError>(())
+        })
+        .await
+        .expect_err("no extractor to claim with");
+    assert_eq!(err.kind(), ErrorKind::Misconfigured, "{err}");
+
+    let plain = PostgresStore::from_pool(pool)
+        .with_table(idem_sql::TableName::new("plain_claims").expect("name"))
+        .expect("table");
+    plain.migrate().await.expect("migrate");
+    let plain = plain.with_table_partitioning().await.expect("read");
+    assert!(plain.partitioning().is_none(), "a plain table stays plain");
     schema.drop().await;
 }
