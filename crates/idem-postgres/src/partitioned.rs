@@ -9,6 +9,14 @@
 //! the catalogs the two migrations make and runs each store's maintenance under the other's
 //! claims). This copy exists because the text lives in `idem-sql` beside its sqlx code, which
 //! this crate does not depend on.
+//!
+//! Three rules keep maintenance safe beside running consumers. It locks the parent table
+//! before a partition, in the mode its DDL needs, as a claim locks the parent before the
+//! partition its key routes to (the other order deadlocks with such a claim). Its waits are
+//! bounded (`lock_timeout`, the advisory lock included): a busy round fails and the next one
+//! tries again, and `migrate` goes on without it. And the table records how it is partitioned
+//! (`idem_core::partition::PartitionRecord`, in its comment): a store reading IDs with another
+//! extractor is refused, and a store not configured partitioned never prunes the table.
 
 use idem_core::partition::{
     Day, PartitionInfo, PartitionKind, PartitionRecord, PartitionReport, Partitioning,
