@@ -129,8 +129,13 @@ impl<S: ClaimStore, C: Clock> ProcessorBuilder<S, C> {
             None => retention,
         };
         // A store that drops claims by itself (a partitioned table's retention) must keep them
-        // as long as pruning would: through the redelivery window and the clock margin.
-        if let Some(kept) = self.store.kept_for() {
+        // as long as pruning would: through the redelivery window and the clock margin. Without
+        // claims (naturally idempotent handlers) there is nothing to keep.
+        let kept_for = match self.mode {
+            ClaimMode::Claim => self.store.kept_for(),
+            ClaimMode::Skip => None,
+        };
+        if let Some(kept) = kept_for {
             let needed = retention
                 .redelivery_window()
                 .saturating_add(retention.clock_margin());
