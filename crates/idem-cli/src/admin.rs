@@ -1,5 +1,10 @@
 //! `idem migrate`, `idem prune`, `idem stats`, `idem reap-requests`: operators' commands on
 //! any SQL store.
+//!
+//! On PostgreSQL a claims table partitioned by the ID's time is used as it records itself
+//! (`AnyStore::connect` reads the record `migrate` writes): `idem prune` drops its days past
+//! the table's own retention and deletes rows of its default and undated partitions only,
+//! as the consumers' pruning does; a plain table is pruned row by row.
 
 use std::time::Duration;
 
@@ -139,12 +144,42 @@ pub(crate) async fn prune(args: PruneArgs) -> anyhow::Result<()> {
         .map(ConsumerName::new)
         .transpose()?;
     let store = args.store.connect(false).await?;
+    // A partitioned table drops whole days by its own retention, whatever --older-than says;
+    // one inside the declared window is refused as --older-than is.
+    if let Some(kept) = store.kept_for() {
+        let needed = window.saturating_add(args.clock_margin);
+        if kept < needed {
+            anyhow::bail!(
+                "the claims table {} drops claims after {} (the retention it records), shorter \
+                 than the redelivery window of {} plus the clock margin of {}: a message \
+                 redelivered after its claim was dropped would be processed twice; migrate the \
+                 table with a retention of at least {}",
+                args.store.table,
+                format_duration(kept),
+                format_duration(window),
+                format_duration(args.clock_margin),
+                format_duration(needed)
+            );
+        }
+    }
+    let maintained = store
+        .maintain_partitions()
+        .await
+        .context("maintaining partitions")?;
+    if let (Some(report), Some(kept)) = (&maintained, store.kept_for()) {
+        print_maintenance(report, kept);
+    }
     let deleted = store
         .prune(consumer.as_ref(), retention, args.batch)
         .await
         .context("pruning")?;
+    let from = if maintained.is_some() {
+        "from the default and undated partitions "
+    } else {
+        ""
+    };
     println!(
-        "deleted {deleted} claims processed more than {} ago by the store's clock \
+        "deleted {deleted} claims {from}processed more than {} ago by the store's clock \
          (--older-than {}, redelivery window {} + clock margin {})",
         format_duration(retention.prune_age()),
         format_duration(args.older_than),
@@ -182,6 +217,41 @@ pub(crate) async fn stats(args: StatsArgs) -> anyhow::Result<()> {
         print_partitions(&partitions);
     }
     Ok(())
+}
+
+/// What a round of partition maintenance did: days created ahead, days dropped past the
+/// table's retention (claims by the planner's estimate: counting would read them all).
+fn print_maintenance(report: &idem_core::partition::PartitionReport, kept: Duration) {
+    let plural = |n: usize| if n == 1 { "" } else { "s" };
+    if !report.created.is_empty() {
+        let days: Vec<String> = report.created.iter().map(ToString::to_string).collect();
+        println!(
+            "created {} day partition{} ahead: {}",
+            days.len(),
+            plural(days.len()),
+            days.join(", ")
+        );
+    }
+    if !report.dropped.is_empty() {
+        let days: Vec<String> = report.dropped.iter().map(|(d, _)| d.to_string()).collect();
+        let estimate: u64 = report.dropped.iter().map(|(_, n)| n).sum();
+        println!(
+            "dropped {} day partition{} past the table's retention of {}: {} \
+             (~{} claims by the planner's estimate)",
+            days.len(),
+            plural(days.len()),
+            format_duration(kept),
+            days.join(", "),
+            idem_core::group_digits(estimate)
+        );
+    }
+    if report.moved > 0 {
+        println!(
+            "moved {} claims between partitions (out of the default one into their new day, \
+             or out of a dropped day, younger than the retention, into the default one)",
+            report.moved
+        );
+    }
 }
 
 fn print_consumers(rows: &[idem_core::ConsumerStats]) {

@@ -382,3 +382,97 @@ async fn drop_table(url: &str, table: &str) {
         sqlx::query(&sql).execute(&mut c).await.expect("drop");
     }
 }
+
+/// A UUIDv7 (text) made at `t`, distinct per `n`.
+fn uuid_at(t: idem_core::Timestamp, n: u16) -> idem_core::MessageId {
+    let ms = u64::try_from(t.as_micros() / 1000).expect("after the epoch");
+    let hex = format!("{ms:012x}");
+    let id = format!(
+        "{}-{}-7{:03x}-8000-{:012x}",
+        &hex[..8],
+        &hex[8..],
+        n & 0xfff,
+        u64::from(n)
+    );
+    idem_core::MessageId::new(id).expect("id")
+}
+
+/// Issue 18's reproduction through the binary: a table partitioned by the ID's time with 50
+/// claims processed 30 days ago (in their day's partition) and 50 processed now. `idem prune
+/// --older-than 14d` used to delete all 100 (a row-wise delete by position on the parent hits
+/// the same positions in every partition); it reads the table's partitioning and drops the old
+/// day only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_prune_of_a_partitioned_table_drops_old_days_only() {
+    use idem_core::partition::{Day, Partitioning};
+    use idem_core::{BatchClaimStore, ConsumerName, Fingerprint, Migrate, Stamp};
+    use idem_core::{Timestamp, TransactionalStore};
+    let test = "postgres_prune_of_a_partitioned_table_drops_old_days_only";
+    let Some(schema) = idem_testkit::isolated::PgSchema::create("cli_part", test).await else {
+        return;
+    };
+    let pool = schema.pool(2).await;
+    let table = format!("{}.claims", schema.name());
+    let store = idem_sql::PostgresStore::from_pool(pool.clone())
+        .with_table(idem_sql::TableName::new(&table).expect("name"))
+        .expect("table")
+        .partitioned(Partitioning::uuid_v7())
+        .expect("partitioned");
+    store.migrate().await.expect("migrate");
+    let now: i64 = sqlx::query_scalar("SELECT (extract(epoch from now()) * 1000000)::bigint")
+        .fetch_one(&pool)
+        .await
+        .expect("clock");
+    let now = Timestamp::from_micros(now);
+    let month_ago = now.saturating_sub(std::time::Duration::from_secs(30 * 86_400));
+    store
+        .create_partitions([Day::of(month_ago)])
+        .await
+        .expect("backfill");
+    let consumer = ConsumerName::new("billing").expect("consumer");
+    for (t, at) in [(month_ago, Stamp::At(month_ago)), (now, Stamp::StoreClock)] {
+        let ids: Vec<_> = (0..50).map(|n| uuid_at(t, n)).collect();
+        let items: Vec<_> = ids.iter().map(|id| (id, Fingerprint::of(b"{}"))).collect();
+        let mut tx = store.begin().await.expect("begin");
+        store
+            .claim_many(&mut tx, &consumer, &items, at)
+            .await
+            .expect("claim");
+        store.commit(tx).await.expect("commit");
+    }
+    let count = |sql: String| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(&sql)
+                .fetch_one(&pool)
+                .await
+                .expect("count")
+        }
+    };
+    assert_eq!(count(format!("SELECT count(*) FROM {table}")).await, 100);
+
+    let o = idem(&[
+        "prune",
+        "--store",
+        schema.url(),
+        "--table",
+        &table,
+        "--older-than",
+        "14d",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("dropped 1 day partition")
+            && stdout(&o).contains(&Day::of(month_ago).to_string()),
+        "{}",
+        stdout(&o)
+    );
+    assert_eq!(count(format!("SELECT count(*) FROM {table}")).await, 50);
+    let young = format!(
+        "SELECT count(*) FROM {table} WHERE id_time >= {}",
+        Day::of(now).start()
+    );
+    assert_eq!(count(young).await, 50, "every young claim kept");
+    pool.close().await;
+    schema.drop().await;
+}

@@ -10,8 +10,11 @@
 //! the rule never depends on when a message is processed.
 //!
 //! What this module owns (no database here): reading the time out of an ID ([`IdTime`],
-//! [`uuid_v7`], [`ulid`]), the partition key a claim carries ([`Partitioning::key_of`]),
-//! and the daily ranges a store creates and drops ([`Day`]). The stores own the DDL:
+//! [`uuid_v7`], [`ulid`], your own under a name), the partition key a claim carries
+//! ([`Partitioning::key_of`]), the daily ranges a store creates and drops ([`Day`]), and what a
+//! table records about its partitioning ([`PartitionRecord`]: the extractor's name, so a store
+//! reading IDs otherwise is refused; the retention, so `idem prune` can maintain the table).
+//! The stores own the DDL:
 //!
 //! * one range partition per UTC day of ID time, created [`ahead`](Partitioning::ahead) of
 //!   the database's clock; an ID whose time falls outside every partition — ahead of the
@@ -217,14 +220,20 @@ fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
 }
 
 /// How a PostgreSQL store partitions its claims table: the ID's time, read by an
-/// [`IdTime`]; daily partitions created [`ahead`](Self::ahead) of the database's clock; and
-/// the table's [`Retention`], which decides when a day's partition is dropped.
+/// [`IdTime`] known by a name; daily partitions created [`ahead`](Self::ahead) of the
+/// database's clock; and the table's [`Retention`], which decides when a day's partition is
+/// dropped.
 ///
 /// The retention is the table's, not one consumer's: every consumer sharing the table must be
-/// content with it (give the longest any of them needs).
+/// content with it (give the longest any of them needs). The extractor is the table's too:
+/// `migrate` records its name with the table ([`PartitionRecord`]), and a store configured with
+/// another is refused, since the same ID would be looked for in another partition.
 #[derive(Clone)]
 pub struct Partitioning {
-    id_time: Arc<dyn IdTime>,
+    extractor: Arc<str>,
+    /// `None` for a partitioning read back from a table's record with a custom extractor's
+    /// name: it maintains the table, but cannot compute a claim's key.
+    id_time: Option<Arc<dyn IdTime>>,
     ahead: Duration,
     retention: Retention,
 }
@@ -232,31 +241,62 @@ pub struct Partitioning {
 impl fmt::Debug for Partitioning {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Partitioning")
+            .field("extractor", &self.extractor)
             .field("ahead", &self.ahead)
             .field("retention", &self.retention)
             .finish_non_exhaustive()
     }
 }
 
+/// The name [`Partitioning::uuid_v7`] records.
+pub const UUID_V7: &str = "uuid_v7";
+
+/// The name [`Partitioning::ulid`] records.
+pub const ULID: &str = "ulid";
+
 impl Partitioning {
-    /// Partitions by the time [`uuid_v7`] reads (the common case).
+    /// Partitions by the time [`uuid_v7`] reads (the common case); recorded as [`UUID_V7`].
     pub fn uuid_v7() -> Self {
-        Self::by(uuid_v7)
+        Self::named(UUID_V7, Some(Arc::new(uuid_v7)))
     }
 
-    /// Partitions by the time [`ulid`] reads.
+    /// Partitions by the time [`ulid`] reads; recorded as [`ULID`].
     pub fn ulid() -> Self {
-        Self::by(ulid)
+        Self::named(ULID, Some(Arc::new(ulid)))
     }
 
-    /// Partitions by the time `id_time` reads: a UUIDv7-or-ULID mix is
-    /// `|id| idem_core::partition::uuid_v7(id).or_else(|| idem_core::partition::ulid(id))`.
-    pub fn by(id_time: impl IdTime) -> Self {
+    /// Partitions by the time `id_time` reads, recorded with the table as `name`: a
+    /// UUIDv7-or-ULID mix is `Partitioning::by("uuid_v7-or-ulid", |id| uuid_v7(id).or_else(||
+    /// ulid(id)))`. The name stands for what the extractor computes: keep it while it reads
+    /// every ID as before, and change it (with a new table) when it would not — a store whose
+    /// name differs from the table's record is refused. 1 to 64 ASCII letters, digits, `_`,
+    /// `-` or `.`; the built-in names ([`UUID_V7`], [`ULID`]) are reserved for the built-ins.
+    pub fn by(name: &str, id_time: impl IdTime) -> Result<Self, Error> {
+        check_extractor_name(name)?;
+        if name == UUID_V7 || name == ULID {
+            return Err(Error::new(
+                ErrorKind::InvalidConfig,
+                format!(
+                    "extractor name {name:?} is the built-in one's: use Partitioning::{name}(), \
+                     or name your own extractor otherwise"
+                ),
+            ));
+        }
+        Ok(Self::named(name, Some(Arc::new(id_time))))
+    }
+
+    fn named(name: &str, id_time: Option<Arc<dyn IdTime>>) -> Self {
         Self {
-            id_time: Arc::new(id_time),
+            extractor: name.into(),
+            id_time,
             ahead: Duration::from_secs(2 * 86_400),
             retention: Retention::default(),
         }
+    }
+
+    /// The extractor's name, as the table records it.
+    pub fn extractor(&self) -> &str {
+        &self.extractor
     }
 
     /// How far ahead of the database's clock partitions exist (default two days): the skew a
@@ -274,16 +314,50 @@ impl Partitioning {
         self
     }
 
+    /// How far ahead of the database's clock partitions are created.
+    pub fn created_ahead(&self) -> Duration {
+        self.ahead
+    }
+
     /// The configured retention.
     pub fn table_retention(&self) -> Retention {
         self.retention
     }
 
+    /// How long the table keeps every claim at least: the retention's
+    /// [prune age](Retention::prune_age). A day's partition is dropped once the whole day is
+    /// older than this, and a claim in it processed later than that is moved out first.
+    pub fn kept_for(&self) -> Duration {
+        self.retention.prune_age()
+    }
+
     /// The partition key of a claim on `id`: its time in microseconds, or [`UNDATED`].
-    pub fn key_of(&self, id: &MessageId) -> i64 {
-        self.id_time
-            .id_time(id)
-            .map_or(UNDATED, Timestamp::as_micros)
+    /// [`ErrorKind::Misconfigured`] from a partitioning read back from a table's record
+    /// ([`PartitionRecord::partitioning`]) whose extractor is not a built-in one: its code is
+    /// the application's, so such a partitioning maintains the table but claims nothing.
+    pub fn key_of(&self, id: &MessageId) -> Result<i64, Error> {
+        let id_time = self.id_time.as_ref().ok_or_else(|| {
+            Error::new(
+                ErrorKind::Misconfigured,
+                format!(
+                    "this store's partitioning was read from the claims table's record, which \
+                     names the extractor {:?} but cannot carry its code: it maintains the table \
+                     but cannot claim; configure .partitioned(Partitioning::by({:?}, \
+                     <the extractor>)) to claim",
+                    self.extractor, self.extractor
+                ),
+            )
+        })?;
+        Ok(id_time.id_time(id).map_or(UNDATED, Timestamp::as_micros))
+    }
+
+    /// What `migrate` records with the table.
+    pub fn record(&self) -> PartitionRecord {
+        PartitionRecord {
+            extractor: self.extractor.to_string(),
+            kept_for: self.kept_for(),
+            ahead: self.ahead,
+        }
     }
 
     /// The days whose partitions should exist at `now`: today through `ahead`.
@@ -298,6 +372,143 @@ impl Partitioning {
     pub fn droppable(&self, day: Day, now: Timestamp) -> bool {
         day.end() <= now.saturating_sub(self.retention.prune_age()).as_micros()
     }
+}
+
+/// Where a record starts in a partitioned table's comment.
+const RECORD_TAG: &str = "idem-partitioning:";
+
+/// What a partitioned claims table records about how it is partitioned, at the end of its
+/// comment (`COMMENT ON TABLE`, rewritten by every `migrate`):
+/// `idem-partitioning: extractor=uuid_v7 kept-for=7d1h ahead=2d`.
+///
+/// The extractor's name lets a store refuse a table made with another extractor, where it
+/// would look for an ID's claim in another partition than the one holding it (a rolling deploy
+/// that changed it). The retention and the days ahead let a tool that did not create the table
+/// (`idem prune`) maintain it as its own consumers do. The comment travels with the table
+/// (renames, dumps) and is written in the same transaction as the schema.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PartitionRecord {
+    /// The extractor's name ([`Partitioning::extractor`]).
+    pub extractor: String,
+    /// How long every claim is kept ([`Partitioning::kept_for`]).
+    pub kept_for: Duration,
+    /// How far ahead partitions are created ([`Partitioning::created_ahead`]).
+    pub ahead: Duration,
+}
+
+impl PartitionRecord {
+    /// Reads the record at the end of `table`'s `comment`: `None` when there is none (a table
+    /// made before tables recorded their partitioning); [`ErrorKind::Misconfigured`] when one
+    /// is there but unreadable (edited by hand).
+    pub fn from_comment(table: impl fmt::Display, comment: &str) -> Result<Option<Self>, Error> {
+        let Some(at) = comment.find(RECORD_TAG) else {
+            return Ok(None);
+        };
+        let text = &comment[at..];
+        let unreadable = |why: &str| {
+            Error::new(
+                ErrorKind::Misconfigured,
+                format!(
+                    "the claims table {table} records its partitioning unreadably ({why}): \
+                     {text:?}; migrate it with its store to write the record again"
+                ),
+            )
+        };
+        let (mut extractor, mut kept_for, mut ahead) = (None, None, None);
+        for field in text[RECORD_TAG.len()..].split_whitespace() {
+            let Some((key, value)) = field.split_once('=') else {
+                return Err(unreadable("a field without ="));
+            };
+            let duration =
+                || crate::retention::parse_duration(value).map_err(|e| unreadable(&e.to_string()));
+            match key {
+                "extractor" => {
+                    check_extractor_name(value).map_err(|e| unreadable(&e.to_string()))?;
+                    extractor = Some(value.to_owned());
+                }
+                "kept-for" => kept_for = Some(duration()?),
+                "ahead" => ahead = Some(duration()?),
+                _ => {} // a field of a later version
+            }
+        }
+        match (extractor, kept_for, ahead) {
+            (Some(extractor), Some(kept_for), Some(ahead)) => Ok(Some(Self {
+                extractor,
+                kept_for,
+                ahead,
+            })),
+            _ => Err(unreadable("extractor, kept-for and ahead are all needed")),
+        }
+    }
+
+    /// Refuses `configured` for `table` when it reads IDs' times with another extractor than
+    /// the table was created with: a claim made under the recorded one would be looked for in
+    /// another partition, and its message processed twice.
+    pub fn check(&self, table: impl fmt::Display, configured: &Partitioning) -> Result<(), Error> {
+        if configured.extractor() == self.extractor {
+            return Ok(());
+        }
+        Err(Error::new(
+            ErrorKind::Misconfigured,
+            format!(
+                "the claims table {table} is partitioned by IDs' time as extractor {:?} reads \
+                 it, and this store reads it with {:?}: claims made before would be looked for \
+                 in other partitions and their messages processed twice; configure the \
+                 extractor the table records, or migrate a new table for the new one",
+                self.extractor,
+                configured.extractor()
+            ),
+        ))
+    }
+
+    /// The partitioning the record describes, for a tool that maintains the table it did not
+    /// create: the built-in extractors by name; for any other name one that maintains the table
+    /// (creates days ahead, drops them past the recorded retention) but claims nothing (its
+    /// [`key_of`](Partitioning::key_of) refuses, the extractor's code being the application's).
+    pub fn partitioning(&self) -> Partitioning {
+        let id_time: Option<Arc<dyn IdTime>> = match self.extractor.as_str() {
+            UUID_V7 => Some(Arc::new(uuid_v7)),
+            ULID => Some(Arc::new(ulid)),
+            _ => None,
+        };
+        // prune_age() of (kept_for, no window, no margin) is kept_for itself.
+        let retention = Retention::new(self.kept_for, Duration::ZERO)
+            .map(|r| r.with_clock_margin(Duration::ZERO))
+            .unwrap_or_default();
+        Partitioning::named(&self.extractor, id_time)
+            .ahead(self.ahead)
+            .retention(retention)
+    }
+}
+
+impl fmt::Display for PartitionRecord {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{RECORD_TAG} extractor={} kept-for={} ahead={}",
+            self.extractor,
+            crate::retention::format_duration(self.kept_for),
+            crate::retention::format_duration(self.ahead)
+        )
+    }
+}
+
+/// An extractor's name: it is written into SQL text (the table's comment), so only a few
+/// plain characters.
+fn check_extractor_name(name: &str) -> Result<(), Error> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'));
+    if ok {
+        return Ok(());
+    }
+    Err(Error::new(
+        ErrorKind::InvalidConfig,
+        format!("invalid extractor name {name:?}: 1 to 64 ASCII letters, digits, _, - or ."),
+    ))
 }
 
 /// What one round of partition maintenance did (`maintain_partitions` on a PostgreSQL store).
@@ -432,7 +643,7 @@ mod tests {
     #[test]
     fn keys_create_ahead_and_drop_whole_days_past_retention() {
         let p = Partitioning::uuid_v7();
-        assert_eq!(p.key_of(&id("not-a-uuid")), UNDATED);
+        assert_eq!(p.key_of(&id("not-a-uuid")).ok(), Some(UNDATED));
         let now = Timestamp::from_micros(Day::from_number(20_423).start() + 3_600_000_000);
         let days: Vec<_> = p.days_to_create(now).map(Day::number).collect();
         assert_eq!(days, vec![20_423, 20_424, 20_425]);
@@ -445,6 +656,58 @@ mod tests {
             !p.droppable(boundary, now),
             "the day holding the cutoff is kept"
         );
+    }
+
+    #[test]
+    fn the_record_round_trips_through_a_comment() {
+        let p = Partitioning::uuid_v7().ahead(Duration::from_secs(3 * 86_400));
+        let comment = format!("idem claims, partitioned. {}", p.record());
+        assert!(
+            comment.ends_with("idem-partitioning: extractor=uuid_v7 kept-for=7d1h ahead=3d"),
+            "{comment}"
+        );
+        let record = PartitionRecord::from_comment("t", &comment)
+            .expect("readable")
+            .expect("present");
+        assert_eq!(record, p.record());
+        let back = record.partitioning();
+        assert_eq!(back.extractor(), UUID_V7);
+        assert_eq!(back.kept_for(), p.kept_for());
+        assert_eq!(back.created_ahead(), p.created_ahead());
+        assert_eq!(
+            back.key_of(&id("x")).ok(),
+            Some(UNDATED),
+            "a built-in claims"
+        );
+        assert_eq!(
+            PartitionRecord::from_comment("t", "idem claims").ok(),
+            Some(None)
+        );
+        let err = PartitionRecord::from_comment("t", "idem-partitioning: extractor=x")
+            .expect_err("incomplete");
+        assert_eq!(err.kind(), ErrorKind::Misconfigured);
+    }
+
+    #[test]
+    fn custom_extractors_are_named_and_checked_by_name() {
+        let mine = Partitioning::by("order-ids.v1", |_: &MessageId| None).expect("named");
+        assert_eq!(mine.extractor(), "order-ids.v1");
+        for bad in ["", "a b", "x'y", UUID_V7, ULID, &"n".repeat(65)] {
+            let err = Partitioning::by(bad, |_: &MessageId| None).expect_err(bad);
+            assert_eq!(err.kind(), ErrorKind::InvalidConfig, "{bad:?}");
+        }
+        let record = mine.record();
+        assert!(record.check("t", &mine).is_ok());
+        let err = record
+            .check("t", &Partitioning::uuid_v7())
+            .expect_err("another");
+        assert_eq!(err.kind(), ErrorKind::Misconfigured);
+        assert!(err.to_string().contains("order-ids.v1"), "{err}");
+        // Read back without its code: it maintains the table but claims nothing.
+        let maintains = record.partitioning();
+        assert!(record.check("t", &maintains).is_ok());
+        let err = maintains.key_of(&id("x")).expect_err("no extractor");
+        assert_eq!(err.kind(), ErrorKind::Misconfigured);
     }
 
     #[test]

@@ -70,6 +70,15 @@ pub trait ClaimStore: TransactionalStore {
     /// The longest message ID, in bytes, this store's schema holds.
     fn max_message_id_len(&self) -> usize;
 
+    /// How long the store keeps every claim at least when it drops claims on its own, whatever
+    /// a processor's pruning says: a PostgreSQL table partitioned by the ID's time drops whole
+    /// days past the table's retention. `None` (the default): claims stay until pruned.
+    /// [`ProcessorBuilder::build`](crate::ProcessorBuilder::build) refuses a redelivery window
+    /// (plus its clock margin) longer than this.
+    fn kept_for(&self) -> Option<Duration> {
+        None
+    }
+
     /// Inserts the claim. `None`: inserted by this transaction. `Some(fp)`: a claim already
     /// existed, recorded with fingerprint `fp`.
     fn claim(

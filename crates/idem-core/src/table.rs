@@ -60,6 +60,22 @@ impl TableName {
         }
     }
 
+    /// The name as PostgreSQL resolves it: lower case. idem writes table names unquoted, and
+    /// PostgreSQL folds an unquoted identifier to lower case, so `Claims`, `claims` and
+    /// `CLAIMS` are one table there — but its catalog (partition names, the schema a lock key
+    /// names) compares them as spelled. The PostgreSQL stores therefore use this spelling
+    /// throughout. Not applied to every engine: MySQL on Linux keeps a table name's case, so a
+    /// `Claims` table there is not `claims`.
+    pub fn folded(&self) -> Self {
+        Self {
+            schema: self
+                .schema
+                .as_deref()
+                .map(|s| s.to_ascii_lowercase().into()),
+            table: self.table.to_ascii_lowercase().into(),
+        }
+    }
+
     /// The unqualified table name, used to derive index names.
     pub fn table(&self) -> &str {
         &self.table
@@ -120,6 +136,17 @@ mod tests {
         );
         let t = TableName::new("billing.claims").unwrap();
         assert_eq!((t.schema(), t.table()), (Some("billing"), "claims"));
+    }
+
+    #[test]
+    fn folds_to_the_name_postgresql_resolves() {
+        let t = TableName::new("Billing.Claims").unwrap();
+        assert_eq!(t.to_string(), "Billing.Claims", "kept as given");
+        assert_eq!(t.folded(), TableName::new("billing.claims").unwrap());
+        assert_eq!(
+            TableName::new("CLAIMS").unwrap().folded().to_string(),
+            "claims"
+        );
     }
 
     #[test]

@@ -9,9 +9,18 @@
 //! the catalogs the two migrations make and runs each store's maintenance under the other's
 //! claims). This copy exists because the text lives in `idem-sql` beside its sqlx code, which
 //! this crate does not depend on.
+//!
+//! Three rules keep maintenance safe beside running consumers. It locks the parent table
+//! before a partition, in the mode its DDL needs, as a claim locks the parent before the
+//! partition its key routes to (the other order deadlocks with such a claim). Its waits are
+//! bounded (`lock_timeout`, the advisory lock included): a busy round fails and the next one
+//! tries again, and `migrate` goes on without it. And the table records how it is partitioned
+//! (`idem_core::partition::PartitionRecord`, in its comment): a store reading IDs with another
+//! extractor is refused, and a store not configured partitioned never prunes the table.
 
 use idem_core::partition::{
-    Day, PartitionInfo, PartitionKind, PartitionReport, Partitioning, check_table_name,
+    Day, PartitionInfo, PartitionKind, PartitionRecord, PartitionReport, Partitioning,
+    check_table_name,
 };
 use idem_core::{ConsumerName, Error, ErrorKind, Stamp, Timestamp};
 use tokio_postgres::SimpleQueryMessage;
@@ -22,9 +31,11 @@ use crate::store::{PgStore, micros};
 use crate::tx::PgTx;
 use idem_core::TableName;
 
-/// How long maintenance waits for a lock on the claims table before giving up until the next
-/// round: dropping or creating a partition takes an exclusive lock on the parent for a moment,
-/// and a queue of claims behind a waiting DDL would stall the consumer longer than skipping.
+/// How long maintenance waits for a lock before giving up until the next round: for the
+/// claims table (creating or dropping a partition takes an exclusive lock on the parent for a
+/// moment, and a queue of claims behind a waiting DDL would stall the consumer longer than
+/// skipping), and for the maintenance lock itself (another replica holding it is doing the
+/// same work).
 const LOCK_TIMEOUT: &str = "SET LOCAL lock_timeout = '2s'";
 
 /// The server's clock in `processed_at` units (the same reading as the claim's stamp).
@@ -35,9 +46,14 @@ const LIST: &str = "SELECT c.relname::text, c.reltuples::bigint, pg_total_relati
      FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
      WHERE i.inhparent = to_regclass($1) ORDER BY c.relname";
 
-/// The names of the partitions attached to a table.
-const NAMES: &str = "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
-     WHERE i.inhparent = to_regclass($1)";
+/// A table's kind (`r` plain, `p` partitioned) and comment (where a partitioned table records
+/// its partitioning), by its (possibly qualified) name; no row when it does not exist.
+const SHAPE: &str = "SELECT relkind::text, obj_description(oid, 'pg_class') FROM pg_class WHERE oid = to_regclass($1)";
+
+/// A table's comment and the names of the partitions attached to it, in one catalog read.
+const DAYS: &str = "SELECT obj_description(to_regclass($1), 'pg_class'), \
+     ARRAY(SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
+     WHERE i.inhparent = to_regclass($1))";
 
 /// The name of one of `t`'s partitions: `<table>_<suffix>`, in `t`'s schema.
 pub(crate) fn name(t: &TableName, suffix: &str) -> String {
@@ -49,6 +65,19 @@ pub(crate) fn name(t: &TableName, suffix: &str) -> String {
 
 fn day_name(t: &TableName, day: Day) -> String {
     name(t, &format!("p{}", day.suffix()))
+}
+
+/// Takes the maintenance lock of `t`, which every replica's maintenance of the table (on
+/// either PostgreSQL store) takes turns on. Its key is the table as the catalog names it,
+/// `idem-partitions:<schema>.<table>`, however the store spells it (`Claims`, `claims`,
+/// `public.claims` are one table, so one lock); the name as given while the table is missing.
+fn lock_statement(t: &TableName) -> String {
+    format!(
+        "SELECT pg_advisory_xact_lock(hashtext('idem-partitions:' || COALESCE(\
+         (SELECT n.nspname || '.' || c.relname FROM pg_class c \
+         JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass('{t}')), \
+         '{t}')))"
+    )
 }
 
 impl PgStore {
@@ -84,7 +113,7 @@ impl PgStore {
         // transaction per day ahead only to find it exists would cost three each time.
         // `create_day` still checks again under the lock.
         let existing: Vec<Day> = self
-            .day_partitions()
+            .day_partitions(p)
             .await?
             .into_iter()
             .map(|(d, _)| d)
@@ -164,21 +193,27 @@ impl PgStore {
         Ok(Timestamp::from_micros(row.try_get(0).map_err(err)?))
     }
 
-    /// The day partitions that exist, by name, oldest first. Names only: sizing a partition
-    /// would wait for the lock another replica's maintenance holds on it.
-    async fn day_partitions(&self) -> Result<Vec<(Day, String)>, Error> {
+    /// The day partitions that exist, by name, oldest first, once the table's record says it
+    /// is read as `p` reads IDs (a table without a record passes: migrate writes it). Names
+    /// only: sizing a partition would wait for the lock another replica's maintenance holds on
+    /// it.
+    async fn day_partitions(&self, p: &Partitioning) -> Result<Vec<(Day, String)>, Error> {
         let t = self.table();
         let err = |e| store_error("listing partitions", e);
         let lease = self.lease().await?;
-        let names = lease.prepare(NAMES).await.map_err(err)?;
-        let rows = lease
+        let days = lease.prepare(DAYS).await.map_err(err)?;
+        let row = lease
             .client()
-            .query(&names, &[&t.to_string()])
+            .query_one(&days, &[&t.to_string()])
             .await
             .map_err(err)?;
-        let mut days = Vec::with_capacity(rows.len());
-        for r in rows {
-            let name: String = r.try_get(0).map_err(err)?;
+        let comment: Option<String> = row.try_get(0).map_err(err)?;
+        if let Some(record) = PartitionRecord::from_comment(t, comment.as_deref().unwrap_or(""))? {
+            record.check(t, p)?;
+        }
+        let names: Vec<String> = row.try_get(1).map_err(err)?;
+        let mut days = Vec::with_capacity(names.len());
+        for name in names {
             if let Some(PartitionKind::Day(d)) = kind_of(t, &name) {
                 days.push((d, name));
             }
@@ -192,10 +227,8 @@ impl PgStore {
     /// table's lock.
     async fn maintenance_tx(&self) -> Result<PgTx, Error> {
         let tx = self.begin_tx().await?;
-        let lock = format!(
-            "SELECT pg_advisory_xact_lock(hashtext('idem-partitions:{}')); {LOCK_TIMEOUT}",
-            self.table()
-        );
+        // The timeout first, so that it bounds the wait for the advisory lock too.
+        let lock = format!("{LOCK_TIMEOUT}; {}", lock_statement(self.table()));
         tx.batch_execute(&lock)
             .await
             .map_err(|e| store_error("partition maintenance lock", e))?;
@@ -215,10 +248,16 @@ impl PgStore {
         }
         // No claim may land in the default partition while its day's claims move out, or the
         // new partition would not cover them; PostgreSQL then checks the default partition
-        // holds none of the day, under the same lock.
+        // holds none of the day, under the same lock. The parent is locked first, as a claim
+        // locks it (the parent, then the partition its key routes to): the other order
+        // deadlocks with a claim routed to the default partition by a transaction that holds
+        // the parent already. ACCESS EXCLUSIVE is what CREATE TABLE … PARTITION OF takes on
+        // the parent anyway; a weaker lock upgraded later would deadlock with a transaction
+        // that read the table and then claims.
         let (start, end) = (day.start(), day.end());
         let script = format!(
-            "LOCK TABLE {default} IN SHARE ROW EXCLUSIVE MODE; \
+            "LOCK TABLE ONLY {t} IN ACCESS EXCLUSIVE MODE; \
+             LOCK TABLE {default} IN SHARE ROW EXCLUSIVE MODE; \
              CREATE TEMP TABLE idem_moving (LIKE {t}) ON COMMIT DROP; \
              WITH m AS (DELETE FROM {default} WHERE id_time >= {start} AND id_time < {end} \
              RETURNING *) INSERT INTO idem_moving SELECT * FROM m; \
@@ -254,9 +293,11 @@ impl PgStore {
             .map_err(err)?
             .try_get(0)
             .map_err(err)?;
-        // Locked first so that no late claim lands in it between the look and the drop.
+        // Locked before the look so that no late claim lands in it between the look and the
+        // drop; the parent first, in the mode DETACH and DROP take on it, as in `create_day`.
         let look = format!(
-            "LOCK TABLE {part} IN SHARE ROW EXCLUSIVE MODE; \
+            "LOCK TABLE ONLY {t} IN ACCESS EXCLUSIVE MODE; \
+             LOCK TABLE {part} IN SHARE ROW EXCLUSIVE MODE; \
              CREATE TEMP TABLE idem_moving ON COMMIT DROP AS \
              SELECT * FROM {part} WHERE processed_at >= {cutoff}"
         );
@@ -309,8 +350,9 @@ fn kind_of(t: &TableName, relname: &str) -> Option<PartitionKind> {
 }
 
 /// The partitioned schema's claims-table statements, before the requests table's (same
-/// transaction, same advisory lock as the plain schema).
-pub(crate) fn create_statements(t: &TableName) -> Vec<String> {
+/// transaction, same advisory lock as the plain schema). The comment ends with `p`'s
+/// [`PartitionRecord`].
+pub(crate) fn create_statements(t: &TableName, p: &Partitioning) -> Vec<String> {
     let name = t.table();
     let (undated, default) = (self::name(t, "undated"), self::name(t, "default"));
     vec![
@@ -333,38 +375,131 @@ pub(crate) fn create_statements(t: &TableName) -> Vec<String> {
         format!(
             "COMMENT ON TABLE {t} IS 'idem claims, partitioned by the time inside the message ID \
              (id_time, microseconds since the Unix epoch; 0 when the ID has none): one row per \
-             (consumer, message_id) processed; processed_at in microseconds since the Unix epoch'"
+             (consumer, message_id) processed; processed_at in microseconds since the Unix \
+             epoch. {}'",
+            p.record()
         ),
     ]
 }
 
-/// Refuses to run a partitioned store on a plain table or the reverse: the statements of one
-/// do not fit the other, and converting a table of claims is an operator's decision.
-pub(crate) async fn check_shape(tx: &PgTx, t: &TableName, partitioned: bool) -> Result<(), Error> {
+/// Refuses to run a partitioned store on a plain table or the reverse (the statements of one
+/// do not fit the other, and converting a table of claims is an operator's decision), and a
+/// partitioned store whose extractor is not the one the table records.
+pub(crate) async fn check_shape(
+    tx: &PgTx,
+    t: &TableName,
+    partitioning: Option<&Partitioning>,
+) -> Result<(), Error> {
     let err = |e| store_error("migrate", e);
-    let kind = tx
-        .prepare_cached("SELECT relkind::text FROM pg_class WHERE oid = to_regclass($1)")
-        .await
-        .map_err(err)?;
-    let kind: Option<String> = tx
-        .query_opt(&kind, &[&t.to_string()])
+    let shape = tx.prepare_cached(SHAPE).await.map_err(err)?;
+    let shape = tx
+        .query_opt(&shape, &[&t.to_string()])
         .await
         .map_err(err)?
-        .map(|r| r.try_get(0))
+        .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
         .transpose()
         .map_err(err)?;
-    let message = match kind.as_deref() {
-        Some("r") if partitioned => format!(
+    shape_fits(t, shape, partitioning)
+}
+
+/// [`check_shape`]'s verdict on the table's kind and comment.
+fn shape_fits(
+    t: &TableName,
+    shape: Option<(String, Option<String>)>,
+    partitioning: Option<&Partitioning>,
+) -> Result<(), Error> {
+    let message = match (shape, partitioning) {
+        (Some((kind, _)), Some(_)) if kind == "r" => format!(
             "the claims table {t} exists and is not partitioned; partitioning is chosen when the \
              table is created: migrate into a new table (with_table) or drop .partitioned(..)"
         ),
-        Some("p") if !partitioned => format!(
+        (Some((kind, _)), None) if kind == "p" => format!(
             "the claims table {t} is partitioned by the ID's time; configure the store with \
              .partitioned(..) to use it"
         ),
+        (Some((kind, Some(comment))), Some(p)) if kind == "p" => {
+            if let Some(record) = PartitionRecord::from_comment(t, &comment)? {
+                record.check(t, p)?;
+            }
+            return Ok(());
+        }
         _ => return Ok(()),
     };
     Err(Error::new(ErrorKind::Misconfigured, message))
+}
+
+/// Refuses to prune a partitioned claims table from a store not configured `.partitioned(..)`:
+/// its days must be dropped past the table's retention, which such a store does not know, and
+/// its row-wise statement deletes nothing from a parent (`ONLY`, see [`ClaimSql`]).
+pub(crate) async fn check_not_partitioned(store: &PgStore) -> Result<(), Error> {
+    let t = store.table();
+    let err = |e| store_error("prune", e);
+    let lease = store.lease().await?;
+    let shape = lease.prepare(SHAPE).await.map_err(err)?;
+    let shape: Option<(String, Option<String>)> = lease
+        .client()
+        .query_opt(&shape, &[&t.to_string()])
+        .await
+        .map_err(err)?
+        .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
+        .transpose()
+        .map_err(err)?;
+    match shape {
+        Some((kind, comment)) if kind == "p" => Err(Error::new(
+            ErrorKind::Misconfigured,
+            not_configured_to_prune(t, comment.as_deref()),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Why a store not configured partitioned refuses to prune a partitioned table, and what to do:
+/// configure it as the table records (`comment`), or record it first.
+fn not_configured_to_prune(t: &TableName, comment: Option<&str>) -> String {
+    let how = match PartitionRecord::from_comment(t, comment.unwrap_or("")) {
+        Ok(Some(r)) => format!(
+            "configure the store with .partitioned(..) as the table records ({r}), or run \
+             `idem prune`, which reads that record"
+        ),
+        _ => "configure the store with .partitioned(..) as the table was created, and migrate \
+              it once so that the table records its partitioning for `idem prune`"
+            .to_owned(),
+    };
+    format!(
+        "the claims table {t} is partitioned by the ID's time, but this store is not \
+         configured for it: pruning it means dropping whole days past the table's retention, \
+         not deleting rows; {how}"
+    )
+}
+
+/// Migrate's round of maintenance (today's partition and those ahead): a lock it cannot get in
+/// time — another replica's maintenance at work, a long transaction on the claims table — is
+/// logged and left to the next round instead of failing start-up; the table exists by then,
+/// and claims of days not created yet wait correctly in the default partition.
+pub(crate) async fn maintain_at_start_up(store: &PgStore) -> Result<(), Error> {
+    match store.maintain_partitions().await {
+        Err(e) if lock_timed_out(&e) => {
+            tracing::info!(
+                table = %store.table(),
+                error = %e,
+                "partition maintenance left to the next prune round: a lock is busy"
+            );
+            Ok(())
+        }
+        r => r.map(drop),
+    }
+}
+
+/// Whether `e` is PostgreSQL's lock timeout (55P03), from maintenance's `lock_timeout`.
+fn lock_timed_out(e: &Error) -> bool {
+    let mut cause = std::error::Error::source(e);
+    while let Some(c) = cause {
+        if let Some(pg) = c.downcast_ref::<tokio_postgres::Error>() {
+            return pg.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE);
+        }
+        cause = c.source();
+    }
+    false
 }
 
 /// The prune of a partitioned store: maintenance (whole days past the table's retention),

@@ -11,6 +11,7 @@
 //! transaction's start) unless the processor has a clock of its own.
 
 use idem_core::TableName;
+use idem_core::partition::Partitioning;
 
 /// The server's clock in `processed_at` units: the transaction's start, in microseconds since
 /// the Unix epoch (`now()` is fixed for the whole transaction, so a batch shares one stamp).
@@ -79,12 +80,17 @@ impl ClaimSql {
             ("", "", "")
         };
         let unnest_as = if partitioned { "u(m, f, k)" } else { "u(m, f)" };
-        // Row-wise pruning of a partitioned table covers only its default and undated
-        // partitions (whole days are dropped); ctid is unique within one partition only.
+        // A ctid names a row within one table's own heap only: `ONLY` on both sides keeps the
+        // positions and the delete in the one heap they came from. Without it, on a parent
+        // with partitions (or inheritance children), each old row's position would delete the
+        // rows at that position in every partition; with it, a parent deletes nothing (it has
+        // no rows of its own), and the store refuses to prune such a table at all (see
+        // `check_not_partitioned`). Row-wise pruning of a partitioned table covers only its
+        // default and undated partitions, plain leaf tables (whole days are dropped).
         let prune = |target: &str, consumer: &str, limit: &str| {
             format!(
-                "DELETE FROM {target} WHERE ctid = ANY(ARRAY( \
-                 SELECT ctid FROM {target} WHERE processed_at < COALESCE($1, {SERVER_NOW}) - $2 \
+                "DELETE FROM ONLY {target} WHERE ctid = ANY(ARRAY( \
+                 SELECT ctid FROM ONLY {target} WHERE processed_at < COALESCE($1, {SERVER_NOW}) - $2 \
                  {consumer} LIMIT {limit}))"
             )
         };
@@ -206,9 +212,12 @@ impl RequestSql {
                  WHERE scope = $2 AND idem_key = $3 AND fence = $4 AND state = 0"
             ),
             // The outer condition is checked again on a row a lookup restarted meanwhile.
+            // `ONLY`, as for the claims: migrate creates this table plain, where a ctid is one
+            // row; on a table partitioned or inherited by hand it reaps nothing rather than the
+            // rows at the same positions in other tables.
             reap: format!(
-                "DELETE FROM {t} WHERE ctid = ANY(ARRAY( \
-                 SELECT ctid FROM {t} WHERE expires_at < {now} AND (state = 1 OR lease_until < {now}) \
+                "DELETE FROM ONLY {t} WHERE ctid = ANY(ARRAY( \
+                 SELECT ctid FROM ONLY {t} WHERE expires_at < {now} AND (state = 1 OR lease_until < {now}) \
                  LIMIT $1)) AND expires_at < {now} AND (state = 1 OR lease_until < {now})"
             ),
         }
@@ -216,9 +225,14 @@ impl RequestSql {
 }
 
 /// What `migrate` runs inside its transaction, after taking the advisory lock and checking the
-/// claims table's shape: the schemas, both tables (the claims table partitioned when
-/// `partitioned`), their indexes and comments, exactly as `idem-sql` creates them.
-pub(crate) fn migration(t: &TableName, r: &TableName, partitioned: bool) -> Vec<String> {
+/// claims table's shape: the schemas, both tables (the claims table partitioned as
+/// `partitioning` says, which its comment records), their indexes and comments, exactly as
+/// `idem-sql` creates them.
+pub(crate) fn migration(
+    t: &TableName,
+    r: &TableName,
+    partitioning: Option<&Partitioning>,
+) -> Vec<String> {
     let (name, rname) = (t.table(), r.table());
     let mut sql: Vec<String> = t
         .schema()
@@ -226,8 +240,8 @@ pub(crate) fn migration(t: &TableName, r: &TableName, partitioned: bool) -> Vec<
         .chain(r.schema())
         .map(|schema| format!("CREATE SCHEMA IF NOT EXISTS {schema}"))
         .collect();
-    if partitioned {
-        sql.extend(crate::partitioned::create_statements(t));
+    if let Some(p) = partitioning {
+        sql.extend(crate::partitioned::create_statements(t, p));
     } else {
         sql.extend([
             format!(

@@ -188,7 +188,10 @@ impl PgStore {
     }
 
     /// Stores claims in `table` instead of `idem_processed` (`schema.table` selects a schema).
+    /// Spelled in lower case from here on ([`TableName::folded`]), as PostgreSQL resolves the
+    /// unquoted name.
     pub fn with_table(mut self, table: TableName) -> Result<Self, Error> {
+        let table = table.folded();
         let partitioned = self.partitioning.is_some();
         if partitioned {
             idem_core::partition::check_table_name(table.table())?;
@@ -198,8 +201,10 @@ impl PgStore {
         Ok(self)
     }
 
-    /// Stores idempotent-request records in `table` instead of `idem_requests`.
+    /// Stores idempotent-request records in `table` instead of `idem_requests` (spelled in
+    /// lower case, as [`with_table`](Self::with_table)).
     pub fn with_requests_table(mut self, table: TableName) -> Result<Self, Error> {
+        let table = table.folded();
         self.rsql = Arc::new(RequestSql::new(&table));
         self.requests = table;
         Ok(self)
@@ -285,7 +290,7 @@ impl PgStore {
         C: GenericClient + Sync + ?Sized,
     {
         let client = client.client();
-        let p = self.params(&claim);
+        let p = self.params(&claim)?;
         let claim: [(&(dyn ToSql + Sync), Type); 5] = [
             (&p.consumer, Type::TEXT),
             (&p.id, Type::BYTEA),
@@ -447,17 +452,23 @@ impl Batch<'_> {
 }
 
 impl PgStore {
-    fn params<'a>(&self, claim: &ClaimRequest<'a>) -> ClaimParams<'a> {
-        ClaimParams {
+    /// A claim's parameters; the partition key refused when the store's partitioning cannot
+    /// read IDs (see `Partitioning::key_of`).
+    fn params<'a>(&self, claim: &ClaimRequest<'a>) -> Result<ClaimParams<'a>, Error> {
+        Ok(ClaimParams {
             consumer: claim.consumer.as_str(),
             id: claim.id.as_bytes(),
             fingerprint: &claim.fingerprint.as_bytes()[..],
             at: stamp(claim.at),
-            key: self.partitioning.as_ref().map(|p| p.key_of(claim.id)),
-        }
+            key: self
+                .partitioning
+                .as_ref()
+                .map(|p| p.key_of(claim.id))
+                .transpose()?,
+        })
     }
 
-    fn batch<'a>(&self, items: &'a [(&'a MessageId, Fingerprint)]) -> Batch<'a> {
+    fn batch<'a>(&self, items: &'a [(&'a MessageId, Fingerprint)]) -> Result<Batch<'a>, Error> {
         let (ids, fps) = items
             .iter()
             .map(|(id, fp)| (id.as_bytes(), &fp.as_bytes()[..]))
@@ -465,8 +476,9 @@ impl PgStore {
         let keys = self
             .partitioning
             .as_ref()
-            .map(|p| items.iter().map(|(id, _)| p.key_of(id)).collect());
-        Batch { ids, fps, keys }
+            .map(|p| items.iter().map(|(id, _)| p.key_of(id)).collect())
+            .transpose()?;
+        Ok(Batch { ids, fps, keys })
     }
 }
 
@@ -588,12 +600,17 @@ impl ClaimStore for PgStore {
         MAX_MESSAGE_ID_LEN
     }
 
+    /// A partitioned table's retention: its days are dropped past it.
+    fn kept_for(&self) -> Option<Duration> {
+        self.partitioning.as_ref().map(|p| p.kept_for())
+    }
+
     async fn claim(
         &self,
         tx: &mut PgTx,
         claim: ClaimRequest<'_>,
     ) -> Result<Option<Fingerprint>, Error> {
-        let p = self.params(&claim);
+        let p = self.params(&claim)?;
         let insert = tx
             .prepare_cached(&self.sql.claim)
             .await
@@ -612,7 +629,7 @@ impl ClaimStore for PgStore {
         &self,
         claim: ClaimRequest<'_>,
     ) -> Result<(PgTx, Option<Fingerprint>), Error> {
-        let p = self.params(&claim);
+        let p = self.params(&claim)?;
         let lease = self.lease().await?;
         let insert = lease
             .prepare(&self.sql.claim)
@@ -663,7 +680,7 @@ impl BatchClaimStore for PgStore {
         items: &[(&MessageId, Fingerprint)],
         at: Stamp,
     ) -> Result<Vec<Option<Fingerprint>>, Error> {
-        let batch = self.batch(items);
+        let batch = self.batch(items)?;
         let (consumer, at) = (consumer.as_str(), stamp(at));
         let insert = tx
             .prepare_cached(&self.sql.claim_many)
@@ -684,7 +701,7 @@ impl BatchClaimStore for PgStore {
         items: &[(&MessageId, Fingerprint)],
         at: Stamp,
     ) -> Result<(PgTx, Vec<Option<Fingerprint>>), Error> {
-        let batch = self.batch(items);
+        let batch = self.batch(items)?;
         let (consumer, at) = (consumer.as_str(), stamp(at));
         let lease = self.lease().await?;
         let insert = lease
@@ -746,7 +763,8 @@ impl Prune for PgStore {
     /// Deletes up to `limit` claims row by row; a partitioned store first runs
     /// [`maintain_partitions`](PgStore::maintain_partitions), which drops whole days past the
     /// table's retention (counted by the planner's estimate), and then prunes only its default
-    /// and undated partitions row by row.
+    /// and undated partitions row by row. A store not configured partitioned refuses a
+    /// partitioned table as [`ErrorKind::Misconfigured`].
     async fn prune_batch(
         &self,
         consumer: Option<&ConsumerName>,
@@ -755,10 +773,16 @@ impl Prune for PgStore {
         limit: u32,
     ) -> Result<u64, Error> {
         if self.partitioning.is_some() {
-            crate::partitioned::prune_batch(self, consumer, now, older_than, limit).await
-        } else {
-            self.prune_rows(consumer, now, older_than, limit).await
+            return crate::partitioned::prune_batch(self, consumer, now, older_than, limit).await;
         }
+        let deleted = self.prune_rows(consumer, now, older_than, limit).await?;
+        // A short batch (the last one, or nothing at all: all a partitioned parent gives) looks
+        // at the table once, so a store pointed at a partitioned table says so instead of
+        // pruning nothing, round after round.
+        if deleted < u64::from(limit) {
+            crate::partitioned::check_not_partitioned(self).await?;
+        }
+        Ok(deleted)
     }
 }
 
@@ -813,7 +837,9 @@ impl Migrate for PgStore {
     /// migration of the same tables) by an advisory lock. A claims table of the other shape
     /// (partitioned for a plain store, or the reverse) is refused as
     /// [`ErrorKind::Misconfigured`]; a partitioned store then creates today's partition and
-    /// those ahead ([`maintain_partitions`](PgStore::maintain_partitions)).
+    /// those ahead ([`maintain_partitions`](PgStore::maintain_partitions)), or leaves them to
+    /// the next prune round when a lock is busy (logged at `info`): start-up does not wait for
+    /// another replica's maintenance nor fail behind a long transaction.
     async fn migrate(&self) -> Result<(), Error> {
         TableName::check_distinct(&self.table, &self.requests)?;
         let tx = self.begin_tx().await?;
@@ -821,15 +847,16 @@ impl Migrate for PgStore {
             .await
             .map_err(|e| store_error("migrate lock", e))?;
         let partitioned = self.partitioning.is_some();
-        crate::partitioned::check_shape(&tx, &self.table, partitioned).await?;
-        for statement in sql::migration(&self.table, &self.requests, partitioned) {
+        let partitioning = self.partitioning.as_ref();
+        crate::partitioned::check_shape(&tx, &self.table, partitioning).await?;
+        for statement in sql::migration(&self.table, &self.requests, partitioning) {
             tx.batch_execute(&statement)
                 .await
                 .map_err(|e| store_error("migrate", e))?;
         }
         tx.commit().await.map_err(commit_error)?;
         if partitioned {
-            self.maintain_partitions().await?;
+            crate::partitioned::maintain_at_start_up(self).await?;
         }
         Ok(())
     }

@@ -228,7 +228,10 @@ async fn round_trips(test: &str, partitioned: bool) {
     });
     let store = match today {
         Some(now) => store
-            .partitioned(Partitioning::by(move |_: &MessageId| Some(now)))
+            .partitioned(
+                Partitioning::by("pipelining-today", move |_: &MessageId| Some(now))
+                    .expect("named"),
+            )
             .expect("partitioned"),
         None => store,
     };

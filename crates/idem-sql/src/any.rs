@@ -28,7 +28,9 @@ pub enum AnyStore {
 pub const SCHEMES: &str = "sqlite:, postgres://, postgresql://, mysql://, mariadb://";
 
 impl AnyStore {
-    /// Connects by URL scheme: `sqlite:PATH`, `postgres://…`, `mysql://…`.
+    /// Connects by URL scheme: `sqlite:PATH`, `postgres://…`, `mysql://…`. On PostgreSQL, a
+    /// claims table partitioned by the ID's time configures the store as the table records it
+    /// ([`PostgresStore::with_table_partitioning`](crate::PostgresStore::with_table_partitioning)).
     pub async fn connect(url: &str, table: TableName) -> Result<Self, Error> {
         let scheme = url
             .split(':')
@@ -43,10 +45,14 @@ impl AnyStore {
                     .with_table(table)?,
             )),
             #[cfg(feature = "postgres")]
+            // Configured as the table is, so that a partitioned table is maintained (days
+            // dropped past its recorded retention), never pruned row by row on its parent.
             "postgres" | "postgresql" => Ok(Self::Postgres(
                 crate::PostgresStore::connect(url)
                     .await?
-                    .with_table(table)?,
+                    .with_table(table)?
+                    .with_table_partitioning()
+                    .await?,
             )),
             #[cfg(feature = "mysql")]
             "mysql" | "mariadb" => Ok(Self::MySql(
@@ -115,7 +121,9 @@ impl AnyStore {
 
     /// Deletes claims older than `retention`'s [prune age](Retention::prune_age) — never less
     /// than its redelivery window plus clock margin — on the store's clock, `batch` rows per
-    /// transaction.
+    /// transaction. A partitioned table drops its days past the table's own retention first
+    /// (see [`maintain_partitions`](Self::maintain_partitions)), then deletes rows of its
+    /// default and undated partitions older than the prune age.
     pub async fn prune(
         &self,
         consumer: Option<&ConsumerName>,
@@ -144,6 +152,33 @@ impl AnyStore {
             Self::Postgres(s) => idem_core::store::reap_all(s, batch).await,
             #[cfg(feature = "mysql")]
             Self::MySql(s) => idem_core::store::reap_all(s, batch).await,
+        }
+    }
+
+    /// How long the claims table keeps every claim by itself: a partitioned table's recorded
+    /// retention; `None` for a plain table, whose claims stay until pruned.
+    pub fn kept_for(&self) -> Option<std::time::Duration> {
+        match self {
+            #[cfg(feature = "postgres")]
+            Self::Postgres(s) => idem_core::ClaimStore::kept_for(s),
+            #[allow(unreachable_patterns)]
+            _ => None,
+        }
+    }
+
+    /// One round of partition maintenance on a partitioned claims table (days created ahead,
+    /// days past the table's retention dropped); `None` for a plain table and on the other
+    /// engines.
+    pub async fn maintain_partitions(
+        &self,
+    ) -> Result<Option<idem_core::partition::PartitionReport>, Error> {
+        match self {
+            #[cfg(feature = "postgres")]
+            Self::Postgres(s) if s.partitioning().is_some() => {
+                s.maintain_partitions().await.map(Some)
+            }
+            #[allow(unreachable_patterns)]
+            _ => Ok(None),
         }
     }
 

@@ -65,6 +65,13 @@ pub trait Engine: Driver + sealed::Sealed {
         Ok(())
     }
 
+    /// The spelling of `table` the engine resolves it to, used for every statement and catalog
+    /// lookup: unchanged by default; PostgreSQL folds it to lower case (see
+    /// [`TableName::folded`]).
+    fn resolved_table(table: TableName) -> TableName {
+        table
+    }
+
     /// The `processed_at` / `now` bound for `stamp`: `None` makes a statement read the
     /// server's clock (`COALESCE(?, <server now>)`), so every host stamps and prunes on one
     /// clock; an embedded engine stamps with this host's clock, the only one writing the file.

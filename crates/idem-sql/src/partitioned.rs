@@ -9,9 +9,18 @@
 //! partition when that day's partition is created; claims younger than the retention out of a
 //! day's partition before it is dropped). The few statements below do exactly that, under one
 //! advisory lock, from the consumer's own pruning loop.
+//!
+//! Three rules keep maintenance safe beside running consumers. It locks the parent table
+//! before a partition, in the mode its DDL needs, as a claim locks the parent before the
+//! partition its key routes to (the other order deadlocks with such a claim). Its waits are
+//! bounded (`lock_timeout`, the advisory lock included): a busy round fails and the next one
+//! tries again, and `migrate` goes on without it. And the table records how it is partitioned
+//! (`idem_core::partition::PartitionRecord`, in its comment): a store reading IDs with another
+//! extractor is refused, and a store not configured partitioned never prunes the table.
 
 use idem_core::partition::{
-    Day, PartitionInfo, PartitionKind, PartitionReport, Partitioning, check_table_name,
+    Day, PartitionInfo, PartitionKind, PartitionRecord, PartitionReport, Partitioning,
+    check_table_name,
 };
 use idem_core::{ConsumerName, Error, ErrorKind, Stamp};
 use sqlx::{Postgres, Row};
@@ -25,10 +34,21 @@ use idem_core::TableName;
 /// Claims stored in a PostgreSQL table (default `idem_processed`).
 type PostgresStore = SqlStore<Postgres>;
 
-/// How long maintenance waits for a lock on the claims table before giving up until the next
-/// round: dropping or creating a partition takes an exclusive lock on the parent for a moment,
-/// and a queue of claims behind a waiting DDL would stall the consumer longer than skipping.
+/// How long maintenance waits for a lock before giving up until the next round: for the
+/// claims table (creating or dropping a partition takes an exclusive lock on the parent for a
+/// moment, and a queue of claims behind a waiting DDL would stall the consumer longer than
+/// skipping), and for the maintenance lock itself (another replica holding it is doing the
+/// same work).
 const LOCK_TIMEOUT: &str = "SET LOCAL lock_timeout = '2s'";
+
+/// A table's kind (`r` plain, `p` partitioned) and comment (where a partitioned table records
+/// its partitioning), by its (possibly qualified) name; no row when it does not exist.
+const SHAPE: &str = "SELECT relkind::text, obj_description(oid, 'pg_class') FROM pg_class WHERE oid = to_regclass($1)";
+
+/// A table's comment and the names of the partitions attached to it, in one catalog read.
+const DAYS: &str = "SELECT obj_description(to_regclass($1), 'pg_class'), \
+     ARRAY(SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
+     WHERE i.inhparent = to_regclass($1))";
 
 /// The name of one of `t`'s partitions: `<table>_<suffix>`, in `t`'s schema.
 pub(crate) fn name(t: &TableName, suffix: &str) -> String {
@@ -40,6 +60,19 @@ pub(crate) fn name(t: &TableName, suffix: &str) -> String {
 
 fn day_name(t: &TableName, day: Day) -> String {
     name(t, &format!("p{}", day.suffix()))
+}
+
+/// Takes the maintenance lock of `t`, which every replica's maintenance of the table (on
+/// either PostgreSQL store) takes turns on. Its key is the table as the catalog names it,
+/// `idem-partitions:<schema>.<table>`, however the store spells it (`Claims`, `claims`,
+/// `public.claims` are one table, so one lock); the name as given while the table is missing.
+fn lock_statement(t: &TableName) -> String {
+    format!(
+        "SELECT pg_advisory_xact_lock(hashtext('idem-partitions:' || COALESCE(\
+         (SELECT n.nspname || '.' || c.relname FROM pg_class c \
+         JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass('{t}')), \
+         '{t}')))"
+    )
 }
 
 impl SqlStore<Postgres> {
@@ -61,6 +94,29 @@ impl SqlStore<Postgres> {
         self.partitioning.as_ref()
     }
 
+    /// Configures the store as its claims table is: partitioned as the table records it
+    /// ([`PartitionRecord`], written by `migrate`), for a tool that maintains a table it did
+    /// not create (`idem prune`). Unchanged for a plain or missing table, for a partitioned one
+    /// made before tables recorded their partitioning (its prune and migrate then refuse it),
+    /// and for a store configured `partitioned` already. A table partitioned by a custom
+    /// extractor gets a partitioning that maintains it but claims nothing
+    /// ([`PartitionRecord::partitioning`]).
+    pub async fn with_table_partitioning(self) -> Result<Self, Error> {
+        if self.partitioning.is_some() {
+            return Ok(self);
+        }
+        let record = match table_shape(self.pool(), self.table()).await? {
+            Some((kind, Some(comment))) if kind == "p" => {
+                PartitionRecord::from_comment(self.table(), &comment)?
+            }
+            _ => None,
+        };
+        match record {
+            Some(r) => self.partitioned(r.partitioning()),
+            None => Ok(self),
+        }
+    }
+
     /// Creates today's partition and those `ahead` of it, then drops the days wholly past the
     /// table's retention (a claim in them younger than the retention first moves to the
     /// default partition). Idempotent; replicas running it at once take turns. Runs with every
@@ -72,7 +128,7 @@ impl SqlStore<Postgres> {
         // transaction per day ahead only to find it exists would cost three each time.
         // `create_day` still checks again under the lock.
         let existing: Vec<Day> = self
-            .day_partitions()
+            .day_partitions(p)
             .await?
             .into_iter()
             .map(|(d, _)| d)
@@ -153,17 +209,18 @@ impl SqlStore<Postgres> {
         Ok(idem_core::Timestamp::from_micros(now))
     }
 
-    /// The day partitions that exist, by name.
-    async fn day_partitions(&self) -> Result<Vec<(Day, String)>, Error> {
+    /// The day partitions that exist, by name, once the table's record says it is read as `p`
+    /// reads IDs (a table without a record passes: migrate writes it).
+    async fn day_partitions(&self, p: &Partitioning) -> Result<Vec<(Day, String)>, Error> {
         let t = self.table();
-        let names: Vec<String> = sqlx::query_scalar(
-            "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
-             WHERE i.inhparent = to_regclass($1)",
-        )
-        .bind(t.to_string())
-        .fetch_all(self.pool())
-        .await
-        .map_err(|e| store_error::<Postgres>("listing partitions", e))?;
+        let (comment, names): (Option<String>, Vec<String>) = sqlx::query_as(DAYS)
+            .bind(t.to_string())
+            .fetch_one(self.pool())
+            .await
+            .map_err(|e| store_error::<Postgres>("listing partitions", e))?;
+        if let Some(record) = PartitionRecord::from_comment(t, comment.as_deref().unwrap_or(""))? {
+            record.check(t, p)?;
+        }
         let mut days: Vec<_> = names
             .into_iter()
             .filter_map(|n| match kind_of(t, &n) {
@@ -181,10 +238,8 @@ impl SqlStore<Postgres> {
         let mut tx = Tx::begin(self.pool())
             .await
             .map_err(|e| store_error::<Postgres>("partition maintenance", e))?;
-        let lock = format!(
-            "SELECT pg_advisory_xact_lock(hashtext('idem-partitions:{}')); {LOCK_TIMEOUT}",
-            self.table()
-        );
+        // The timeout first, so that it bounds the wait for the advisory lock too.
+        let lock = format!("{LOCK_TIMEOUT}; {}", lock_statement(self.table()));
         Postgres::execute_simple(&mut tx, &lock)
             .await
             .map_err(|e| store_error::<Postgres>("partition maintenance lock", e))?;
@@ -204,10 +259,16 @@ impl SqlStore<Postgres> {
         }
         // No claim may land in the default partition while its day's claims move out, or the
         // new partition would not cover them; PostgreSQL then checks the default partition
-        // holds none of the day, under the same lock.
+        // holds none of the day, under the same lock. The parent is locked first, as a claim
+        // locks it (the parent, then the partition its key routes to): the other order
+        // deadlocks with a claim routed to the default partition by a transaction that holds
+        // the parent already. ACCESS EXCLUSIVE is what CREATE TABLE … PARTITION OF takes on
+        // the parent anyway; a weaker lock upgraded later would deadlock with a transaction
+        // that read the table and then claims.
         let (start, end) = (day.start(), day.end());
         let script = format!(
-            "LOCK TABLE {default} IN SHARE ROW EXCLUSIVE MODE; \
+            "LOCK TABLE ONLY {t} IN ACCESS EXCLUSIVE MODE; \
+             LOCK TABLE {default} IN SHARE ROW EXCLUSIVE MODE; \
              CREATE TEMP TABLE idem_moving (LIKE {t}) ON COMMIT DROP; \
              WITH m AS (DELETE FROM {default} WHERE id_time >= {start} AND id_time < {end} \
              RETURNING *) INSERT INTO idem_moving SELECT * FROM m; \
@@ -242,9 +303,11 @@ impl SqlStore<Postgres> {
         .fetch_one(&mut *tx)
         .await
         .map_err(err)?;
-        // Locked first so that no late claim lands in it between the look and the drop.
+        // Locked before the look so that no late claim lands in it between the look and the
+        // drop; the parent first, in the mode DETACH and DROP take on it, as in `create_day`.
         let look = format!(
-            "LOCK TABLE {part} IN SHARE ROW EXCLUSIVE MODE; \
+            "LOCK TABLE ONLY {t} IN ACCESS EXCLUSIVE MODE; \
+             LOCK TABLE {part} IN SHARE ROW EXCLUSIVE MODE; \
              CREATE TEMP TABLE idem_moving ON COMMIT DROP AS \
              SELECT * FROM {part} WHERE processed_at >= {cutoff}"
         );
@@ -285,8 +348,8 @@ fn kind_of(t: &TableName, relname: &str) -> Option<PartitionKind> {
 }
 
 /// The partitioned schema's statements, after the requests table's (same transaction, same
-/// advisory lock as the plain schema).
-pub(crate) fn create_statements(t: &TableName) -> Vec<String> {
+/// advisory lock as the plain schema). The comment ends with `p`'s [`PartitionRecord`].
+pub(crate) fn create_statements(t: &TableName, p: &Partitioning) -> Vec<String> {
     let name = t.table();
     let (undated, default) = (self::name(t, "undated"), self::name(t, "default"));
     vec![
@@ -309,36 +372,119 @@ pub(crate) fn create_statements(t: &TableName) -> Vec<String> {
         format!(
             "COMMENT ON TABLE {t} IS 'idem claims, partitioned by the time inside the message ID \
              (id_time, microseconds since the Unix epoch; 0 when the ID has none): one row per \
-             (consumer, message_id) processed; processed_at in microseconds since the Unix epoch'"
+             (consumer, message_id) processed; processed_at in microseconds since the Unix \
+             epoch. {}'",
+            p.record()
         ),
     ]
 }
 
-/// Refuses to run a partitioned store on a plain table or the reverse: the statements of one
-/// do not fit the other, and converting a table of claims is an operator's decision.
+/// Refuses to run a partitioned store on a plain table or the reverse (the statements of one
+/// do not fit the other, and converting a table of claims is an operator's decision), and a
+/// partitioned store whose extractor is not the one the table records.
 pub(crate) async fn check_shape(
     tx: &mut Tx<Postgres>,
     t: &TableName,
-    partitioned: bool,
+    partitioning: Option<&Partitioning>,
 ) -> Result<(), Error> {
-    let kind: Option<String> =
-        sqlx::query_scalar("SELECT relkind::text FROM pg_class WHERE oid = to_regclass($1)")
-            .bind(t.to_string())
-            .fetch_optional(&mut **tx)
-            .await
-            .map_err(|e| store_error::<Postgres>("migrate", e))?;
-    let message = match kind.as_deref() {
-        Some("r") if partitioned => format!(
+    let shape: Option<(String, Option<String>)> = sqlx::query_as(SHAPE)
+        .bind(t.to_string())
+        .fetch_optional(&mut **tx)
+        .await
+        .map_err(|e| store_error::<Postgres>("migrate", e))?;
+    let message = match (shape, partitioning) {
+        (Some((kind, _)), Some(_)) if kind == "r" => format!(
             "the claims table {t} exists and is not partitioned; partitioning is chosen when the \
              table is created: migrate into a new table (with_table) or drop .partitioned(..)"
         ),
-        Some("p") if !partitioned => format!(
+        (Some((kind, _)), None) if kind == "p" => format!(
             "the claims table {t} is partitioned by the ID's time; configure the store with \
              .partitioned(..) to use it"
         ),
+        (Some((kind, Some(comment))), Some(p)) if kind == "p" => {
+            if let Some(record) = PartitionRecord::from_comment(t, &comment)? {
+                record.check(t, p)?;
+            }
+            return Ok(());
+        }
         _ => return Ok(()),
     };
     Err(Error::new(ErrorKind::Misconfigured, message))
+}
+
+/// The claims table's kind and comment (see [`SHAPE`]), on the pool.
+async fn table_shape(
+    pool: &sqlx::PgPool,
+    t: &TableName,
+) -> Result<Option<(String, Option<String>)>, Error> {
+    sqlx::query_as(SHAPE)
+        .bind(t.to_string())
+        .fetch_optional(pool)
+        .await
+        .map_err(|e| store_error::<Postgres>("reading the claims table's shape", e))
+}
+
+/// Refuses to prune a partitioned claims table from a store not configured `.partitioned(..)`:
+/// its days must be dropped past the table's retention, which such a store does not know, and
+/// its row-wise statement deletes nothing from a parent (`ONLY`, see the engine's prune).
+pub(crate) async fn check_not_partitioned(store: &PostgresStore) -> Result<(), Error> {
+    let t = store.table();
+    match table_shape(store.pool(), t).await? {
+        Some((kind, comment)) if kind == "p" => Err(Error::new(
+            ErrorKind::Misconfigured,
+            not_configured_to_prune(t, comment.as_deref()),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Why a store not configured partitioned refuses to prune a partitioned table, and what to do:
+/// configure it as the table records (`comment`), or record it first.
+fn not_configured_to_prune(t: &TableName, comment: Option<&str>) -> String {
+    let how = match PartitionRecord::from_comment(t, comment.unwrap_or("")) {
+        Ok(Some(r)) => format!(
+            "configure the store with .partitioned(..) as the table records ({r}), or run \
+             `idem prune`, which reads that record"
+        ),
+        _ => "configure the store with .partitioned(..) as the table was created, and migrate \
+              it once so that the table records its partitioning for `idem prune`"
+            .to_owned(),
+    };
+    format!(
+        "the claims table {t} is partitioned by the ID's time, but this store is not \
+         configured for it: pruning it means dropping whole days past the table's retention, \
+         not deleting rows; {how}"
+    )
+}
+
+/// Migrate's round of maintenance (today's partition and those ahead): a lock it cannot get in
+/// time — another replica's maintenance at work, a long transaction on the claims table — is
+/// logged and left to the next round instead of failing start-up; the table exists by then,
+/// and claims of days not created yet wait correctly in the default partition.
+pub(crate) async fn maintain_at_start_up(store: &PostgresStore) -> Result<(), Error> {
+    match store.maintain_partitions().await {
+        Err(e) if lock_timed_out(&e) => {
+            tracing::info!(
+                table = %store.table(),
+                error = %e,
+                "partition maintenance left to the next prune round: a lock is busy"
+            );
+            Ok(())
+        }
+        r => r.map(drop),
+    }
+}
+
+/// Whether `e` is PostgreSQL's lock timeout (55P03), from maintenance's `lock_timeout`.
+fn lock_timed_out(e: &Error) -> bool {
+    let mut cause = std::error::Error::source(e);
+    while let Some(c) = cause {
+        if let Some(sqlx::Error::Database(db)) = c.downcast_ref::<sqlx::Error>() {
+            return db.code().as_deref() == Some("55P03");
+        }
+        cause = c.source();
+    }
+    false
 }
 
 /// The engine's prune of a partitioned store: maintenance (whole days past the table's

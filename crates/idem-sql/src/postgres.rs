@@ -65,12 +65,17 @@ impl Engine for Postgres {
             ("", "", "")
         };
         let unnest_as = if partitioned { "u(m, f, k)" } else { "u(m, f)" };
-        // Row-wise pruning of a partitioned table covers only its default and undated
-        // partitions (whole days are dropped); ctid is unique within one partition only.
+        // A ctid names a row within one table's own heap only: `ONLY` on both sides keeps the
+        // positions and the delete in the one heap they came from. Without it, on a parent
+        // with partitions (or inheritance children), each old row's position would delete the
+        // rows at that position in every partition; with it, a parent deletes nothing (it has
+        // no rows of its own), and the store refuses to prune such a table at all (see
+        // `check_not_partitioned`). Row-wise pruning of a partitioned table covers only its
+        // default and undated partitions, plain leaf tables (whole days are dropped).
         let prune = |target: &str, consumer: &str, limit: &str| {
             format!(
-                "DELETE FROM {target} WHERE ctid = ANY(ARRAY( \
-                 SELECT ctid FROM {target} WHERE processed_at < COALESCE($1, {SERVER_NOW}) - $2 \
+                "DELETE FROM ONLY {target} WHERE ctid = ANY(ARRAY( \
+                 SELECT ctid FROM ONLY {target} WHERE processed_at < COALESCE($1, {SERVER_NOW}) - $2 \
                  {consumer} LIMIT {limit}))"
             )
         };
@@ -166,12 +171,21 @@ impl Engine for Postgres {
              WHERE scope = $2 AND idem_key = $3 AND fence = $4 AND state = 0"
             ),
             // The outer condition is checked again on a row a lookup restarted meanwhile.
+            // `ONLY`, as for the claims: migrate creates this table plain, where a ctid is one
+            // row; on a table partitioned or inherited by hand it reaps nothing rather than the
+            // rows at the same positions in other tables.
             reap: format!(
-                "DELETE FROM {t} WHERE ctid = ANY(ARRAY( \
-             SELECT ctid FROM {t} WHERE expires_at < {now} AND (state = 1 OR lease_until < {now}) \
+                "DELETE FROM ONLY {t} WHERE ctid = ANY(ARRAY( \
+             SELECT ctid FROM ONLY {t} WHERE expires_at < {now} AND (state = 1 OR lease_until < {now}) \
              LIMIT $1)) AND expires_at < {now} AND (state = 1 OR lease_until < {now})"
             ),
         }
+    }
+
+    /// Lower case: the statements name tables unquoted, which PostgreSQL folds, and the
+    /// catalog lookups of partitions and the maintenance lock's key must spell them as it does.
+    fn resolved_table(table: TableName) -> TableName {
+        table.folded()
     }
 
     fn stamp(stamp: Stamp) -> Option<i64> {
@@ -205,7 +219,7 @@ impl Engine for Postgres {
     async fn migrate(store: &SqlStore<Self>) -> Result<(), Error> {
         migrate(store).await?;
         if store.partitioning().is_some() {
-            store.maintain_partitions().await?;
+            crate::partitioned::maintain_at_start_up(store).await?;
         }
         Ok(())
     }
@@ -218,10 +232,16 @@ impl Engine for Postgres {
         limit: u32,
     ) -> Result<u64, Error> {
         if store.partitioning().is_some() {
-            crate::partitioned::prune_batch(store, consumer, now, older_than, limit).await
-        } else {
-            store.prune_rows(consumer, now, older_than, limit).await
+            return crate::partitioned::prune_batch(store, consumer, now, older_than, limit).await;
         }
+        let deleted = store.prune_rows(consumer, now, older_than, limit).await?;
+        // A short batch (the last one, or nothing at all: all a partitioned parent gives) looks
+        // at the table once, so a store pointed at a partitioned table says so instead of
+        // pruning nothing, round after round.
+        if deleted < u64::from(limit) {
+            crate::partitioned::check_not_partitioned(store).await?;
+        }
+        Ok(deleted)
     }
 }
 
@@ -246,7 +266,8 @@ async fn claim_many(
     let fps: Vec<&[u8]> = items.iter().map(|(_, fp)| &fp.as_bytes()[..]).collect();
     let keys: Option<Vec<i64>> = store
         .partitioning()
-        .map(|p| items.iter().map(|(id, _)| p.key_of(id)).collect());
+        .map(|p| items.iter().map(|(id, _)| p.key_of(id)).collect())
+        .transpose()?;
     let mut claim = sqlx::query_scalar(&store.sql.claim_many)
         .bind(consumer.as_str())
         .bind(&ids)
@@ -311,10 +332,9 @@ async fn migrate(store: &PostgresStore) -> Result<(), Error> {
             .await
             .map_err(|e| store_error::<Postgres>("migrate", e))?;
     }
-    let partitioned = store.partitioning().is_some();
-    crate::partitioned::check_shape(&mut tx, t, partitioned).await?;
-    let claims = if partitioned {
-        crate::partitioned::create_statements(t)
+    crate::partitioned::check_shape(&mut tx, t, store.partitioning()).await?;
+    let claims = if let Some(p) = store.partitioning() {
+        crate::partitioned::create_statements(t, p)
     } else {
         vec![
             format!(

@@ -119,9 +119,11 @@ impl<E: Engine> SqlStore<E> {
     }
 
     /// Stores claims in `table` instead of `idem_processed` (`schema.table` selects a schema,
-    /// or a database on MySQL; SQLite refuses a qualified name).
+    /// or a database on MySQL; SQLite refuses a qualified name). PostgreSQL spells it in lower
+    /// case from here on ([`TableName::folded`]), as it resolves the unquoted name.
     pub fn with_table(mut self, table: TableName) -> Result<Self, Error> {
         E::check_table(&table)?;
+        let table = E::resolved_table(table);
         if self.partitioning.is_some() {
             idem_core::partition::check_table_name(table.table())?;
         }
@@ -133,6 +135,7 @@ impl<E: Engine> SqlStore<E> {
     /// Stores idempotent-request records in `table` instead of `idem_requests`.
     pub fn with_requests_table(mut self, table: TableName) -> Result<Self, Error> {
         E::check_table(&table)?;
+        let table = E::resolved_table(table);
         self.rsql = E::request_statements(&table);
         self.requests = table;
         Ok(self)
@@ -252,7 +255,11 @@ impl<E: Engine> SqlStore<E> {
     ) -> Result<Option<Fingerprint>, Error> {
         let (consumer, id) = (claim.consumer.as_str(), claim.id.as_bytes());
         // Unpartitioned: the key is not bound (the statements take four and two parameters).
-        let key = self.partitioning.as_ref().map(|p| p.key_of(claim.id));
+        let key = self
+            .partitioning
+            .as_ref()
+            .map(|p| p.key_of(claim.id))
+            .transpose()?;
         let params = [
             Param::Text(consumer),
             Param::Bytes(id),
@@ -312,6 +319,11 @@ impl<E: Engine> TransactionalStore for SqlStore<E> {
 impl<E: Engine> ClaimStore for SqlStore<E> {
     fn max_message_id_len(&self) -> usize {
         E::MAX_MESSAGE_ID_LEN
+    }
+
+    /// A partitioned table's retention (PostgreSQL): its days are dropped past it.
+    fn kept_for(&self) -> Option<Duration> {
+        self.partitioning.as_ref().map(|p| p.kept_for())
     }
 
     async fn claim(

@@ -259,3 +259,519 @@ async fn a_store_and_a_table_of_the_other_shape_are_refused() {
     assert_eq!(err.kind(), ErrorKind::Misconfigured, "{err}");
     schema.drop().await;
 }
+
+// Issue 18: a mixed-case table name, pruning through a store not configured partitioned,
+// retention against the redelivery window, the recorded extractor, and lock order.
+
+const MINUTE: Duration = Duration::from_secs(60);
+
+/// A store on `pool` for `table`, partitioned by UUIDv7 with the default seven days.
+fn partitioned_on(pool: &sqlx::PgPool, table: &str) -> PostgresStore {
+    PostgresStore::from_pool(pool.clone())
+        .with_table(idem_sql::TableName::new(table).expect("name"))
+        .expect("table")
+        .partitioned(
+            Partitioning::uuid_v7().retention(Retention::new(7 * DAY, 7 * DAY).expect("r")),
+        )
+        .expect("partitioned")
+}
+
+async fn count(pool: &sqlx::PgPool, sql: &str) -> i64 {
+    sqlx::query_scalar(sql).fetch_one(pool).await.expect(sql)
+}
+
+/// Claims `ids` in one transaction, processed at `at`.
+async fn claim_all(store: &PostgresStore, ids: &[MessageId], at: idem_core::Stamp) {
+    use idem_core::{BatchClaimStore, ConsumerName, Fingerprint, TransactionalStore};
+    let consumer = ConsumerName::new("billing").expect("consumer");
+    let items: Vec<_> = ids.iter().map(|id| (id, Fingerprint::of(b"{}"))).collect();
+    let mut tx = store.begin().await.expect("begin");
+    let found = store
+        .claim_many(&mut tx, &consumer, &items, at)
+        .await
+        .expect("claim");
+    assert!(found.iter().all(Option::is_none), "{found:?}");
+    store.commit(tx).await.expect("commit");
+}
+
+/// A claim of `id` processed now, by the store's clock.
+fn now_claim<'a>(
+    consumer: &'a idem_core::ConsumerName,
+    id: &'a MessageId,
+    fingerprint: &'a idem_core::Fingerprint,
+) -> idem_core::ClaimRequest<'a> {
+    idem_core::ClaimRequest {
+        consumer,
+        id,
+        fingerprint,
+        at: idem_core::Stamp::StoreClock,
+    }
+}
+
+/// Waits until some session waits for a lock on the relation `name` (or `done` says the
+/// waiter finished first); false when none did within 1.5 s.
+async fn lock_waited_on(pool: &sqlx::PgPool, name: &str, done: impl Fn() -> bool) -> bool {
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(1500);
+    while tokio::time::Instant::now() < deadline && !done() {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = to_regclass($1)",
+        )
+        .bind(name)
+        .fetch_one(pool)
+        .await
+        .expect("pg_locks");
+        if waiting > 0 {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    false
+}
+
+/// PostgreSQL folds unquoted names to lower case, so `Claims`, `claims` and `<schema>.claims`
+/// are one table: a store given any of them finds its partitions (`partitions` lists them,
+/// retention drops days) and takes the one maintenance lock, `idem-partitions:<schema>.claims`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_name_in_any_case_or_qualification_is_one_table() {
+    let test = "a_table_name_in_any_case_or_qualification_is_one_table";
+    let Some(schema) = PgSchema::create("idem_part", test).await else {
+        return;
+    };
+    let pool = schema.pool(6).await;
+    let mixed = partitioned_on(&pool, "Claims");
+    mixed.migrate().await.expect("migrate");
+    let now = db_now(&mixed).await;
+    let old = Day::of(now.saturating_sub(DAY * 20));
+    let created = mixed.create_partitions([old]).await.expect("backfill");
+    assert_eq!(created.created, vec![old]);
+    let kinds: Vec<PartitionKind> = mixed
+        .partitions()
+        .await
+        .expect("partitions")
+        .into_iter()
+        .map(|p| p.kind)
+        .collect();
+    assert!(kinds.contains(&PartitionKind::Day(old)), "{kinds:?}");
+    assert!(kinds.contains(&PartitionKind::Default), "{kinds:?}");
+    let report = mixed.maintain_partitions().await.expect("maintenance");
+    let dropped: Vec<Day> = report.dropped.iter().map(|(d, _)| *d).collect();
+    assert_eq!(dropped, vec![old], "{report:?}");
+
+    // Every spelling waits for the lock held under the canonical key.
+    let mut holder = pool.begin().await.expect("begin");
+    let key = format!("idem-partitions:{}.claims", schema.name());
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
+        .bind(&key)
+        .execute(&mut *holder)
+        .await
+        .expect("hold the maintenance lock");
+    let qualified = format!("{}.claims", schema.name());
+    let shouting = qualified.to_uppercase();
+    let spellings = ["Claims", "claims", qualified.as_str(), shouting.as_str()];
+    let mut tasks = Vec::new();
+    for (n, spelling) in spellings.iter().enumerate() {
+        let store = partitioned_on(&pool, spelling);
+        let day = Day::of(now.saturating_sub(DAY * (40 + n as u32)));
+        tasks.push(tokio::spawn(
+            async move { store.create_partitions([day]).await },
+        ));
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(1500);
+    let mut waiting = 0;
+    while tokio::time::Instant::now() < deadline {
+        waiting = sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_locks w JOIN pg_locks h \
+             USING (locktype, database, classid, objid, objsubid) \
+             WHERE w.locktype = 'advisory' AND NOT w.granted AND h.granted \
+             AND h.pid = pg_backend_pid()",
+        )
+        .fetch_one(&mut *holder)
+        .await
+        .expect("pg_locks");
+        if waiting == 4 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    holder.commit().await.expect("release");
+    assert_eq!(waiting, 4, "every spelling waits for {key}");
+    for task in tasks {
+        let report = task.await.expect("task").expect("create");
+        assert_eq!(report.created.len(), 1, "{report:?}");
+    }
+    drop((mixed, pool));
+    schema.drop().await;
+}
+
+/// The reproduction of issue 18: 50 claims processed 30 days ago in their day's partition and
+/// 50 processed now in today's. A store not configured partitioned refuses to prune the table
+/// (its row-wise delete by position would hit every partition: it deleted all 100), through
+/// `prune_all` and a processor's `prune` alike; the partitioned store drops the old day only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plain_store_refuses_to_prune_a_partitioned_table() {
+    let Some((schema, store)) = setup("a_plain_store_refuses_to_prune_a_partitioned_table").await
+    else {
+        return;
+    };
+    let now = db_now(&store).await;
+    let month_ago = now.saturating_sub(DAY * 30);
+    store
+        .create_partitions([Day::of(month_ago)])
+        .await
+        .expect("backfill");
+    let old: Vec<_> = (0..50).map(|n| uuid_at(month_ago, n)).collect();
+    let young: Vec<_> = (0..50).map(|n| uuid_at(now, n)).collect();
+    claim_all(&store, &old, idem_core::Stamp::At(month_ago)).await;
+    claim_all(&store, &young, idem_core::Stamp::StoreClock).await;
+    let total = "SELECT count(*) FROM idem_processed";
+    assert_eq!(count(store.pool(), total).await, 100);
+
+    let plain = PostgresStore::from_pool(store.pool().clone());
+    let now_stamp = idem_core::Stamp::StoreClock;
+    let err = idem_core::store::prune_all(&plain, None, now_stamp, 14 * DAY, 10_000)
+        .await
+        .expect_err("a plain store must not prune a partitioned table");
+    assert_eq!(err.kind(), ErrorKind::Misconfigured, "{err}");
+    assert!(err.to_string().contains("idem_processed"), "{err}");
+    assert_eq!(count(store.pool(), total).await, 100, "nothing deleted");
+    let p = Processor::builder(plain, "billing")
+        .retention(Retention::new(14 * DAY, 7 * DAY).expect("retention"))
+        .build()
+        .expect("processor");
+    let err = p.prune().await.expect_err("the processor's prune too");
+    assert_eq!(err.kind(), ErrorKind::Misconfigured, "{err}");
+    assert_eq!(count(store.pool(), total).await, 100, "nothing deleted");
+
+    idem_core::store::prune_all(&store, None, now_stamp, 14 * DAY, 10_000)
+        .await
+        .expect("the partitioned store prunes");
+    assert_eq!(count(store.pool(), total).await, 50, "the old day dropped");
+    let young_left = format!(
+        "SELECT count(*) FROM idem_processed WHERE id_time >= {}",
+        Day::of(now).start()
+    );
+    assert_eq!(
+        count(store.pool(), &young_left).await,
+        50,
+        "every young claim kept"
+    );
+    schema.drop().await;
+}
+
+/// A redelivery window longer than the partitioned table keeps claims (its retention, seven
+/// days and an hour by default) is refused when the processor is built: the table would drop
+/// a day's claims while the broker can still redeliver them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redelivery_window_longer_than_the_table_keeps_claims_is_refused() {
+    let Some(schema) = PgSchema::create(
+        "idem_part",
+        "a_redelivery_window_longer_than_the_table_keeps_claims_is_refused",
+    )
+    .await
+    else {
+        return;
+    };
+    let pool = schema.pool(2).await;
+    let store = PostgresStore::from_pool(pool.clone())
+        .partitioned(Partitioning::uuid_v7())
+        .expect("partitioned");
+    let err = Processor::builder(store.clone(), "billing")
+        .redelivery_window(14 * DAY)
+        .build()
+        .expect_err("14 days of redelivery against 7 of retention");
+    assert_eq!(err.kind(), ErrorKind::InvalidConfig, "{err}");
+    assert!(err.to_string().contains("14d"), "{err}");
+    Processor::builder(store.clone(), "billing")
+        .redelivery_window(14 * DAY)
+        .naturally_idempotent()
+        .build()
+        .expect("no claims, nothing dropped too early");
+    Processor::builder(store, "billing")
+        .build()
+        .expect("the default window fits the default retention");
+    let long = PostgresStore::from_pool(pool.clone())
+        .partitioned(
+            Partitioning::uuid_v7().retention(Retention::new(14 * DAY, 14 * DAY).expect("r")),
+        )
+        .expect("partitioned");
+    Processor::builder(long, "billing")
+        .redelivery_window(14 * DAY)
+        .build()
+        .expect("a table kept long enough");
+    let plain = PostgresStore::from_pool(pool);
+    Processor::builder(plain, "billing")
+        .redelivery_window(30 * DAY)
+        .build()
+        .expect("a plain table keeps claims until pruned");
+    schema.drop().await;
+}
+
+/// The table records the extractor it was created with; a store reading IDs' times with
+/// another (a rolling deploy that changed it) is refused at migrate and at maintenance, before
+/// an old claim could be looked for in the wrong partition. A table made before the record
+/// existed gets it at the next migrate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_reading_ids_otherwise_than_the_table_records_is_refused() {
+    let Some((schema, store)) =
+        setup("a_store_reading_ids_otherwise_than_the_table_records_is_refused").await
+    else {
+        return;
+    };
+    let other = PostgresStore::from_pool(store.pool().clone())
+        .partitioned(Partitioning::ulid())
+        .expect("partitioned");
+    let err = other.migrate().await.expect_err("another extractor");
+    assert_eq!(err.kind(), ErrorKind::Misconfigured, "{err}");
+    assert!(
+        err.to_string().contains("uuid_v7") && err.to_string().contains("ulid"),
+        "{err}"
+    );
+    let err = other
+        .maintain_partitions()
+        .await
+        .expect_err("maintenance too");
+    assert_eq!(err.kind(), ErrorKind::Misconfigured, "{err}");
+    let err = idem_core::store::prune_all(&other, None, idem_core::Stamp::StoreClock, DAY, 100)
+        .await
+        .expect_err("and pruning");
+    assert_eq!(err.kind(), ErrorKind::Misconfigured, "{err}");
+
+    let comment = "SELECT obj_description('idem_processed'::regclass, 'pg_class')";
+    sqlx::query("COMMENT ON TABLE idem_processed IS 'idem claims, from before the record'")
+        .execute(store.pool())
+        .await
+        .expect("an older table's comment");
+    store
+        .migrate()
+        .await
+        .expect("migrate records the extractor");
+    let recorded: String = sqlx::query_scalar(comment)
+        .fetch_one(store.pool())
+        .await
+        .expect("comment");
+    assert!(recorded.contains("extractor=uuid_v7"), "{recorded}");
+    assert!(other.migrate().await.is_err(), "refused once recorded");
+    schema.drop().await;
+}
+
+/// A claim routed to the day maintenance is creating, by a transaction that already holds the
+/// claims table (an earlier claim), must not deadlock with it: maintenance locks the parent
+/// table before the partition, as a claim does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_into_a_day_being_created_do_not_deadlock_with_maintenance() {
+    use idem_core::{ClaimStore, ConsumerName, Fingerprint, TransactionalStore};
+    let Some((schema, store)) =
+        setup("claims_into_a_day_being_created_do_not_deadlock_with_maintenance").await
+    else {
+        return;
+    };
+    let now = db_now(&store).await;
+    let later = now.saturating_add(DAY * 10);
+    let (today_id, later_id) = (uuid_at(now, 1), uuid_at(later, 2));
+    let consumer = ConsumerName::new("billing").expect("consumer");
+    let fp = Fingerprint::of(b"{}");
+    let claim = |id| now_claim(&consumer, id, &fp);
+    let mut tx = store.begin().await.expect("begin");
+    store
+        .claim(&mut tx, claim(&today_id))
+        .await
+        .expect("claim today");
+    let maintenance = {
+        let store = store.clone();
+        tokio::spawn(async move { store.create_partitions([Day::of(later)]).await })
+    };
+    assert!(
+        lock_waited_on(store.pool(), "idem_processed", || maintenance.is_finished()).await,
+        "maintenance waits for the claims table"
+    );
+    // Into the default partition, where the new day's claims are moved out of.
+    let claimed = store.claim(&mut tx, claim(&later_id)).await;
+    let committed = match claimed {
+        Ok(found) => {
+            assert_eq!(found, None);
+            store.commit(tx).await
+        }
+        Err(e) => Err(e),
+    };
+    let report = maintenance.await.expect("task");
+    committed.expect("the claims commit");
+    let report = report.expect("maintenance");
+    assert_eq!(report.created, vec![Day::of(later)]);
+    assert_eq!(report.moved, 1, "{report:?}");
+    assert_eq!(
+        located(&store, &later_id).await,
+        vec![format!("idem_processed_p{}", Day::of(later).suffix())]
+    );
+    schema.drop().await;
+}
+
+/// The same for a day being dropped: an old ID processed late, by a transaction that holds the
+/// claims table already, lands in the day maintenance is dropping without a deadlock, and is
+/// moved to the default partition (it is younger than the retention).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_into_a_day_being_dropped_do_not_deadlock_with_maintenance() {
+    use idem_core::{ClaimStore, ConsumerName, Fingerprint, Stamp, TransactionalStore};
+    let Some((schema, store)) =
+        setup("claims_into_a_day_being_dropped_do_not_deadlock_with_maintenance").await
+    else {
+        return;
+    };
+    let now = db_now(&store).await;
+    let old = now.saturating_sub(DAY * 20);
+    store
+        .create_partitions([Day::of(old)])
+        .await
+        .expect("backfill");
+    claim_all(&store, &[uuid_at(old, 1)], Stamp::At(old)).await;
+    let (today_id, late_id) = (uuid_at(now, 1), uuid_at(old, 2));
+    let consumer = ConsumerName::new("billing").expect("consumer");
+    let fp = Fingerprint::of(b"{}");
+    let claim = |id| now_claim(&consumer, id, &fp);
+    let mut tx = store.begin().await.expect("begin");
+    store
+        .claim(&mut tx, claim(&today_id))
+        .await
+        .expect("claim today");
+    let maintenance = {
+        let store = store.clone();
+        tokio::spawn(async move { store.maintain_partitions().await })
+    };
+    assert!(
+        lock_waited_on(store.pool(), "idem_processed", || maintenance.is_finished()).await,
+        "maintenance waits for the claims table"
+    );
+    let claimed = store.claim(&mut tx, claim(&late_id)).await;
+    let committed = match claimed {
+        Ok(found) => {
+            assert_eq!(found, None);
+            store.commit(tx).await
+        }
+        Err(e) => Err(e),
+    };
+    let report = maintenance.await.expect("task");
+    committed.expect("the claims commit");
+    let report = report.expect("maintenance");
+    let dropped: Vec<Day> = report.dropped.iter().map(|(d, _)| *d).collect();
+    assert_eq!(dropped, vec![Day::of(old)], "{report:?}");
+    assert_eq!(report.moved, 1, "the late claim: {report:?}");
+    assert_eq!(
+        located(&store, &late_id).await,
+        vec!["idem_processed_default"]
+    );
+    schema.drop().await;
+}
+
+/// Start-up goes on when partition maintenance cannot get a lock in time: the table exists,
+/// and the days ahead are created by a later round. Here another session reads the claims
+/// table in a long transaction while a replica with a longer `ahead` starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_goes_on_while_a_conflicting_table_lock_is_held() {
+    let Some((schema, store)) =
+        setup("migrate_goes_on_while_a_conflicting_table_lock_is_held").await
+    else {
+        return;
+    };
+    let mut reader = store.pool().begin().await.expect("begin");
+    sqlx::query("SELECT count(*) FROM idem_processed")
+        .execute(&mut *reader)
+        .await
+        .expect("read");
+    let replica = PostgresStore::from_pool(store.pool().clone())
+        .partitioned(
+            Partitioning::uuid_v7()
+                .retention(Retention::new(7 * DAY, 7 * DAY).expect("r"))
+                .ahead(3 * DAY),
+        )
+        .expect("partitioned");
+    let started = tokio::time::timeout(MINUTE, replica.migrate()).await;
+    reader.rollback().await.expect("end the read");
+    started
+        .expect("migrate returns")
+        .expect("migrate goes on without its maintenance");
+    schema.drop().await;
+}
+
+/// The same while another session holds the maintenance lock (another replica's maintenance,
+/// long at work): migrate does not wait for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_goes_on_while_another_session_holds_the_maintenance_lock() {
+    let Some((schema, store)) =
+        setup("migrate_goes_on_while_another_session_holds_the_maintenance_lock").await
+    else {
+        return;
+    };
+    let mut holder = store.pool().begin().await.expect("begin");
+    let key = format!("idem-partitions:{}.idem_processed", schema.name());
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
+        .bind(&key)
+        .execute(&mut *holder)
+        .await
+        .expect("hold the maintenance lock");
+    let replica = PostgresStore::from_pool(store.pool().clone())
+        .partitioned(
+            Partitioning::uuid_v7()
+                .retention(Retention::new(7 * DAY, 7 * DAY).expect("r"))
+                .ahead(3 * DAY),
+        )
+        .expect("partitioned");
+    let started = tokio::time::timeout(Duration::from_secs(10), replica.migrate()).await;
+    holder.rollback().await.expect("release");
+    started
+        .expect("migrate does not wait for another replica's maintenance")
+        .expect("migrate goes on without its maintenance");
+    schema.drop().await;
+}
+
+/// A store that did not create the table (`AnyStore`, and so `idem prune`) reads how it is
+/// partitioned from the table's record: the extractor's name and the retention. A custom
+/// extractor is maintained by its name, but such a store claims nothing: the extractor's code
+/// is the application's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_takes_the_partitioning_the_table_records() {
+    let test = "a_store_takes_the_partitioning_the_table_records";
+    let Some(schema) = PgSchema::create("idem_part", test).await else {
+        return;
+    };
+    let pool = schema.pool(4).await;
+    let ten_days = Retention::new(10 * DAY, 10 * DAY).expect("retention");
+    let custom = PostgresStore::from_pool(pool.clone())
+        .partitioned(
+            Partitioning::by("order-ids", uuid_v7)
+                .expect("named")
+                .retention(ten_days),
+        )
+        .expect("partitioned");
+    custom.migrate().await.expect("migrate");
+
+    let adopted = PostgresStore::from_pool(pool.clone())
+        .with_table_partitioning()
+        .await
+        .expect("read the record");
+    let p = adopted.partitioning().expect("partitioned as recorded");
+    assert_eq!(p.extractor(), "order-ids");
+    assert_eq!(p.kept_for(), ten_days.prune_age());
+    adopted.migrate().await.expect("migrate as recorded");
+    adopted
+        .maintain_partitions()
+        .await
+        .expect("maintain as recorded");
+    let now = db_now(&adopted).await;
+    let processor = Processor::builder(adopted, "billing")
+        .build()
+        .expect("ten days cover the default window");
+    let err = processor
+        .process(&msg(&uuid_at(now, 1)), async |_tx| {
+            Ok::<_, idem_core::BoxError>(())
+        })
+        .await
+        .expect_err("no extractor to claim with");
+    assert_eq!(err.kind(), ErrorKind::Misconfigured, "{err}");
+
+    let plain = PostgresStore::from_pool(pool)
+        .with_table(idem_sql::TableName::new("plain_claims").expect("name"))
+        .expect("table");
+    plain.migrate().await.expect("migrate");
+    let plain = plain.with_table_partitioning().await.expect("read");
+    assert!(plain.partitioning().is_none(), "a plain table stays plain");
+    schema.drop().await;
+}

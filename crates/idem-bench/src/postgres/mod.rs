@@ -40,11 +40,13 @@ const CLAIMS_PART: &str = "idem_bench_claims_part";
 /// The partitioning of [`CLAIMS_PART`]: the bench's IDs carry no time, so every ID is read as
 /// made at the start of today (UTC), as a live stream of UUIDv7 IDs lands in today's
 /// partition; the default partition and the undated one stay empty.
-fn bench_partitioning() -> idem_core::partition::Partitioning {
+fn bench_partitioning() -> Result<idem_core::partition::Partitioning, idem_core::Error> {
     use idem_core::partition::{Day, Partitioning};
     let today = Day::of(idem_core::Timestamp::from(std::time::SystemTime::now()));
     let at = idem_core::Timestamp::from_micros(today.start() + 1);
-    Partitioning::by(move |_: &idem_core::MessageId| Some(at))
+    // A fixed name: the extractor is the same function on every run (the day it returns is
+    // not part of what it is).
+    Partitioning::by("idem-bench-today", move |_: &idem_core::MessageId| Some(at))
 }
 
 const CHARGE: &str = "INSERT INTO idem_bench_charges (account, amount) VALUES ($1, $2)";
@@ -137,7 +139,7 @@ impl Bench {
             .await?;
         PostgresStore::from_pool(self.admin.clone())
             .with_table(TableName::new(CLAIMS_PART)?)?
-            .partitioned(bench_partitioning())?
+            .partitioned(bench_partitioning()?)?
             .migrate()
             .await?;
         Ok(())
@@ -250,7 +252,7 @@ impl Bench {
         let held_part = Processor::builder(
             PostgresStore::from_pool(pool.clone())
                 .with_table(TableName::new(CLAIMS_PART)?)?
-                .partitioned(bench_partitioning())?
+                .partitioned(bench_partitioning()?)?
                 .hold_connections(u32::try_from(workers)?),
             CONSUMER,
         )

@@ -549,8 +549,9 @@ impl Bench {
         for (i, id) in &sample {
             let id = idem_core::MessageId::new(id)?;
             let want = fill.ms(*i as u64) * 1000;
+            let key_of = key.key_of(&id)?;
             ensure!(
-                id.len() == 36 && key.key_of(&id) == want,
+                id.len() == 36 && key_of == want,
                 "filled claim {i}: ID {id} does not read as UUIDv7 time {want} µs"
             );
             if layout == Layout::Partitioned {
@@ -563,9 +564,8 @@ impl Bench {
                 .await
                 .with_context(|| format!("filled claim {i} ({id}) is missing"))?;
                 ensure!(
-                    stored == key.key_of(&id),
-                    "filled claim {i}: id_time {stored} is not the partition key {}",
-                    key.key_of(&id)
+                    stored == key_of,
+                    "filled claim {i}: id_time {stored} is not the partition key {key_of}"
                 );
             }
         }

@@ -58,7 +58,7 @@ impl TokioPg {
         let processor = Processor::builder(store, CONSUMER).build()?;
         let store = PgStore::from_pool(pool.clone())
             .with_table(TableName::new(CLAIMS_PART)?)?
-            .partitioned(bench_partitioning())?;
+            .partitioned(bench_partitioning()?)?;
         let partitioned = Processor::builder(store, CONSUMER).build()?;
         Ok((
             Self {

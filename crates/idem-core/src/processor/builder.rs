@@ -5,7 +5,7 @@ use std::time::Duration;
 use crate::clock::{Clock, StoreClock};
 use crate::error::{Error, ErrorKind};
 use crate::id::{ConsumerName, DEFAULT_MAX_ID_LEN};
-use crate::retention::Retention;
+use crate::retention::{Retention, format_duration};
 use crate::store::ClaimStore;
 
 use super::{ClaimMode, Processor};
@@ -57,7 +57,8 @@ impl<S: ClaimStore, C: Clock> ProcessorBuilder<S, C> {
     }
 
     /// The broker's longest redelivery window. [`build`](Self::build) refuses a retention
-    /// shorter than this.
+    /// shorter than this, and a store that drops claims by itself sooner (see
+    /// [`ClaimStore::kept_for`]).
     pub fn redelivery_window(mut self, window: Duration) -> Self {
         self.redelivery_window = Some(window);
         self
@@ -127,6 +128,33 @@ impl<S: ClaimStore, C: Clock> ProcessorBuilder<S, C> {
             Some(margin) => retention.with_clock_margin(margin),
             None => retention,
         };
+        // A store that drops claims by itself (a partitioned table's retention) must keep them
+        // as long as pruning would: through the redelivery window and the clock margin. Without
+        // claims (naturally idempotent handlers) there is nothing to keep.
+        let kept_for = match self.mode {
+            ClaimMode::Claim => self.store.kept_for(),
+            ClaimMode::Skip => None,
+        };
+        if let Some(kept) = kept_for {
+            let needed = retention
+                .redelivery_window()
+                .saturating_add(retention.clock_margin());
+            if kept < needed {
+                return Err(Error::new(
+                    ErrorKind::InvalidConfig,
+                    format!(
+                        "the store drops claims after {} (its table's retention), shorter than \
+                         the broker's redelivery window of {} plus the clock margin of {}: a \
+                         message redelivered after its claim was dropped would be processed \
+                         twice; give the table a retention of at least {}",
+                        format_duration(kept),
+                        format_duration(retention.redelivery_window()),
+                        format_duration(retention.clock_margin()),
+                        format_duration(needed)
+                    ),
+                ));
+            }
+        }
         if self.max_id_len == 0 || self.max_id_len > self.store.max_message_id_len() {
             return Err(Error::new(
                 ErrorKind::InvalidConfig,
