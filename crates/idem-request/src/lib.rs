@@ -54,4 +54,4 @@
 mod call;
 mod engine;
 
-pub use engine::{Execution, Idempotency, IdempotencyBuilder, Start};
+pub use engine::{Execution, Idempotency, IdempotencyBuilder, KeyDigest, Start};
