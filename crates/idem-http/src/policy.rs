@@ -1,5 +1,6 @@
-//! Which responses are stored (and replayed to every retry) and which are thrown away, their
-//! writes rolled back and the key freed so that a retry executes again.
+//! Which responses are stored (and replayed to every retry) and which are thrown away, the key
+//! freed so that a retry executes again (and, on a SQL store, the writes through `IdemTx`
+//! rolled back).
 
 use std::fmt;
 use std::sync::Arc;

@@ -340,7 +340,7 @@ impl<Inner, S> Run<Inner, S> {
             abandon(execution, &slot).await;
             return refuse(Problem::new(
                 ProblemCode::InternalError,
-                "the handler kept the idempotent transaction past its response; the response was not stored and writes through the transaction were rolled back",
+                "the handler kept the idempotent transaction past its response; the response was not stored (writes through the transaction were rolled back on a SQL store)",
             ));
         };
         execution.put_tx(tx);
@@ -362,11 +362,11 @@ impl<Inner, S> Run<Inner, S> {
                 (None, ResponseBody::prefixed(prefix, rest), HeaderMap::new())
             }
             Err(e) => {
-                tracing::error!(error = %e, "the handler's response body failed; not stored, writes through the transaction rolled back");
+                tracing::error!(error = %e, "the handler's response body failed; not stored, the key freed");
                 abandon(execution, &slot).await;
                 return refuse(Problem::new(
                     ProblemCode::InternalError,
-                    "the response body failed while it was being stored; the response was not stored and writes through the idempotent transaction were rolled back",
+                    "the response body failed while it was being stored; the response was not stored (writes through the idempotent transaction were rolled back on a SQL store)",
                 ));
             }
         };
