@@ -10,6 +10,7 @@ use std::fmt;
 use sha2::{Digest, Sha256};
 
 use crate::id::{ConsumerName, MessageId};
+use crate::request::RequestKey;
 
 /// A deterministic key for one step of one message's processing by one consumer.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
@@ -22,6 +23,25 @@ impl DerivedKey {
         // Domain tag + length prefixes make the encoding injective across all three parts.
         h.update(b"idem/derived-key/v1\0");
         for part in [consumer.as_str().as_bytes(), id.as_bytes(), step.as_bytes()] {
+            h.update((part.len() as u64).to_be_bytes());
+            h.update(part);
+        }
+        Self(h.finalize().into())
+    }
+
+    /// Derives the key of the external call named `call` (e.g. `"card-charge"`) made while
+    /// executing the idempotent request recorded under `request`. Distinct per scope (for
+    /// HTTP: principal, method and path) and client key, and the same for every execution of
+    /// that record — a retry after a 5xx, a takeover after a crash — so the third party
+    /// deduplicates them. Two tenants sending the same `Idempotency-Key` derive different keys.
+    pub fn for_request(request: &RequestKey, call: &str) -> Self {
+        let mut h = Sha256::new();
+        h.update(b"idem/derived-key/request/v1\0");
+        for part in [
+            request.scope.as_bytes().as_slice(),
+            request.key.as_str().as_bytes(),
+            call.as_bytes(),
+        ] {
             h.update((part.len() as u64).to_be_bytes());
             h.update(part);
         }
@@ -91,6 +111,34 @@ mod tests {
         assert_ne!(k, key("shipping", "m-1", "charge"));
         // Length prefixes: moving bytes between parts changes the key.
         assert_ne!(key("ab", "c", "x"), key("a", "bc", "x"));
+    }
+
+    #[test]
+    fn request_keys_differ_per_scope_key_and_call() {
+        use crate::{IdempotencyKey, RequestScope};
+        let req = |scope: &str, key: &str| {
+            RequestKey::new(
+                RequestScope::new([scope]),
+                IdempotencyKey::new(key).unwrap(),
+            )
+        };
+        let k = DerivedKey::for_request(&req("alice", "order-42"), "charge");
+        assert_eq!(
+            k,
+            DerivedKey::for_request(&req("alice", "order-42"), "charge")
+        );
+        assert_ne!(
+            k,
+            DerivedKey::for_request(&req("bob", "order-42"), "charge")
+        );
+        assert_ne!(
+            k,
+            DerivedKey::for_request(&req("alice", "order-43"), "charge")
+        );
+        assert_ne!(
+            k,
+            DerivedKey::for_request(&req("alice", "order-42"), "email")
+        );
     }
 
     #[test]

@@ -1,14 +1,17 @@
-//! The axum extractor (feature `axum`) for the execution's transaction: [`IdemTx`].
+//! The axum side (feature `axum`): the extractors for the execution's transaction
+//! ([`IdemTx`]) and its request ([`IdemRequest`]), and the [`Executed`] response marker.
 //!
-//! `IdemTx<S>` fails with `500 internal-error` outside an idempotent execution; take
-//! `Option<IdemTx<S>>` on routes where the key is optional, to run without it. The parsed key
-//! itself is in the request's extensions: `Extension<IdempotencyKey>`.
+//! `IdemTx<S>` and `IdemRequest` fail with `500 internal-error` outside an idempotent
+//! execution; take `Option<…>` of them on routes where the key is optional, to run without it.
+
+use std::convert::Infallible;
 
 use axum_core::extract::{FromRequestParts, OptionalFromRequestParts};
-use axum_core::response::{IntoResponse, Response};
+use axum_core::response::{IntoResponse, IntoResponseParts, Response, ResponseParts};
 use http::request::Parts;
 use idem_core::TransactionalStore;
 
+use crate::execution::{Executed, IdemRequest};
 use crate::problem::{DEFAULT_TYPE_BASE, Problem, ProblemCode};
 use crate::tx::{IdemTx, TxError};
 
@@ -48,5 +51,30 @@ where
             Err(TxError::NotIdempotent) => Ok(None),
             Err(e) => Err(e),
         }
+    }
+}
+
+impl<St: Send + Sync> FromRequestParts<St> for IdemRequest {
+    type Rejection = TxError;
+
+    async fn from_request_parts(parts: &mut Parts, _: &St) -> Result<Self, TxError> {
+        IdemRequest::from_extensions(&parts.extensions).ok_or(TxError::NotIdempotent)
+    }
+}
+
+impl<St: Send + Sync> OptionalFromRequestParts<St> for IdemRequest {
+    type Rejection = Infallible;
+
+    async fn from_request_parts(parts: &mut Parts, _: &St) -> Result<Option<Self>, Infallible> {
+        Ok(IdemRequest::from_extensions(&parts.extensions))
+    }
+}
+
+impl IntoResponseParts for Executed {
+    type Error = Infallible;
+
+    fn into_response_parts(self, mut res: ResponseParts) -> Result<ResponseParts, Infallible> {
+        res.extensions_mut().insert(self);
+        Ok(res)
     }
 }

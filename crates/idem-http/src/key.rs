@@ -26,9 +26,10 @@ pub enum KeyError {
 /// Reads the key from the `name` headers of a request: `Ok(None)` when there is none.
 ///
 /// Accepted values (see the crate docs): an sf-string (`"…"`, with `\"` and `\\` escapes,
-/// parameters after it ignored) or, for a value that does not start with `"`, the value itself;
-/// either way the key must be 1 to `max_len` bytes of visible ASCII. A header given twice is
-/// refused, whatever the two values are.
+/// parameters after it ignored), whose content is the key: 1 to `max_len` bytes of printable
+/// ASCII, spaces included; or, for a value that does not start with `"`, the value itself:
+/// 1 to `max_len` bytes of visible ASCII (no spaces). A header given twice is refused,
+/// whatever the two values are.
 pub fn parse_key_header(
     headers: &HeaderMap,
     name: &HeaderName,
@@ -49,7 +50,7 @@ pub fn parse_key_header(
 /// Parses one header value into a key (see [`parse_key_header`]).
 pub fn parse_key(value: &[u8], max_len: usize) -> Result<IdempotencyKey, KeyError> {
     let value = trim_ows(value);
-    let key = if value.first() == Some(&b'"') {
+    if value.first() == Some(&b'"') {
         let mut p = Parser { s: value, i: 0 };
         let key = p.sf_string()?;
         p.parameters()?;
@@ -59,8 +60,10 @@ pub fn parse_key(value: &[u8], max_len: usize) -> Result<IdempotencyKey, KeyErro
                 "unexpected characters after the string",
             ));
         }
-        key
-    } else {
+        // An sf-string may hold spaces (RFC 8941 §3.3.3): a quoted key keeps them.
+        return IdempotencyKey::quoted(&key, max_len).map_err(|e| KeyError::Invalid(e.to_string()));
+    }
+    let key = {
         // Stripe-style: the whole value is the key. Checked for visible ASCII below; bytes
         // outside ASCII never reach `from_utf8`'s failure path, but be safe anyway.
         match std::str::from_utf8(value) {
@@ -318,6 +321,9 @@ mod tests {
         // A bare key is the value itself, quotes inside included.
         assert_eq!(key(r#"ab"c"#).unwrap(), r#"ab"c"#);
         assert_eq!(key(&"k".repeat(255)).unwrap().len(), 255);
+        // RFC 8941 strings may contain spaces: quoted, they are part of the key.
+        assert_eq!(key(r#""order 42""#).unwrap(), "order 42");
+        assert_eq!(key(r#"" padded ""#).unwrap(), " padded ");
         assert_eq!(
             key(r#""k";a=123456789012345;b=-123456789012.123;c=@-1;d=%"caf%c3%a9";e=:AQ:;f=::"#)
                 .unwrap(),
@@ -352,7 +358,7 @@ mod tests {
             r#""a";k=@1.5"#,
             r#""a";k=%"%ff""#,
             r#""a";k=%"%C3%A9""#,
-            r#""has space""#,
+            r#""   ""#,
             "has space",
             "tab\tinside",
         ] {

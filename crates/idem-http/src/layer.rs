@@ -4,11 +4,12 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
-use http::Method;
-use http::header::HeaderName;
+use http::header::{CONTENT_TYPE, HeaderName, HeaderValue};
 use http::request::Parts;
+use http::{Method, StatusCode, Uri};
 use idem_core::store::RequestStore;
 use idem_core::{Fingerprint, MAX_IDEMPOTENCY_KEY_LEN};
 use idem_request::Idempotency;
@@ -77,6 +78,9 @@ pub(crate) struct Config {
     pub(crate) policy: StorePolicy,
     pub(crate) stored_headers: Vec<HeaderName>,
     pub(crate) problem_type_base: String,
+    pub(crate) retry_after: Duration,
+    pub(crate) www_authenticate: HeaderValue,
+    pub(crate) client_errors_before_start: bool,
 }
 
 impl Default for Config {
@@ -94,31 +98,68 @@ impl Default for Config {
             policy: StorePolicy::default(),
             stored_headers: DEFAULT_STORED_HEADERS.to_vec(),
             problem_type_base: DEFAULT_TYPE_BASE.to_owned(),
+            retry_after: DEFAULT_RETRY_AFTER,
+            www_authenticate: HeaderValue::from_static("Bearer"),
+            client_errors_before_start: false,
         }
     }
 }
 
+/// The default [`retry_after`](IdempotencyLayer::retry_after) hint: 1 s.
+pub const DEFAULT_RETRY_AFTER: Duration = Duration::from_secs(1);
+
 impl Config {
-    /// The default fingerprint: method, path with query, and the body.
+    /// The default fingerprint: method, path with query, `Content-Type` and the body.
     pub(crate) fn fingerprint(&self, parts: &Parts, body: &Bytes) -> Fingerprint {
         match &self.fingerprint {
             Some(f) => f(parts, body),
             None => default_fingerprint(parts, body),
         }
     }
+
+    /// Whether a response judged as `status` is stored: the policy says so, and a client error
+    /// also needs the handler to have started (see [`crate::execution`]).
+    pub(crate) fn stores(&self, status: StatusCode, started: bool) -> bool {
+        self.policy.stores(status)
+            && (started || self.client_errors_before_start || !status.is_client_error())
+    }
+
+    /// `Retry-After` for a key in flight: the hint, but never past the holder's lease.
+    pub(crate) fn retry_after_secs(&self, lease_left: Duration) -> u64 {
+        let whole = |d: Duration| (d.as_secs() + u64::from(d.subsec_nanos() > 0)).max(1);
+        whole(self.retry_after).min(whole(lease_left))
+    }
 }
 
-/// The default request fingerprint: SHA-256 over the method, the path with its query, and the
-/// body (each length-prefixed).
+/// The URI the client sent: axum's `OriginalUri` where a router put it in the extensions (a
+/// nested router strips its prefix from the request's own URI), else the request's URI.
+pub(crate) fn client_uri(parts: &Parts) -> &Uri {
+    #[cfg(feature = "axum")]
+    if let Some(axum::extract::OriginalUri(uri)) = parts.extensions.get() {
+        return uri;
+    }
+    &parts.uri
+}
+
+/// The default request fingerprint: SHA-256 over the method, the path with its query (as the
+/// client sent it: axum's `OriginalUri` under `Router::nest`), the `Content-Type` and the body
+/// (each length-prefixed).
+///
+/// `Content-Type` is in it because the same bytes are another request in another media type:
+/// a client that sent `text/plain` by mistake and corrects it to `application/json` must not
+/// be answered with the record of the first.
 pub fn default_fingerprint(parts: &Parts, body: &[u8]) -> Fingerprint {
-    let target = parts
-        .uri
-        .path_and_query()
-        .map_or(parts.uri.path(), |pq| pq.as_str());
+    let uri = client_uri(parts);
+    let target = uri.path_and_query().map_or(uri.path(), |pq| pq.as_str());
+    let content_type = parts
+        .headers
+        .get(CONTENT_TYPE)
+        .map_or(&b""[..], |v| v.as_bytes());
     Fingerprint::hasher()
-        .field(b"idem-http/1")
+        .field(b"idem-http/2")
         .field(parts.method.as_str())
         .field(target)
+        .field(content_type)
         .field(body)
         .finish()
 }
@@ -142,12 +183,21 @@ impl fmt::Debug for Config {
             .field("policy", &self.policy)
             .field("stored_headers", &self.stored_headers)
             .field("problem_type_base", &self.problem_type_base)
+            .field("retry_after", &self.retry_after)
+            .field("www_authenticate", &self.www_authenticate)
+            .field(
+                "client_errors_before_start",
+                &self.client_errors_before_start,
+            )
             .finish()
     }
 }
 
 /// Makes `POST` and `PATCH` requests with an `Idempotency-Key` run once per (principal,
 /// method, path, key) and replays the stored response to every retry.
+///
+/// The path is the one the client sent (axum's `OriginalUri` under `Router::nest`), so
+/// `/v1/charges` and `/v2/charges` never share records.
 ///
 /// Built on an [`Idempotency`] engine (its store, TTL, lease and heartbeat), with an explicit
 /// choice of scope: [`per_principal`](Self::per_principal) (records per authenticated
@@ -329,9 +379,34 @@ impl<S, P> IdempotencyLayer<S, P> {
         self.config(|c| c.fingerprint = Some(Arc::new(f)))
     }
 
-    /// Which responses are stored (default [`StorePolicy::default`]).
+    /// Which responses are stored (default [`StorePolicy::default`]). A client error is
+    /// stored only when the handler started executing, unless
+    /// [`store_client_errors_before_start`](Self::store_client_errors_before_start).
     pub fn store_policy(self, policy: StorePolicy) -> Self {
         self.config(|c| c.policy = policy)
+    }
+
+    /// Store a client error (4xx) the policy stores even when the handler never marked its
+    /// start (default `false`; see [`execution`](crate::execution)). Right only where nothing
+    /// answers before the handler — a plain tower service that validates nothing before it
+    /// acts — since an axum extractor's rejection would be stored and replayed to the
+    /// corrected retry.
+    pub fn store_client_errors_before_start(self, store: bool) -> Self {
+        self.config(|c| c.client_errors_before_start = store)
+    }
+
+    /// The `Retry-After` a retry gets while its key is in flight, in whole seconds (default
+    /// [`DEFAULT_RETRY_AFTER`], 1 s), never more than what is left of the holder's lease. A
+    /// hint for the client's next attempt, not the time the first request needs: a short one
+    /// lets the client pick up the stored response soon after it is there.
+    pub fn retry_after(self, hint: Duration) -> Self {
+        self.config(|c| c.retry_after = hint)
+    }
+
+    /// The challenge of `401 missing-principal`'s `WWW-Authenticate` header (default
+    /// `Bearer`), which RFC 9110 requires on every 401: your authentication's scheme.
+    pub fn www_authenticate(self, challenge: HeaderValue) -> Self {
+        self.config(|c| c.www_authenticate = challenge)
     }
 
     /// Replaces the allow-list of stored response headers (default

@@ -7,15 +7,18 @@
 //! method, path, key) under a lease, runs the handler and stores its response; a retry gets
 //! that response back byte for byte, marked `Idempotent-Replayed: true`. It sits on the
 //! [`idem_request::Idempotency`] engine, so it works on every store of idem — and on the SQL
-//! stores **the handler's writes and the stored response commit in one transaction**: the
-//! handler takes it with the [`IdemTx`] extractor, and either both happened or neither did.
+//! stores **the handler's writes through the [`IdemTx`] extractor and the stored response
+//! commit in one transaction**: either both happened or neither did. (On Redis, and for
+//! anything written elsewhere, see [what is rolled back](#what-is-rolled-back-per-store).)
 //!
 //! It is a plain [`Layer`](tower_layer::Layer)/[`Service`](tower_service::Service) over
 //! `http::Request<B>`, so it fits axum (`Router::layer`, `MethodRouter::layer`), hyper and
 //! any tower stack.
 //!
 //! ```
+//! use axum::response::{IntoResponse, Response};
 //! use axum::{Json, Router, routing::post};
+//! use http::StatusCode;
 //! use idem_http::{IdemTx, IdempotencyLayer};
 //! use idem_request::Idempotency;
 //! use idem_sql::{SqliteOptions, SqliteStore};
@@ -28,22 +31,39 @@
 //! # let dir = tempfile::tempdir()?;
 //! let store = SqliteStore::open(dir.path().join("app.db"), SqliteOptions::default()).await?;
 //! idem_core::Migrate::migrate(&store).await?;
-//! sqlx::query("CREATE TABLE charges (id INTEGER PRIMARY KEY, cents INTEGER)")
+//! sqlx::query("CREATE TABLE charges (id INTEGER PRIMARY KEY, cents INTEGER CHECK (cents > 0))")
 //!     .execute(store.pool())
 //!     .await?;
+//!
+//! // The handler's error renders a 5xx: the layer does not store it, the charge's writes roll
+//! // back with it, and the client's retry runs again. (A `Result<_, String>` would render its
+//! // `Err` as `200 OK`, stored and replayed as a success.)
+//! struct DbError(sqlx::Error);
+//!
+//! impl From<sqlx::Error> for DbError {
+//!     fn from(e: sqlx::Error) -> Self {
+//!         Self(e)
+//!     }
+//! }
+//!
+//! impl IntoResponse for DbError {
+//!     fn into_response(self) -> Response {
+//!         let _cause = self.0; // log it
+//!         (StatusCode::INTERNAL_SERVER_ERROR, "the charge could not be written").into_response()
+//!     }
+//! }
 //!
 //! // The handler writes through the execution's transaction: the charge and the stored
 //! // response commit together.
 //! async fn create_charge(
 //!     mut tx: IdemTx<SqliteStore>,
 //!     Json(cents): Json<i64>,
-//! ) -> Result<(http::StatusCode, String), String> {
+//! ) -> Result<(StatusCode, String), DbError> {
 //!     let id: i64 = sqlx::query_scalar("INSERT INTO charges (cents) VALUES (?) RETURNING id")
 //!         .bind(cents)
 //!         .fetch_one(&mut **tx)
-//!         .await
-//!         .map_err(|e| e.to_string())?;
-//!     Ok((http::StatusCode::CREATED, format!("charge {id}")))
+//!         .await?;
+//!     Ok((StatusCode::CREATED, format!("charge {id}")))
 //! }
 //!
 //! #[derive(Clone)]
@@ -59,19 +79,32 @@
 //!     .layer(layer)
 //!     .layer(axum::Extension(Account("acct_1".into()))); // stands in for authentication
 //!
-//! let request = || {
+//! let request = |key: &str, content_type: &str, cents: &str| {
 //!     http::Request::post("/charges")
-//!         .header("content-type", "application/json")
-//!         .header("idempotency-key", "\"8e03978e-40d5-43e8-bc93-6894a57f9324\"")
-//!         .body(axum::body::Body::from("1250"))
+//!         .header("content-type", content_type)
+//!         .header("idempotency-key", key)
+//!         .body(axum::body::Body::from(cents.to_owned()))
 //! };
-//! let first = app.clone().oneshot(request()?).await?;
+//! let key = "\"8e03978e-40d5-43e8-bc93-6894a57f9324\"";
+//!
+//! // `Json` refuses a `text/plain` body before the handler runs: not stored, the key stays
+//! // free, and the corrected request runs.
+//! let refused = app.clone().oneshot(request(key, "text/plain", "1250")?).await?;
+//! assert_eq!(refused.status(), 415);
+//! let first = app.clone().oneshot(request(key, "application/json", "1250")?).await?;
 //! assert_eq!(first.status(), 201);
 //! assert!(first.headers().get("idempotent-replayed").is_none());
 //!
-//! let retry = app.clone().oneshot(request()?).await?;
+//! let retry = app.clone().oneshot(request(key, "application/json", "1250")?).await?;
 //! assert_eq!(retry.status(), 201);
 //! assert_eq!(retry.headers()["idempotent-replayed"], "true");
+//!
+//! // A database error is a 500: not stored, rolled back; the retry runs again.
+//! for _ in 0..2 {
+//!     let failed = app.clone().oneshot(request("charge-2", "application/json", "-5")?).await?;
+//!     assert_eq!(failed.status(), 500);
+//!     assert!(failed.headers().get("idempotent-replayed").is_none());
+//! }
 //!
 //! let charges: i64 = sqlx::query_scalar("SELECT count(*) FROM charges")
 //!     .fetch_one(store.pool())
@@ -134,21 +167,22 @@
 //!
 //! - an RFC 8941 **sf-string**, as the draft specifies: `Idempotency-Key: "8e03978e-40d5"`,
 //!   with `\"` and `\\` as its only escapes; parameters after it (`"…";v=1`) are allowed and
-//!   ignored;
+//!   ignored. Its content is the key: **1 to 255 bytes of printable ASCII**, spaces included
+//!   (`"order 42"`), not spaces only;
 //! - a **bare key**, as Stripe-style clients send it: `Idempotency-Key: 8e03978e-40d5` — any
-//!   value that does not start with `"` is the key itself.
+//!   value that does not start with `"` is the key itself: **1 to 255 bytes of visible ASCII**
+//!   (`!` to `~`: no spaces, no control characters, nothing outside ASCII).
 //!
-//! Either way the key must be **1 to 255 bytes of visible ASCII** (`!` to `~`: no spaces, no
-//! control characters, nothing outside ASCII); the limit is
-//! [`max_key_len`](IdempotencyLayer::max_key_len), and the store's own limit applies too.
-//! Anything else — an empty value, `""`, 256 bytes, a byte outside ASCII, an unterminated or
-//! badly escaped sf-string, text after the string — is `400 invalid-key`, and so is a request
-//! with two `Idempotency-Key` headers. A list on one line is refused too: `"a", "b"` has text
-//! after the string, and `a, b` (two bare keys as a proxy joins repeated headers) has a space;
-//! a bare value without spaces such as `a,b` is the one key `a,b`. A huge value (64 KiB, say)
-//! is `400 invalid-key` like any key over the limit, as long as the request head fits the
-//! HTTP server's own limit (hyper answers `431` for a larger head before the layer sees it).
-//! Use a fresh UUID per operation and send it again on every retry of that operation.
+//! The limit is [`max_key_len`](IdempotencyLayer::max_key_len), and the store's own limit
+//! applies too. Anything else — an empty value, `""`, 256 bytes, a byte outside ASCII, an
+//! unterminated or badly escaped sf-string, text after the string — is `400 invalid-key`, and
+//! so is a request with two `Idempotency-Key` headers. A list on one line is refused too:
+//! `"a", "b"` has text after the string, and `a, b` (two bare keys as a proxy joins repeated
+//! headers) has a space; a bare value without spaces such as `a,b` is the one key `a,b`. A
+//! huge value (64 KiB, say) is `400 invalid-key` like any key over the limit, as long as the
+//! request head fits the HTTP server's own limit (hyper answers `431` for a larger head before
+//! the layer sees it). Use a fresh UUID per operation and send it again on every retry of that
+//! operation.
 //!
 //! # What the layer does
 //!
@@ -159,31 +193,45 @@
 //!   idempotency; the default) or [`Off`](KeyRequirement::Off); in axum, put layers configured
 //!   differently on different routes, or use
 //!   [`key_requirement_by`](IdempotencyLayer::key_requirement_by).
-//! - **Scope**: records are looked up by (principal, method, path, key). The principal comes
-//!   from your function of the request head ([`per_principal`](IdempotencyLayer::per_principal));
-//!   one principal can never see, replay or block another's record. Without one, the layer must
-//!   be built with [`shared_scope`](IdempotencyLayer::shared_scope) — unsafe for multi-tenant
-//!   APIs.
-//! - **Fingerprint**: SHA-256 over the method, the path with its query and the body
-//!   ([`default_fingerprint`]); your own with
+//! - **Scope**: records are looked up by (principal, method, path, key), the path as the
+//!   client sent it (axum's `OriginalUri`: under `Router::nest`, `/v1/charges` and
+//!   `/v2/charges` are two scopes). The principal comes from your function of the request head
+//!   ([`per_principal`](IdempotencyLayer::per_principal)); one principal can never see, replay
+//!   or block another's record. Without one, the layer must be built with
+//!   [`shared_scope`](IdempotencyLayer::shared_scope) — unsafe for multi-tenant APIs.
+//! - **Fingerprint**: SHA-256 over the method, the path with its query, the `Content-Type`
+//!   and the body ([`default_fingerprint`]); your own with
 //!   [`fingerprint_with`](IdempotencyLayer::fingerprint_with). The same key with another
 //!   fingerprint is `422`, and the original record stays as it was.
 //! - **First request**: the record is taken (in progress, with a lease and a fencing token;
 //!   a heartbeat renews the lease while the handler runs), the handler runs with the
 //!   transaction in the request's extensions, and a response the [policy](StorePolicy) stores
 //!   is committed with the record: the status, the allow-listed headers (never `Set-Cookie`,
-//!   never hop-by-hop headers: see [`record`]) and the body. The first response never carries
-//!   the replay marker. The handler also finds the parsed [`IdempotencyKey`] in the request's
-//!   extensions (`Extension<IdempotencyKey>` in axum), e.g. to derive keys for external calls.
-//! - **Retry**: the stored response byte for byte (status, kept headers, body), plus
+//!   never hop-by-hop headers: see [`record`]), the body and the trailers. The first response
+//!   never carries the replay marker.
+//! - **External calls**: the handler finds its [`IdemRequest`] in the request's extensions
+//!   (an axum extractor) and derives the idempotency key of every call to a third party from
+//!   it ([`IdemRequest::derive_key`]): distinct per principal and route, the same on every
+//!   retry and takeover. Never pass the client's key on: two tenants may both have chosen
+//!   `order-42`.
+//! - **Retry**: the stored response byte for byte (status, kept headers, body, trailers), plus
 //!   `Idempotent-Replayed: true` ([`replay_header`](IdempotencyLayer::replay_header)).
-//! - **In flight**: a retry while the first still runs is `409` at once, with `Retry-After` in
-//!   whole seconds (≥ 1) — never blocked until the first finishes. A record whose lease ran out
-//!   (its server crashed) is taken over by the next retry; the old holder's late completion is
-//!   refused by the fencing token and its writes roll back.
-//! - **Not stored**: 5xx, 408, 409, 425, 429 and panics, by default. The response still goes
-//!   to the client, but the handler's writes roll back and the key is free: a 500 means
-//!   nothing happened, and the retry runs again. (2xx, 3xx and other 4xx are stored.)
+//! - **In flight**: a retry while the first still runs is `409 conflict` at once, with
+//!   `Retry-After` a hint of 1 s ([`retry_after`](IdempotencyLayer::retry_after), never more
+//!   than the holder's lease has left) — never blocked until the first finishes. A record
+//!   whose lease ran out (its server crashed) is taken over by the next retry; the old
+//!   holder's late completion is refused by the fencing token (`409 lease-lost`).
+//! - **Only what the handler started is stored** (Stripe: "results are only saved if an API
+//!   endpoint started executing"): a 4xx produced before the handler started — an axum
+//!   extractor's rejection, such as `Json`'s `415` for a `text/plain` body or `422` for a
+//!   missing field — is sent but not stored, and the key is free for the corrected retry. The
+//!   handler has started once it used [`IdemTx`] or derived a key from [`IdemRequest`], or
+//!   said so ([`IdemRequest::mark_started`], the [`Executed`] response marker); see
+//!   [`execution`]. 2xx and 3xx responses are stored either way.
+//! - **Not stored**: 5xx, 408, 409, 425, 429 and panics, by default, and a gRPC reply whose
+//!   `grpc-status` maps to one of those. The response still goes to the client and the key is
+//!   free, so the retry runs again. What is undone depends on where the handler wrote (see
+//!   below): only writes through [`IdemTx`] on a SQL store roll back.
 //! - **Bodies**: a request body over [`request_body_limit`](IdempotencyLayer::request_body_limit)
 //!   (1 MiB) is `413` before any record is written; so is one whose `Content-Length` says so,
 //!   before a byte of it is read. A body that ends before its `Content-Length` (the client
@@ -191,15 +239,59 @@
 //!   stays free. A response body over
 //!   [`response_storage_limit`](IdempotencyLayer::response_storage_limit) (1 MiB) still
 //!   completes the record with its status and headers, so a retry never executes again; the
-//!   replay has an empty body and `Idempotent-Body-Omitted: true`.
-//! - **Client gone**: a client that disconnects while the handler runs makes the server drop
-//!   the request (hyper drops its future), and the execution is abandoned as after a panic:
-//!   its transaction rolls back (on the SQL stores, with the handler's writes) and the key is
-//!   freed at once, in the background. The client's retry then runs the handler again; only
-//!   in the moment before the key is free is it `409 conflict` with `Retry-After`.
+//!   replay has an empty body, no trailers and `Idempotent-Body-Omitted: true`.
+//! - **Client gone**: a client that disconnects makes the server drop the request (hyper
+//!   drops its future), at whatever point it is — taking the record, running the handler,
+//!   storing the response — and the key is freed at once, in the background: the execution is
+//!   abandoned as after a panic (or, dropped while its commit was under way, completed). The
+//!   client's retry then runs the handler again (or gets the stored response); only in the
+//!   moment before the key is free is it `409 conflict` with `Retry-After`.
 //! - **Expiry**: records live for the engine's TTL (24 h by default,
 //!   [`IdempotencyBuilder::ttl`](idem_request::IdempotencyBuilder::ttl)); after it the key
 //!   executes again, and the store's reaper deletes the record in bounded batches.
+//! - **Logs**: a key is a bearer-like secret in a shared scope; the layer and the engine name
+//!   it by a digest ([`KeyDigest`](idem_request::KeyDigest)) at info and above.
+//!
+//! # What is rolled back, per store
+//!
+//! When a response is not stored (5xx, a refusal before the handler started, a panic, a
+//! client gone, a lost lease, a failed commit):
+//!
+//! | the handler's effect | SQLite, PostgreSQL, MySQL (`idem-sql`, `idem-postgres`) | Redis (`idem-redis`) |
+//! |---|---|---|
+//! | writes through [`IdemTx`] | rolled back: they commit only with the stored response | not rolled back: `IdemTx` carries no database transaction |
+//! | writes on your own pool or connection | not rolled back | not rolled back |
+//! | calls to third parties | not undone: give each a key from [`IdemRequest::derive_key`] so the retry's call is deduplicated | the same |
+//! | the record | freed: the retry runs | freed: the retry runs |
+//!
+//! So "a 500 means nothing happened" holds only for writes through `IdemTx` on a SQL store.
+//! Elsewhere make the handler safe to run again: write under IDs derived from the request
+//! ([`IdemRequest::derive_key`]) so a second execution finds the first one's work.
+//!
+//! # gRPC
+//!
+//! A tonic service is a tower service over `http::Request`, so the layer goes in front of it
+//! like any other; the client sends the key as `idempotency-key` metadata. A unary method's
+//! reply is stored and replayed whole — message, `grpc-status` and `grpc-message`, in the
+//! trailers or (for an error `Status`) in the head — and the policy judges the `grpc-status`
+//! (`UNAVAILABLE` is judged as 503, not stored; `NOT_FOUND` as 404, stored once the method
+//! started). Streaming methods must not be buffered: switch the layer off for them.
+//!
+//! ```no_run
+//! # fn doc<S: idem_core::store::RequestStore + Clone + 'static>(idem: idem_request::Idempotency<S>) {
+//! use idem_http::{IdempotencyLayer, KeyRequirement};
+//!
+//! let layer = IdempotencyLayer::per_principal(idem, |parts: &http::request::Parts| {
+//!     parts.headers.get("x-account").map(|v| v.as_bytes().to_vec()) // your interceptor's
+//! })
+//! .key_requirement_by(|parts: &http::request::Parts| match parts.uri.path() {
+//!     "/payments.v1.Payments/Charge" => KeyRequirement::Required,
+//!     _ => KeyRequirement::Off, // streaming and read methods pass through untouched
+//! });
+//! // tonic::transport::Server::builder().layer(layer).add_service(PaymentsServer::new(svc))
+//! # let _ = layer;
+//! # }
+//! ```
 //!
 //! # Status codes
 //!
@@ -213,12 +305,13 @@
 //! | 400 | `missing-key` | a route with a required key, no `Idempotency-Key` | not run |
 //! | 400 | `invalid-key` | a key outside the format above, or two `Idempotency-Key` headers | not run |
 //! | 400 | `invalid-body` | the request body could not be read (shorter than its `Content-Length`, the client gone) | not run |
-//! | 401 | `missing-principal` | a key, but the principal function found no principal | not run |
-//! | 409 | `conflict` | the same key is in flight (with `Retry-After`); or this request's lease ran out and a retry took over (its writes rolled back) | not run / rolled back |
+//! | 401 | `missing-principal` | a key, but the principal function found no principal; with `WWW-Authenticate` | not run |
+//! | 409 | `conflict` | the same key is in flight, with `Retry-After` | not run |
+//! | 409 | `lease-lost` | this request ran past its lease and a retry took the key over; its response was not stored | ran; not stored (see the table above for what was undone) |
 //! | 413 | `body-too-large` | request body over the limit; nothing recorded | not run |
-//! | 422 | `fingerprint-mismatch` | the key was used for a different request; the original record is untouched | not run |
-//! | 500 | `internal-error` | a stored response the layer cannot read, a handler that kept the transaction, a response body that failed | rolled back |
-//! | 503 | `store-unavailable` | the store is down or refusing work | not run (or rolled back) |
+//! | 422 | `fingerprint-mismatch` | the key was used, on this method and path, for a request with another query, `Content-Type` or body; the original record is untouched | not run |
+//! | 500 | `internal-error` | a stored response the layer cannot read, a handler that kept the transaction, a response body that failed | ran; not stored |
+//! | 503 | `store-unavailable` | the store is down or refusing work | not run, or ran and not stored |
 //!
 //! # Placement
 //!
@@ -227,9 +320,10 @@
 //! not keep [`IdemTx`] beyond their response (a spawned task holding it makes the request
 //! fail with `500 internal-error` and roll back). On Redis, which shares no transaction with
 //! your database, the handler's writes are not rolled back with an unstored response — see
-//! the Redis store's documentation.
+//! the table above and the Redis store's documentation.
 
 mod body;
+pub mod execution;
 #[cfg(feature = "axum")]
 mod extract;
 mod future;
@@ -243,11 +337,12 @@ mod service;
 mod tx;
 
 pub use body::{RequestBody, ResponseBody};
+pub use execution::{Executed, IdemRequest};
 pub use future::ResponseFuture;
 pub use key::{IDEMPOTENCY_KEY, KeyError, parse_key, parse_key_header};
 pub use layer::{
-    DEFAULT_BODY_LIMIT, IDEMPOTENT_BODY_OMITTED, IDEMPOTENT_REPLAYED, IdempotencyLayer,
-    KeyRequirement, default_fingerprint,
+    DEFAULT_BODY_LIMIT, DEFAULT_RETRY_AFTER, IDEMPOTENT_BODY_OMITTED, IDEMPOTENT_REPLAYED,
+    IdempotencyLayer, KeyRequirement, default_fingerprint,
 };
 pub use policy::{StorePolicy, stored_by_default};
 pub use principal::{MakePrincipal, Principal, PrincipalFn, SharedScope};

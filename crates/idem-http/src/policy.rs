@@ -1,5 +1,6 @@
-//! Which responses are stored (and replayed to every retry) and which are thrown away, their
-//! writes rolled back and the key freed so that a retry executes again.
+//! Which responses are stored (and replayed to every retry) and which are thrown away, the key
+//! freed so that a retry executes again (and, on a SQL store, the writes through `IdemTx`
+//! rolled back).
 
 use std::fmt;
 use std::sync::Arc;
@@ -10,8 +11,14 @@ use http::StatusCode;
 ///
 /// The default ([`StorePolicy::default`], [`stored_by_default`]): 2xx, 3xx and 4xx are stored,
 /// except 408, 409, 425 and 429, which say "not now" rather than "this is the answer"; 1xx and
-/// 5xx are not. A response that is not stored is still sent to the client, but on a SQL store
-/// the handler's writes are rolled back with it: a 500 means nothing happened.
+/// 5xx are not. A gRPC reply is judged by its `grpc-status`, mapped to the HTTP status of the
+/// same meaning. A 4xx is moreover stored only when the handler started executing (see
+/// [`execution`](crate::execution)).
+///
+/// A response that is not stored is still sent to the client and its key is freed, so the
+/// retry runs again. Writes the handler made through [`IdemTx`](crate::IdemTx) on a SQL store
+/// roll back with it; on Redis, and for writes that did not go through `IdemTx`, nothing is
+/// undone (see the [crate docs](crate#what-is-rolled-back-per-store)).
 #[derive(Clone, Default)]
 pub struct StorePolicy(Policy);
 

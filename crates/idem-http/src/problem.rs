@@ -6,7 +6,7 @@
 //!   "type": "https://docs.rs/idem-http/latest/idem_http/problem/index.html#conflict",
 //!   "title": "Request in progress",
 //!   "status": 409,
-//!   "detail": "a request with this Idempotency-Key is still being processed; retry after 3 s",
+//!   "detail": "a request with this idempotency key is still being processed; retry after 1 s",
 //!   "code": "conflict"
 //! }
 //! ```
@@ -23,8 +23,10 @@
 //! it was sent twice. The handler did not run.
 //!
 //! ### missing-principal
-//! `401`: the request carries a key but the layer's principal function found no principal
-//! (no authenticated account) to scope it to. Put authentication in front of the layer.
+//! `401`, with `WWW-Authenticate` (`Bearer` unless
+//! [`www_authenticate`](crate::IdempotencyLayer::www_authenticate) says otherwise): the request
+//! carries a key but the layer's principal function found no principal (no authenticated
+//! account) to scope it to. Put authentication in front of the layer.
 //!
 //! ### invalid-body
 //! `400`: the request body could not be read to its end.
@@ -33,22 +35,33 @@
 //! `413`: the request body is over the layer's limit; nothing was recorded.
 //!
 //! ### fingerprint-mismatch
-//! `422`: the key was already used for a different request (another method, path or body).
-//! The original record is untouched: a retry of the original request still replays it.
+//! `422`: the key was already used, by the same principal on the same method and path (those
+//! are the record's scope), for a request with another fingerprint: by default another query
+//! string, `Content-Type` or body. The original record is untouched: a retry of the original
+//! request still replays it.
 //!
 //! ### conflict
-//! `409`, with `Retry-After`: a request with this key is still being processed. Also sent
-//! when this request's lease ran out and a retry took the key over: its writes were rolled
-//! back, and the retry's response is the one that will be replayed.
+//! `409`, with `Retry-After` (a hint, 1 s by default, see
+//! [`retry_after`](crate::IdempotencyLayer::retry_after)): a request with this key is still
+//! being processed. The handler did not run.
+//!
+//! ### lease-lost
+//! `409`, with `Retry-After: 1`: this request ran past its lease and a retry took the key over,
+//! so this execution's response was not stored; the retry's response is the one that will be
+//! replayed. What this execution wrote through [`IdemTx`](crate::IdemTx) on a SQL store was
+//! rolled back; on Redis, and for writes that did not go through `IdemTx` (your own pool, an
+//! external call), nothing was undone.
 //!
 //! ### store-unavailable
 //! `503`: the idempotency store could not be reached or refused the work; the handler did not
-//! run (or its writes were rolled back). Retry later with the same key.
+//! run, or its response was not stored (writes through `IdemTx` on a SQL store rolled back).
+//! Retry later with the same key.
 //!
 //! ### internal-error
 //! `500`: the layer could not finish the request: a stored response it cannot read, a handler
 //! that kept the transaction past its end, a response body that failed while being stored.
-//! Nothing was stored and the handler's writes were rolled back.
+//! Nothing was stored; writes through `IdemTx` on a SQL store were rolled back, anything else
+//! the handler did stands.
 
 use bytes::Bytes;
 use http::header::{CONTENT_TYPE, HeaderValue, RETRY_AFTER};
@@ -78,8 +91,10 @@ pub enum ProblemCode {
     BodyTooLarge,
     /// `422 fingerprint-mismatch`.
     FingerprintMismatch,
-    /// `409 conflict`.
+    /// `409 conflict`: the key is in flight.
     Conflict,
+    /// `409 lease-lost`: this execution's lease was taken over.
+    LeaseLost,
     /// `503 store-unavailable`.
     StoreUnavailable,
     /// `500 internal-error`.
@@ -88,7 +103,7 @@ pub enum ProblemCode {
 
 impl ProblemCode {
     /// Every code, in the order of the documentation.
-    pub const ALL: [ProblemCode; 9] = [
+    pub const ALL: [ProblemCode; 10] = [
         Self::MissingKey,
         Self::InvalidKey,
         Self::MissingPrincipal,
@@ -96,6 +111,7 @@ impl ProblemCode {
         Self::BodyTooLarge,
         Self::FingerprintMismatch,
         Self::Conflict,
+        Self::LeaseLost,
         Self::StoreUnavailable,
         Self::InternalError,
     ];
@@ -110,6 +126,7 @@ impl ProblemCode {
             Self::BodyTooLarge => "body-too-large",
             Self::FingerprintMismatch => "fingerprint-mismatch",
             Self::Conflict => "conflict",
+            Self::LeaseLost => "lease-lost",
             Self::StoreUnavailable => "store-unavailable",
             Self::InternalError => "internal-error",
         }
@@ -122,7 +139,7 @@ impl ProblemCode {
             Self::MissingPrincipal => StatusCode::UNAUTHORIZED,
             Self::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::FingerprintMismatch => StatusCode::UNPROCESSABLE_ENTITY,
-            Self::Conflict => StatusCode::CONFLICT,
+            Self::Conflict | Self::LeaseLost => StatusCode::CONFLICT,
             Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
             Self::InternalError => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -138,6 +155,7 @@ impl ProblemCode {
             Self::BodyTooLarge => "Request body too large",
             Self::FingerprintMismatch => "Idempotency-Key reused for a different request",
             Self::Conflict => "Request in progress",
+            Self::LeaseLost => "Lease lost to a retry",
             Self::StoreUnavailable => "Idempotency store unavailable",
             Self::InternalError => "Idempotent request failed",
         }

@@ -2,10 +2,12 @@
 //!
 //! Cheap checks first, answered without touching the store (method, route, key, principal,
 //! declared body size); then the body is buffered and fingerprinted, and the engine either
-//! replays, refuses (409, 422) or hands over an execution. The execution's transaction goes
-//! into the request's extensions for the handler; afterwards the layer takes it back and
-//! completes the record in it with the stored response, or abandons it (rolling the writes
-//! back) when the policy does not store the response.
+//! replays, refuses (409, 422) or hands over an execution. The execution's transaction and
+//! its [`IdemRequest`] go into the request's extensions for the handler; afterwards the layer
+//! takes the transaction back and completes the record in it with the stored response, or
+//! abandons it (rolling back what was written through it, freeing the key) when the response
+//! is not stored: the policy refuses its status (a gRPC reply's `grpc-status`), or it is a
+//! client error from before the handler started.
 
 use std::fmt;
 use std::panic::AssertUnwindSafe;
@@ -14,23 +16,24 @@ use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use futures_util::FutureExt;
-use http::header::{CONTENT_LENGTH, HeaderValue};
+use http::header::{CONTENT_LENGTH, CONTENT_TYPE, HeaderName, HeaderValue, WWW_AUTHENTICATE};
 use http::request::Parts;
-use http::{HeaderMap, Request, Response};
+use http::{HeaderMap, Request, Response, StatusCode};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use idem_core::store::RequestStore;
 use idem_core::{BoxError, ErrorKind, IdempotencyKey, RequestKey, RequestScope};
-use idem_request::{Execution, Idempotency, Start};
+use idem_request::{Execution, Idempotency, KeyDigest, Start};
 use tower_service::Service;
 
 use crate::body::{Read, RequestBody, ResponseBody, read_up_to};
+use crate::execution::{Executed, IdemRequest, StartMark};
 use crate::future::ResponseFuture;
 use crate::key::parse_key_header;
-use crate::layer::{Config, KeyRequirement};
+use crate::layer::{Config, KeyRequirement, client_uri};
 use crate::principal::MakePrincipal;
 use crate::problem::{Problem, ProblemCode};
-use crate::record::{StoredResponse, storable};
+use crate::record::{NEVER_STORED, StoredResponse, storable};
 use crate::tx::TxSlot;
 
 const TRUE: HeaderValue = HeaderValue::from_static("true");
@@ -143,16 +146,25 @@ where
             Err(e) => return self.refuse(Problem::new(ProblemCode::InvalidKey, e.to_string())),
         };
         let Some(principal) = self.principal.make_principal(&parts) else {
-            return self.refuse(Problem::new(
-                ProblemCode::MissingPrincipal,
-                "the request carries an idempotency key but no credentials to scope it to",
-            ));
+            let mut response = render(
+                config,
+                Problem::new(
+                    ProblemCode::MissingPrincipal,
+                    "the request carries an idempotency key but no credentials to scope it to",
+                ),
+            );
+            response
+                .headers_mut()
+                .insert(WWW_AUTHENTICATE, config.www_authenticate.clone());
+            return ResponseFuture::ready(response);
         };
         let declared = declared_len(&parts.headers).max(body.size_hint().lower());
         if declared > config.request_body_limit as u64 {
             return self.refuse(too_large(config.request_body_limit));
         }
-        let scope = principal.scope(&parts.method, parts.uri.path());
+        // The path the client sent: under `Router::nest` the request's own URI has lost its
+        // prefix, and `/v1/charges` and `/v2/charges` must not share records.
+        let scope = principal.scope(&parts.method, client_uri(&parts).path());
         // The instance `poll_ready` readied goes with this request; the clone stays.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
@@ -240,11 +252,11 @@ impl<Inner, S> Run<Inner, S> {
         let data = collected.to_bytes();
         let fingerprint = config.fingerprint(&parts, &data);
         let request = RequestKey::new(self.scope, self.key.clone());
-        let mut execution = match self.idem.start(request, fingerprint).await {
+        let mut execution = match self.idem.start(request.clone(), fingerprint).await {
             Ok(Start::Run(execution)) => execution,
             Ok(Start::Replay(stored)) => return Ok(replay(&config, stored)),
             Ok(Start::InProgress { retry_after }) => {
-                let secs = retry_after.as_secs().max(1);
+                let secs = config.retry_after_secs(retry_after);
                 return refuse(
                     Problem::new(
                         ProblemCode::Conflict,
@@ -256,7 +268,11 @@ impl<Inner, S> Run<Inner, S> {
             Ok(Start::Mismatch) => {
                 return refuse(Problem::new(
                     ProblemCode::FingerprintMismatch,
-                    "this idempotency key was already used for a different request (method, path or body); the original request's record is unchanged",
+                    if config.fingerprint.is_some() {
+                        "this idempotency key was already used by this principal on this method and path for a request with another fingerprint (as this service computes it); the original request's record is unchanged"
+                    } else {
+                        "this idempotency key was already used by this principal on this method and path for a request with another query string, Content-Type or body; the original request's record is unchanged"
+                    },
                 ));
             }
             Ok(_) => {
@@ -282,9 +298,12 @@ impl<Inner, S> Run<Inner, S> {
             }
         };
 
-        let slot = TxSlot::new(execution.take_tx());
+        let started = StartMark::default();
+        let slot = TxSlot::new(execution.take_tx(), started.clone());
         let mut req = Request::from_parts(parts, RequestBody::buffered(data, trailers));
         req.extensions_mut().insert(slot.clone());
+        req.extensions_mut()
+            .insert(IdemRequest::new(request.clone(), started.clone()));
         req.extensions_mut().insert(self.key.clone());
         let response = match AssertUnwindSafe(self.inner.call(req)).catch_unwind().await {
             Ok(Ok(response)) => response,
@@ -302,7 +321,18 @@ impl<Inner, S> Run<Inner, S> {
         // Whatever the handler did, a first execution never looks like a replay.
         head.headers.remove(&config.replay_header);
         head.headers.remove(&config.omitted_header);
-        if !config.policy.stores(head.status) {
+        let started = head.extensions.remove::<Executed>().is_some() || started.is_marked();
+        // What the policy judges: the status, or a gRPC reply's `grpc-status` — in the head of
+        // a Trailers-Only reply, else in the trailers, known once the body is read.
+        let grpc = is_grpc(&head.headers);
+        let outcome = if grpc {
+            head.headers.get(GRPC_STATUS).map(grpc_outcome)
+        } else {
+            Some(head.status)
+        };
+        if let Some(status) = outcome
+            && !config.stores(status, started)
+        {
             abandon(execution, &slot).await;
             return Ok(Response::from_parts(head, ResponseBody::streaming(body)));
         }
@@ -310,7 +340,7 @@ impl<Inner, S> Run<Inner, S> {
             abandon(execution, &slot).await;
             return refuse(Problem::new(
                 ProblemCode::InternalError,
-                "the handler kept the idempotent transaction past its response; nothing was committed",
+                "the handler kept the idempotent transaction past its response; the response was not stored (writes through the transaction were rolled back on a SQL store)",
             ));
         };
         execution.put_tx(tx);
@@ -318,53 +348,109 @@ impl<Inner, S> Run<Inner, S> {
         let read = read_up_to(body, config.response_storage_limit)
             .await
             .map_err(Into::<BoxError>::into);
-        let (stored_body, body) = match read {
+        let (stored_body, body, trailers) = match read {
             Ok(Read::Whole(data, trailers)) => {
-                (Some(data.clone()), ResponseBody::buffered(data, trailers))
+                let kept = trailers.as_ref().map(storable_trailers).unwrap_or_default();
+                (
+                    Some(data.clone()),
+                    ResponseBody::buffered(data, trailers),
+                    kept,
+                )
             }
-            Ok(Read::Over(prefix, rest)) => (None, ResponseBody::prefixed(prefix, rest)),
+            // Over the limit, a gRPC reply's trailers are not read yet: stored as omitted.
+            Ok(Read::Over(prefix, rest)) => {
+                (None, ResponseBody::prefixed(prefix, rest), HeaderMap::new())
+            }
             Err(e) => {
-                tracing::error!(error = %e, "the handler's response body failed; not stored, writes rolled back");
+                tracing::error!(error = %e, "the handler's response body failed; not stored, the key freed");
                 abandon(execution, &slot).await;
                 return refuse(Problem::new(
                     ProblemCode::InternalError,
-                    "the response body failed while it was being stored; nothing was committed",
+                    "the response body failed while it was being stored; the response was not stored (writes through the idempotent transaction were rolled back on a SQL store)",
                 ));
             }
         };
+        if outcome.is_none() && stored_body.is_some() {
+            // No `grpc-status` in the trailers either: not a reply that says it succeeded.
+            let status = trailers
+                .get(GRPC_STATUS)
+                .map_or(StatusCode::INTERNAL_SERVER_ERROR, grpc_outcome);
+            if !config.stores(status, started) {
+                abandon(execution, &slot).await;
+                return Ok(Response::from_parts(head, body));
+            }
+        }
         let mut kept = HeaderMap::new();
         for (name, value) in &head.headers {
             if storable(name, &config.stored_headers, &head.headers) {
                 kept.append(name.clone(), value.clone());
             }
         }
-        let record = StoredResponse {
-            status: head.status,
-            headers: kept,
-            body: stored_body,
-        }
-        .encode();
-        match execution.complete(&record).await {
+        let mut record = StoredResponse::new(head.status, kept, stored_body);
+        record.trailers = trailers;
+        match execution.complete(&record.encode()).await {
             Ok(()) => Ok(Response::from_parts(head, body)),
             Err(e) if e.kind() == ErrorKind::LeaseLost => {
-                tracing::warn!(key = %self.key, "lease lost to a retry while the handler ran; its writes were rolled back");
+                tracing::warn!(key = %KeyDigest(&request), "lease lost to a retry while the handler ran; its response was not stored");
                 refuse(
                     Problem::new(
-                        ProblemCode::Conflict,
-                        "this request took longer than its lease and a retry took the key over; this execution's writes were rolled back, retry to get the stored response",
+                        ProblemCode::LeaseLost,
+                        "this request ran past its lease and a retry took the key over, so this response was not stored; writes through the idempotent transaction were rolled back on a SQL store (on Redis, and for anything done outside that transaction, nothing was undone); retry to get the stored response",
                     )
                     .retry_after(1),
                 )
             }
             Err(e) => {
-                tracing::warn!(error = %e, kind = ?e.kind(), "completing the idempotent request failed; its writes were rolled back");
+                tracing::warn!(error = %e, kind = ?e.kind(), "completing the idempotent request failed; its response was not stored");
                 refuse(Problem::new(
                     ProblemCode::StoreUnavailable,
-                    "the idempotency store failed while committing the response; retry later with the same key",
+                    "the idempotency store failed while storing the response, so it was not stored (writes through the idempotent transaction were rolled back on a SQL store); retry later with the same key",
                 ))
             }
         }
     }
+}
+
+const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
+
+/// A gRPC reply (`application/grpc`, `application/grpc+proto`, …; not gRPC-Web, whose
+/// trailers are in the body).
+fn is_grpc(headers: &HeaderMap) -> bool {
+    headers.get(CONTENT_TYPE).is_some_and(|v| {
+        let v = v.as_bytes();
+        v.starts_with(b"application/grpc") && matches!(v.get(16), None | Some(b'+' | b';'))
+    })
+}
+
+/// The HTTP status the policy judges a `grpc-status` as: the mapping of Google's API design
+/// guide (`NOT_FOUND` 404, `UNAVAILABLE` 503, …), with `CANCELLED` as 408, not stored.
+fn grpc_outcome(code: &HeaderValue) -> StatusCode {
+    let status = match code.as_bytes() {
+        b"0" => 200,
+        b"1" => 408,
+        b"3" | b"9" | b"11" => 400,
+        b"4" => 504,
+        b"5" => 404,
+        b"6" | b"10" => 409,
+        b"7" => 403,
+        b"8" => 429,
+        b"12" => 501,
+        b"14" => 503,
+        b"16" => 401,
+        _ => 500,
+    };
+    StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+}
+
+/// The trailers a record keeps: all but those never stored.
+fn storable_trailers(trailers: &HeaderMap) -> HeaderMap {
+    let mut kept = HeaderMap::new();
+    for (name, value) in trailers {
+        if !NEVER_STORED.contains(name) {
+            kept.append(name.clone(), value.clone());
+        }
+    }
+    kept
 }
 
 /// Gives the transaction back to the execution (unless the handler kept it) and abandons it:
@@ -385,9 +471,10 @@ fn replay<B>(config: &Config, stored: Vec<u8>) -> Response<ResponseBody<B>> {
     match StoredResponse::decode(Bytes::from(stored)) {
         Ok(stored) => {
             let omitted = stored.body.is_none();
+            let trailers = (!stored.trailers.is_empty()).then_some(stored.trailers);
             let mut response = Response::new(ResponseBody::buffered(
                 stored.body.unwrap_or_default(),
-                None,
+                trailers,
             ));
             *response.status_mut() = stored.status;
             *response.headers_mut() = stored.headers;

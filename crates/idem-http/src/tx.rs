@@ -9,23 +9,34 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use http::Extensions;
 use idem_core::TransactionalStore;
 
+use crate::execution::StartMark;
+
 /// The execution's transaction while the inner service runs; in the request's extensions.
-pub(crate) struct TxSlot<T>(Arc<Mutex<Option<T>>>);
+pub(crate) struct TxSlot<T> {
+    tx: Arc<Mutex<Option<T>>>,
+    started: StartMark,
+}
 
 impl<T> Clone for TxSlot<T> {
     fn clone(&self) -> Self {
-        Self(Arc::clone(&self.0))
+        Self {
+            tx: Arc::clone(&self.tx),
+            started: self.started.clone(),
+        }
     }
 }
 
 impl<T> TxSlot<T> {
-    pub(crate) fn new(tx: Option<T>) -> Self {
-        Self(Arc::new(Mutex::new(tx)))
+    pub(crate) fn new(tx: Option<T>, started: StartMark) -> Self {
+        Self {
+            tx: Arc::new(Mutex::new(tx)),
+            started,
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, Option<T>> {
         // Only ever held for a `take` or a `replace`: a panic cannot leave it half-written.
-        self.0
+        self.tx
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
@@ -39,11 +50,11 @@ impl<T> TxSlot<T> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum TxError {
-    /// The request is not an idempotent execution on this store: it did not pass through an
-    /// [`IdempotencyLayer`](crate::IdempotencyLayer) on this store type, or the layer let it
+    /// The request is not an idempotent execution (on this store): it did not pass through an
+    /// [`IdempotencyLayer`](crate::IdempotencyLayer) (on this store type), or the layer let it
     /// through without a record (a safe method, an optional route without a key).
     #[error(
-        "this request has no idempotent transaction: it is not behind an IdempotencyLayer on this store, or it carries no Idempotency-Key"
+        "this request is not an idempotent execution: it is not behind an IdempotencyLayer (on this store), or it carries no Idempotency-Key"
     )]
     NotIdempotent,
     /// Another [`IdemTx`] of this request holds it.
@@ -53,6 +64,14 @@ pub enum TxError {
 
 /// The transaction of an idempotent execution, for the handler: its writes commit together
 /// with the stored response, or roll back with a response that is not stored.
+///
+/// On the SQL stores that is the database transaction. On Redis it carries no transaction
+/// (`idem_redis::RedisTx`): Redis cannot join your database's, so nothing you write is rolled
+/// back there; writes that do not go through it (your own pool, an external call) are never
+/// rolled back on any store.
+///
+/// Using it (the first `Deref`, a read or a write) marks the execution started: a 4xx the
+/// handler answers afterwards is stored (see [`execution`](crate::execution)).
 ///
 /// Dereferences to the store's transaction (`idem_sql::Tx<E>`), so sqlx
 /// queries run on `&mut **tx`. In axum it is an extractor (feature `axum`); elsewhere take it
@@ -90,6 +109,7 @@ impl<S: TransactionalStore> Deref for IdemTx<S> {
     type Target = S::Tx;
 
     fn deref(&self) -> &S::Tx {
+        self.slot.started.mark();
         match &self.tx {
             Some(tx) => tx,
             // Only `Drop` takes it out.
@@ -100,6 +120,7 @@ impl<S: TransactionalStore> Deref for IdemTx<S> {
 
 impl<S: TransactionalStore> DerefMut for IdemTx<S> {
     fn deref_mut(&mut self) -> &mut S::Tx {
+        self.slot.started.mark();
         match &mut self.tx {
             Some(tx) => tx,
             None => unreachable!("IdemTx used after drop"),

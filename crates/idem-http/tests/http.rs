@@ -29,6 +29,11 @@ macro_rules! http_suite {
             malformed_lists_obs_text_and_huge_keys_are_400_and_serving_goes_on,
             a_truncated_body_is_400_records_nothing_and_serving_goes_on,
             a_client_gone_mid_request_abandons_the_execution_and_the_retry_runs,
+            two_principals_with_one_key_derive_two_external_keys,
+            an_extractor_rejection_is_not_stored_and_the_corrected_retry_runs,
+            nested_routes_keep_their_prefix_in_the_scope,
+            a_request_dropped_at_any_await_point_frees_its_key,
+            a_grpc_unary_call_replays_its_message_and_status,
         );
     };
     (@tests $fixture:ty; $($name:ident),* $(,)?) => {

@@ -164,11 +164,28 @@ impl<S: RequestStore + Clone + 'static> Idempotency<S> {
                 ),
             ));
         }
-        let (fence, takeover) = match me
-            .store
-            .begin_request(&key, &fingerprint, me.lease, me.ttl)
-            .await?
-        {
+        // The lookup runs in a task of its own: a caller dropped while it is under way (a
+        // client gone, a timeout) must not leave a record taken with nobody to free it. The
+        // task hands the outcome over, or frees the record itself when no one is left to take it.
+        let (hand_over, taken) = tokio::sync::oneshot::channel();
+        let lookup = {
+            let (store, key) = (me.store.clone(), key.clone());
+            let (lease, ttl) = (me.lease, me.ttl);
+            async move {
+                let begin = store.begin_request(&key, &fingerprint, lease, ttl).await;
+                if let Err(Ok(Begin::Acquired { fence, .. })) = hand_over.send(begin) {
+                    release_quietly(&store, &key, fence, "a caller gone during the lookup").await;
+                }
+            }
+        };
+        tokio::spawn(lookup);
+        let begin = taken.await.map_err(|_| {
+            Error::new(
+                ErrorKind::Store,
+                "the record lookup ended without an answer (its task panicked or the runtime is shutting down)",
+            )
+        })??;
+        let (fence, takeover) = match begin {
             Begin::Acquired { fence, takeover } => (fence, takeover),
             Begin::Completed { result } => return Ok(Start::Replay(result)),
             Begin::InProgress { retry_after } => return Ok(Start::InProgress { retry_after }),
@@ -181,30 +198,64 @@ impl<S: RequestStore + Clone + 'static> Idempotency<S> {
             }
         };
         if takeover {
-            tracing::info!(key = %key.key, fence = fence.0, "took over a record whose lease ran out (its executor likely crashed)");
+            tracing::info!(key = %KeyDigest(&key), fence = fence.0, "took over a record whose lease ran out (its executor likely crashed)");
         }
-        let tx = match me.store.begin().await {
-            Ok(tx) => tx,
-            Err(e) => {
-                let _ = me.store.release(&key, fence).await;
-                return Err(e);
-            }
-        };
-        let heartbeat = me.heartbeat.map(|every| {
-            let store = me.store.clone();
-            let key = key.clone();
-            let lease = me.lease;
-            tokio::spawn(async move { renew(store, key, fence, lease, every).await })
-        });
-        Ok(Start::Run(Execution {
+        // From here the record is this execution's: dropped at any later await, its `Drop`
+        // frees the key.
+        let mut execution = Execution {
             idem: self.clone(),
             key,
             fence,
             takeover,
-            tx: Some(tx),
-            heartbeat,
+            tx: None,
+            heartbeat: None,
             settled: false,
-        }))
+        };
+        match me.store.begin().await {
+            Ok(tx) => execution.tx = Some(tx),
+            Err(e) => {
+                let _ = execution.abandon().await;
+                return Err(e);
+            }
+        }
+        execution.heartbeat = me.heartbeat.map(|every| {
+            let store = me.store.clone();
+            let key = execution.key.clone();
+            let lease = me.lease;
+            tokio::spawn(async move { renew(store, key, fence, lease, every).await })
+        });
+        Ok(Start::Run(execution))
+    }
+}
+
+/// A record's key as logs show it at info and above: a short digest of (scope, key). The key
+/// itself is the client's secret in a shared scope (whoever knows it gets the response), so
+/// it appears only at debug level.
+#[derive(Clone, Copy)]
+pub struct KeyDigest<'a>(pub &'a RequestKey);
+
+impl std::fmt::Display for KeyDigest<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let digest = idem_core::RequestScope::new([
+            b"idem-request/log".as_slice(),
+            self.0.scope.as_bytes(),
+            self.0.key.as_str().as_bytes(),
+        ])
+        .to_hex();
+        write!(f, "k:{}", &digest[..16])
+    }
+}
+
+impl std::fmt::Debug for KeyDigest<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self, f)
+    }
+}
+
+/// Frees a record, logging (not returning) a failure: the lease frees it in the end anyway.
+async fn release_quietly<S: RequestStore>(store: &S, key: &RequestKey, fence: Fence, why: &str) {
+    if let Err(e) = store.release(key, fence).await {
+        tracing::warn!(key = %KeyDigest(key), error = %e, "could not free the key of {why}; it frees itself when its lease runs out");
     }
 }
 
@@ -223,11 +274,11 @@ async fn renew<S: RequestStore>(
         match store.extend_lease(&key, fence, lease).await {
             Ok(true) => {}
             Ok(false) => {
-                tracing::warn!(key = %key.key, fence = fence.0, "lease lost to a takeover; this execution's completion will be refused");
+                tracing::warn!(key = %KeyDigest(&key), fence = fence.0, "lease lost to a takeover; this execution's completion will be refused");
                 return;
             }
             Err(e) => {
-                tracing::warn!(key = %key.key, error = %e, "renewing the lease failed; trying again")
+                tracing::warn!(key = %KeyDigest(&key), error = %e, "renewing the lease failed; trying again")
             }
         }
     }
@@ -295,13 +346,17 @@ impl<S: RequestStore + Clone + 'static> Execution<S> {
     ///
     /// [`ErrorKind::LeaseLost`] when another executor took the record over meanwhile: the
     /// transaction is rolled back, so this execution's writes never happened.
+    ///
+    /// Dropped before it returns (a cancelled request), the key is freed in the background:
+    /// the transaction rolls back unless its commit already went out, and a committed
+    /// completion stays (freeing only ever touches a record still in progress).
     pub async fn complete(mut self, result: &[u8]) -> Result<(), Error> {
         self.stop_heartbeat();
-        self.settled = true;
         let store = self.idem.inner.store.clone();
         let ttl = self.idem.inner.ttl;
         let Some(mut tx) = self.tx.take() else {
             let _ = store.release(&self.key, self.fence).await;
+            self.settled = true;
             return Err(Error::new(
                 ErrorKind::Store,
                 "the operation kept the transaction: nothing was committed and the key is free again",
@@ -315,34 +370,39 @@ impl<S: RequestStore + Clone + 'static> Execution<S> {
             if e.kind() != ErrorKind::LeaseLost {
                 let _ = store.release(&self.key, self.fence).await;
             }
+            self.settled = true;
             return Err(e);
         }
         if let Err(e) = store.commit(tx).await {
             // Rolled back, or unknown: freeing a record this fence still holds in progress is
             // right either way (a committed completion is no longer in progress and stays).
             let _ = store.release(&self.key, self.fence).await;
+            self.settled = true;
             return Err(e);
         }
+        self.settled = true;
         Ok(())
     }
 
     /// Rolls the operation's writes back and frees the key: the outcome is not stored, so a
-    /// retry executes again.
+    /// retry executes again. Dropped before it returns, the key is still freed, in the
+    /// background.
     pub async fn abandon(mut self) -> Result<(), Error> {
         self.stop_heartbeat();
-        self.settled = true;
         let store = self.idem.inner.store.clone();
         if let Some(tx) = self.tx.take() {
             let _ = store.rollback(tx).await;
         }
-        store.release(&self.key, self.fence).await
+        let released = store.release(&self.key, self.fence).await;
+        self.settled = true;
+        released
     }
 }
 
 impl<S: RequestStore + Clone + 'static> std::fmt::Debug for Execution<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Execution")
-            .field("key", &self.key)
+            .field("key", &KeyDigest(&self.key))
             .field("fence", &self.fence)
             .field("takeover", &self.takeover)
             .field("holds_tx", &self.tx.is_some())
@@ -353,8 +413,9 @@ impl<S: RequestStore + Clone + 'static> std::fmt::Debug for Execution<S> {
 impl<S: RequestStore + Clone + 'static> Drop for Execution<S> {
     fn drop(&mut self) {
         self.stop_heartbeat();
-        // Completed or abandoned: nothing left. Otherwise the operation panicked or its future
-        // was dropped: dropping the transaction rolls it back; free the key in the background.
+        // Completed or abandoned: nothing left. Otherwise the operation panicked, or its future
+        // (or that of `start`, `complete` or `abandon`) was dropped at an await: dropping the
+        // transaction rolls it back; free the key in the background.
         if self.settled {
             return;
         }
@@ -363,10 +424,80 @@ impl<S: RequestStore + Clone + 'static> Drop for Execution<S> {
             let store = self.idem.inner.store.clone();
             let (key, fence) = (self.key.clone(), self.fence);
             rt.spawn(async move {
-                if let Err(e) = store.release(&key, fence).await {
-                    tracing::warn!(key = %key.key, error = %e, "could not free the key of an interrupted execution; it frees itself when its lease runs out");
-                }
+                release_quietly(&store, &key, fence, "an interrupted execution").await;
             });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use idem_core::{IdempotencyKey, RequestScope, TransactionalStore};
+    use idem_sql::{SqliteOptions, SqliteStore};
+
+    use super::*;
+
+    #[derive(Clone, Default)]
+    struct Captured(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Captured {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// A key is the client's secret in a shared scope: info and warn lines name it by digest.
+    #[tokio::test(flavor = "current_thread")]
+    async fn info_and_warn_lines_never_show_the_key() {
+        let logs = Captured::default();
+        let writer = logs.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::INFO)
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish();
+        let _guard = tracing::subscriber::set_default(subscriber);
+
+        let dir = tempfile::tempdir().unwrap();
+        let store = SqliteStore::open(dir.path().join("k.db"), SqliteOptions::default())
+            .await
+            .unwrap();
+        idem_core::Migrate::migrate(&store).await.unwrap();
+        let idem = Idempotency::builder(store)
+            .lease(Duration::from_millis(50))
+            .without_heartbeat()
+            .build()
+            .unwrap();
+        let secret = "sk-live-4242-secret";
+        let key = RequestKey::new(
+            RequestScope::new(["shared"]),
+            IdempotencyKey::new(secret).unwrap(),
+        );
+        let fp = Fingerprint::of("body");
+        let Ok(Start::Run(mut first)) = idem.start(key.clone(), fp).await else {
+            panic!("the first start runs");
+        };
+        // Its transaction ends (the write lock of SQLite with it) but its lease stays.
+        let tx = first.take_tx().unwrap();
+        idem.store().rollback(tx).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(80)).await;
+        let Ok(Start::Run(second)) = idem.start(key.clone(), fp).await else {
+            panic!("the lapsed lease is taken over");
+        };
+        assert!(second.took_over());
+        assert!(!format!("{second:?}").contains(secret));
+        second.abandon().await.unwrap();
+        drop(first);
+        tokio::task::yield_now().await;
+        let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+        assert!(text.contains("took over"), "{text}");
+        assert!(text.contains(&KeyDigest(&key).to_string()), "{text}");
+        assert!(!text.contains(secret), "the key is in the logs: {text}");
     }
 }

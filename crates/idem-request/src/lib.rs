@@ -10,7 +10,8 @@
 //! outcome not worth storing, such as a 5xx) rolls the writes back and frees the key. A
 //! heartbeat keeps the lease alive while the operation runs; a crashed executor's lease runs
 //! out and the next retry takes the record over with a larger fencing token, so the old
-//! executor's late completion is refused and its writes roll back.
+//! executor's late completion is refused and its writes through the transaction roll back
+//! (on a store whose transaction carries them: the SQL stores, not Redis).
 //!
 //! [`Idempotency::call`] is the function-level API on top: any async function, keyed,
 //! whose result is serialized with serde and replayed on a repeat. Its input is fingerprinted
@@ -56,4 +57,4 @@
 mod call;
 mod engine;
 
-pub use engine::{Execution, Idempotency, IdempotencyBuilder, Start};
+pub use engine::{Execution, Idempotency, IdempotencyBuilder, KeyDigest, Start};

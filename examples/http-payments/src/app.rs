@@ -29,11 +29,23 @@ pub(crate) struct AppState {
     pub(crate) ledger: Ledger,
     /// Whether [`TEST_SLEEP_HEADER`] is honoured.
     pub(crate) test_hooks: bool,
+    /// How long a completed request is replayed: a charge older than this cannot belong to a
+    /// record that still exists (see `Ledger::insert_once`).
+    pub(crate) ttl: Duration,
 }
 
-/// Who is asking: the bearer token, in this example. Records and charges are scoped to it.
+/// Who is asking: a digest of the bearer token, in this example (a real service would put
+/// the account its authentication found). Records and charges are scoped to it; the token
+/// itself is a credential and is never stored.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Principal(pub(crate) String);
+
+impl Principal {
+    /// The principal of a bearer token: 64 hex digits of a SHA-256 over it.
+    pub(crate) fn of_token(token: &str) -> Self {
+        Self(idem_core::RequestScope::new(["http-payments/principal", token]).to_hex())
+    }
+}
 
 /// The body of `POST /charges`. Unknown fields are ignored.
 #[derive(Debug, Deserialize)]
@@ -104,7 +116,7 @@ pub(crate) fn router(
 async fn authenticate(mut request: Request, next: Next) -> Response {
     match bearer_token(request.headers()) {
         Ok(token) => {
-            request.extensions_mut().insert(Principal(token));
+            request.extensions_mut().insert(Principal::of_token(&token));
             next.run(request).await
         }
         Err(detail) => {
@@ -232,8 +244,8 @@ pub(crate) fn created(charge: &Charge) -> Response {
     response
 }
 
-/// 500 for a database error: not stored by the layer, so the writes roll back and a retry
-/// runs again.
+/// 500 for a database error: not stored by the layer, so the key is free and a retry runs
+/// again; on a SQL store the charge written through the layer's transaction rolls back.
 pub(crate) fn database_error(e: &sqlx::Error) -> Response {
     tracing::warn!(error = %e, "charging failed");
     problem(

@@ -4,9 +4,11 @@
 //! On the SQL stores the handler writes through the layer's transaction ([`IdemTx`]), which
 //! commits together with the stored response: a charge exists exactly when its response is
 //! stored. Redis shares no transaction with the ledger, so there the charge's ID is derived
-//! from the request's key and the insert keeps the first row of that ID — a re-execution
-//! after a crash between the charge and the completion, or a late one after a takeover, then
-//! finds the charge instead of making a second.
+//! from the request's record ([`IdemRequest::derive_key`]: principal, route and key) and the
+//! insert keeps the first row of that ID — a re-execution after a crash between the charge
+//! and the completion, or a late one after a takeover, then finds the charge instead of
+//! making a second. A key reused after its record expired is a new request (as on the SQL
+//! stores): the charge it finds is older than the records live, so it makes the next one.
 
 use anyhow::{Context, Result};
 use axum::Router;
@@ -17,8 +19,7 @@ use axum::http::request::Parts;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use idem_core::store::RequestStore;
-use idem_core::{ConsumerName, DerivedKey, IdempotencyKey, MessageId, RequestScope};
-use idem_http::{IdemTx, IdempotencyLayer};
+use idem_http::{IdemRequest, IdemTx, IdempotencyLayer};
 use idem_redis::RedisRequestStore;
 use idem_request::Idempotency;
 
@@ -62,6 +63,7 @@ where
     let state = AppState {
         ledger,
         test_hooks: args.test_hooks,
+        ttl: args.ttl,
     };
     Ok(app::router(
         state,
@@ -78,6 +80,7 @@ pub(crate) async fn redis(url: &str, ledger: Ledger, args: &ServeArgs) -> Result
     let state = AppState {
         ledger,
         test_hooks: args.test_hooks,
+        ttl: args.ttl,
     };
     Ok(app::router(
         state,
@@ -86,6 +89,9 @@ pub(crate) async fn redis(url: &str, ledger: Ledger, args: &ServeArgs) -> Result
 }
 
 /// `POST /charges` on a SQL store: the row commits with the stored response or not at all.
+///
+/// A body that does not validate is answered before the transaction is used, so the layer
+/// does not store the answer (the handler had not started) and the corrected retry runs.
 async fn post_charge_in_tx<S>(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
@@ -110,29 +116,30 @@ where
     app::created(&charge)
 }
 
-/// `POST /charges` on Redis: the charge's ID is derived from (principal, key), so only the
-/// first execution of a key inserts a row; any later one answers with that row.
+/// `POST /charges` on Redis: the charge's ID is derived from the request's record, so only
+/// the first execution of a record inserts a row; any later one answers with that row.
 async fn post_charge_keyed(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
-    Extension(key): Extension<IdempotencyKey>,
+    request: IdemRequest,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let mut charge = match app::parse_charge(&body) {
+    let charge = match app::parse_charge(&body) {
         Ok(c) => c,
         Err(problem) => return problem.into_response(),
     };
-    charge.id = derived_charge_id(&principal.0, &key);
     let sleep = app::test_sleep(&state, &headers);
     let inside = async move {
         if let Some(d) = sleep {
             app::sleep_in_transaction(d).await;
         }
     };
+    // Deriving the ID marks the execution started: from here even a 4xx would be stored.
+    let id = |generation: u32| charge_id(&request, generation);
     match state
         .ledger
-        .insert_once(&principal.0, &charge, inside)
+        .insert_once(&principal.0, &charge, id, state.ttl, inside)
         .await
     {
         Ok(stored) => app::created(&stored),
@@ -140,14 +147,15 @@ async fn post_charge_keyed(
     }
 }
 
-/// `ch_` and 24 hex digits of a key derived from the principal and its idempotency key.
-fn derived_charge_id(principal: &str, key: &IdempotencyKey) -> String {
-    // Both parts go through the scope digest first: together they may exceed a message ID.
-    let request = RequestScope::new([principal, key.as_str()]).to_hex();
-    let derived = match (ConsumerName::new("http-payments"), MessageId::new(&request)) {
-        (Ok(service), Ok(id)) => DerivedKey::new(&service, &id, "charge").to_uuid_string(),
-        _ => request,
+/// `ch_` and 24 hex digits of the key the record derives for its charge; `generation` counts
+/// the earlier records of the same key that expired (see `Ledger::insert_once`).
+fn charge_id(request: &IdemRequest, generation: u32) -> String {
+    let call = if generation == 0 {
+        "ledger/charge".to_owned()
+    } else {
+        format!("ledger/charge#{generation}")
     };
+    let derived = request.derive_key(&call).to_uuid_string();
     let hex: String = derived
         .chars()
         .filter(char::is_ascii_hexdigit)

@@ -2,6 +2,7 @@
 //! idempotency layer's transaction, or the ledger's own), and the lookup `GET /charges/{id}` is.
 
 use std::future::Future;
+use std::time::Duration;
 
 use anyhow::{Context, Result};
 use idem_sql::{PostgresTx, Tx};
@@ -18,7 +19,8 @@ pub(crate) struct Charge {
     pub(crate) created_at: String,
 }
 
-/// `principal` is who asked (the bearer token): `GET /charges/{id}` answers only its owner.
+/// `principal` is who asked (a digest of the bearer token, never the token): `GET /charges/{id}`
+/// answers only its owner.
 const SQLITE_SCHEMA: &[&str] = &["CREATE TABLE IF NOT EXISTS charges (
         id TEXT PRIMARY KEY,
         principal TEXT NOT NULL,
@@ -128,113 +130,126 @@ impl Ledger {
         }
     }
 
-    /// Inserts `charge` unless a charge with its ID exists, in a transaction of its own,
-    /// calling `inside` before the commit; returns the charge as stored (the existing one
-    /// when there was one). For stores without a shared transaction, whose charge IDs are
-    /// derived from the request's key: a re-execution after a crash, or a late one after a
-    /// takeover, finds the first charge instead of making a second.
-    pub(crate) async fn insert_once<F>(
+    /// Inserts `charge` under the first ID of `id(0)`, `id(1)`, … that is free or holds a
+    /// charge younger than `ttl`, in a transaction of its own, calling `inside` before the
+    /// commit; returns the charge as stored (the existing one when there was one).
+    ///
+    /// For stores without a shared transaction, whose charge IDs are derived from the
+    /// request's record: a re-execution of the record (after a crash, or a late one after a
+    /// takeover) finds the first charge instead of making a second. A charge older than the
+    /// records live (`ttl`) cannot belong to the record being executed — it belonged to an
+    /// earlier use of the key that expired — so the key's new use takes the next ID and makes
+    /// a new charge, as on the SQL stores. (A record kept in progress longer than `ttl` by its
+    /// heartbeat would be taken for a new use: not a case for a payments API.)
+    pub(crate) async fn insert_once<F, I>(
         &self,
         principal: &str,
         charge: &Charge,
+        id: I,
+        ttl: Duration,
         inside: F,
     ) -> Result<Charge, sqlx::Error>
     where
         F: Future<Output = ()> + Send,
+        I: Fn(u32) -> String,
     {
         const SELECT: &str = "SELECT account, amount_cents, created_at FROM charges WHERE id = ";
         type Row = (String, i64, String);
-        // `None`: this call inserted the charge.
-        let row: Option<Row> = match self {
+        let young = |row: &Row| !older_than(&row.2, ttl);
+        let mut generation = 0u32;
+        let (id, row) = match self {
             Ledger::Sqlite(pool) => {
                 let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
-                let inserted = sqlx::query(
-                    "INSERT INTO charges (id, principal, account, amount_cents, created_at) VALUES (?, ?, ?, ?, ?)
-                     ON CONFLICT (id) DO NOTHING",
-                )
-                .bind(&charge.id)
-                .bind(principal)
-                .bind(&charge.account)
-                .bind(charge.amount_cents)
-                .bind(&charge.created_at)
-                .execute(&mut *tx)
-                .await?;
-                let row = if inserted.rows_affected() == 1 {
-                    None
-                } else {
-                    Some(
-                        sqlx::query_as(&format!("{SELECT}?"))
-                            .bind(&charge.id)
-                            .fetch_one(&mut *tx)
-                            .await?,
+                let found = loop {
+                    let id = id(generation);
+                    sqlx::query(
+                        "INSERT INTO charges (id, principal, account, amount_cents, created_at) VALUES (?, ?, ?, ?, ?)
+                         ON CONFLICT (id) DO NOTHING",
                     )
+                    .bind(&id)
+                    .bind(principal)
+                    .bind(&charge.account)
+                    .bind(charge.amount_cents)
+                    .bind(&charge.created_at)
+                    .execute(&mut *tx)
+                    .await?;
+                    let row: Row = sqlx::query_as(&format!("{SELECT}?"))
+                        .bind(&id)
+                        .fetch_one(&mut *tx)
+                        .await?;
+                    if young(&row) {
+                        break (id, row);
+                    }
+                    generation += 1;
                 };
                 inside.await;
                 tx.commit().await?;
-                row
+                found
             }
             Ledger::Postgres(pool) => {
                 let mut tx = pool.begin().await?;
-                let inserted = sqlx::query(
-                    "INSERT INTO charges (id, principal, account, amount_cents, created_at) VALUES ($1, $2, $3, $4, $5)
-                     ON CONFLICT (id) DO NOTHING",
-                )
-                .bind(&charge.id)
-                .bind(principal)
-                .bind(&charge.account)
-                .bind(charge.amount_cents)
-                .bind(&charge.created_at)
-                .execute(&mut *tx)
-                .await?;
-                let row = if inserted.rows_affected() == 1 {
-                    None
-                } else {
-                    Some(
-                        sqlx::query_as(&format!("{SELECT}$1"))
-                            .bind(&charge.id)
-                            .fetch_one(&mut *tx)
-                            .await?,
+                let found = loop {
+                    let id = id(generation);
+                    sqlx::query(
+                        "INSERT INTO charges (id, principal, account, amount_cents, created_at) VALUES ($1, $2, $3, $4, $5)
+                         ON CONFLICT (id) DO NOTHING",
                     )
+                    .bind(&id)
+                    .bind(principal)
+                    .bind(&charge.account)
+                    .bind(charge.amount_cents)
+                    .bind(&charge.created_at)
+                    .execute(&mut *tx)
+                    .await?;
+                    let row: Row = sqlx::query_as(&format!("{SELECT}$1"))
+                        .bind(&id)
+                        .fetch_one(&mut *tx)
+                        .await?;
+                    if young(&row) {
+                        break (id, row);
+                    }
+                    generation += 1;
                 };
                 inside.await;
                 tx.commit().await?;
-                row
+                found
             }
             Ledger::MySql(pool) => {
                 let mut tx = pool.begin().await?;
-                // A no-op update, not INSERT IGNORE (which would also hide truncation).
-                sqlx::query(
-                    "INSERT INTO charges (id, principal, account, amount_cents, created_at) VALUES (?, ?, ?, ?, ?)
-                     ON DUPLICATE KEY UPDATE id = id",
-                )
-                .bind(&charge.id)
-                .bind(principal)
-                .bind(&charge.account)
-                .bind(charge.amount_cents)
-                .bind(&charge.created_at)
-                .execute(&mut *tx)
-                .await?;
-                // sqlx sets CLIENT_FOUND_ROWS, under which an unchanged duplicate also counts as one
-                // affected row: read the row back to know whose charge it is.
-                let row = Some(
-                    sqlx::query_as(&format!("{SELECT}?"))
-                        .bind(&charge.id)
+                let found = loop {
+                    let id = id(generation);
+                    // A no-op update, not INSERT IGNORE (which would also hide truncation).
+                    sqlx::query(
+                        "INSERT INTO charges (id, principal, account, amount_cents, created_at) VALUES (?, ?, ?, ?, ?)
+                         ON DUPLICATE KEY UPDATE id = id",
+                    )
+                    .bind(&id)
+                    .bind(principal)
+                    .bind(&charge.account)
+                    .bind(charge.amount_cents)
+                    .bind(&charge.created_at)
+                    .execute(&mut *tx)
+                    .await?;
+                    let row: Row = sqlx::query_as(&format!("{SELECT}?"))
+                        .bind(&id)
                         .fetch_one(&mut *tx)
-                        .await?,
-                );
+                        .await?;
+                    if young(&row) {
+                        break (id, row);
+                    }
+                    generation += 1;
+                };
                 inside.await;
                 tx.commit().await?;
-                row
+                found
             }
         };
-        Ok(match row {
-            None => charge.clone(),
-            Some((account, amount_cents, created_at)) => Charge {
-                id: charge.id.clone(),
-                account,
-                amount_cents,
-                created_at,
-            },
+        let (account, amount_cents, created_at) = row;
+        Ok(Charge {
+            id,
+            account,
+            amount_cents,
+            created_at,
         })
     }
 
@@ -280,6 +295,16 @@ impl Ledger {
             amount_cents,
             created_at,
         }))
+    }
+}
+
+/// Whether an RFC 3339 `created_at` is more than `ttl` ago. One that does not parse counts as
+/// young: finding a charge again is safe, making a second one is not.
+fn older_than(created_at: &str, ttl: Duration) -> bool {
+    let format = time::format_description::well_known::Rfc3339;
+    match time::OffsetDateTime::parse(created_at, &format) {
+        Ok(at) => time::OffsetDateTime::now_utc() - at > ttl,
+        Err(_) => false,
     }
 }
 

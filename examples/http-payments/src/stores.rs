@@ -83,6 +83,7 @@ pub(crate) async fn build(args: &ServeArgs) -> Result<Router> {
         let state = AppState {
             ledger,
             test_hooks: args.test_hooks,
+            ttl: args.ttl,
         };
         let post_charges = match args.mode {
             Mode::Static => post(app::post_charge_static),

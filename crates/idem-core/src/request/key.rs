@@ -44,6 +44,39 @@ impl IdempotencyKey {
         Ok(Self(key.into()))
     }
 
+    /// Validates a key that arrived quoted — the content of an RFC 8941 sf-string, as the
+    /// IETF draft's `Idempotency-Key: "…"` carries it — against a limit in bytes: printable
+    /// ASCII, so spaces are allowed (`"order 42"`), but not a key of spaces only. A bare key
+    /// cannot hold a space (a proxy joins repeated headers with `, `), so [`with_limit`]
+    /// refuses them.
+    ///
+    /// [`with_limit`]: Self::with_limit
+    pub fn quoted(key: &str, max_len: usize) -> Result<Self, Error> {
+        let invalid = |why: String| Error::new(ErrorKind::InvalidKey, why);
+        if key.bytes().all(|b| b == b' ') {
+            return Err(invalid(if key.is_empty() {
+                "idempotency key is empty".into()
+            } else {
+                "idempotency key is only spaces".into()
+            }));
+        }
+        if key.len() > max_len {
+            return Err(invalid(format!(
+                "idempotency key is {} bytes, over the limit of {max_len} bytes",
+                key.len()
+            )));
+        }
+        if let Some(pos) = key
+            .bytes()
+            .position(|b| !(b == b' ' || b.is_ascii_graphic()))
+        {
+            return Err(invalid(format!(
+                "idempotency key has a character outside printable ASCII at byte {pos}"
+            )));
+        }
+        Ok(Self(key.into()))
+    }
+
     /// The key as sent.
     pub fn as_str(&self) -> &str {
         &self.0
@@ -140,6 +173,20 @@ mod tests {
         }
         assert!(IdempotencyKey::new(&"k".repeat(256)).is_err());
         assert!(IdempotencyKey::with_limit(&"k".repeat(300), 300).is_ok());
+    }
+
+    #[test]
+    fn quoted_keys_may_hold_spaces() {
+        assert_eq!(
+            IdempotencyKey::quoted("order 42", 255).unwrap().as_str(),
+            "order 42"
+        );
+        assert!(IdempotencyKey::quoted(" a ", 255).is_ok());
+        for bad in ["", " ", "   ", "tab\there", "é", "new\nline", "\u{7f}"] {
+            let e = IdempotencyKey::quoted(bad, 255).expect_err(bad);
+            assert_eq!(e.kind(), ErrorKind::InvalidKey, "{bad:?}");
+        }
+        assert!(IdempotencyKey::quoted(&"k ".repeat(128), 255).is_err());
     }
 
     #[test]

@@ -6,11 +6,16 @@
 //! sleeping `x-sleep-ms` with the transaction open, or panics on `x-panic`. The body names the
 //! execution, so a replay is told apart from a second execution. `GET /charges` counts calls.
 //! `POST /optional` and `POST /off` run the same handler with the key optional and off.
+//! `POST /json` takes its order through axum's `Json` extractor (whose rejections must not be
+//! stored); `POST /plain` takes no idem extractor at all and answers `x-status`, marked
+//! [`Executed`] with `x-executed`; `POST /derive` answers the key it derives for an external
+//! call. `/v1/…` and `/v2/…` nest `/charges` and `/derive` under `Router::nest`.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use axum::Json;
 use axum::Router;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
@@ -18,7 +23,7 @@ use axum::routing::post;
 use bytes::Bytes;
 use http::header::{HeaderMap, HeaderName, HeaderValue};
 use http::request::Parts;
-use idem_http::{IdemTx, IdempotencyLayer, KeyRequirement};
+use idem_http::{Executed, IdemRequest, IdemTx, IdempotencyLayer, KeyRequirement};
 use idem_request::{Idempotency, IdempotencyBuilder};
 use serde_json::{Value, json};
 
@@ -86,6 +91,71 @@ async fn charge<F: HttpFixture>(
     response
 }
 
+/// The body `POST /json` deserializes: `effect` is required.
+#[derive(serde::Deserialize)]
+struct Order {
+    effect: String,
+}
+
+async fn json_charge<F: HttpFixture>(
+    State(app): State<Arc<AppState<F>>>,
+    tx: Option<IdemTx<F::Store>>,
+    headers: HeaderMap,
+    Json(order): Json<Order>,
+) -> Response {
+    let n = app.executions.fetch_add(1, Ordering::SeqCst) + 1;
+    if let Some(mut tx) = tx {
+        app.fx
+            .record_effect(&mut tx, &order.effect)
+            .await
+            .expect("effect written");
+    }
+    let status = header(&headers, "x-status")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(201u16);
+    (
+        http::StatusCode::from_u16(status).expect("status"),
+        Json(json!({ "execution": n, "effect": order.effect })),
+    )
+        .into_response()
+}
+
+/// No idem extractor: the layer cannot tell its 4xx from an extractor's unless it says so.
+async fn plain<F: HttpFixture>(
+    State(app): State<Arc<AppState<F>>>,
+    headers: HeaderMap,
+) -> Response {
+    let n = app.executions.fetch_add(1, Ordering::SeqCst) + 1;
+    let status = header(&headers, "x-status")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(201u16);
+    let status = http::StatusCode::from_u16(status).expect("status");
+    let body = Json(json!({ "execution": n }));
+    if headers.contains_key("x-executed") {
+        (status, Executed, body).into_response()
+    } else {
+        (status, body).into_response()
+    }
+}
+
+/// The key this execution would send to a card processor.
+async fn derive<F: HttpFixture>(
+    State(app): State<Arc<AppState<F>>>,
+    req: IdemRequest,
+    headers: HeaderMap,
+) -> Response {
+    let n = app.executions.fetch_add(1, Ordering::SeqCst) + 1;
+    let derived = req.derive_key("card-processor/charge").to_uuid_string();
+    let status = header(&headers, "x-status")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(201u16);
+    (
+        http::StatusCode::from_u16(status).expect("status"),
+        Json(json!({ "execution": n, "derived": derived })),
+    )
+        .into_response()
+}
+
 async fn list<F: HttpFixture>(State(app): State<Arc<AppState<F>>>) -> &'static str {
     app.gets.fetch_add(1, Ordering::SeqCst);
     "[]"
@@ -108,7 +178,7 @@ impl<F> Drop for Server<F> {
 
 /// The layer of every test: per principal (the `x-principal` header stands in for
 /// authentication), key required, small limits.
-fn layer<S>(idem: Idempotency<S>) -> IdempotencyLayer<S, impl idem_http::MakePrincipal>
+pub(crate) fn layer<S>(idem: Idempotency<S>) -> IdempotencyLayer<S, impl idem_http::MakePrincipal>
 where
     S: idem_core::store::RequestStore + Clone + 'static,
 {
@@ -122,6 +192,12 @@ where
     .request_body_limit(REQUEST_LIMIT)
     .response_storage_limit(STORAGE_LIMIT)
     .store_header(X_STORED)
+}
+
+fn versioned<F: HttpFixture>(idem: &Idempotency<F::Store>) -> Router<Arc<AppState<F>>> {
+    Router::new()
+        .route("/charges", post(charge::<F>).layer(layer(idem.clone())))
+        .route("/derive", post(derive::<F>).layer(layer(idem.clone())))
 }
 
 /// Serves the app on `store`, its engine configured by `configure`.
@@ -150,8 +226,15 @@ pub(crate) async fn serve<F: HttpFixture>(
         )
         .route(
             "/off",
-            post(charge::<F>).layer(layer(idem).key_requirement(KeyRequirement::Off)),
+            post(charge::<F>).layer(layer(idem.clone()).key_requirement(KeyRequirement::Off)),
         )
+        .route("/json", post(json_charge::<F>).layer(layer(idem.clone())))
+        .route("/plain", post(plain::<F>).layer(layer(idem.clone())))
+        .route("/derive", post(derive::<F>).layer(layer(idem.clone())))
+        // The same routes under two prefixes: the layer sits inside the nested router, where
+        // the request's URI has lost its prefix.
+        .nest("/v1", versioned::<F>(&idem))
+        .nest("/v2", versioned::<F>(&idem))
         .with_state(Arc::clone(&state));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
@@ -244,6 +327,11 @@ impl Post {
         self
     }
 
+    /// Replaces the request's `Content-Type` (`application/json` by default).
+    pub(crate) fn content_type(self, value: &str) -> Self {
+        self.header("content-type", value)
+    }
+
     pub(crate) fn body(mut self, body: Value) -> Self {
         self.body = body.to_string().into_bytes();
         self
@@ -287,8 +375,10 @@ impl<F> Server<F> {
         let mut req = self
             .client
             .post(format!("{}{}", self.base, post.path))
-            .header("content-type", "application/json")
             .body(post.body);
+        if !post.headers.iter().any(|(n, _)| *n == "content-type") {
+            req = req.header("content-type", "application/json");
+        }
         if let Some(p) = post.principal {
             req = req.header("x-principal", p);
         }

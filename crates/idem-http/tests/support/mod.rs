@@ -2,4 +2,6 @@
 
 pub(crate) mod app;
 pub(crate) mod fixtures;
+pub(crate) mod grpc;
+pub(crate) mod hang;
 pub(crate) mod suite;

@@ -10,6 +10,8 @@ use tower::ServiceExt;
 
 use super::app::{Post, REQUEST_LIMIT, Reply, STORAGE_LIMIT, Server, serve};
 use super::fixtures::HttpFixture;
+use super::grpc;
+use super::hang::{Gate, Hang};
 
 macro_rules! fixture {
     ($test:expr) => {
@@ -93,7 +95,8 @@ pub(crate) async fn concurrent_requests_with_one_key_execute_once<F: HttpFixture
                     .expect("ascii")
                     .parse()
                     .expect("whole seconds");
-                assert!(after >= 1);
+                // A hint (1 s by default), not the 30 s lease that remains.
+                assert!((1..=2).contains(&after), "Retry-After {after}");
                 conflicts += 1;
             }
             other => panic!("unexpected {other}: {r:?}"),
@@ -279,6 +282,15 @@ pub(crate) async fn two_principals_with_one_key_execute_twice<F: HttpFixture>(te
         .await;
     assert_eq!(anonymous.status, 401);
     assert_eq!(anonymous.code(), "missing-principal");
+    // RFC 9110 §15.5.2: a 401 carries a challenge.
+    assert_eq!(
+        anonymous
+            .headers
+            .get("www-authenticate")
+            .map(|v| v.as_bytes()),
+        Some(&b"Bearer"[..]),
+        "{anonymous:?}"
+    );
     assert_eq!(server.executions(), 4);
     assert_eq!(fx.count_effects("both").await, 2);
     done(server, fx).await;
@@ -380,7 +392,8 @@ pub(crate) async fn a_late_completion_with_a_stale_fence_is_rejected<F: HttpFixt
         // The retry took the lapsed lease over and ran; the slow one's completion was refused.
         assert_eq!((retry.status, retry.replayed()), (201, false), "{retry:?}");
         assert_eq!(slow.status, 409, "{slow:?}");
-        assert_eq!(slow.code(), "conflict");
+        // Not the in-flight `conflict`: this execution ran, and its response was not stored.
+        assert_eq!(slow.code(), "lease-lost");
         let replay = server.post(Post::new("k-fence", "fenced")).await;
         assert!(replay.replayed());
         assert_eq!(
@@ -692,10 +705,16 @@ pub(crate) async fn malformed_lists_obs_text_and_huge_keys_are_400_and_serving_g
     }
     assert_eq!(server.executions(), 0);
     assert_eq!(fx.count_records().await, 0);
-    // Parameters are ignored and surrounding whitespace trimmed: these are keys.
-    for (n, key) in [&b"\"p-1\";v=1;x"[..], b"  \"p-2\"  ", b"a,b"]
-        .iter()
-        .enumerate()
+    // Parameters are ignored and surrounding whitespace trimmed, and an sf-string may hold
+    // spaces (RFC 8941 §3.3.3): these are keys.
+    for (n, key) in [
+        &b"\"p-1\";v=1;x"[..],
+        b"  \"p-2\"  ",
+        b"a,b",
+        b"\"order 42\"",
+    ]
+    .iter()
+    .enumerate()
     {
         let r = server
             .post(Post::new("x", &format!("fine-{n}")).keys(vec![value(key)]))
@@ -830,4 +849,391 @@ pub(crate) async fn a_client_gone_mid_request_abandons_the_execution_and_the_ret
         "the retry's response is the stored one: {again:?}"
     );
     done(server, fx).await;
+}
+
+/// Issue 19, point 1: the key a handler derives for an external call is its record's —
+/// distinct per principal and route, the same on every execution of one record.
+pub(crate) async fn two_principals_with_one_key_derive_two_external_keys<F: HttpFixture>(
+    test: &str,
+) {
+    let fx = fixture!(test);
+    let server = default_server(&fx).await;
+    let derived = |r: &Reply| {
+        r.json()["derived"]
+            .as_str()
+            .expect("a derived key")
+            .to_owned()
+    };
+    let alice = server
+        .post(Post::new("order-42", "d").path("/derive"))
+        .await;
+    let bob = server
+        .post(
+            Post::new("order-42", "d")
+                .path("/derive")
+                .principal(Some("bob")),
+        )
+        .await;
+    assert_eq!((alice.status, bob.status), (201, 201), "{alice:?} {bob:?}");
+    assert_ne!(
+        derived(&alice),
+        derived(&bob),
+        "two tenants sending one Idempotency-Key must not send one key to a third party"
+    );
+    assert_eq!(derived(&alice).len(), 36, "a UUID");
+    // Another route, same principal and key: another key.
+    let v1 = server
+        .post(Post::new("order-42", "d").path("/v1/derive"))
+        .await;
+    assert_ne!(derived(&v1), derived(&alice));
+    // An execution that is not stored (a 5xx) and the retry that runs again derive the same.
+    let failed = server
+        .post(Post::new("order-43", "d").path("/derive").status(503))
+        .await;
+    assert_eq!(failed.status, 503);
+    let retried = server
+        .post(Post::new("order-43", "d").path("/derive"))
+        .await;
+    assert_eq!((retried.status, retried.replayed()), (201, false));
+    assert_eq!(derived(&failed), derived(&retried));
+    done(server, fx).await;
+}
+
+/// Issue 19, point 2: a request an extractor refused before the handler ran (axum's `Json`:
+/// 415, 422, 400) is not stored, so the corrected retry with the same key runs; a 4xx the
+/// handler decided on is; `Content-Type` is part of the fingerprint.
+pub(crate) async fn an_extractor_rejection_is_not_stored_and_the_corrected_retry_runs<
+    F: HttpFixture,
+>(
+    test: &str,
+) {
+    let fx = fixture!(test);
+    let server = default_server(&fx).await;
+    let order = || Post::new("k-json", "json").path("/json");
+    let refused = server.post(order().content_type("text/plain")).await;
+    assert_eq!(refused.status, 415, "{refused:?}");
+    let missing_field = server.post(order().body(json!({ "not-effect": 1 }))).await;
+    assert_eq!(missing_field.status, 422, "{missing_field:?}");
+    let not_json = server.post(order().raw_body(b"{".to_vec())).await;
+    assert_eq!(not_json.status, 400, "{not_json:?}");
+    assert_eq!(server.executions(), 0, "the handler never ran");
+    assert_eq!(fx.count_records().await, 0, "the key is free");
+    let corrected = server.post(order()).await;
+    assert_eq!(
+        (corrected.status, corrected.replayed()),
+        (201, false),
+        "the corrected retry runs: {corrected:?}"
+    );
+    let again = server.post(order()).await;
+    assert!(
+        again.replayed() && again.body == corrected.body,
+        "{again:?}"
+    );
+    // The same bytes in another media type are another request.
+    let other_type = server
+        .post(order().content_type("application/json; charset=utf-8"))
+        .await;
+    assert_eq!(other_type.status, 422, "{other_type:?}");
+    assert_eq!(other_type.code(), "fingerprint-mismatch");
+    let detail = other_type.json()["detail"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(
+        detail.contains("Content-Type") && !detail.contains("method, path"),
+        "the detail says what may differ: {detail}"
+    );
+    assert_eq!(fx.count_effects("json").await, 1);
+    // A handler without any idem extractor: its 4xx is not stored unless it says it executed.
+    let unmarked = server
+        .post(Post::new("k-plain", "p").path("/plain").status(404))
+        .await;
+    assert_eq!(unmarked.status, 404);
+    let rerun = server.post(Post::new("k-plain", "p").path("/plain")).await;
+    assert_eq!((rerun.status, rerun.replayed()), (201, false), "{rerun:?}");
+    let marked = server
+        .post(
+            Post::new("k-marked", "p")
+                .path("/plain")
+                .status(404)
+                .header("x-executed", 1),
+        )
+        .await;
+    assert_eq!((marked.status, marked.replayed()), (404, false));
+    let replayed = server.post(Post::new("k-marked", "p").path("/plain")).await;
+    assert_eq!(
+        (replayed.status, replayed.replayed()),
+        (404, true),
+        "{replayed:?}"
+    );
+    assert_eq!(replayed.body, marked.body);
+    done(server, fx).await;
+}
+
+/// Issue 19, point 8: under `Router::nest` the scope holds the path the client sent, so one
+/// key on `/v1/charges` and `/v2/charges` is two records.
+pub(crate) async fn nested_routes_keep_their_prefix_in_the_scope<F: HttpFixture>(test: &str) {
+    let fx = fixture!(test);
+    let server = default_server(&fx).await;
+    let v1 = server
+        .post(Post::new("k-nested", "nested").path("/v1/charges"))
+        .await;
+    let v2 = server
+        .post(Post::new("k-nested", "nested").path("/v2/charges"))
+        .await;
+    for r in [&v1, &v2] {
+        assert_eq!((r.status, r.replayed()), (201, false), "{r:?}");
+    }
+    assert_ne!(v1.execution(), v2.execution());
+    let v1_again = server
+        .post(Post::new("k-nested", "nested").path("/v1/charges"))
+        .await;
+    assert!(v1_again.replayed() && v1_again.body == v1.body);
+    assert_eq!(server.executions(), 2);
+    assert_eq!(fx.count_records().await, 2);
+    done(server, fx).await;
+}
+
+/// Issue 19, point 7: the request dropped at each await point in turn — every store call
+/// before and after it returns, and inside the handler — never leaves its key in progress:
+/// a retry runs (or replays) at once, not after the 30 s lease.
+pub(crate) async fn a_request_dropped_at_any_await_point_frees_its_key<F: HttpFixture>(test: &str) {
+    use axum::extract::State;
+    use axum::routing::post;
+    use idem_http::IdemTx;
+
+    struct HangApp<F> {
+        fx: Arc<F>,
+        gate: Arc<Gate>,
+    }
+    async fn handler<F: HttpFixture>(
+        State(app): State<Arc<HangApp<F>>>,
+        tx: Option<IdemTx<Hang<F::Store>>>,
+        body: bytes::Bytes,
+    ) -> (http::StatusCode, String) {
+        let order: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+        let effect = order["effect"].as_str().unwrap_or("none").to_owned();
+        if let Some(mut tx) = tx {
+            app.fx
+                .record_effect(&mut tx, &effect)
+                .await
+                .expect("effect written");
+        }
+        app.gate.point().await;
+        (
+            http::StatusCode::CREATED,
+            json!({ "effect": effect }).to_string(),
+        )
+    }
+
+    let fx = fixture!(test);
+    let check = default_server(&fx).await;
+    let mut dropped = 0;
+    for target in 1..=40 {
+        let gate = Gate::new(target);
+        let store = Hang {
+            inner: fx.store(),
+            gate: Arc::clone(&gate),
+        };
+        let idem = idem_request::Idempotency::builder(store)
+            .build()
+            .expect("engine");
+        let app = axum::Router::new()
+            .route(
+                "/charges",
+                post(handler::<F>).layer(super::app::layer(idem)),
+            )
+            .with_state(Arc::new(HangApp {
+                fx: Arc::clone(&fx),
+                gate: Arc::clone(&gate),
+            }));
+        let key = format!("k-drop-{target}");
+        let effect = format!("drop-{target}");
+        let request = http::Request::post("/charges")
+            .header("content-type", "application/json")
+            .header("x-principal", "alice")
+            .header("idempotency-key", key.as_str())
+            .body(axum::body::Body::from(
+                json!({ "effect": effect }).to_string(),
+            ))
+            .expect("request");
+        let mut call = tokio::spawn(app.oneshot(request));
+        let finished = tokio::select! {
+            r = &mut call => Some(r),
+            () = gate.reached() => None,
+            () = tokio::time::sleep(Duration::from_secs(20)) => panic!("point {target}: stuck"),
+        };
+        if let Some(r) = finished {
+            let r = r.expect("task").expect("infallible");
+            assert_eq!(r.status(), 201, "the request past every point");
+            break;
+        }
+        // Dropped here, at the target point; whatever else waits on the gate goes on.
+        call.abort();
+        let _ = call.await;
+        gate.resume();
+        dropped += 1;
+        let started = Instant::now();
+        let retry = loop {
+            let r = check.post(Post::new(&key, &effect)).await;
+            if r.status != 409 {
+                break r;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(3),
+                "dropped at await point {target}: the key is still in progress after {:?}: {r:?}",
+                started.elapsed()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert_eq!(retry.status, 201, "point {target}: {retry:?}");
+        if F::SHARED_TRANSACTION {
+            assert_eq!(
+                fx.count_effects(&effect).await,
+                1,
+                "point {target}: one effect, the dropped one's or the retry's"
+            );
+        }
+    }
+    assert!(dropped >= 9, "only {dropped} await points were found");
+    done(check, fx).await;
+}
+
+/// Issue 19, point 9: a tonic unary method behind the layer (key in the `idempotency-key`
+/// metadata) replays its message and its status — trailers included — and a status that says
+/// "not now" is not stored; a streaming method passes through untouched.
+pub(crate) async fn a_grpc_unary_call_replays_its_message_and_status<F: HttpFixture>(test: &str) {
+    use idem_http::{IdempotencyLayer, KeyRequirement};
+    use tonic::Code;
+
+    let fx = fixture!(test);
+    let app = Arc::new(super::app::AppState {
+        fx: Arc::clone(&fx),
+        executions: std::sync::atomic::AtomicU64::new(0),
+        gets: std::sync::atomic::AtomicU64::new(0),
+    });
+    let idem = idem_request::Idempotency::builder(fx.store())
+        .build()
+        .expect("engine");
+    // Streaming methods are not idempotent requests: their bodies are never buffered.
+    let layer: IdempotencyLayer<_, _> =
+        super::app::layer(idem).key_requirement_by(|parts: &http::request::Parts| {
+            match parts.uri.path() {
+                grpc::WATCH => KeyRequirement::Off,
+                _ => KeyRequirement::Required,
+            }
+        });
+    let service = tower::ServiceBuilder::new()
+        .layer(layer)
+        .service(grpc::Charges {
+            app: Arc::clone(&app),
+        });
+    let mut client =
+        tonic::client::Grpc::with_origin(service, http::Uri::from_static("http://charges.test"));
+    let executions = || app.executions.load(std::sync::atomic::Ordering::SeqCst);
+    let mut call = async |key: &str, effect: &str, fail_with: i32| {
+        client.ready().await.expect("ready");
+        let order = grpc::ChargeRequest {
+            effect: effect.to_owned(),
+            fail_with,
+        };
+        client
+            .unary(
+                grpc::charge_request(key, "alice", order),
+                grpc::charge_path(),
+                grpc::client_codec(),
+            )
+            .await
+    };
+
+    // OK: the message, then `grpc-status: 0` in the trailers.
+    let first = call("g-ok", "grpc-ok", 0).await.expect("the first call");
+    assert!(first.metadata().get("idempotent-replayed").is_none());
+    let replay = call("g-ok", "grpc-ok", 0).await.expect("the replay");
+    assert_eq!(replay.get_ref(), first.get_ref(), "the stored message");
+    assert_eq!(
+        replay
+            .metadata()
+            .get("idempotent-replayed")
+            .map(|v| v.as_bytes()),
+        Some(&b"true"[..])
+    );
+    assert_eq!(executions(), 1);
+    assert_eq!(fx.count_effects("grpc-ok").await, 1);
+
+    // A status the handler decided on after acting (Trailers-Only): stored and replayed.
+    let not_found = call("g-404", "grpc-404", Code::NotFound as i32)
+        .await
+        .expect_err("NOT_FOUND");
+    assert_eq!(not_found.code(), Code::NotFound);
+    let again = call("g-404", "grpc-404", Code::NotFound as i32)
+        .await
+        .expect_err("replayed NOT_FOUND");
+    assert_eq!(again.code(), Code::NotFound);
+    assert_eq!(again.message(), not_found.message());
+    assert_eq!(
+        again
+            .metadata()
+            .get("idempotent-replayed")
+            .map(|v| v.as_bytes()),
+        Some(&b"true"[..])
+    );
+    assert_eq!(executions(), 2);
+
+    // UNAVAILABLE says "not now": not stored, the retry runs.
+    let unavailable = call("g-503", "grpc-503", Code::Unavailable as i32)
+        .await
+        .expect_err("UNAVAILABLE");
+    assert_eq!(unavailable.code(), Code::Unavailable);
+    let retried = call("g-503", "grpc-503", 0).await.expect("the retry runs");
+    assert_eq!(retried.get_ref().execution, 4);
+    assert!(retried.metadata().get("idempotent-replayed").is_none());
+    if F::SHARED_TRANSACTION {
+        assert_eq!(
+            fx.count_effects("grpc-503").await,
+            1,
+            "UNAVAILABLE rolled back"
+        );
+    }
+    let records = fx.count_records().await;
+
+    // Server streaming, even with a key: untouched, streamed, nothing recorded.
+    client.ready().await.expect("ready");
+    let order = grpc::ChargeRequest {
+        effect: "watch".to_owned(),
+        fail_with: 0,
+    };
+    let stream = client
+        .server_streaming(
+            grpc::charge_request("g-watch", "alice", order),
+            grpc::watch_path(),
+            grpc::client_codec(),
+        )
+        .await
+        .expect("the stream starts");
+    let mut stream = stream.into_inner();
+    let mut seen = Vec::new();
+    while let Some(reply) = stream.message().await.expect("a message") {
+        seen.push((reply.execution, reply.effect));
+    }
+    let passed = "passed-through".to_owned();
+    assert_eq!(
+        seen,
+        [(1, passed.clone()), (2, passed.clone()), (3, passed)]
+    );
+    assert_eq!(
+        fx.count_records().await,
+        records,
+        "a stream records nothing"
+    );
+    drop(client);
+    drop(app);
+    let mut fx = fx;
+    for _ in 0..100 {
+        match Arc::try_unwrap(fx) {
+            Ok(fx) => return fx.teardown().await,
+            Err(back) => fx = back,
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }

@@ -106,8 +106,13 @@ impl TestDb {
         })
     }
 
-    /// Charges made by `principal`, as committed.
-    pub async fn count_charges(&self, principal: &str) -> i64 {
+    /// Charges made with bearer token `token`, as committed (stored under its digest).
+    pub async fn count_charges(&self, token: &str) -> i64 {
+        self.count_rows_of(&principal_of(token)).await
+    }
+
+    /// Rows whose `principal` column is `principal`, byte for byte.
+    pub async fn count_rows_of(&self, principal: &str) -> i64 {
         let sql = match self.store {
             Store::Postgres => "SELECT count(*) FROM charges WHERE principal = $1",
             _ => "SELECT count(*) FROM charges WHERE principal = ?",
@@ -183,9 +188,15 @@ pub struct Server {
 impl Server {
     /// Starts the server on `db` with `extra` flags and waits for its `listening` line.
     pub fn start(db: &TestDb, extra: &[&str]) -> Self {
+        // Test records on a shared Redis expire in minutes, not the default day.
+        let ttl: &[&str] = if extra.contains(&"--ttl") {
+            &[]
+        } else {
+            &["--ttl", "10m"]
+        };
         let mut child = Command::new(BIN)
-            // Test records on a shared Redis expire in minutes, not the default day.
-            .args(["--listen", "127.0.0.1:0", "--ttl", "10m"])
+            .args(["--listen", "127.0.0.1:0"])
+            .args(ttl)
             .args(&db.args)
             .args(extra)
             .env("RUST_LOG", "debug,sqlx=warn,hyper=info,h2=info,redis=info")
@@ -365,6 +376,12 @@ async fn read(resp: reqwest::Response) -> reqwest::Result<Answer> {
         headers,
         body,
     })
+}
+
+/// What the service stores as the principal of bearer token `token`: a digest, never the
+/// token.
+pub fn principal_of(token: &str) -> String {
+    idem_core::RequestScope::new(["http-payments/principal", token]).to_hex()
 }
 
 /// A principal (bearer token) no other test uses.
