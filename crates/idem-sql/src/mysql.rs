@@ -136,6 +136,11 @@ impl Engine for MySql {
         }
     }
 
+    fn connection_lost(db: &dyn DatabaseError) -> bool {
+        db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+            .is_some_and(|my| crate::errors::mysql_connection_lost(my.number()))
+    }
+
     async fn claim_many(
         store: &SqlStore<Self>,
         tx: &mut Tx<Self>,

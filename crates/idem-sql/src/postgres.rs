@@ -178,6 +178,10 @@ impl Engine for Postgres {
         idem_core::sqlstate::kind(db.code().as_deref().unwrap_or(""))
     }
 
+    fn connection_lost(db: &dyn DatabaseError) -> bool {
+        idem_core::sqlstate::connection_lost(db.code().as_deref().unwrap_or(""))
+    }
+
     fn aborted(db: &dyn DatabaseError) -> bool {
         db.code().as_deref() == Some("25P02")
     }
