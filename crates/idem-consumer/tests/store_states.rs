@@ -318,6 +318,27 @@ fn reason(settled: &idem_consumer::Settled) -> Option<&str> {
     }
 }
 
+/// Writes one `pings` row per message; the message with a negative `n` terminates its own
+/// database session first, as a statement that gets its backend killed (out of memory, a
+/// crash) does.
+struct KillsItsSession;
+
+impl Handler<PostgresTx, Ping> for KillsItsSession {
+    type Output = ();
+    async fn handle(&self, tx: &mut PostgresTx, msg: &Message<Ping>) -> Result<(), BoxError> {
+        if msg.payload().n < 0 {
+            sqlx::query("SELECT pg_terminate_backend(pg_backend_pid())")
+                .execute(&mut **tx)
+                .await?;
+        }
+        sqlx::query("INSERT INTO pings (n) VALUES ($1)")
+            .bind(msg.payload().n)
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+}
+
 /// Runs `consumer` to the end of its (closed) broker, failing the test instead of hanging if
 /// it waits for ever.
 async fn run_to_end<F>(what: &str, run: F) -> Result<RunStats, idem_core::Error>
@@ -327,6 +348,83 @@ where
     tokio::time::timeout(Duration::from_secs(60), run)
         .await
         .unwrap_or_else(|_| panic!("{what}: the consumer was still waiting after 60 s"))
+}
+
+/// Issue 18, point 4: a message whose statements end their own database session (here
+/// `pg_terminate_backend(pg_backend_pid())`, in production an out-of-memory kill) used to be
+/// an outage for ever — waited out in place, never an attempt spent, the queue behind it stuck.
+/// The database answers a probe right after, so it is the message's: it spends its attempts and
+/// is dead-lettered as `connection-lost`, and the next message is processed.
+#[tokio::test]
+async fn a_message_that_kills_its_session_is_dead_lettered_and_the_next_one_runs() {
+    let test = "a_message_that_kills_its_session_is_dead_lettered_and_the_next_one_runs";
+    let Some(schema) = idem_testkit::isolated::PgSchema::create("kill", test).await else {
+        return;
+    };
+    let store = PostgresStore::from_pool(schema.pool(4).await);
+    store.migrate().await.expect("migrate");
+    sqlx::query("CREATE TABLE pings (n bigint NOT NULL)")
+        .execute(store.pool())
+        .await
+        .expect("table");
+    for batch in [1, 4] {
+        let processor = Arc::new(
+            Processor::builder(store.clone(), format!("kills-{batch}"))
+                .build()
+                .expect("p"),
+        );
+        let broker = InMemoryBroker::new();
+        publish_one(&broker, "killer", -batch);
+        publish_one(&broker, "healthy-1", 10 * batch);
+        publish_one(&broker, "healthy-2", 10 * batch + 1);
+        broker.close();
+        let consumer = Consumer::new(processor, broker.source()).retry(quick());
+        let stats = if batch > 1 {
+            let run = consumer.batch(batch as usize).run(
+                Json::<Ping>::new(),
+                KillsItsSession,
+                CancellationToken::new(),
+            );
+            run_to_end(test, run).await
+        } else {
+            let run = consumer.run(
+                Json::<Ping>::new(),
+                KillsItsSession,
+                CancellationToken::new(),
+            );
+            run_to_end(test, run).await
+        }
+        .expect("a message's lost connection does not stop the consumer");
+        assert_eq!(
+            (stats.processed, stats.dead_lettered),
+            (2, 1),
+            "batch {batch}: {stats:?}"
+        );
+        let killer = settled_n(&broker, -batch);
+        assert_eq!(killer.len(), 1, "batch {batch}: {killer:?}");
+        assert_eq!(reason(&killer[0]), Some("connection-lost"), "{killer:?}");
+        let idem_consumer::Settled::DeadLettered(headers) = &killer[0] else {
+            unreachable!()
+        };
+        assert!(
+            headers.contains(&(idem_consumer::ATTEMPTS_HEADER, "3".to_owned())),
+            "after its 3 attempts: {headers:?}"
+        );
+        for n in [10 * batch, 10 * batch + 1] {
+            assert_eq!(
+                settled_n(&broker, n),
+                vec![idem_consumer::Settled::Acked],
+                "batch {batch}"
+            );
+        }
+    }
+    let rows: Vec<i64> = sqlx::query_scalar("SELECT n FROM pings ORDER BY n")
+        .fetch_all(store.pool())
+        .await
+        .expect("rows");
+    assert_eq!(rows, vec![10, 11, 40, 41], "the killer wrote nothing");
+    store.pool().close().await;
+    schema.drop().await;
 }
 
 /// Writes `n` into `ledger`, which a row-level-security policy keeps non-negative.
