@@ -42,6 +42,10 @@ pub enum DeadLetterReason {
     Rejected,
     /// A retryable error persisted through every attempt.
     RetriesExhausted,
+    /// The database connection was lost while the message ran, attempt after attempt, while
+    /// the database itself answered (or stayed down past the outage limit each time): its own
+    /// statements likely end their session (a crash, an out-of-memory kill). Replay with care.
+    ConnectionLost,
 }
 
 impl DeadLetterReason {
@@ -54,6 +58,7 @@ impl DeadLetterReason {
             DeadLetterReason::Conflict => "conflict",
             DeadLetterReason::Rejected => "rejected",
             DeadLetterReason::RetriesExhausted => "retries-exhausted",
+            DeadLetterReason::ConnectionLost => "connection-lost",
         }
     }
 }
@@ -115,6 +120,21 @@ impl DeadLetter {
             }
         };
         Self::new(reason, err.to_string())
+    }
+
+    /// The dead letter for a message whose last attempt, like `lost` of them in all, lost its
+    /// database connection while the database was up (or down past the outage limit).
+    pub fn connection_lost(err: &Error, lost: u32) -> Self {
+        let times = if lost == 1 { "once" } else { "repeatedly" };
+        Self::new(
+            DeadLetterReason::ConnectionLost,
+            format!(
+                "the database connection was lost while processing this message, {times} \
+                 ({lost} of its attempts), each time with the database answering a probe \
+                 right after (or down past the outage limit): the message's own statements \
+                 likely end their session (a crash, an out-of-memory kill); last error: {err}"
+            ),
+        )
     }
 
     /// Records which consumer gave up and after how many attempts.

@@ -12,8 +12,10 @@
 //! | no ID, empty ID, ID over the store's limit | dead-letter, reason `missing-id` / `invalid-id` |
 //! | payload does not decode | dead-letter, reason `undecodable` |
 //! | handler [`Error::reject`](idem_core::Error::reject) | dead-letter, reason `rejected` |
-//! | retryable error (handler, deadlock) | retry with exponential backoff and jitter; after the last attempt dead-letter, reason `retries-exhausted` |
-//! | store unavailable through every attempt | leave unacknowledged for redelivery (an outage must not empty the queue into the dead letters) |
+//! | retryable error (handler, deadlock, a statement of the handler the database refuses: a table or privilege it lacks, a row-level-security check) | retry with exponential backoff and jitter; after the last attempt dead-letter, reason `retries-exhausted` |
+//! | store unavailable or refusing (unreachable, read-only, full, out of connections), or refusing `BEGIN` or the claim | wait in place with capped backoff, spending no attempts, for as long as it lasts (an outage must not empty the queue into the dead letters); past [`RetryPolicy::outage_limit`] a `warn` line and `idem_store_outage_limit_exceeded_total` |
+//! | connection lost while the message ran (its handler or its commit) | probe the store on another connection: down too, an outage as above; up, the message ends its own session: an attempt spent, and after the last dead-letter, reason `connection-lost` (also once the outage limit has passed, for a message that crashes the database every time it runs) |
+//! | store misconfigured under idem's own statements (claims table missing, no privilege on it) | stop: `run` returns the `Misconfigured` error; nothing is dead-lettered |
 //! | shutdown | stop fetching, finish in-flight messages, ack what committed, leave the rest |
 //! | broker connection lost | back off and fetch again; the adapter reconnects |
 //!

@@ -14,6 +14,10 @@
 //! - `idem_store_unavailable` (gauge): 1 while messages wait out a store outage (unreachable,
 //!   read-only, disk full, out of connections), 0 otherwise
 //! - `idem_store_outages_total`: how many such outages began
+//! - `idem_store_outage_limit_exceeded_total`: messages that waited out an outage longer than
+//!   [`RetryPolicy::outage_limit`](crate::RetryPolicy::outage_limit)
+//! - `idem_connections_lost_total`: lost database connections counted against the message that
+//!   was running (the store answered a probe right after, or the outage was past its limit)
 //! - `idem_handler_seconds`: handler latency, inside the transaction
 //! - `idem_commit_seconds`: from the handler's return to the commit's return
 //!
@@ -58,6 +62,10 @@ pub struct RunStats {
     pub broker_errors: u64,
     /// Store outages waited out (each began when a first message met one while none was).
     pub store_outages: u64,
+    /// Messages whose wait on a store outage outlasted the retry policy's outage limit.
+    pub outage_limit_exceeded: u64,
+    /// Lost database connections counted against the message that was running.
+    pub connections_lost: u64,
 }
 
 #[derive(Debug, Default)]
@@ -71,8 +79,12 @@ struct Counts {
     ack_failures: AtomicU64,
     broker_errors: AtomicU64,
     store_outages: AtomicU64,
+    outage_limit_exceeded: AtomicU64,
+    connections_lost: AtomicU64,
     /// Messages waiting out a store outage right now.
     waiting_on_store: AtomicU64,
+    /// Whether the current outage's overrun was reported.
+    overrun_reported: std::sync::atomic::AtomicBool,
 }
 
 /// The runner's instruments: `metrics` handles registered once per run, and the plain counts
@@ -91,6 +103,8 @@ pub(crate) struct Instruments {
     ack_failures: Counter,
     broker_errors: Counter,
     store_outages: Counter,
+    outage_limit_exceeded: Counter,
+    connections_lost: Counter,
     store_unavailable: Gauge,
     handler: Histogram,
     commit: Histogram,
@@ -117,6 +131,8 @@ impl Instruments {
             ack_failures: plain("idem_ack_failures_total"),
             broker_errors: plain("idem_broker_errors_total"),
             store_outages: plain("idem_store_outages_total"),
+            outage_limit_exceeded: plain("idem_store_outage_limit_exceeded_total"),
+            connections_lost: plain("idem_connections_lost_total"),
             store_unavailable: gauge!("idem_store_unavailable", "consumer" => consumer.to_owned(), "broker" => broker),
             handler: histogram!("idem_handler_seconds", "consumer" => consumer.to_owned(), "broker" => broker),
             commit: histogram!("idem_commit_seconds", "consumer" => consumer.to_owned(), "broker" => broker),
@@ -159,15 +175,32 @@ impl Instruments {
         bump(&self.counts.broker_errors);
         self.broker_errors.increment(1);
     }
-    /// A message met a store outage. The first one waiting raises the gauge and says so loudly;
+    /// A message met a store outage. The first one waiting raises the gauge and says so once;
     /// the others are counted silently.
     pub(crate) fn outage_began(&self, error: &Error) {
         if self.counts.waiting_on_store.fetch_add(1, Ordering::SeqCst) == 0 {
             bump(&self.counts.store_outages);
+            self.counts.overrun_reported.store(false, Ordering::SeqCst);
             self.store_outages.increment(1);
             self.store_unavailable.set(1.0);
-            tracing::error!(consumer = %self.consumer, broker = self.broker, %error, "store unavailable: messages wait in place, spending none of their attempts, until it recovers");
+            tracing::info!(consumer = %self.consumer, broker = self.broker, %error, "store unavailable: messages wait in place, spending none of their attempts, until it recovers");
         }
+    }
+
+    /// A message has waited out a store outage longer than `limit`. Counted per message; the
+    /// first one of an outage says so.
+    pub(crate) fn outage_limit_exceeded(&self, waited: Duration, limit: Duration) {
+        bump(&self.counts.outage_limit_exceeded);
+        self.outage_limit_exceeded.increment(1);
+        if !self.counts.overrun_reported.swap(true, Ordering::SeqCst) {
+            tracing::warn!(consumer = %self.consumer, broker = self.broker, ?waited, ?limit, "store outage outlasted its limit: messages keep waiting, but one whose connection keeps breaking while it runs now spends its attempts");
+        }
+    }
+
+    /// A lost connection was counted against the message that was running.
+    pub(crate) fn connection_lost(&self) {
+        bump(&self.counts.connections_lost);
+        self.connections_lost.increment(1);
     }
 
     /// A message that waited on the store got past the outage (or gave up at shutdown).
@@ -198,6 +231,8 @@ impl Instruments {
             ack_failures: get(&c.ack_failures),
             broker_errors: get(&c.broker_errors),
             store_outages: get(&c.store_outages),
+            outage_limit_exceeded: get(&c.outage_limit_exceeded),
+            connections_lost: get(&c.connections_lost),
         }
     }
 }

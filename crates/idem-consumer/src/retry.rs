@@ -15,37 +15,67 @@ use rand::Rng;
 /// Redis Streams reclaim idle time), or the broker redelivers the message to another consumer
 /// while this one still retries it. That is safe (the claim makes one of them a duplicate) but
 /// wasteful.
+///
+/// A store outage costs no attempts: the message waits in place, retrying with the same
+/// backoff. The wait is bounded by [`outage_limit`](Self::outage_limit) (default 5 minutes):
+/// past it the runner says so once (a `warn` line, `idem_store_outage_limit_exceeded_total`),
+/// and a message whose connection keeps breaking while it runs starts spending its attempts
+/// even though the store does not answer a probe — a message that crashes the database
+/// (an out-of-memory kill restarts PostgreSQL) looks like an outage every time it runs. A
+/// message that never got to run (the store refused `BEGIN` or the claim) still waits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RetryPolicy {
     max_attempts: u32,
     base: Duration,
     max_delay: Duration,
+    outage_limit: Duration,
 }
 
+/// [`RetryPolicy::outage_limit`]'s default: longer than a restart or a failover takes.
+const DEFAULT_OUTAGE_LIMIT: Duration = Duration::from_secs(5 * 60);
+
 impl Default for RetryPolicy {
-    /// 5 attempts, 100 ms doubling to at most 5 s.
+    /// 5 attempts, 100 ms doubling to at most 5 s; outages waited out for 5 minutes before a
+    /// lost connection spends attempts.
     fn default() -> Self {
         Self {
             max_attempts: 5,
             base: Duration::from_millis(100),
             max_delay: Duration::from_secs(5),
+            outage_limit: DEFAULT_OUTAGE_LIMIT,
         }
     }
 }
 
 impl RetryPolicy {
-    /// `max_attempts` attempts in all (at least 1), waiting `base` doubling up to `max_delay`.
+    /// `max_attempts` attempts in all (at least 1), waiting `base` doubling up to `max_delay`;
+    /// the default outage limit.
     pub fn exponential(max_attempts: u32, base: Duration, max_delay: Duration) -> Self {
         Self {
             max_attempts: max_attempts.max(1),
             base,
             max_delay: max_delay.max(base),
+            outage_limit: DEFAULT_OUTAGE_LIMIT,
         }
+    }
+
+    /// How long one message waits out a store outage before the runner reports that the wait
+    /// is over its limit and the message's lost connections spend its attempts (see the type's
+    /// docs).
+    pub fn with_outage_limit(mut self, limit: Duration) -> Self {
+        self.outage_limit = limit;
+        self
     }
 
     /// Attempts in all, the first included.
     pub fn max_attempts(&self) -> u32 {
         self.max_attempts
+    }
+
+    /// How long one message waits out a store outage before its lost connections count
+    /// against it.
+    pub fn outage_limit(&self) -> Duration {
+        self.outage_limit
     }
 
     /// The wait before attempt `next_attempt` (2 for the first retry).

@@ -21,14 +21,24 @@ pub enum ErrorKind {
     /// A configuration the library refuses to run with (bad table name, retention shorter
     /// than the redelivery window, unknown store URL scheme).
     InvalidConfig,
-    /// The store is out of reach, or up but refusing work for now: the connection broke before
-    /// anything committed, the database is read-only (a failover onto a standby), its disk is
-    /// full, or it has no connection to spare. Says nothing about the message: a consumer waits
-    /// it out in place, without spending the message's attempts.
+    /// The store is out of reach, or up but refusing work for now: no connection could be
+    /// opened, or one broke under idem's own statements before the handler ran; the database
+    /// is read-only (a failover onto a standby), its disk is full, or it has no connection to
+    /// spare. Says nothing about the message: a consumer waits it out in place, without
+    /// spending the message's attempts.
     Unavailable,
-    /// The store refuses the statement for a reason only an operator can fix: a missing table
-    /// (its migration never ran), missing privileges, a schema that does not match the SQL,
-    /// a damaged database file. Every message would fail the same way, so a consumer stops.
+    /// The connection broke while the message's handler ran its statements (the server ended
+    /// the session or the socket failed); everything rolled back. Either the store went down for
+    /// everyone (an outage, as [`ErrorKind::Unavailable`]) or this message's own statements
+    /// end their session (a crash, an out-of-memory kill): a consumer tells which by
+    /// [probing](crate::TransactionalStore::probe) the store right after, and spends an
+    /// attempt of the message only when the store answers.
+    ConnectionLost,
+    /// The store refuses one of idem's own statements (begin, claim, commit, migrate, prune)
+    /// for a reason only an operator can fix: a missing table (its migration never ran),
+    /// missing privileges, a schema that does not match the SQL, a damaged database file.
+    /// Every message would fail the same way, so a consumer stops. The same refusal of a
+    /// handler's own statement is that message's failure ([`ErrorKind::Store`]), never this.
     Misconfigured,
     /// A deadlock, serialization failure or lock timeout; the whole unit rolled back and can
     /// simply be retried.
@@ -52,7 +62,8 @@ pub enum ErrorKind {
     /// completion was refused and its writes rolled back.
     LeaseLost,
     /// Any other error reported by the store (a constraint the handler's write violates, a
-    /// value out of range): retried like a handler failure.
+    /// value out of range), and any refusal of the handler's own statements (a table or
+    /// privilege it lacks, a row-level-security check): retried like a handler failure.
     Store,
 }
 
@@ -78,6 +89,7 @@ impl ErrorKind {
             | ErrorKind::KeyReused => Disposition::DeadLetter,
             ErrorKind::InvalidConfig | ErrorKind::Misconfigured => Disposition::Fatal,
             ErrorKind::Unavailable
+            | ErrorKind::ConnectionLost
             | ErrorKind::Transient
             | ErrorKind::OutcomeUnknown
             | ErrorKind::Handler
@@ -173,14 +185,27 @@ impl Error {
         self.disposition() == Disposition::Retry
     }
 
-    /// Whether the store, not the message, is the problem: out of reach or refusing work for
-    /// now ([`ErrorKind::Unavailable`]), or the connection lost during a commit
-    /// ([`ErrorKind::OutcomeUnknown`]). Worth waiting out in place; it says nothing about the
-    /// message, so it should cost none of its attempts.
+    /// Whether the store, not the message, may be the problem: out of reach or refusing work
+    /// for now ([`ErrorKind::Unavailable`]), or the connection lost while the message ran
+    /// ([`ErrorKind::ConnectionLost`]) or during its commit ([`ErrorKind::OutcomeUnknown`]).
+    /// Worth waiting out in place without spending the message's attempts — except a lost
+    /// connection while the store answers (see [`Error::is_connection_lost`]).
     pub fn is_outage(&self) -> bool {
         matches!(
             self.kind,
-            ErrorKind::Unavailable | ErrorKind::OutcomeUnknown
+            ErrorKind::Unavailable | ErrorKind::ConnectionLost | ErrorKind::OutcomeUnknown
+        )
+    }
+
+    /// Whether the connection broke after the message had begun to run: in its handler
+    /// ([`ErrorKind::ConnectionLost`]) or during its commit ([`ErrorKind::OutcomeUnknown`]).
+    /// An outage if the store is down for everyone; if a [probe](crate::TransactionalStore::probe)
+    /// right after succeeds, the message itself may be what ends its session, and retrying it
+    /// should spend its attempts.
+    pub fn is_connection_lost(&self) -> bool {
+        matches!(
+            self.kind,
+            ErrorKind::ConnectionLost | ErrorKind::OutcomeUnknown
         )
     }
 }
@@ -211,6 +236,18 @@ mod tests {
         assert_eq!(ErrorKind::InvalidConfig.disposition(), Disposition::Fatal);
         assert_eq!(ErrorKind::Misconfigured.disposition(), Disposition::Fatal);
         assert_eq!(ErrorKind::Unavailable.disposition(), Disposition::Retry);
+        assert_eq!(ErrorKind::ConnectionLost.disposition(), Disposition::Retry);
+    }
+
+    #[test]
+    fn lost_connections_are_outages_that_a_probe_may_pin_on_the_message() {
+        for kind in [ErrorKind::ConnectionLost, ErrorKind::OutcomeUnknown] {
+            let err = Error::new(kind, "x");
+            assert!(err.is_outage() && err.is_connection_lost(), "{kind:?}");
+        }
+        let refusing = Error::new(ErrorKind::Unavailable, "read-only");
+        assert!(refusing.is_outage() && !refusing.is_connection_lost());
+        assert!(!Error::new(ErrorKind::Store, "x").is_connection_lost());
     }
 
     #[test]

@@ -31,6 +31,21 @@ pub fn kind(code: &str) -> ErrorKind {
     }
 }
 
+/// Whether `code` says the server ended the session or the connection failed under a
+/// statement that was running: admin_shutdown (57P01, also what `pg_terminate_backend`
+/// sends), crash_shutdown (57P02, every session when another backend crashed or was killed
+/// for memory), and class 08 except the two codes a new connection is refused with
+/// (08001, 08004). [`kind`] calls these outages; under a handler's statement a store reports
+/// them as [`ErrorKind::ConnectionLost`], which a consumer probes to tell an outage from a
+/// message that ends its own session.
+pub fn connection_lost(code: &str) -> bool {
+    match code {
+        "57P01" | "57P02" => true,
+        "08001" | "08004" => false,
+        c => c.starts_with("08"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -51,6 +66,17 @@ mod tests {
             ("", ErrorKind::Store),
         ] {
             assert_eq!(kind(code), expected, "{code}");
+        }
+    }
+
+    #[test]
+    fn sessions_ended_under_a_statement_are_lost_connections_and_refusals_are_not() {
+        for code in ["57P01", "57P02", "08006", "08003", "08000", "08P01"] {
+            assert!(connection_lost(code), "{code}");
+            assert_eq!(kind(code), ErrorKind::Unavailable, "{code}");
+        }
+        for code in ["08001", "08004", "57P03", "25006", "53300", "42P01", ""] {
+            assert!(!connection_lost(code), "{code}");
         }
     }
 }

@@ -54,10 +54,35 @@ pub trait TransactionalStore: Send + Sync {
     fn rollback(&self, tx: Self::Tx) -> impl Future<Output = Result<(), Error>> + Send;
 
     /// Classifies an error a handler returned, if it came from this store's driver, so a
-    /// deadlock inside the handler is [`ErrorKind::Transient`] rather than a handler failure.
+    /// deadlock inside the handler is [`ErrorKind::Transient`] rather than a handler failure,
+    /// and a connection that broke under the handler's statements
+    /// [`ErrorKind::ConnectionLost`]. The handler's statements are not idem's: a
+    /// [`Misconfigured`](ErrorKind::Misconfigured) or
+    /// [`InvalidConfig`](ErrorKind::InvalidConfig) answered here becomes that message's
+    /// [`ErrorKind::Store`] failure in [`handler_error`], never a reason to stop a consumer.
     fn classify(&self, error: &(dyn std::error::Error + 'static)) -> Option<ErrorKind> {
         let _ = error;
         None
+    }
+
+    /// Whether the store answers at all, asked on a connection of its own (never a
+    /// transaction's): a consumer asks right after a message's connection was lost, to tell a
+    /// store that is down for everyone (the probe fails too: an outage, waited out) from a
+    /// message whose statements end their own session (the probe succeeds: the message spends
+    /// an attempt). The SQL stores run `SELECT 1` on their pool. It says nothing about whether
+    /// the store takes writes (a read-only standby answers it), so it is asked only about lost
+    /// connections.
+    ///
+    /// The default cannot tell and answers [`ErrorKind::Unavailable`], so a store without a
+    /// probe keeps treating every lost connection as an outage (bounded by the consumer's
+    /// outage limit).
+    fn probe(&self) -> impl Future<Output = Result<(), Error>> + Send {
+        async {
+            Err(Error::new(
+                ErrorKind::Unavailable,
+                "this store cannot be probed",
+            ))
+        }
     }
 }
 
@@ -216,16 +241,37 @@ pub trait Stats: Send + Sync {
 /// Turns an error a handler returned — from any operation run in `store`'s transaction — into
 /// an idem [`Error`]: an explicit idem error keeps its kind (e.g. [`Error::reject`]), the store
 /// recognises its driver's errors (a deadlock is [`ErrorKind::Transient`], a read-only database
-/// [`ErrorKind::Unavailable`]), and anything else is a retryable [`ErrorKind::Handler`] failure.
+/// [`ErrorKind::Unavailable`], a connection that broke under the handler
+/// [`ErrorKind::ConnectionLost`]), and anything else is a retryable [`ErrorKind::Handler`]
+/// failure.
+///
+/// Who ran the statement decides what a refusal means. A table, column or privilege missing
+/// under idem's own statements (claim, begin, commit) stops a consumer: every message would
+/// fail the same way. Under the handler's own statements it is about this message — a
+/// row-level-security check refusing its row, a table only some messages write — so the
+/// store's [`Misconfigured`](ErrorKind::Misconfigured) (or
+/// [`InvalidConfig`](ErrorKind::InvalidConfig)) becomes [`ErrorKind::Store`] here: retried,
+/// then dead-lettered, while the consumer goes on with the next message.
 pub fn handler_error<S: TransactionalStore + ?Sized>(store: &S, e: crate::BoxError) -> Error {
     let e = match e.downcast::<Error>() {
         Ok(ours) => return *ours,
         Err(e) => e,
     };
-    let kind = store.classify(&*e).unwrap_or(ErrorKind::Handler);
-    let message = match kind {
-        ErrorKind::Transient => format!("handler hit a transient database error: {e}"),
-        _ => format!("handler failed: {e}"),
+    let (kind, message) = match store.classify(&*e) {
+        None => (ErrorKind::Handler, format!("handler failed: {e}")),
+        Some(ErrorKind::Transient) => (
+            ErrorKind::Transient,
+            format!("handler hit a transient database error: {e}"),
+        ),
+        Some(ErrorKind::ConnectionLost) => (
+            ErrorKind::ConnectionLost,
+            format!("the database connection was lost while the handler ran: {e}"),
+        ),
+        Some(ErrorKind::Misconfigured | ErrorKind::InvalidConfig) => (
+            ErrorKind::Store,
+            format!("the database refused a statement of the handler: {e}"),
+        ),
+        Some(kind) => (kind, format!("handler failed: {e}")),
     };
     Error::new(kind, message).with_source(e)
 }

@@ -127,17 +127,41 @@ fn pool_kind(err: &deadpool_postgres::PoolError) -> ErrorKind {
     }
 }
 
-/// Classifies an error a handler returned, if it came from tokio-postgres or the pool.
+/// What a tokio-postgres error under a handler's statement means for its message: as
+/// [`kind_of`], except that a session the server ended (57P01, 57P02, class 08) or a
+/// connection that closed or failed at the socket is [`ErrorKind::ConnectionLost`], which a
+/// consumer probes to tell an outage from a message that ends its own session.
+fn handler_kind(err: &tokio_postgres::Error) -> ErrorKind {
+    let lost = match err.code() {
+        Some(code) => idem_core::sqlstate::connection_lost(code.code()),
+        None => err.is_closed() || has_io_source(err),
+    };
+    if lost {
+        ErrorKind::ConnectionLost
+    } else {
+        kind_of(err)
+    }
+}
+
+/// Classifies an error a handler returned, if it came from tokio-postgres or the pool (see
+/// [`handler_kind`]). The handler's own pool timing out is this message's
+/// [`ErrorKind::Transient`] failure, not a store outage. A refusal only an operator could mend
+/// under idem's statements (`Misconfigured`) is made the message's own failure by
+/// [`idem_core::store::handler_error`].
 pub(crate) fn classify(err: &(dyn StdError + 'static)) -> Option<ErrorKind> {
     if let Some(e) = err.downcast_ref::<tokio_postgres::Error>() {
-        return Some(kind_of(e));
+        return Some(handler_kind(e));
     }
     if let Some(e) = err.downcast_ref::<Reported>() {
-        return Some(kind_of(&e.0));
+        return Some(handler_kind(&e.0));
     }
     #[cfg(feature = "deadpool")]
     if let Some(e) = err.downcast_ref::<deadpool_postgres::PoolError>() {
-        return Some(pool_kind(e));
+        return Some(match e {
+            deadpool_postgres::PoolError::Backend(e) => handler_kind(e),
+            deadpool_postgres::PoolError::Timeout(_) => ErrorKind::Transient,
+            other => pool_kind(other),
+        });
     }
     None
 }

@@ -36,9 +36,12 @@
 //!   `idem-sql`'s `PostgresStore::partitioned`, so either store maintains a table the other
 //!   claims in (why deduplication survives it: `idem_core::partition`).
 //! - **Errors** are classified by SQLSTATE ([`idem_core::sqlstate`], the table `idem-sql` uses),
-//!   never by message text: a closed connection is `Unavailable`, a connection lost at
-//!   `COMMIT` is `OutcomeUnknown`, and a transaction a swallowed error aborted fails its
-//!   commit (`SELECT 1; COMMIT`) instead of reporting `Processed`.
+//!   never by message text: a closed connection is `Unavailable` under idem's statements and
+//!   `ConnectionLost` under a handler's (the consumer then probes the store with `SELECT 1`
+//!   to tell an outage from a message that ends its own session), a connection lost at
+//!   `COMMIT` is `OutcomeUnknown`, a missing table or privilege is `Misconfigured` (which stops
+//!   a consumer) only under idem's own statements, and a transaction a swallowed error aborted
+//!   fails its commit (`SELECT 1; COMMIT`) instead of reporting `Processed`.
 //!
 //! ```no_run
 //! use idem_core::{BoxError, Message, MessageId, Migrate, Outcome, Processor};

@@ -593,6 +593,17 @@ impl TransactionalStore for PgStore {
     fn classify(&self, error: &(dyn std::error::Error + 'static)) -> Option<ErrorKind> {
         crate::errors::classify(error)
     }
+
+    /// `SELECT 1` on a connection of the pool (or a live plain client), outside any
+    /// transaction.
+    async fn probe(&self) -> Result<(), Error> {
+        let lease = self.lease().await?;
+        lease
+            .client()
+            .batch_execute("SELECT 1")
+            .await
+            .map_err(|e| store_error("probe", e))
+    }
 }
 
 impl ClaimStore for PgStore {

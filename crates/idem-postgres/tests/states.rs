@@ -1,9 +1,11 @@
 //! How PostgreSQL's refusals are classified on tokio-postgres, against the real server in
 //! `IDEM_TEST_POSTGRES_URL`, as `idem-sql`'s `states_postgres.rs` checks them on sqlx: an outage
 //! (read-only after a failover, out of connections, a connection lost) is `Unavailable` —
-//! waited out, never a dead letter — and at `COMMIT` `OutcomeUnknown`; a misconfiguration
-//! (missing table, no privilege) is `Misconfigured`, which stops a consumer; a swallowed error
-//! never reports `Processed`. Real states where the server can be put in them per test,
+//! waited out, never a dead letter — under the handler a lost connection is `ConnectionLost`
+//! (which the consumer probes), and at `COMMIT` `OutcomeUnknown`; a misconfiguration (missing
+//! table, no privilege) under idem's statements is `Misconfigured`, which stops a consumer, and
+//! under the handler's the message's own `Store` failure; a swallowed error never reports
+//! `Processed`. Real states where the server can be put in them per test,
 //! `RAISE … USING ERRCODE` for the rest.
 
 mod common;
@@ -13,7 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use common::Conns;
 use idem_core::{
     BoxError, ClaimStore, Disposition, Error, ErrorKind, Message, MessageId, Migrate, Outcome,
-    Processor,
+    Processor, TransactionalStore,
 };
 use idem_postgres::tokio_postgres::{Client, Config};
 use idem_postgres::{PgStore, TableName};
@@ -72,6 +74,7 @@ fn assert_state(what: &str, err: &Error, kind: ErrorKind) {
     assert_eq!(err.kind(), kind, "{what}: {err}");
     let expected = match kind {
         ErrorKind::Unavailable
+        | ErrorKind::ConnectionLost
         | ErrorKind::OutcomeUnknown
         | ErrorKind::Transient
         | ErrorKind::Store
@@ -91,21 +94,23 @@ async fn sqlstates_of_outages_and_misconfigurations_are_classified() {
         .build()
         .expect("p");
     let cases = [
-        ("25006", ErrorKind::Unavailable),   // read_only_sql_transaction
-        ("53100", ErrorKind::Unavailable),   // disk_full
-        ("53200", ErrorKind::Unavailable),   // out_of_memory
-        ("53300", ErrorKind::Unavailable),   // too_many_connections
-        ("57P01", ErrorKind::Unavailable),   // admin_shutdown
-        ("58030", ErrorKind::Unavailable),   // io_error
-        ("08006", ErrorKind::Unavailable),   // connection_failure
-        ("42501", ErrorKind::Misconfigured), // insufficient_privilege
-        ("42P01", ErrorKind::Misconfigured), // undefined_table
-        ("42703", ErrorKind::Misconfigured), // undefined_column
-        ("3F000", ErrorKind::Misconfigured), // invalid_schema_name
-        ("40001", ErrorKind::Transient),     // serialization_failure
-        ("40P01", ErrorKind::Transient),     // deadlock_detected
-        ("57014", ErrorKind::Transient),     // query_canceled (statement_timeout)
-        ("23505", ErrorKind::Store),         // unique_violation: about the message's data
+        ("25006", ErrorKind::Unavailable),    // read_only_sql_transaction
+        ("53100", ErrorKind::Unavailable),    // disk_full
+        ("53200", ErrorKind::Unavailable),    // out_of_memory
+        ("53300", ErrorKind::Unavailable),    // too_many_connections
+        ("57P01", ErrorKind::ConnectionLost), // admin_shutdown: the session ends
+        ("58030", ErrorKind::Unavailable),    // io_error
+        ("08006", ErrorKind::ConnectionLost), // connection_failure
+        // Under the handler's own statement, a refusal that stops a consumer under idem's
+        // (the real states below) is this message's own failure: retried, then dead-lettered.
+        ("42501", ErrorKind::Store), // insufficient_privilege (and a row-level-security check)
+        ("42P01", ErrorKind::Store), // undefined_table
+        ("42703", ErrorKind::Store), // undefined_column
+        ("3F000", ErrorKind::Store), // invalid_schema_name
+        ("40001", ErrorKind::Transient), // serialization_failure
+        ("40P01", ErrorKind::Transient), // deadlock_detected
+        ("57014", ErrorKind::Transient), // query_canceled (statement_timeout)
+        ("23505", ErrorKind::Store), // unique_violation: about the message's data
     ];
     for (code, kind) in cases {
         let sql = format!(
@@ -257,6 +262,47 @@ async fn a_connection_lost_at_commit_is_outcome_unknown() {
             .await
             .expect("clean up");
     }
+    db.drop().await;
+}
+
+/// A handler whose statement ends its own session (`pg_terminate_backend(pg_backend_pid())`,
+/// in production an out-of-memory kill): the connection is lost under the handler, so the
+/// error is `ConnectionLost`, and the store's probe answers right after on another connection
+/// — what lets a consumer pin the loss on the message instead of waiting it out for ever.
+#[tokio::test]
+async fn a_handler_that_ends_its_own_session_loses_its_connection_and_the_probe_answers() {
+    let test = "a_handler_that_ends_its_own_session_loses_its_connection_and_the_probe_answers";
+    let Some(db) = Db::new(test).await else {
+        return;
+    };
+    db.migrated().await;
+    for (n, conns) in [Conns::Pool(2), Conns::Clients(2)].into_iter().enumerate() {
+        let store = common::store(&db.config(), conns).await;
+        let p = Processor::builder(store.clone(), "states")
+            .build()
+            .expect("p");
+        let err = failure(&p, &format!("m-kill-{n}"), async |tx| {
+            tx.batch_execute("SELECT pg_terminate_backend(pg_backend_pid())")
+                .await?;
+            Ok(())
+        })
+        .await;
+        assert_state(
+            "session ended under the handler",
+            &err,
+            ErrorKind::ConnectionLost,
+        );
+        assert!(err.is_connection_lost() && err.is_outage(), "{err:?}");
+        store.probe().await.expect("the store answers a probe");
+        let next = p
+            .process(&msg(&format!("m-next-{n}")), async |_tx| {
+                Ok::<_, BoxError>(())
+            })
+            .await
+            .expect("next");
+        assert!(matches!(next, Outcome::Processed(())), "{next:?}");
+    }
+    assert_eq!(db.claims().await, 2, "only the m-next claims committed");
     db.drop().await;
 }
 

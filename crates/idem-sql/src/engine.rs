@@ -89,6 +89,16 @@ pub trait Engine: Driver + sealed::Sealed {
         false
     }
 
+    /// Whether a database error says the server ended the session under a running statement
+    /// (PostgreSQL's 57P01 / 57P02 and class 08, MySQL's 2013 or a killed connection): an
+    /// outage under idem's own statements ([`database_kind`](Engine::database_kind) says
+    /// so), [`ErrorKind::ConnectionLost`] under a handler's, which a consumer probes to tell
+    /// an outage from a message that ends its own session. An embedded engine has no session
+    /// to lose.
+    fn connection_lost(_error: &dyn DatabaseError) -> bool {
+        false
+    }
+
     /// Whether a failed commit says the transaction had already aborted (PostgreSQL's 25P02):
     /// nothing committed because the handler swallowed a failed statement.
     fn aborted(_error: &dyn DatabaseError) -> bool {

@@ -58,6 +58,15 @@ pub(crate) fn mysql_kind(number: u16) -> ErrorKind {
     }
 }
 
+/// MySQL / MariaDB server error numbers that end the session under a running statement: 1927
+/// connection killed (`KILL`), 2006 server gone away, 2013 lost connection mid-query,
+/// 1158–1161 network read/write errors, 1053 server shutdown. [`mysql_kind`] calls them
+/// outages; under a handler's statement they are [`ErrorKind::ConnectionLost`].
+#[cfg(feature = "mysql")]
+pub(crate) fn mysql_connection_lost(number: u16) -> bool {
+    matches!(number, 1927 | 2006 | 2013 | 1158..=1161 | 1053)
+}
+
 /// SQLite result codes (extended codes carry the primary code in their low byte).
 #[cfg(feature = "sqlite")]
 pub(crate) fn sqlite_kind(code: u32, message: &str) -> ErrorKind {
@@ -114,7 +123,27 @@ pub(crate) fn commit_error<E: Engine>(err: sqlx::Error) -> Error {
     }
 }
 
-/// Classifies an arbitrary handler error if it is a sqlx error.
+/// What a sqlx error a handler returned means for its message: what [`kind_of`] says about
+/// idem's own statements, except where the handler running the statement changes it. Its own
+/// pool timing out (every connection busy with its other work) is this message's
+/// [`ErrorKind::Transient`] failure, not a store outage; a connection that broke under its
+/// statement is [`ErrorKind::ConnectionLost`] (a consumer probes the store to tell an outage
+/// from a message that ends its own session). A refusal only an operator could mend under
+/// idem's statements (`Misconfigured`) is made the message's own failure by
+/// [`idem_core::store::handler_error`].
+pub(crate) fn handler_kind<E: Engine>(err: &sqlx::Error) -> ErrorKind {
+    match err {
+        sqlx::Error::PoolTimedOut => ErrorKind::Transient,
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::Protocol(_)
+        | sqlx::Error::WorkerCrashed => ErrorKind::ConnectionLost,
+        sqlx::Error::Database(db) if E::connection_lost(db.as_ref()) => ErrorKind::ConnectionLost,
+        _ => kind_of::<E>(err),
+    }
+}
+
+/// Classifies an arbitrary handler error if it is a sqlx error (see [`handler_kind`]).
 pub(crate) fn classify<E: Engine>(err: &(dyn std::error::Error + 'static)) -> Option<ErrorKind> {
-    err.downcast_ref::<sqlx::Error>().map(kind_of::<E>)
+    err.downcast_ref::<sqlx::Error>().map(handler_kind::<E>)
 }

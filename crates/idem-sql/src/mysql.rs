@@ -143,6 +143,11 @@ impl Engine for MySql {
             .is_some_and(|my| matches!(my.number(), 1290 | 1792 | 1836))
     }
 
+    fn connection_lost(db: &dyn DatabaseError) -> bool {
+        db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+            .is_some_and(|my| crate::errors::mysql_connection_lost(my.number()))
+    }
+
     async fn claim_many(
         store: &SqlStore<Self>,
         tx: &mut Tx<Self>,

@@ -202,6 +202,10 @@ impl Engine for Postgres {
         db.code().as_deref() == Some("25006")
     }
 
+    fn connection_lost(db: &dyn DatabaseError) -> bool {
+        idem_core::sqlstate::connection_lost(db.code().as_deref().unwrap_or(""))
+    }
+
     fn aborted(db: &dyn DatabaseError) -> bool {
         db.code().as_deref() == Some("25P02")
     }

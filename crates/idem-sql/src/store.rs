@@ -314,6 +314,14 @@ impl<E: Engine> TransactionalStore for SqlStore<E> {
     fn classify(&self, error: &(dyn std::error::Error + 'static)) -> Option<ErrorKind> {
         crate::errors::classify::<E>(error)
     }
+
+    /// `SELECT 1` on the pool (never on a held connection, which may be the one just lost).
+    async fn probe(&self) -> Result<(), Error> {
+        E::execute_pool(&self.pool, "SELECT 1", &[])
+            .await
+            .map(drop)
+            .map_err(|e| store_error::<E>("probe", e))
+    }
 }
 
 impl<E: Engine> ClaimStore for SqlStore<E> {

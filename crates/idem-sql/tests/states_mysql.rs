@@ -1,7 +1,8 @@
 //! How MySQL/MariaDB refusals are classified, against the real server in `IDEM_TEST_MYSQL_URL`:
 //! an outage (`--read-only`, a read-only transaction, disk or table full, too many
-//! connections) is `Unavailable`, a misconfiguration (missing table, no privilege) is
-//! `Misconfigured`. Real states where the server can be put in them per test; `SIGNAL … SET
+//! connections) is `Unavailable`, a misconfiguration (missing table, no privilege) under idem's
+//! own statements is `Misconfigured` and under the handler's the message's own `Store`
+//! failure. Real states where the server can be put in them per test; `SIGNAL … SET
 //! MYSQL_ERRNO` for the rest (the server then answers with exactly that error number).
 
 mod states;
@@ -69,18 +70,21 @@ async fn error_numbers_of_outages_and_misconfigurations_are_classified() {
         .build()
         .expect("p");
     let cases = [
-        (1290, ErrorKind::Unavailable),   // running with --read-only
-        (1792, ErrorKind::Unavailable),   // read-only transaction
-        (1836, ErrorKind::Unavailable),   // read-only mode
-        (1021, ErrorKind::Unavailable),   // disk full
-        (1114, ErrorKind::Unavailable),   // table is full
-        (1040, ErrorKind::Unavailable),   // too many connections
-        (1053, ErrorKind::Unavailable),   // server shutdown in progress
-        (1146, ErrorKind::Misconfigured), // no such table
-        (1142, ErrorKind::Misconfigured), // command denied on table
-        (1054, ErrorKind::Misconfigured), // unknown column
-        (1213, ErrorKind::Transient),     // deadlock
-        (1062, ErrorKind::Store),         // duplicate entry: about the message's data
+        (1290, ErrorKind::Unavailable),    // running with --read-only
+        (1792, ErrorKind::Unavailable),    // read-only transaction
+        (1836, ErrorKind::Unavailable),    // read-only mode
+        (1021, ErrorKind::Unavailable),    // disk full
+        (1114, ErrorKind::Unavailable),    // table is full
+        (1040, ErrorKind::Unavailable),    // too many connections
+        (1053, ErrorKind::ConnectionLost), // server shutdown in progress: the session ends
+        (2013, ErrorKind::ConnectionLost), // lost connection mid-query
+        // Under the handler's own statement a refusal that stops a consumer under idem's (see
+        // the real states below) is the message's own failure: retried, then dead-lettered.
+        (1146, ErrorKind::Store),     // no such table
+        (1142, ErrorKind::Store),     // command denied on table
+        (1054, ErrorKind::Store),     // unknown column
+        (1213, ErrorKind::Transient), // deadlock
+        (1062, ErrorKind::Store),     // duplicate entry: about the message's data
     ];
     for (number, kind) in cases {
         let sql = format!(

@@ -1,9 +1,10 @@
 //! How PostgreSQL's refusals are classified, against the real server in
 //! `IDEM_TEST_POSTGRES_URL`: an outage (read-only after a failover, disk full, out of
 //! connections) is `Unavailable` — waited out, never a dead letter — and a misconfiguration
-//! (missing table, no privilege) is `Misconfigured`, which stops a consumer. Real states where
-//! the server can be put in them per test; `RAISE … USING ERRCODE` for the rest (the server
-//! then answers with exactly that SQLSTATE, as it would in the real state).
+//! (missing table, no privilege) under idem's own statements is `Misconfigured`, which stops a
+//! consumer; under the handler's own statements it is that message's `Store` failure. Real
+//! states where the server can be put in them per test; `RAISE … USING ERRCODE` for the rest
+//! (the server then answers with exactly that SQLSTATE, as it would in the real state).
 
 mod states;
 
@@ -65,32 +66,42 @@ impl Db {
     }
 }
 
+/// Each SQLSTATE under the handler's own statement and under idem's claim (a trigger on the
+/// claims table raises it there): who ran the statement decides. A refusal only an operator
+/// can mend stops a consumer when idem's statement meets it (`Misconfigured`), and is the
+/// message's own failure (`Store`: retried, then dead-lettered) when the handler's does; a
+/// session the server ended is an outage under idem's statement (`Unavailable`) and a lost
+/// connection (`ConnectionLost`, probed by the consumer) under the handler's.
 #[tokio::test]
 async fn sqlstates_of_outages_and_misconfigurations_are_classified() {
     let Some(db) = Db::new("sqlstates_of_outages_and_misconfigurations_are_classified").await
     else {
         return;
     };
-    let p = Processor::builder(db.migrated().await, "states")
+    let store = db.migrated().await;
+    let p = Processor::builder(store.clone(), "states")
         .build()
         .expect("p");
+    use ErrorKind::{ConnectionLost, Misconfigured, Store, Transient, Unavailable};
+    // (SQLSTATE, under the handler's statement, under idem's claim)
     let cases = [
-        ("25006", ErrorKind::Unavailable),   // read_only_sql_transaction
-        ("53100", ErrorKind::Unavailable),   // disk_full
-        ("53200", ErrorKind::Unavailable),   // out_of_memory
-        ("53300", ErrorKind::Unavailable),   // too_many_connections
-        ("57P01", ErrorKind::Unavailable),   // admin_shutdown
-        ("58030", ErrorKind::Unavailable),   // io_error
-        ("08006", ErrorKind::Unavailable),   // connection_failure
-        ("42501", ErrorKind::Misconfigured), // insufficient_privilege
-        ("42P01", ErrorKind::Misconfigured), // undefined_table
-        ("42703", ErrorKind::Misconfigured), // undefined_column
-        ("3F000", ErrorKind::Misconfigured), // invalid_schema_name
-        ("40001", ErrorKind::Transient),     // serialization_failure
-        ("57014", ErrorKind::Transient),     // query_canceled (statement_timeout)
-        ("23505", ErrorKind::Store),         // unique_violation: about the message's data
+        ("25006", Unavailable, Unavailable), // read_only_sql_transaction
+        ("53100", Unavailable, Unavailable), // disk_full
+        ("53200", Unavailable, Unavailable), // out_of_memory
+        ("53300", Unavailable, Unavailable), // too_many_connections
+        ("57P01", ConnectionLost, Unavailable), // admin_shutdown (pg_terminate_backend)
+        ("57P02", ConnectionLost, Unavailable), // crash_shutdown
+        ("58030", Unavailable, Unavailable), // io_error
+        ("08006", ConnectionLost, Unavailable), // connection_failure
+        ("42501", Store, Misconfigured),     // insufficient_privilege (and RLS WITH CHECK)
+        ("42P01", Store, Misconfigured),     // undefined_table
+        ("42703", Store, Misconfigured),     // undefined_column
+        ("3F000", Store, Misconfigured),     // invalid_schema_name
+        ("40001", Transient, Transient),     // serialization_failure
+        ("57014", Transient, Transient),     // query_canceled (statement_timeout)
+        ("23505", Store, Store),             // unique_violation: about the message's data
     ];
-    for (code, kind) in cases {
+    for (code, by_handler, _) in cases {
         let sql = format!(
             "DO $$ BEGIN RAISE EXCEPTION 'simulated {code}' USING ERRCODE = '{code}'; END $$"
         );
@@ -99,9 +110,43 @@ async fn sqlstates_of_outages_and_misconfigurations_are_classified() {
             Ok::<_, BoxError>(())
         })
         .await;
-        assert_state(code, &err, kind);
+        assert_state(&format!("{code} under the handler"), &err, by_handler);
+    }
+    // On the store's pool: the test's schema is first on its search path.
+    for sql in [
+        "CREATE TABLE raise_on_claim (code text NOT NULL)",
+        "CREATE FUNCTION raise_on_claim() RETURNS trigger LANGUAGE plpgsql AS $$ \
+         DECLARE c text := (SELECT code FROM raise_on_claim); \
+         BEGIN RAISE EXCEPTION 'simulated %', c USING ERRCODE = c; END $$",
+        "CREATE TRIGGER raise_on_claim BEFORE INSERT ON idem_processed \
+         FOR EACH ROW EXECUTE FUNCTION raise_on_claim()",
+    ] {
+        sqlx::query(sql).execute(store.pool()).await.expect(sql);
+    }
+    for (code, _, by_idem) in cases {
+        sqlx::query("DELETE FROM raise_on_claim")
+            .execute(store.pool())
+            .await
+            .expect("clear");
+        sqlx::query("INSERT INTO raise_on_claim (code) VALUES ($1)")
+            .bind(code)
+            .execute(store.pool())
+            .await
+            .expect("code");
+        let ran = std::sync::atomic::AtomicBool::new(false);
+        let err = failure(&p, &format!("c-{code}"), async |_tx| {
+            ran.store(true, std::sync::atomic::Ordering::SeqCst);
+            Ok::<_, BoxError>(())
+        })
+        .await;
+        assert!(
+            !ran.into_inner(),
+            "{code}: the handler ran after a failed claim"
+        );
+        assert_state(&format!("{code} under idem's claim"), &err, by_idem);
     }
     assert_eq!(db.claims().await, 0, "a failed message left a claim");
+    store.pool().close().await;
     db.drop().await;
 }
 

@@ -1,5 +1,6 @@
 //! How SQLite's refusals are classified, on real database files: opened read-only or full
-//! (`max_page_count` reached) is `Unavailable`; a missing claims table is `Misconfigured`.
+//! (`max_page_count` reached) is `Unavailable`; a missing claims table is `Misconfigured`; a
+//! table missing under the handler is that message's `Store` failure.
 
 mod states;
 
@@ -92,4 +93,39 @@ async fn a_store_whose_migration_never_ran_is_misconfigured() {
     let err = failure(&p, "m-1", async |_tx| Ok::<_, BoxError>(())).await;
     assert_state("missing table", &err, ErrorKind::Misconfigured);
     assert!(err.to_string().contains("never_migrated"), "{err}");
+}
+
+/// The same missing table under the handler's own statement is that message's failure
+/// (`Store`: retried, then dead-lettered), not a misconfiguration that stops the consumer; the
+/// next message is processed.
+#[tokio::test]
+async fn a_table_missing_under_the_handler_is_the_message_s_failure() {
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("handler.db");
+    let p = Processor::builder(migrated(&path).await, "states")
+        .build()
+        .expect("p");
+    let err = failure(&p, "m-missing", async |tx| {
+        sqlx::query("INSERT INTO no_such_table (body) VALUES (x'00')")
+            .execute(&mut **tx)
+            .await?;
+        Ok::<_, BoxError>(())
+    })
+    .await;
+    assert_state("missing table under the handler", &err, ErrorKind::Store);
+    assert!(err.to_string().contains("no such table"), "{err}");
+    let next = p
+        .process(&states::msg("m-next"), async |tx| {
+            sqlx::query("INSERT INTO effects (body) VALUES (x'00')")
+                .execute(&mut **tx)
+                .await?;
+            Ok::<_, BoxError>(())
+        })
+        .await
+        .expect("the next message");
+    assert!(
+        matches!(next, idem_core::Outcome::Processed(())),
+        "{next:?}"
+    );
+    assert_eq!(claims(&path).await, 1, "only the next message's claim");
 }

@@ -1,12 +1,14 @@
 //! Settling deliveries: the one place that decides ack, retry, dead letter or abandon.
 
 use std::sync::Mutex;
+use std::time::Duration;
 
 use futures_util::future::join_all;
 use idem_core::{
     ClaimStore, Clock, Disposition, Error, Fingerprint, Identified, Message, MessageId, Outcome,
     Processor,
 };
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -222,6 +224,8 @@ where
         // Held while this message waits out a store outage: the gauge stays raised until the
         // last waiting message gets past it.
         let mut waiting: Option<OutageWait<'_>> = None;
+        // Lost connections counted against this message.
+        let mut lost = 0u32;
         loop {
             match e.disposition() {
                 Disposition::Retry => {}
@@ -247,30 +251,45 @@ where
             // The database, not the message, is the problem: retry in place for as long as
             // the outage lasts (capped backoff), without spending the message's attempts.
             // Dead-lettering would empty the queue into the dead letters, and giving the
-            // message back would have brokers that redeliver at once spin on it.
-            let outage = e.is_outage();
-            if outage {
+            // message back would have brokers that redeliver at once spin on it. A connection
+            // lost while the message ran is the exception the verdict below finds.
+            let verdict = self.verdict(&e, waiting.as_ref()).await;
+            if verdict.outage {
                 outage_waits = outage_waits.saturating_add(1);
-                if waiting.is_none() {
-                    waiting = Some(OutageWait::begin(&self.instruments, &e));
+                match &mut waiting {
+                    Some(w) => w.check_limit(self.retry.outage_limit()),
+                    None => waiting = Some(OutageWait::begin(&self.instruments, &e)),
                 }
             } else {
                 drop(waiting.take());
                 outage_waits = 0;
+            }
+            if verdict.spends {
+                if e.is_connection_lost() {
+                    lost = lost.saturating_add(1);
+                    self.instruments.connection_lost();
+                }
                 if attempt >= self.retry.max_attempts() {
-                    let dl = DeadLetter::from_error(&e, true);
+                    drop(waiting.take());
+                    let dl = if e.is_connection_lost() {
+                        DeadLetter::connection_lost(&e, lost)
+                    } else {
+                        DeadLetter::from_error(&e, true)
+                    };
                     return self.dead_letter(delivery, dl, attempt).await;
                 }
             }
             self.instruments.retry();
-            let wait = if outage {
+            let wait = if verdict.outage {
                 self.retry.delay(outage_waits.saturating_add(1))
             } else {
                 self.retry.delay(attempt + 1)
             };
-            if outage {
-                // The outage itself was reported once, loudly; per message it is detail.
+            if !verdict.spends {
+                // The outage itself was reported once; per message it is detail.
                 tracing::debug!(error = %e, attempt, retry_in = ?wait, "store unavailable; waiting in place");
+            } else if e.is_connection_lost() {
+                tracing::warn!(error = %e, attempt, retry_in = ?wait, "the connection was lost while processing the message and the store is up (or down past the outage limit); retrying, spending an attempt");
             } else {
                 tracing::warn!(error = %e, attempt, retry_in = ?wait, "processing failed; retrying");
             }
@@ -282,7 +301,7 @@ where
                     _ = tokio::time::sleep(wait) => {}
                 }
             }
-            if !outage {
+            if verdict.spends {
                 attempt += 1;
             }
             match self.attempt(&msg).await {
@@ -291,6 +310,47 @@ where
                     return self.finish(delivery, &msg, outcome).await;
                 }
                 Err(next) => e = next,
+            }
+        }
+    }
+
+    /// Whether retryable error `e` is an outage to wait out and whether it spends an attempt.
+    ///
+    /// Anything but an outage spends one. An outage that struck before the message ran (the
+    /// store unreachable or refusing `BEGIN` or the claim), or a refusal of the store's state
+    /// (read-only, full) spends none: it says nothing about the message. A connection lost
+    /// while the message ran is ambiguous, so the store is probed on another connection: if it
+    /// answers, the store is up and the message's own statements likely ended their session
+    /// (not an outage; an attempt). If not, it is an outage, which spends no attempt until this
+    /// message has waited it out past the outage limit: an outage that strikes every time the
+    /// message runs is the message (it crashes the database, and the database restarts).
+    async fn verdict(&self, e: &Error, waiting: Option<&OutageWait<'_>>) -> Verdict {
+        if !e.is_outage() {
+            return Verdict {
+                outage: false,
+                spends: true,
+            };
+        }
+        if !e.is_connection_lost() {
+            return Verdict {
+                outage: true,
+                spends: false,
+            };
+        }
+        let probe = tokio::time::timeout(PROBE_TIMEOUT, self.processor.store().probe()).await;
+        match probe {
+            Ok(Ok(())) => Verdict {
+                outage: false,
+                spends: true,
+            },
+            failed => {
+                if let Ok(Err(p)) = failed {
+                    tracing::debug!(error = %e, probe = %p, "connection lost and the store does not answer: an outage");
+                }
+                Verdict {
+                    outage: true,
+                    spends: waiting.is_some_and(|w| w.over(self.retry.outage_limit())),
+                }
             }
         }
     }
@@ -355,19 +415,54 @@ where
     }
 }
 
+/// How long a probe of the store may take before it counts as unanswered.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What a retryable error means for the message: see [`Ctx::verdict`].
+#[derive(Debug, Clone, Copy)]
+struct Verdict {
+    /// The store is down or refusing: wait in place, with the outage raised.
+    outage: bool,
+    /// The error counts against the message's attempts.
+    spends: bool,
+}
+
 /// One message's share in a store outage; ends it (for this message) when dropped.
-struct OutageWait<'a>(&'a Instruments);
+struct OutageWait<'a> {
+    instruments: &'a Instruments,
+    since: Instant,
+    /// Whether this message's overrun of the outage limit was counted.
+    over_limit: bool,
+}
 
 impl<'a> OutageWait<'a> {
     fn begin(instruments: &'a Instruments, e: &Error) -> Self {
         instruments.outage_began(e);
-        Self(instruments)
+        Self {
+            instruments,
+            since: Instant::now(),
+            over_limit: false,
+        }
+    }
+
+    /// Whether this message has waited longer than `limit`.
+    fn over(&self, limit: Duration) -> bool {
+        self.since.elapsed() >= limit
+    }
+
+    /// Counts (once) this message's wait going over `limit`.
+    fn check_limit(&mut self, limit: Duration) {
+        if !self.over_limit && self.over(limit) {
+            self.over_limit = true;
+            self.instruments
+                .outage_limit_exceeded(self.since.elapsed(), limit);
+        }
     }
 }
 
 impl Drop for OutageWait<'_> {
     fn drop(&mut self) {
-        self.0.outage_ended();
+        self.instruments.outage_ended();
     }
 }
 

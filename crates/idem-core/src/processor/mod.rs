@@ -226,9 +226,13 @@ impl<S: ClaimStore, C: Clock> Processor<S, C> {
     }
 
     /// Turns a handler's error into an idem [`Error`]: keeps an explicit idem error's kind (e.g.
-    /// [`Error::reject`]), lets the store recognise its driver's transient errors (deadlocks),
-    /// and treats anything else as a retryable handler failure. Public for callers that drive
-    /// the transaction themselves with [`Processor::claim_in`].
+    /// [`Error::reject`]), lets the store recognise its driver's errors (a deadlock is
+    /// transient, a connection broken under the handler
+    /// [`ConnectionLost`](ErrorKind::ConnectionLost)), makes a refusal of the handler's own
+    /// statement (a missing table, a privilege, a row-level-security check) this message's
+    /// failure rather than a misconfiguration that stops a consumer, and treats anything else
+    /// as a retryable handler failure (see [`crate::store::handler_error`]). Public for callers
+    /// that drive the transaction themselves with [`Processor::claim_in`].
     pub fn handler_error(&self, e: BoxError) -> Error {
         crate::store::handler_error(&self.store, e)
     }

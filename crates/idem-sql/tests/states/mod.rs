@@ -26,7 +26,10 @@ where
 pub(crate) fn assert_state(what: &str, err: &Error, kind: ErrorKind) {
     assert_eq!(err.kind(), kind, "{what}: {err}");
     let expected = match kind {
-        ErrorKind::Unavailable | ErrorKind::Transient | ErrorKind::Store => Disposition::Retry,
+        ErrorKind::Unavailable
+        | ErrorKind::ConnectionLost
+        | ErrorKind::Transient
+        | ErrorKind::Store => Disposition::Retry,
         _ => Disposition::Fatal,
     };
     assert_eq!(err.disposition(), expected, "{what}: {err}");
