@@ -1,6 +1,6 @@
 //! What differs between SQL engines, as one sealed trait: [`Engine`]. Everything else — the
 //! store, its transactions, every capability of `idem_core::store` — is written once, in
-//! [`SqlStore`](crate::SqlStore), [`Tx`](crate::Tx) and the request-record code, generic over the
+//! [`SqlStore`], [`Tx`] and the request-record code, generic over the
 //! engine.
 //!
 //! An engine is a sqlx database type (`sqlx::Sqlite`, `sqlx::Postgres`, `sqlx::MySql`; its
