@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use idem_consumer::{IdSource, Source};
+use idem_consumer::{IdSource, ReconnectBackoff, Source};
 use idem_core::{Error, ErrorKind};
 use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::task::JoinHandle;
@@ -199,7 +199,7 @@ async fn drive(
     ready: oneshot::Sender<Result<(), Error>>,
 ) {
     let mut ready = Some(ready);
-    let mut backoff = MIN_BACKOFF;
+    let mut backoff = ReconnectBackoff::new(MIN_BACKOFF, MAX_BACKOFF);
     let mut failing = false;
     let mut reconnect_at: Option<Instant> = None;
     loop {
@@ -233,7 +233,7 @@ async fn drive(
         match polled {
             Ok(Polled::ConnAck { session_present }) => {
                 link.generation.fetch_add(1, Ordering::SeqCst);
-                backoff = MIN_BACKOFF;
+                backoff.reset();
                 if failing {
                     tracing::info!(client_id = %link.client_id, session_present, "MQTT connection restored");
                     failing = false;
@@ -285,6 +285,9 @@ async fn drive(
                     let _ = r.send(Err(e));
                     return;
                 }
+                // Jittered (idem-consumer's backoff), so consumers that lost the broker
+                // together do not all reconnect in the same instant.
+                let retry_in = backoff.next_delay();
                 if !failing {
                     tracing::warn!(client_id = %link.client_id, error = %e, "MQTT connection lost; reconnecting");
                     failing = true;
@@ -292,10 +295,9 @@ async fn drive(
                         return;
                     }
                 } else {
-                    tracing::debug!(client_id = %link.client_id, error = %e, retry_in = ?backoff, "MQTT reconnect failed");
+                    tracing::debug!(client_id = %link.client_id, error = %e, ?retry_in, "MQTT reconnect failed");
                 }
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(MAX_BACKOFF);
+                tokio::time::sleep(retry_in).await;
             }
         }
     }
