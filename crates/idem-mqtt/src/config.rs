@@ -266,4 +266,14 @@ mod tests {
         assert_eq!(e.kind(), idem_core::ErrorKind::InvalidConfig);
         assert!(!e.to_string().contains("secret"), "{e}");
     }
+
+    #[test]
+    fn rustls_finds_ring_for_rumqttc_tls() {
+        // rumqttc is built without a crypto provider (no aws-lc-sys); rustls's `ring` feature
+        // must make `builder()` find one, or rumqttc's TLS would panic when it is first used.
+        let config = rumqttc::tokio_rustls::rustls::ClientConfig::builder()
+            .with_root_certificates(rumqttc::tokio_rustls::rustls::RootCertStore::empty())
+            .with_no_client_auth();
+        assert!(!config.crypto_provider().cipher_suites.is_empty());
+    }
 }
