@@ -18,8 +18,13 @@ use crate::producer::Publisher;
 use crate::wire::{self, Client, Loop, Msg, Polled};
 use crate::{MESSAGE_ID_POINTER, MESSAGE_ID_PROPERTY};
 
-const MIN_BACKOFF: Duration = Duration::from_millis(100);
-const MAX_BACKOFF: Duration = Duration::from_secs(5);
+/// Reconnect waits: each drawn from the upper half of its doubling ceiling (equal jitter), so
+/// the first wait is 100 to 200 ms, never shorter than the 100 ms before the jitter. With a
+/// first wait under 100 ms the batched `graceful_shutdown_in_flight_loses_nothing_and_doubles_nothing`
+/// conformance test fails every time (a committed message is redelivered); why is not yet
+/// understood, so the old floor is kept.
+const MIN_BACKOFF: Duration = Duration::from_millis(200);
+const MAX_BACKOFF: Duration = Duration::from_secs(10);
 /// Abandoned messages come back only with a reconnect; waiting a little gathers several
 /// abandons into one reconnect instead of one each.
 const REDELIVERY_DELAY: Duration = Duration::from_secs(1);
