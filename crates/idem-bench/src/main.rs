@@ -60,8 +60,8 @@ const DEFAULT_POSTGRES: &str = "postgres://postgres@127.0.0.1:5432/test";
 #[derive(clap::Parser)]
 #[command(name = "idem-bench", version)]
 struct BenchArgs {
-    /// PostgreSQL for P1 and P2 [default: $IDEM_TEST_POSTGRES_URL, else
-    /// postgres://postgres@127.0.0.1:5432/test]. The bench creates, truncates and finally drops
+    /// PostgreSQL for P1 and P2 (default: $IDEM_TEST_POSTGRES_URL, else
+    /// postgres://postgres@127.0.0.1:5432/test). The bench creates, truncates and finally drops
     /// its own idem_bench_* tables there.
     #[arg(long, value_name = "URL")]
     postgres: Option<String>,
