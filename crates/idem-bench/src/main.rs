@@ -28,15 +28,40 @@ use idem_core::Timestamp;
 
 use measure::{Sample, Window};
 
+/// The PostgreSQL URL may hold a password: shown through [`idem_core::redact_url`].
+impl std::fmt::Debug for BenchArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BenchArgs")
+            .field(
+                "postgres",
+                &self.postgres.as_deref().map(idem_core::redact_url),
+            )
+            .field("sqlite", &self.sqlite)
+            .field("only", &self.only)
+            .field("seconds", &self.seconds)
+            .field("rounds", &self.rounds)
+            .field("markdown", &self.markdown)
+            .field("batch", &self.batch)
+            .field("experimental", &self.experimental)
+            .field("variants", &self.variants)
+            .field("claims", &self.claims)
+            .field("prune_workers", &self.prune_workers)
+            .field("prune_batch", &self.prune_batch)
+            .field("prune_cap", &self.prune_cap)
+            .field("prune_tables", &self.prune_tables)
+            .finish()
+    }
+}
+
 /// Default PostgreSQL when neither `--postgres` nor `IDEM_TEST_POSTGRES_URL` is given.
 const DEFAULT_POSTGRES: &str = "postgres://postgres@127.0.0.1:5432/test";
 
 /// Measure the claim's overhead against the same handler without it.
-#[derive(Debug, clap::Parser)]
+#[derive(clap::Parser)]
 #[command(name = "idem-bench", version)]
 struct BenchArgs {
-    /// PostgreSQL for P1 and P2 [default: $IDEM_TEST_POSTGRES_URL, else
-    /// postgres://postgres@127.0.0.1:5432/test]. The bench creates, truncates and finally drops
+    /// PostgreSQL for P1 and P2 (default: $IDEM_TEST_POSTGRES_URL, else
+    /// postgres://postgres@127.0.0.1:5432/test). The bench creates, truncates and finally drops
     /// its own idem_bench_* tables there.
     #[arg(long, value_name = "URL")]
     postgres: Option<String>,

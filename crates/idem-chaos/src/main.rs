@@ -31,8 +31,45 @@ use std::time::Duration;
 
 use clap::Parser;
 
+/// The broker and database URLs may hold passwords: shown through [`idem_core::redact_url`].
+impl std::fmt::Debug for Args {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Args")
+            .field("broker", &idem_core::redact_url(&self.broker))
+            .field("database", &idem_core::redact_url(&self.database))
+            .field("messages", &self.messages)
+            .field("duplicates", &self.duplicates)
+            .field("kills", &self.kills)
+            .field("seed", &self.seed)
+            .field("consumers", &self.consumers)
+            .field("kill_every", &self.kill_every)
+            .field("crash_share", &self.crash_share)
+            .field("crash_within", &self.crash_within)
+            .field("spare_armed_for", &self.spare_armed_for)
+            .field("kill_all_at", &self.kill_all_at)
+            .field("restart_database", &self.restart_database)
+            .field("restart_database_command", &self.restart_database_command)
+            .field("failover", &self.failover)
+            .field("failover_for", &self.failover_for)
+            .field("restart_broker", &self.restart_broker)
+            .field("nats_server", &self.nats_server)
+            .field("cut_connections", &self.cut_connections)
+            .field("cut_share", &self.cut_share)
+            .field("min_fault_time", &self.min_fault_time)
+            .field("concurrency", &self.concurrency)
+            .field("batch", &self.batch)
+            .field("partitions", &self.partitions)
+            .field("redeliver_after", &self.redeliver_after)
+            .field("drain_timeout", &self.drain_timeout)
+            .field("payments", &self.payments)
+            .field("work_dir", &self.work_dir)
+            .field("keep", &self.keep)
+            .finish()
+    }
+}
+
 /// Command-line flags of one run.
-#[derive(Debug, Clone, Parser)]
+#[derive(Clone, Parser)]
 #[command(name = "idem-chaos", version, about)]
 pub(crate) struct Args {
     /// Broker URL: nats://…, amqp://…, kafka://host:port or redis://…

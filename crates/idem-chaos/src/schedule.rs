@@ -5,13 +5,15 @@
 use std::time::Duration;
 
 use idem_consumer::crash::{CrashAt, CrashPoint};
-use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
+// ChaCha8: a stream fixed by its specification, so a seed replays the same schedule after a
+// `rand` update (`StdRng` may change algorithm in any release).
+use rand_chacha::ChaCha8Rng;
 
 #[derive(Debug)]
 pub(crate) struct Schedule {
-    rng: StdRng,
+    rng: ChaCha8Rng,
     kill_every: Duration,
     crash_share: f64,
     crash_within: u64,
@@ -32,7 +34,7 @@ impl Schedule {
             .filter(|p| batch > 1 || *p != CrashPoint::InBatch)
             .collect();
         Self {
-            rng: StdRng::seed_from_u64(seed),
+            rng: ChaCha8Rng::seed_from_u64(seed),
             kill_every,
             crash_share: crash_share.clamp(0.0, 1.0),
             crash_within: crash_within.max(1),

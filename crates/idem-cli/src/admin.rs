@@ -13,7 +13,7 @@ use idem_core::{ConsumerName, Retention, format_duration, parse_duration};
 use idem_sql::{AnyStore, TableName};
 
 /// Where the claims live.
-#[derive(Debug, clap::Args)]
+#[derive(clap::Args)]
 pub(crate) struct StoreArgs {
     /// Store URL: sqlite:PATH, postgres://…, mysql://…
     #[arg(long, value_name = "URL")]
@@ -21,6 +21,27 @@ pub(crate) struct StoreArgs {
     /// Claims table name.
     #[arg(long, default_value = idem_sql::DEFAULT_TABLE)]
     table: String,
+}
+
+/// The store URL may hold a password: shown through [`idem_core::redact_url`].
+impl std::fmt::Debug for StoreArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoreArgs")
+            .field("store", &idem_core::redact_url(&self.store))
+            .field("table", &self.table)
+            .finish()
+    }
+}
+
+/// The store URL may hold a password: shown through [`idem_core::redact_url`].
+impl std::fmt::Debug for ReapRequestsArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReapRequestsArgs")
+            .field("store", &idem_core::redact_url(&self.store))
+            .field("table", &self.table)
+            .field("batch", &self.batch)
+            .finish()
+    }
 }
 
 impl StoreArgs {
@@ -46,7 +67,7 @@ pub(crate) struct MigrateArgs {
 }
 
 /// Options of `idem reap-requests`.
-#[derive(Debug, clap::Args)]
+#[derive(clap::Args)]
 pub(crate) struct ReapRequestsArgs {
     /// Store URL: sqlite:PATH, postgres://…, mysql://…
     #[arg(long, value_name = "URL")]
@@ -300,5 +321,26 @@ fn print_partitions(parts: &[idem_core::partition::PartitionInfo]) {
             idem_core::group_digits(p.claims_estimate),
             format!("{:.1} MiB", p.bytes as f64 / 1_048_576.0)
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_hides_the_store_password() {
+        let store = "postgres://app:hunter2@db/pay".to_owned();
+        let args = StoreArgs {
+            store: store.clone(),
+            table: "t".into(),
+        };
+        assert!(!format!("{args:?}").contains("hunter2"), "{args:?}");
+        let args = ReapRequestsArgs {
+            store,
+            table: "t".into(),
+            batch: 1,
+        };
+        assert!(!format!("{args:?}").contains("hunter2"), "{args:?}");
     }
 }

@@ -49,7 +49,7 @@ pub use idem_core::{Handler, SetHandler};
 pub use in_memory::{InMemoryBroker, InMemoryDelivery, InMemorySource, InMemoryStats, Settled};
 pub use metrics::RunStats;
 pub use prune::prune_periodically;
-pub use retry::RetryPolicy;
+pub use retry::{ReconnectBackoff, RetryPolicy};
 pub use runner::{Batch, Consumer, Observer, PerMessage};
 pub use source::{Delivery, Origin, Source};
 pub use tokio_util::sync::CancellationToken;

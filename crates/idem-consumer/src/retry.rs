@@ -4,11 +4,13 @@ use std::time::Duration;
 
 use rand::Rng;
 
-/// Exponential backoff with full jitter, bounded attempts.
+/// Exponential backoff with equal jitter, bounded attempts.
 ///
-/// Attempt `n` (1-based) waits a random time in `[base·2^(n-1)/2, base·2^(n-1)]`, capped at
+/// Attempt `n` (1-based) waits a random time in `[c/2, c]` where `c = base·2^(n-1)`, capped at
 /// `max_delay`: the jitter keeps consumers that failed together (a database restart) from
-/// retrying in lockstep. After `max_attempts` the message is dead-lettered with
+/// retrying in lockstep. It is *equal* jitter, not full jitter (`[0, c]`), on purpose: never
+/// retrying sooner than half the cap keeps a thundering herd off a database that is still
+/// recovering. After `max_attempts` the message is dead-lettered with
 /// `retries-exhausted`.
 ///
 /// Keep `max_attempts × max_delay` well under the broker's ack deadline (JetStream `AckWait`,
@@ -90,30 +92,41 @@ impl RetryPolicy {
     }
 }
 
-/// Backoff for reconnecting to a broker: 100 ms doubling to 10 s, with jitter, reset after a
-/// success.
+/// Backoff for reconnecting to a broker or a store: exponential with the same equal jitter
+/// as [`RetryPolicy`], reset after a success. The runner uses 100 ms doubling to 10 s
+/// ([`Default`]); broker adapters that reconnect on their own (MQTT) use it too, so every
+/// reconnect in idem backs off the same way.
 #[derive(Debug, Clone)]
-pub(crate) struct Reconnect {
+pub struct ReconnectBackoff {
     failures: u32,
+    policy: RetryPolicy,
 }
 
-impl Reconnect {
-    pub(crate) fn new() -> Self {
-        Self { failures: 0 }
+impl Default for ReconnectBackoff {
+    /// 100 ms doubling to 10 s.
+    fn default() -> Self {
+        Self::new(Duration::from_millis(100), Duration::from_secs(10))
+    }
+}
+
+impl ReconnectBackoff {
+    /// `min` doubling to at most `max` (each wait jittered within its upper half).
+    pub fn new(min: Duration, max: Duration) -> Self {
+        Self {
+            failures: 0,
+            policy: RetryPolicy::exponential(u32::MAX, min, max),
+        }
     }
 
-    pub(crate) fn reset(&mut self) {
+    /// After a success: the next failure waits the shortest time again.
+    pub fn reset(&mut self) {
         self.failures = 0;
     }
 
-    pub(crate) fn next_delay(&mut self) -> Duration {
+    /// The wait after one more failure.
+    pub fn next_delay(&mut self) -> Duration {
         self.failures = self.failures.saturating_add(1);
-        RetryPolicy::exponential(
-            u32::MAX,
-            Duration::from_millis(100),
-            Duration::from_secs(10),
-        )
-        .delay(self.failures + 1)
+        self.policy.delay(self.failures.saturating_add(1))
     }
 }
 
@@ -160,7 +173,7 @@ mod tests {
 
     #[test]
     fn reconnect_backs_off_then_resets() {
-        let mut r = Reconnect::new();
+        let mut r = ReconnectBackoff::default();
         let first = r.next_delay();
         for _ in 0..10 {
             r.next_delay();
@@ -169,5 +182,22 @@ mod tests {
         assert!(r.next_delay() <= Duration::from_secs(10));
         r.reset();
         assert!(r.next_delay() <= Duration::from_millis(100));
+    }
+
+    #[test]
+    fn reconnect_is_jittered_within_its_bounds() {
+        let mut seen = std::collections::HashSet::new();
+        for _ in 0..50 {
+            let mut r = ReconnectBackoff::new(Duration::from_millis(100), Duration::from_secs(5));
+            let first = r.next_delay();
+            assert!(first >= Duration::from_millis(50) && first <= Duration::from_millis(100));
+            seen.insert(first);
+            for _ in 0..20 {
+                r.next_delay();
+            }
+            let capped = r.next_delay();
+            assert!(capped >= Duration::from_millis(2500) && capped <= Duration::from_secs(5));
+        }
+        assert!(seen.len() > 1, "no jitter: {seen:?}");
     }
 }

@@ -21,7 +21,7 @@ const DEFAULT_SEND_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Configures a [`KafkaSource`]; created by [`KafkaSource::builder`], finished by
 /// [`connect`](Self::connect).
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 #[must_use]
 pub struct KafkaSourceBuilder {
     group_id: String,
@@ -31,6 +31,47 @@ pub struct KafkaSourceBuilder {
     consumer_only: Vec<(String, String)>,
     commit_interval: Duration,
     send_timeout: Duration,
+}
+
+/// Words that make a librdkafka setting secret (`sasl.password`, `ssl.key.password`,
+/// `ssl.key.pem`, `sasl.oauthbearer.client.secret`, …): its value is not shown.
+const SECRET_SETTINGS: &[&str] = &["password", "secret", "token", "sasl.oauthbearer", "ssl.key"];
+
+/// `value`, or `***` when `key` names a secret.
+fn shown_setting<'a>(key: &str, value: &'a str) -> &'a str {
+    let key = key.to_ascii_lowercase();
+    if SECRET_SETTINGS.iter().any(|word| key.contains(word)) {
+        "***"
+    } else {
+        value
+    }
+}
+
+/// librdkafka settings as `key=value`, secrets masked.
+struct Settings<'a>(&'a [(String, String)]);
+
+impl std::fmt::Debug for Settings<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_map()
+            .entries(self.0.iter().map(|(k, v)| (k, shown_setting(k, v))))
+            .finish()
+    }
+}
+
+/// Builders get logged; a `sasl.password` given with [`set`](KafkaSourceBuilder::set) must
+/// not be.
+impl std::fmt::Debug for KafkaSourceBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaSourceBuilder")
+            .field("group_id", &self.group_id)
+            .field("topics", &self.topics)
+            .field("dead_letter_topic", &self.dead_letter_topic)
+            .field("common", &Settings(&self.common))
+            .field("consumer_only", &Settings(&self.consumer_only))
+            .field("commit_interval", &self.commit_interval)
+            .field("send_timeout", &self.send_timeout)
+            .finish()
+    }
 }
 
 impl KafkaSource {
@@ -168,5 +209,35 @@ impl KafkaSourceBuilder {
             self.topics,
             self.commit_interval,
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_hides_secret_settings() {
+        let builder = KafkaSource::builder("orders", "billing")
+            .set("security.protocol", "SASL_SSL")
+            .set("sasl.username", "app")
+            .set("sasl.password", "hunter2-sasl")
+            .set("SSL.KEY.PASSWORD", "hunter2-key")
+            .set("ssl.key.pem", "-----BEGIN PRIVATE KEY-----hunter2-pem")
+            .set("sasl.oauthbearer.config", "principal=x hunter2-oauth")
+            .set_consumer("sasl.oauthbearer.client.secret", "hunter2-client")
+            .set_consumer("some.token", "hunter2-token");
+        let shown = format!("{builder:?}");
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(shown.contains("\"sasl.password\": \"***\""), "{shown}");
+        // What is not secret stays visible for debugging.
+        assert!(
+            shown.contains("SASL_SSL") && shown.contains("\"app\""),
+            "{shown}"
+        );
+        assert!(
+            shown.contains("orders") && shown.contains("billing"),
+            "{shown}"
+        );
     }
 }

@@ -56,7 +56,7 @@ pub(crate) struct Config {
 impl Config {
     /// The broker at `url` (`mqtt://[user[:password]@]host[:port]`, also `tcp://`).
     pub(crate) fn new(url: &str, options: Options) -> Result<Self, Error> {
-        let endpoint = Endpoint::parse(url).map_err(error::invalid)?;
+        let endpoint = Endpoint::parse(url).map_err(|e| error::invalid(e.to_string()))?;
         Ok(Self { endpoint, options })
     }
 
@@ -119,49 +119,72 @@ impl std::fmt::Debug for Endpoint {
     }
 }
 
+/// Why an MQTT URL was refused. Its message quotes the URL through
+/// [`idem_core::redact_url`], so it never shows the password.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum UrlError {
+    /// Not a URL at all (or a port out of range).
+    #[error("invalid MQTT URL {url:?}: {reason}")]
+    Malformed {
+        url: String,
+        reason: url::ParseError,
+    },
+    /// A scheme other than `mqtt://` or `tcp://`.
+    #[error(
+        "unsupported MQTT URL {url:?}: expected mqtt://[user[:password]@]host[:port] (TLS, mqtts://, is not supported yet)"
+    )]
+    Scheme { url: String },
+    /// `mqtt://:1883`, `mqtt:host`.
+    #[error("no host in MQTT URL {url:?}")]
+    NoHost { url: String },
+    /// A path, query or fragment: an MQTT URL names a broker, nothing in it.
+    #[error("MQTT URL {url:?} has a path, query or fragment; topics are set on the builder")]
+    Extra { url: String },
+    /// A user name or password whose percent-encoding is not UTF-8.
+    #[error("the user name or password in MQTT URL {url:?} is not UTF-8 once percent-decoded")]
+    Encoding { url: String },
+}
+
 impl Endpoint {
-    pub(crate) fn parse(url: &str) -> Result<Self, String> {
+    /// Parses `mqtt://[user[:password]@]host[:port]` with the `url` crate, percent-decoding the
+    /// user name and password (`p%40ss` is the password `p@ss`).
+    pub(crate) fn parse(input: &str) -> Result<Self, UrlError> {
         // Errors quote the URL, which may hold the password.
-        let shown = || idem_core::redact_url(url);
-        let rest = url
-            .strip_prefix("mqtt://")
-            .or_else(|| url.strip_prefix("tcp://"))
-            .ok_or_else(|| {
-                format!("unsupported MQTT URL {:?}: expected mqtt://[user[:password]@]host[:port] (TLS, mqtts://, is not supported yet)", shown())
-            })?;
-        let rest = rest.trim_end_matches('/');
-        let (credentials, hostport) = match rest.rsplit_once('@') {
-            Some((cred, hp)) => {
-                let (u, p) = cred.split_once(':').unwrap_or((cred, ""));
-                (Some((u.to_owned(), p.to_owned())), hp)
-            }
-            None => (None, rest),
-        };
-        let (host, port) = match hostport.strip_prefix('[') {
-            // [IPv6]:port
-            Some(v6) => {
-                let (h, after) = v6
-                    .split_once(']')
-                    .ok_or_else(|| format!("unclosed [ in MQTT URL {:?}", shown()))?;
-                (h, after.strip_prefix(':'))
-            }
-            None => match hostport.rsplit_once(':') {
-                Some((h, p)) => (h, Some(p)),
-                None => (hostport, None),
-            },
-        };
-        let port = match port {
-            Some(p) => p
-                .parse::<u16>()
-                .map_err(|_| format!("invalid port in MQTT URL {:?}", shown()))?,
-            None => 1883,
-        };
-        if host.is_empty() {
-            return Err(format!("no host in MQTT URL {:?}", shown()));
+        let url = || idem_core::redact_url(input);
+        let parsed =
+            url::Url::parse(input).map_err(|reason| UrlError::Malformed { url: url(), reason })?;
+        if !matches!(parsed.scheme(), "mqtt" | "tcp") {
+            return Err(UrlError::Scheme { url: url() });
         }
+        let host = match parsed.host() {
+            // `Host`'s Display brackets an IPv6 address; rumqttc wants it bare.
+            Some(url::Host::Ipv6(ip)) => ip.to_string(),
+            Some(url::Host::Ipv4(ip)) => ip.to_string(),
+            Some(url::Host::Domain(d)) if !d.is_empty() => d.to_owned(),
+            _ => return Err(UrlError::NoHost { url: url() }),
+        };
+        if !matches!(parsed.path(), "" | "/")
+            || parsed.query().is_some()
+            || parsed.fragment().is_some()
+        {
+            return Err(UrlError::Extra { url: url() });
+        }
+        let decode = |s: &str| {
+            percent_encoding::percent_decode_str(s)
+                .decode_utf8()
+                .map(|s| s.into_owned())
+                .map_err(|_| UrlError::Encoding { url: url() })
+        };
+        let credentials = if parsed.username().is_empty() && parsed.password().is_none() {
+            None
+        } else {
+            let user = decode(parsed.username())?;
+            let password = decode(parsed.password().unwrap_or(""))?;
+            Some((user, password))
+        };
         Ok(Self {
-            host: host.to_owned(),
-            port,
+            host,
+            port: parsed.port().unwrap_or(1883),
             credentials,
         })
     }
@@ -183,5 +206,74 @@ mod tests {
         assert!(!format!("{:?}", Endpoint::parse("mqtt://u:secret@h").unwrap()).contains("secret"));
         assert!(Endpoint::parse("http://x").is_err());
         assert!(Endpoint::parse("mqtt://x:notaport").is_err());
+    }
+
+    #[test]
+    fn credentials_are_percent_decoded() {
+        let e = Endpoint::parse("mqtt://user:p%40ss@host:1883").unwrap();
+        assert_eq!((e.host.as_str(), e.port), ("host", 1883));
+        assert_eq!(e.credentials, Some(("user".to_owned(), "p@ss".to_owned())));
+        let e = Endpoint::parse("mqtt://us%3Aer:a%2Fb%3Ac@host/").unwrap();
+        assert_eq!(
+            e.credentials,
+            Some(("us:er".to_owned(), "a/b:c".to_owned()))
+        );
+        let e = Endpoint::parse("mqtt://user@host").unwrap();
+        assert_eq!(e.credentials, Some(("user".to_owned(), String::new())));
+        assert_eq!(Endpoint::parse("mqtt://host").unwrap().credentials, None);
+    }
+
+    #[test]
+    fn bad_urls_are_typed_errors_without_the_password() {
+        let err = |u: &str| Endpoint::parse(u).unwrap_err();
+        assert!(matches!(
+            err("mqtt://u:secret@host:99999"),
+            UrlError::Malformed {
+                reason: url::ParseError::InvalidPort,
+                ..
+            }
+        ));
+        assert!(matches!(
+            err("mqtts://u:secret@host"),
+            UrlError::Scheme { .. }
+        ));
+        assert!(matches!(err("host:1883"), UrlError::Scheme { .. }));
+        assert!(matches!(err("not a url"), UrlError::Malformed { .. }));
+        assert!(matches!(
+            err("mqtt://u:secret@:1883"),
+            UrlError::Malformed { .. } | UrlError::NoHost { .. }
+        ));
+        assert!(matches!(err("mqtt:host"), UrlError::NoHost { .. }));
+        assert!(matches!(
+            err("mqtt://u:secret@host/topic"),
+            UrlError::Extra { .. }
+        ));
+        assert!(matches!(
+            err("mqtt://u:%FF@host"),
+            UrlError::Encoding { .. }
+        ));
+        for bad in [
+            "mqtt://u:secret@host:99999",
+            "mqtts://u:secret@host",
+            "mqtt://u:secret@host/t",
+        ] {
+            let shown = err(bad).to_string();
+            assert!(!shown.contains("secret"), "{shown}");
+            assert!(shown.contains("MQTT URL"), "{shown}");
+        }
+        // Through the public path: a configuration error the runner treats as fatal.
+        let e = Config::new("mqtts://u:secret@host", Options::default()).unwrap_err();
+        assert_eq!(e.kind(), idem_core::ErrorKind::InvalidConfig);
+        assert!(!e.to_string().contains("secret"), "{e}");
+    }
+
+    #[test]
+    fn rustls_finds_ring_for_rumqttc_tls() {
+        // rumqttc is built without a crypto provider (no aws-lc-sys); rustls's `ring` feature
+        // must make `builder()` find one, or rumqttc's TLS would panic when it is first used.
+        let config = rumqttc::tokio_rustls::rustls::ClientConfig::builder()
+            .with_root_certificates(rumqttc::tokio_rustls::rustls::RootCertStore::empty())
+            .with_no_client_auth();
+        assert!(!config.crypto_provider().cipher_suites.is_empty());
     }
 }

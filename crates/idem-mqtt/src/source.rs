@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use idem_consumer::{IdSource, Source};
+use idem_consumer::{IdSource, ReconnectBackoff, Source};
 use idem_core::{Error, ErrorKind};
 use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::task::JoinHandle;
@@ -18,8 +18,13 @@ use crate::producer::Publisher;
 use crate::wire::{self, Client, Loop, Msg, Polled};
 use crate::{MESSAGE_ID_POINTER, MESSAGE_ID_PROPERTY};
 
-const MIN_BACKOFF: Duration = Duration::from_millis(100);
-const MAX_BACKOFF: Duration = Duration::from_secs(5);
+/// Reconnect waits: each drawn from the upper half of its doubling ceiling (equal jitter), so
+/// the first wait is 100 to 200 ms, never shorter than the 100 ms before the jitter. With a
+/// first wait under 100 ms the batched `graceful_shutdown_in_flight_loses_nothing_and_doubles_nothing`
+/// conformance test fails every time (a committed message is redelivered); why is not yet
+/// understood, so the old floor is kept.
+const MIN_BACKOFF: Duration = Duration::from_millis(200);
+const MAX_BACKOFF: Duration = Duration::from_secs(10);
 /// Abandoned messages come back only with a reconnect; waiting a little gathers several
 /// abandons into one reconnect instead of one each.
 const REDELIVERY_DELAY: Duration = Duration::from_secs(1);
@@ -199,7 +204,7 @@ async fn drive(
     ready: oneshot::Sender<Result<(), Error>>,
 ) {
     let mut ready = Some(ready);
-    let mut backoff = MIN_BACKOFF;
+    let mut backoff = ReconnectBackoff::new(MIN_BACKOFF, MAX_BACKOFF);
     let mut failing = false;
     let mut reconnect_at: Option<Instant> = None;
     loop {
@@ -233,7 +238,7 @@ async fn drive(
         match polled {
             Ok(Polled::ConnAck { session_present }) => {
                 link.generation.fetch_add(1, Ordering::SeqCst);
-                backoff = MIN_BACKOFF;
+                backoff.reset();
                 if failing {
                     tracing::info!(client_id = %link.client_id, session_present, "MQTT connection restored");
                     failing = false;
@@ -285,6 +290,9 @@ async fn drive(
                     let _ = r.send(Err(e));
                     return;
                 }
+                // Jittered (idem-consumer's backoff), so consumers that lost the broker
+                // together do not all reconnect in the same instant.
+                let retry_in = backoff.next_delay();
                 if !failing {
                     tracing::warn!(client_id = %link.client_id, error = %e, "MQTT connection lost; reconnecting");
                     failing = true;
@@ -292,10 +300,9 @@ async fn drive(
                         return;
                     }
                 } else {
-                    tracing::debug!(client_id = %link.client_id, error = %e, retry_in = ?backoff, "MQTT reconnect failed");
+                    tracing::debug!(client_id = %link.client_id, error = %e, ?retry_in, "MQTT reconnect failed");
                 }
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(MAX_BACKOFF);
+                tokio::time::sleep(retry_in).await;
             }
         }
     }

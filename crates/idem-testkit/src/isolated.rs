@@ -10,10 +10,20 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use crate::services::{self, service_url, unique_name};
 
 /// A schema named after the test on the server in `IDEM_TEST_POSTGRES_URL`.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct PgSchema {
     url: String,
     name: String,
+}
+
+/// The service URL may hold a password: shown through [`idem_core::redact_url`].
+impl std::fmt::Debug for PgSchema {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgSchema")
+            .field("url", &idem_core::redact_url(&self.url))
+            .field("name", &self.name)
+            .finish()
+    }
 }
 
 impl PgSchema {
@@ -76,10 +86,20 @@ impl PgSchema {
 }
 
 /// A database named after the test on the server in `IDEM_TEST_MYSQL_URL`.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct MySqlDatabase {
     url: String,
     name: String,
+}
+
+/// The service URL may hold a password: shown through [`idem_core::redact_url`].
+impl std::fmt::Debug for MySqlDatabase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MySqlDatabase")
+            .field("url", &idem_core::redact_url(&self.url))
+            .field("name", &self.name)
+            .finish()
+    }
 }
 
 impl MySqlDatabase {

@@ -63,12 +63,23 @@ const CREDIT_SET: &str = "UPDATE idem_bench_accounts a SET balance = a.balance +
      WHERE id = ANY($1) ORDER BY id FOR UPDATE) l) >= 0";
 
 /// A connected benchmark database with the bench's tables created.
-#[derive(Debug)]
 pub(crate) struct Bench {
     url: String,
     admin: PgPool,
     settings: Settings,
     describe: String,
+}
+
+/// The URL may hold a password: shown through [`idem_core::redact_url`].
+impl std::fmt::Debug for Bench {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Bench")
+            .field("url", &idem_core::redact_url(&self.url))
+            .field("admin", &self.admin)
+            .field("settings", &self.settings)
+            .field("describe", &self.describe)
+            .finish()
+    }
 }
 
 impl Bench {

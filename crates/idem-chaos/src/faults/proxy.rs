@@ -17,8 +17,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use anyhow::Result;
-use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+// ChaCha8: a stream fixed by its specification, so a seed replays the same cuts after a
+// `rand` update (`StdRng` may change algorithm in any release).
+use rand_chacha::ChaCha8Rng;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -71,7 +73,7 @@ impl CutProxy {
                 };
                 n += 1;
                 shared.connections.fetch_add(1, Ordering::SeqCst);
-                let rng = StdRng::seed_from_u64(seed ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+                let rng = ChaCha8Rng::seed_from_u64(seed ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15));
                 let upstream = upstream.clone();
                 let state = shared.clone();
                 tokio::spawn(async move {
@@ -105,7 +107,7 @@ async fn relay(
     client: TcpStream,
     server: TcpStream,
     state: Arc<ProxyState>,
-    mut rng: StdRng,
+    mut rng: ChaCha8Rng,
     share: f64,
 ) {
     let (mut from_client, mut to_client) = client.into_split();

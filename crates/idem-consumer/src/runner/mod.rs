@@ -25,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 use crate::decode::Decode;
 use crate::id_source::IdSource;
 use crate::metrics::{Instruments, RunStats};
-use crate::retry::{Reconnect, RetryPolicy};
+use crate::retry::{ReconnectBackoff, RetryPolicy};
 use crate::source::Source;
 
 /// Most deliveries fetched in one call in per-message mode; bounds memory when concurrency is
@@ -276,7 +276,7 @@ where
 
         let permits = Arc::new(Semaphore::new(concurrency));
         let mut tasks = JoinSet::new();
-        let mut reconnect = Reconnect::new();
+        let mut reconnect = ReconnectBackoff::default();
         loop {
             while let Some(done) = tasks.try_join_next() {
                 report_panic(done);
