@@ -234,7 +234,10 @@ impl SqliteOptions {
         self
     }
 
-    /// Pool size (default 8). Writers still take turns; more connections help readers.
+    /// Pool size (default 8). Writers still take turns; more connections help readers. Every
+    /// idempotent request in flight holds one for its transaction, from its record's take to
+    /// its completion, whether or not it writes: size the pool of an HTTP API's store for the
+    /// keyed requests it serves at once.
     pub fn max_connections(mut self, n: u32) -> Self {
         self.max_connections = n.max(1);
         self

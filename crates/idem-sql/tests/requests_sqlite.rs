@@ -64,8 +64,8 @@ impl RequestFixture for SqliteFixture {
 idem_testkit::request_conformance_tests!(SqliteFixture);
 request_extras::request_extras!(SqliteFixture);
 
-/// On SQLite a running operation's transaction holds the write lock, so its heartbeat cannot
-/// renew the lease meanwhile. A retry after the lease ran out must still be answered at once
+/// On SQLite a running operation's transaction that wrote holds the write lock, so its heartbeat
+/// cannot renew the lease meanwhile. A retry after the lease ran out must still be answered at once
 /// — "in progress", since the holder may still be writing — not wait out the busy timeout;
 /// once the holder committed, the retry replays its result. The connection the take-over
 /// attempt used gets its busy timeout back.

@@ -18,8 +18,8 @@ use sqlx::postgres::PgPoolOptions;
 /// What the HTTP suite needs beside [`RequestFixture`].
 pub(crate) trait HttpFixture: RequestFixture {
     /// Whether a retry can take over a lapsed lease while the old holder's transaction is
-    /// still open. Not on SQLite: the holder's transaction keeps the database's write lock, so
-    /// the retry is told "in progress" until the holder finishes.
+    /// still open after writing. Not on SQLite: a transaction that wrote keeps the database's
+    /// write lock, so the retry is told "in progress" until the holder finishes.
     const TAKEOVER_WHILE_HOLDER_RUNS: bool = true;
 
     /// Request records in the store (any state).
