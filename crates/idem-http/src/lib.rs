@@ -252,6 +252,26 @@
 //! - **Logs**: a key is a bearer-like secret in a shared scope; the layer and the engine name
 //!   it by a digest ([`KeyDigest`](idem_request::KeyDigest)) at info and above.
 //!
+//! # SQLite: one writer at a time
+//!
+//! SQLite has one write lock for the whole database. The handler's transaction begins
+//! deferred: it takes the lock at the handler's first write through [`IdemTx`] (or, for a
+//! handler that wrote nothing, for the moment the response is stored), so a slow handler that
+//! reads, calls another service or waits holds up no other key's request. Every wait for the
+//! lock is bounded by the store's busy timeout
+//! (`idem_sql::SqliteOptions::busy_timeout`, 10 s by default; give an HTTP API's store one its
+//! clients can wait for): a request whose record cannot be taken or whose
+//! response cannot be stored within it is `503 store-unavailable` with `Retry-After`, and its
+//! key is free — the next request with the key runs, never `409` because of it. A handler's own
+//! write that waits past it fails with `SQLITE_BUSY`, which the store's
+//! [`classify`](idem_core::TransactionalStore::classify) calls
+//! [`Transient`](idem_core::ErrorKind::Transient): answer `503` with `Retry-After` there too.
+//! A write after a read in the same transaction does not wait: SQLite refuses it at once while
+//! another request holds the lock (or has committed since the read), so a handler that reads
+//! before it writes should write first, or take the lock first with a write that changes
+//! nothing (`UPDATE accounts SET id = id WHERE 0`). The heartbeat renews the lease whenever the
+//! lock is free, and while any transaction holds it no one can take the record over.
+//!
 //! # What is rolled back, per store
 //!
 //! When a response is not stored (5xx, a refusal before the handler started, a panic, a
@@ -311,7 +331,7 @@
 //! | 413 | `body-too-large` | request body over the limit; nothing recorded | not run |
 //! | 422 | `fingerprint-mismatch` | the key was used, on this method and path, for a request with another query, `Content-Type` or body; the original record is untouched | not run |
 //! | 500 | `internal-error` | a stored response the layer cannot read, a handler that kept the transaction, a response body that failed | ran; not stored |
-//! | 503 | `store-unavailable` | the store is down or refusing work | not run, or ran and not stored |
+//! | 503 | `store-unavailable` | the store is down, refusing work, or busy past its bound (SQLite's write lock, see below); with `Retry-After`; the key is free | not run, or ran and not stored |
 //!
 //! # Placement
 //!

@@ -53,9 +53,11 @@
 //! external call), nothing was undone.
 //!
 //! ### store-unavailable
-//! `503`: the idempotency store could not be reached or refused the work; the handler did not
-//! run, or its response was not stored (writes through `IdemTx` on a SQL store rolled back).
-//! Retry later with the same key.
+//! `503`, with `Retry-After` (the same hint as for `conflict`): the idempotency store could
+//! not be reached, refused the work, or was busy past its bound (SQLite's write lock held by
+//! another request longer than the store's busy timeout); the handler did not run, or its
+//! response was not stored (writes through `IdemTx` on a SQL store rolled back). The key is
+//! free: retry later with the same key.
 //!
 //! ### internal-error
 //! `500`: the layer could not finish the request: a stored response it cannot read, a handler

@@ -291,10 +291,19 @@ impl<Inner, S> Run<Inner, S> {
                 } else {
                     tracing::warn!(error = %e, kind = ?e.kind(), "idempotency store unavailable; the request was not run");
                 }
-                return refuse(Problem::new(
-                    ProblemCode::StoreUnavailable,
-                    "the idempotency store is unavailable; the request was not run, retry later with the same key",
-                ));
+                let secs = config.retry_after_secs(config.retry_after);
+                let detail = if e.kind() == ErrorKind::Transient {
+                    format!(
+                        "the idempotency store is busy (a lock it needs was not free in time); the request was not run, retry after {secs} s with the same key"
+                    )
+                } else {
+                    format!(
+                        "the idempotency store is unavailable; the request was not run, retry after {secs} s with the same key"
+                    )
+                };
+                return refuse(
+                    Problem::new(ProblemCode::StoreUnavailable, detail).retry_after(secs),
+                );
             }
         };
 
@@ -402,10 +411,19 @@ impl<Inner, S> Run<Inner, S> {
             }
             Err(e) => {
                 tracing::warn!(error = %e, kind = ?e.kind(), "completing the idempotent request failed; its response was not stored");
-                refuse(Problem::new(
-                    ProblemCode::StoreUnavailable,
-                    "the idempotency store failed while storing the response, so it was not stored (writes through the idempotent transaction were rolled back on a SQL store); retry later with the same key",
-                ))
+                let secs = config.retry_after_secs(config.retry_after);
+                let what = if e.kind() == ErrorKind::Transient {
+                    "the idempotency store was busy (a lock it needs was not free in time)"
+                } else {
+                    "the idempotency store failed"
+                };
+                refuse(
+                    Problem::new(
+                        ProblemCode::StoreUnavailable,
+                        format!("{what} while storing the response, so it was not stored (writes through the idempotent transaction were rolled back on a SQL store); retry after {secs} s with the same key"),
+                    )
+                    .retry_after(secs),
+                )
             }
         }
     }
@@ -463,7 +481,7 @@ async fn abandon<S: RequestStore + Clone + 'static>(
         execution.put_tx(tx);
     }
     if let Err(e) = execution.abandon().await {
-        tracing::warn!(error = %e, "could not free the idempotency key; it frees itself when its lease runs out");
+        tracing::warn!(error = %e, "could not free the idempotency key yet; freeing it in the background (a retry with the key frees it first)");
     }
 }
 

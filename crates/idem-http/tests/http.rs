@@ -34,6 +34,7 @@ macro_rules! http_suite {
             nested_routes_keep_their_prefix_in_the_scope,
             a_request_dropped_at_any_await_point_frees_its_key,
             a_grpc_unary_call_replays_its_message_and_status,
+            a_slow_request_that_never_writes_does_not_delay_another_key,
         );
     };
     (@tests $fixture:ty; $($name:ident),* $(,)?) => {
@@ -63,4 +64,27 @@ mod mysql {
 
 mod redis {
     http_suite!(crate::support::fixtures::RedisFx);
+}
+
+/// SQLite's one write lock and keyed requests (issue 19, point 4).
+mod sqlite_write_lock {
+    macro_rules! sqlite_tests {
+        ($($name:ident),* $(,)?) => {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $name() {
+                    crate::support::write_lock::$name(concat!(module_path!(), "::", stringify!($name)))
+                        .await;
+                }
+            )*
+        };
+    }
+
+    sqlite_tests!(
+        a_take_that_waits_past_the_bound_is_503_with_retry_after,
+        a_completion_that_waits_past_the_bound_is_503_and_frees_the_key,
+        a_write_that_waits_past_the_bound_frees_the_key,
+        a_request_longer_than_its_lease_keeps_it_by_heartbeat,
+        the_heartbeat_does_not_queue_behind_its_own_write_lock,
+    );
 }

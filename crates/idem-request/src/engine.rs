@@ -1,6 +1,7 @@
 //! The engine: take a record, run under its lease (with a heartbeat), complete or abandon.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use idem_core::store::RequestStore;
@@ -29,6 +30,12 @@ struct Inner<S> {
     ttl: Duration,
     lease: Duration,
     heartbeat: Option<Duration>,
+    /// Records this engine gave up (abandoned, or failed to complete) whose release the store
+    /// refused: SQLite's write lock held by another request past the busy timeout, an outage.
+    /// A task keeps releasing each until the store takes it or its lease ran out, and a
+    /// lookup of one of these keys releases it first, so the key is never answered "in
+    /// progress" for an execution that is over.
+    unreleased: Mutex<HashMap<RequestKey, Fence>>,
 }
 
 /// Configures an [`Idempotency`]; [`build`](Self::build) refuses inconsistent timings.
@@ -108,6 +115,7 @@ impl<S> IdempotencyBuilder<S> {
                 ttl: self.ttl,
                 lease: self.lease,
                 heartbeat,
+                unreleased: Mutex::new(HashMap::new()),
             }),
         })
     }
@@ -147,7 +155,10 @@ impl<S: RequestStore + Clone + 'static> Idempotency<S> {
     }
 
     /// Looks `key` up and takes its record when it is free (absent, expired, or its holder's
-    /// lease ran out). Never waits for another executor.
+    /// lease ran out), and begins the execution's transaction
+    /// ([`RequestStore::begin_execution`]). Never waits for another executor. An execution of
+    /// the same key that this engine gave up but whose record the store would not free yet
+    /// (see [`Execution::abandon`]) is freed first; if the store still refuses, so does this.
     pub async fn start(
         &self,
         key: RequestKey,
@@ -164,17 +175,25 @@ impl<S: RequestStore + Clone + 'static> Idempotency<S> {
                 ),
             ));
         }
+        // An execution of this key that this engine gave up and could not free yet: free it
+        // now, or answer as the store does (a 503 in HTTP terms), never "in progress".
+        if let Some(fence) = self.unreleased(&key) {
+            me.store.release(&key, fence).await?;
+            self.forget_unreleased(&key, fence);
+        }
         // The lookup runs in a task of its own: a caller dropped while it is under way (a
         // client gone, a timeout) must not leave a record taken with nobody to free it. The
         // task hands the outcome over, or frees the record itself when no one is left to take it.
         let (hand_over, taken) = tokio::sync::oneshot::channel();
         let lookup = {
-            let (store, key) = (me.store.clone(), key.clone());
+            let (idem, key) = (self.clone(), key.clone());
             let (lease, ttl) = (me.lease, me.ttl);
             async move {
+                let store = &idem.inner.store;
                 let begin = store.begin_request(&key, &fingerprint, lease, ttl).await;
                 if let Err(Ok(Begin::Acquired { fence, .. })) = hand_over.send(begin) {
-                    release_quietly(&store, &key, fence, "a caller gone during the lookup").await;
+                    idem.release_quietly(&key, fence, "a caller gone during the lookup")
+                        .await;
                 }
             }
         };
@@ -211,7 +230,7 @@ impl<S: RequestStore + Clone + 'static> Idempotency<S> {
             heartbeat: None,
             settled: false,
         };
-        match me.store.begin().await {
+        match me.store.begin_execution().await {
             Ok(tx) => execution.tx = Some(tx),
             Err(e) => {
                 let _ = execution.abandon().await;
@@ -252,14 +271,81 @@ impl std::fmt::Debug for KeyDigest<'_> {
     }
 }
 
-/// Frees a record, logging (not returning) a failure: the lease frees it in the end anyway.
-async fn release_quietly<S: RequestStore>(store: &S, key: &RequestKey, fence: Fence, why: &str) {
-    if let Err(e) = store.release(key, fence).await {
-        tracing::warn!(key = %KeyDigest(key), error = %e, "could not free the key of {why}; it frees itself when its lease runs out");
+impl<S: RequestStore + Clone + 'static> Idempotency<S> {
+    fn unreleased_map(&self) -> MutexGuard<'_, HashMap<RequestKey, Fence>> {
+        // Held for one map operation at a time: a panic cannot leave it half-written.
+        self.inner
+            .unreleased
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn unreleased(&self, key: &RequestKey) -> Option<Fence> {
+        self.unreleased_map().get(key).copied()
+    }
+
+    fn forget_unreleased(&self, key: &RequestKey, fence: Fence) {
+        let mut map = self.unreleased_map();
+        if map.get(key) == Some(&fence) {
+            map.remove(key);
+        }
+    }
+
+    /// Frees a record this engine gave up; when the store refuses, frees it later (see
+    /// [`release_later`](Self::release_later)) and returns the store's error.
+    async fn release(&self, key: &RequestKey, fence: Fence) -> Result<(), Error> {
+        let released = self.inner.store.release(key, fence).await;
+        if released.is_err() {
+            self.release_later(key.clone(), fence);
+        }
+        released
+    }
+
+    /// [`release`](Self::release), logging (not returning) a failure.
+    async fn release_quietly(&self, key: &RequestKey, fence: Fence, why: &str) {
+        if let Err(e) = self.release(key, fence).await {
+            tracing::warn!(key = %KeyDigest(key), error = %e, "could not free the key of {why} yet; freeing it in the background");
+        }
+    }
+
+    /// Frees the record in the background: retried until the store takes the release or the
+    /// lease ran out (a retry can then take the record over), and released first by the
+    /// next lookup of the key through this engine meanwhile.
+    fn release_later(&self, key: RequestKey, fence: Fence) {
+        self.unreleased_map().insert(key.clone(), fence);
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let idem = self.clone();
+        rt.spawn(async move {
+            let give_up = tokio::time::Instant::now() + idem.inner.lease;
+            let mut pause = Duration::from_millis(50);
+            while idem.unreleased(&key) == Some(fence) {
+                tokio::time::sleep(pause).await;
+                match idem.inner.store.release(&key, fence).await {
+                    Ok(()) => break,
+                    Err(e) if tokio::time::Instant::now() >= give_up => {
+                        tracing::warn!(key = %KeyDigest(&key), error = %e, "could not free a key within its lease; a retry takes the record over");
+                        break;
+                    }
+                    Err(e) => {
+                        tracing::debug!(key = %KeyDigest(&key), error = %e, "freeing a key failed; trying again");
+                    }
+                }
+                pause = (pause * 2).min(Duration::from_secs(1));
+            }
+            idem.forget_unreleased(&key, fence);
+        });
     }
 }
 
-/// Renews the lease until aborted or lost.
+/// The shortest pause before renewing again after the store refused a renewal.
+const RENEW_RETRY_FLOOR: Duration = Duration::from_millis(20);
+
+/// Renews the lease until aborted or lost. A renewal the store refuses is tried again sooner
+/// the closer the lease is to running out: SQLite refuses it while any transaction holds the
+/// write lock (this execution's own, too) instead of queueing behind it, and no one can take
+/// the record over meanwhile either, but the moment the lock is free a lapsed lease can be.
 async fn renew<S: RequestStore>(
     store: S,
     key: RequestKey,
@@ -267,18 +353,34 @@ async fn renew<S: RequestStore>(
     lease: Duration,
     every: Duration,
 ) {
-    let mut ticks = tokio::time::interval(every);
-    ticks.tick().await; // the first tick is immediate; the lease was just taken
+    use tokio::time::Instant;
+    // The lease was just taken.
+    let mut held_until = Instant::now() + lease;
+    let mut next = Instant::now() + every;
+    let mut warned = false;
     loop {
-        ticks.tick().await;
+        tokio::time::sleep_until(next).await;
+        let asked = Instant::now();
         match store.extend_lease(&key, fence, lease).await {
-            Ok(true) => {}
+            Ok(true) => {
+                held_until = asked + lease;
+                next = asked + every;
+                warned = false;
+            }
             Ok(false) => {
                 tracing::warn!(key = %KeyDigest(&key), fence = fence.0, "lease lost to a takeover; this execution's completion will be refused");
                 return;
             }
             Err(e) => {
-                tracing::warn!(key = %KeyDigest(&key), error = %e, "renewing the lease failed; trying again")
+                let now = Instant::now();
+                let left = held_until.saturating_duration_since(now);
+                next = now + (left / 4).max(RENEW_RETRY_FLOOR).min(every);
+                if e.kind() == ErrorKind::Transient && !left.is_zero() {
+                    tracing::debug!(key = %KeyDigest(&key), error = %e, "the lease was not renewed now; trying again");
+                } else if !warned {
+                    warned = true;
+                    tracing::warn!(key = %KeyDigest(&key), error = %e, "renewing the lease failed; trying again");
+                }
             }
         }
     }
@@ -349,13 +451,16 @@ impl<S: RequestStore + Clone + 'static> Execution<S> {
     ///
     /// Dropped before it returns (a cancelled request), the key is freed in the background:
     /// the transaction rolls back unless its commit already went out, and a committed
-    /// completion stays (freeing only ever touches a record still in progress).
+    /// completion stays (freeing only ever touches a record still in progress). Any other
+    /// failure frees the key as [`abandon`](Self::abandon) does; after a
+    /// [`Transient`](ErrorKind::Transient) one (a lock not free within the store's bound) it is
+    /// freed in the background at once, since freeing it waits for the same lock.
     pub async fn complete(mut self, result: &[u8]) -> Result<(), Error> {
         self.stop_heartbeat();
         let store = self.idem.inner.store.clone();
         let ttl = self.idem.inner.ttl;
         let Some(mut tx) = self.tx.take() else {
-            let _ = store.release(&self.key, self.fence).await;
+            let _ = self.idem.release(&self.key, self.fence).await;
             self.settled = true;
             return Err(Error::new(
                 ErrorKind::Store,
@@ -367,8 +472,14 @@ impl<S: RequestStore + Clone + 'static> Execution<S> {
             .await
         {
             let _ = store.rollback(tx).await;
-            if e.kind() != ErrorKind::LeaseLost {
-                let _ = store.release(&self.key, self.fence).await;
+            match e.kind() {
+                ErrorKind::LeaseLost => {}
+                // The completion waited for a lock (SQLite's write lock) as long as the store
+                // waits; the release would wait for the same lock: free it in the background.
+                ErrorKind::Transient => self.idem.release_later(self.key.clone(), self.fence),
+                _ => {
+                    let _ = self.idem.release(&self.key, self.fence).await;
+                }
             }
             self.settled = true;
             return Err(e);
@@ -376,7 +487,7 @@ impl<S: RequestStore + Clone + 'static> Execution<S> {
         if let Err(e) = store.commit(tx).await {
             // Rolled back, or unknown: freeing a record this fence still holds in progress is
             // right either way (a committed completion is no longer in progress and stays).
-            let _ = store.release(&self.key, self.fence).await;
+            let _ = self.idem.release(&self.key, self.fence).await;
             self.settled = true;
             return Err(e);
         }
@@ -386,14 +497,17 @@ impl<S: RequestStore + Clone + 'static> Execution<S> {
 
     /// Rolls the operation's writes back and frees the key: the outcome is not stored, so a
     /// retry executes again. Dropped before it returns, the key is still freed, in the
-    /// background.
+    /// background. When the store refuses to free it (SQLite's write lock held by another
+    /// transaction past the busy timeout, an outage), the error is returned and the key is
+    /// freed in the background — retried until the store takes it or the lease ran out — and
+    /// before the next [`start`](Idempotency::start) of the same key.
     pub async fn abandon(mut self) -> Result<(), Error> {
         self.stop_heartbeat();
         let store = self.idem.inner.store.clone();
         if let Some(tx) = self.tx.take() {
             let _ = store.rollback(tx).await;
         }
-        let released = store.release(&self.key, self.fence).await;
+        let released = self.idem.release(&self.key, self.fence).await;
         self.settled = true;
         released
     }
@@ -421,10 +535,11 @@ impl<S: RequestStore + Clone + 'static> Drop for Execution<S> {
         }
         drop(self.tx.take());
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            let store = self.idem.inner.store.clone();
+            let idem = self.idem.clone();
             let (key, fence) = (self.key.clone(), self.fence);
             rt.spawn(async move {
-                release_quietly(&store, &key, fence, "an interrupted execution").await;
+                idem.release_quietly(&key, fence, "an interrupted execution")
+                    .await;
             });
         }
     }

@@ -41,6 +41,14 @@ pub trait Engine: Driver + sealed::Sealed {
     /// handler's nested `begin()` is a savepoint (see [`Tx`]).
     const BEGIN: &'static str;
 
+    /// Begins the transaction of an idempotent request's execution
+    /// ([`RequestStore::begin_execution`](idem_core::store::RequestStore::begin_execution)):
+    /// [`BEGIN`](Self::BEGIN), unless that takes a lock every writer waits for. SQLite's is
+    /// `BEGIN DEFERRED`: the write lock is taken by the handler's first write (or, for a
+    /// handler that wrote nothing, by the completion), never held while the handler does
+    /// anything else; the record's own statements run outside it.
+    const REQUEST_BEGIN: &'static str = Self::BEGIN;
+
     /// How a transaction commits where sqlx's own `COMMIT` would not do; `None`: through
     /// sqlx's transaction manager. PostgreSQL's is `SELECT 1; COMMIT`: after any failed
     /// statement it aborts the transaction and a bare `COMMIT` would roll back *and report
@@ -134,15 +142,30 @@ pub trait Engine: Driver + sealed::Sealed {
         async move { store.prune_rows(consumer, now, older_than, limit).await }
     }
 
-    /// Runs a request record's take-over statement: its rows affected, or `None` when it could
-    /// not run without waiting for another executor. On a server a row lock it meets is the old
-    /// executor's completion about to commit, so waiting is short and this just runs it.
-    fn take_over<'e>(
+    /// Runs a request statement (a take-over, a lease renewal) without waiting for a lock
+    /// another transaction holds: its rows affected, or `None` when it could not run without
+    /// waiting. SQLite's write lock may be held by the very executor the statement is about
+    /// (still writing, or renewing its own lease while its transaction writes), so waiting
+    /// could last as long as that transaction does. On a server a row lock it meets is a
+    /// completion about to commit, so waiting is short and this just runs it.
+    fn execute_unless_locked<'e>(
         pool: &'e sqlx::Pool<Self>,
         sql: &'e str,
         params: &'e [Param<'e>],
     ) -> impl Future<Output = Result<Option<u64>, sqlx::Error>> + Send + 'e {
         async move { Self::execute_pool(pool, sql, params).await.map(Some) }
+    }
+
+    /// Runs a request record's completion statement in the operation's transaction `tx`; rows
+    /// affected. SQLite's request transaction may not hold the write lock yet (a handler that
+    /// wrote nothing), or hold a read snapshot that can no longer become a write: there it is
+    /// begun again with the lock, which is safe because it holds no write.
+    fn complete_request<'e>(
+        tx: &'e mut Tx<Self>,
+        sql: &'e str,
+        params: &'e [Param<'e>],
+    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send + 'e {
+        async move { Self::execute(tx, sql, params).await }
     }
 }
 

@@ -169,8 +169,11 @@ impl<E: Engine> HeldConnections<E> {
         Self::new(self.options.clone(), self.max, self.wait, limits)
     }
 
-    /// A connection with the engine's `BEGIN` run on it.
-    pub(crate) async fn begin(self: &Arc<Self>) -> Result<Held<E>, sqlx::Error> {
+    /// A connection with `begin` (the engine's `BEGIN` or `REQUEST_BEGIN`) run on it.
+    pub(crate) async fn begin(
+        self: &Arc<Self>,
+        begin: &'static str,
+    ) -> Result<Held<E>, sqlx::Error> {
         let permit = tokio::time::timeout(self.wait, self.permits.clone().acquire_owned())
             .await
             .map_err(|_| sqlx::Error::PoolTimedOut)?
@@ -184,7 +187,7 @@ impl<E: Engine> HeldConnections<E> {
         if let Some(kept) = held.kept.as_mut() {
             let begun = bounded(
                 self.limits.begin_timeout,
-                begin_on::<E>(&mut kept.conn, true),
+                begin_on::<E>(&mut kept.conn, true, begin),
             );
             if begun.await.is_ok() {
                 held.spoiled = false;
@@ -204,7 +207,7 @@ impl<E: Engine> HeldConnections<E> {
         });
         bounded(
             self.limits.begin_timeout,
-            begin_on::<E>(&mut kept.conn, true),
+            begin_on::<E>(&mut kept.conn, true, begin),
         )
         .await?;
         held.spoiled = false;

@@ -10,6 +10,11 @@
 //! only then writes with a statement guarded by what it read (the fence, the state, the lease),
 //! so a concurrent change makes the write affect no row and the lookup starts over.
 //!
+//! The operation's transaction begins with the engine's `REQUEST_BEGIN` (SQLite: deferred, so
+//! the database's one write lock is taken by the handler's first write, not for the whole
+//! request), and the completion runs in it through the engine's `complete_request`. On SQLite a
+//! take-over and a lease renewal never wait for the write lock (see `sqlite.rs`).
+//!
 //! Fences: a new record's fence is the store's clock in microseconds when it was looked up
 //! absent, and every takeover adds one. A record released (deleted) and taken again therefore
 //! gets a fence no holder of its earlier life had — a stale executor's completion or release
@@ -67,6 +72,12 @@ impl<E: Engine> RequestStore for SqlStore<E> {
         MAX_REQUEST_KEY_LEN
     }
 
+    /// With the engine's `REQUEST_BEGIN`: on SQLite deferred, so that the write lock is
+    /// taken by the handler's first write (see `sqlite.rs`).
+    async fn begin_execution(&self) -> Result<Tx<E>, Error> {
+        self.begin_with(E::REQUEST_BEGIN).await
+    }
+
     async fn begin_request(
         &self,
         key: &RequestKey,
@@ -115,7 +126,7 @@ impl<E: Engine> RequestStore for SqlStore<E> {
                 }
                 Next::TakeOver { fence } => {
                     let params = now.params([lease, scope, id, Param::Int(fence)]);
-                    match E::take_over(&self.pool, &self.rsql.take_over, &params)
+                    match E::execute_unless_locked(&self.pool, &self.rsql.take_over, &params)
                         .await
                         .map_err(err)?
                     {
@@ -158,7 +169,7 @@ impl<E: Engine> RequestStore for SqlStore<E> {
             Param::Bytes(key.key.as_str().as_bytes()),
             Param::Int(bound_fence(fence)),
         ]);
-        let updated = E::execute(tx, &self.rsql.complete, &params)
+        let updated = E::complete_request(tx, &self.rsql.complete, &params)
             .await
             .map_err(|e| store_error::<E>("completing an idempotent request", e))?;
         if updated == 1 {
@@ -192,10 +203,19 @@ impl<E: Engine> RequestStore for SqlStore<E> {
             Param::Bytes(key.key.as_str().as_bytes()),
             Param::Int(bound_fence(fence)),
         ]);
-        E::execute_pool(&self.pool, &self.rsql.extend, &params)
+        let renewed = E::execute_unless_locked(&self.pool, &self.rsql.extend, &params)
             .await
-            .map(|rows| rows == 1)
-            .map_err(|e| store_error::<E>("extending a request's lease", e))
+            .map_err(|e| store_error::<E>("extending a request's lease", e))?;
+        match renewed {
+            Some(rows) => Ok(rows == 1),
+            // Perhaps this execution's own transaction holds it: while any does, no one can
+            // take the record over either (a take-over does not wait for the lock).
+            None => Err(Error::new(
+                ErrorKind::Transient,
+                "the lease was not renewed now: a transaction (perhaps this execution's own) \
+                 holds the database's write lock",
+            )),
+        }
     }
 }
 

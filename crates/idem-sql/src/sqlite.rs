@@ -1,18 +1,46 @@
 //! The SQLite engine: the embedded default.
 //!
-//! SQLite allows one writer at a time. Every transaction here starts with `BEGIN IMMEDIATE`,
+//! SQLite allows one writer at a time. A consumer's transaction starts with `BEGIN IMMEDIATE`,
 //! which takes the write lock up front, so a concurrent duplicate waits (up to the busy timeout)
 //! for the first transaction to finish and then finds its committed claim — the same guarantee
 //! the row lock gives on PostgreSQL. A deferred `BEGIN` would instead fail with SQLITE_BUSY when
 //! it tries to upgrade a read lock. The journal is WAL, so readers never block the writer.
 //!
-//! Request records (see [`crate::requests`]) follow from the same lock: a running operation's
-//! transaction holds the write lock until it completes, so a retry is answered from a WAL read
-//! alone, and the lease cannot be renewed meanwhile (the heartbeat's write waits for that
-//! lock). A lease that ran out is therefore taken over only when the write lock is free at once;
-//! while a transaction holds it, the old executor may still be running, and the retry is told
-//! the record is in progress instead of waiting. Times are this host's clock, the only host
-//! writing the file.
+//! # Idempotent requests and the write lock
+//!
+//! Request records (see [`crate::requests`]) are taken, renewed and released by statements of
+//! their own that commit at once, and a retry is answered from a WAL read alone. The
+//! transaction the handler writes through — which the record's completion commits with — begins
+//! **deferred** (`BEGIN DEFERRED`, [`Engine::REQUEST_BEGIN`]): it takes the write lock at the
+//! handler's first write, so a handler that only reads, or calls another service, or sleeps,
+//! never keeps another key's request from taking its record or writing. How each step meets the
+//! lock, and the busy timeout ([`SqliteOptions::busy_timeout`]) that bounds every wait for it:
+//!
+//! - **taking a record**: a short write of its own, waiting up to the busy timeout; past it the
+//!   lookup fails as transient (`idem-http` answers `503` with `Retry-After`) and nothing is
+//!   recorded;
+//! - **the handler's first write** waits up to the busy timeout too (its error is SQLite's
+//!   `SQLITE_BUSY`, classified transient). A write *after a read* in the same transaction does
+//!   not wait: SQLite refuses at once to turn a read into a write while another transaction
+//!   holds the lock, or once another committed since the read (`SQLITE_BUSY_SNAPSHOT`). A
+//!   handler that reads before it writes and must not fail under concurrent writers writes
+//!   first, or takes the lock first with a write that changes nothing;
+//! - **the completion** runs in the handler's transaction. When the handler wrote, the
+//!   transaction holds the lock already. When it did not, the completion takes it; if SQLite
+//!   refuses the transaction's read snapshot, the transaction — which holds no write — is
+//!   begun again with `BEGIN IMMEDIATE` and the completion commits there (see
+//!   `complete_request`);
+//! - **a lease renewal** never waits for the lock: while any transaction holds it — often the
+//!   renewing execution's own — it is refused at once and tried again shortly (waiting would
+//!   keep a pooled connection for as long as that transaction runs). No one can take the
+//!   record over meanwhile either: a **take-over** of a lapsed lease also runs only if the lock
+//!   is free at once, and otherwise reports the record in progress, since its holder may still
+//!   be writing;
+//! - **releasing a record** waits up to the busy timeout; `idem-request` retries a release
+//!   the store refused in the background and before the next lookup of the key, so a key
+//!   whose request failed for want of the lock is not left "in progress".
+//!
+//! Times are this host's clock, the only host writing the file.
 
 use std::path::Path;
 use std::str::FromStr;
@@ -45,6 +73,7 @@ impl crate::engine::sealed::Sealed for Sqlite {}
 impl Engine for Sqlite {
     const MAX_MESSAGE_ID_LEN: usize = MAX_MESSAGE_ID_LEN;
     const BEGIN: &'static str = "BEGIN IMMEDIATE";
+    const REQUEST_BEGIN: &'static str = "BEGIN DEFERRED";
     const SERVER: bool = false;
 
     fn claim_statements(t: &TableName, _partitioned: bool) -> ClaimStatements {
@@ -148,12 +177,20 @@ impl Engine for Sqlite {
         migrate(store).await
     }
 
-    async fn take_over<'e>(
+    async fn execute_unless_locked<'e>(
         pool: &'e sqlx::Pool<Self>,
         sql: &'e str,
         params: &'e [Param<'e>],
     ) -> Result<Option<u64>, sqlx::Error> {
-        take_over_now(pool, sql, params).await
+        unless_locked(pool, sql, params).await
+    }
+
+    async fn complete_request<'e>(
+        tx: &'e mut Tx<Self>,
+        sql: &'e str,
+        params: &'e [Param<'e>],
+    ) -> Result<u64, sqlx::Error> {
+        complete_request(tx, sql, params).await
     }
 }
 
@@ -178,8 +215,12 @@ impl Default for SqliteOptions {
 }
 
 impl SqliteOptions {
-    /// How long a transaction waits for the write lock before failing with a transient error
-    /// (default 10 s).
+    /// How long a statement waits for the write lock before failing with a transient error
+    /// (default 10 s): a consumer's `BEGIN IMMEDIATE`, and for idempotent requests the take of
+    /// a record, the handler's first write and the completion — past it `idem-http` answers
+    /// `503` with `Retry-After`. Give an HTTP API's store a bound its clients can wait for (a
+    /// second or two); it may share the database file with a consumer's store opened with
+    /// another.
     pub fn busy_timeout(mut self, d: Duration) -> Self {
         self.busy_timeout = d;
         self
@@ -193,7 +234,10 @@ impl SqliteOptions {
         self
     }
 
-    /// Pool size (default 8). Writers still take turns; more connections help readers.
+    /// Pool size (default 8). Writers still take turns; more connections help readers. Every
+    /// idempotent request in flight holds one for its transaction, from its record's take to
+    /// its completion, whether or not it writes: size the pool of an HTTP API's store for the
+    /// keyed requests it serves at once.
     pub fn max_connections(mut self, n: u32) -> Self {
         self.max_connections = n.max(1);
         self
@@ -268,10 +312,12 @@ impl Drop for ClosedUnlessRestored {
     }
 }
 
-/// Runs the take-over without waiting for the write lock (`busy_timeout` 0 for this one
-/// statement): `None` when a transaction holds it — possibly the old executor's, still
-/// running — so that the lookup reports the record in progress instead of blocking.
-async fn take_over_now(
+/// Runs `sql` without waiting for the write lock (`busy_timeout` 0 for this one statement):
+/// `None` when a transaction holds it. A take-over then reports the record in progress (the
+/// holder may be its old executor, still running) instead of blocking; a lease renewal tries
+/// again shortly (the holder may be its own execution's transaction, which would otherwise
+/// keep a pooled connection waiting for as long as it runs).
+async fn unless_locked(
     pool: &sqlx::Pool<Sqlite>,
     sql: &str,
     params: &[Param<'_>],
@@ -297,17 +343,72 @@ async fn take_over_now(
         .is_ok();
     match outcome {
         Ok(rows) => Ok(Some(rows)),
-        Err(sqlx::Error::Database(db))
-            if db
-                .code()
-                .and_then(|c| c.parse::<u32>().ok())
-                .map(|c| c & 0xff)
-                == Some(5) =>
-        {
-            Ok(None)
-        }
+        Err(e) if busy_code(&e).is_some() => Ok(None),
         Err(e) => Err(e),
     }
+}
+
+/// The extended result code of an `SQLITE_BUSY` error (primary code 5: plain, after a wait or
+/// a refused upgrade; 517 `SQLITE_BUSY_SNAPSHOT`; 261 `SQLITE_BUSY_RECOVERY`; …).
+fn busy_code(e: &sqlx::Error) -> Option<u32> {
+    match e {
+        sqlx::Error::Database(db) => db
+            .code()
+            .and_then(|c| c.parse::<u32>().ok())
+            .filter(|c| c & 0xff == 5),
+        _ => None,
+    }
+}
+
+/// `SQLITE_BUSY_SNAPSHOT`: a read transaction's snapshot is older than the last commit, so it
+/// can never become a write transaction.
+const BUSY_SNAPSHOT: u32 = 517;
+
+/// The completion in a request's deferred transaction. When the handler wrote through it,
+/// the transaction holds the write lock and the statement just runs. When it did not, the
+/// statement must take the lock now, and `SQLITE_BUSY` can come three ways: at once, from a
+/// transaction holding a read snapshot while another holds the lock (SQLite refuses to wait
+/// there, which could deadlock); at once with `SQLITE_BUSY_SNAPSHOT`, from a snapshot older
+/// than the last commit; or after waiting out the busy timeout. Either of the first two is
+/// answered by beginning the transaction again with `BEGIN IMMEDIATE` — which waits for the
+/// lock, up to the busy timeout — and completing in it: nothing is lost, since a transaction
+/// that could not write holds no write of the handler's. (An attached database the handler may
+/// have written to without the main database's lock would be lost, so with one attached the
+/// error is returned instead.) After a full wait the error is returned as it is: waiting
+/// again would double the bound.
+async fn complete_request(
+    tx: &mut Tx<Sqlite>,
+    sql: &str,
+    params: &[Param<'_>],
+) -> Result<u64, sqlx::Error> {
+    let started = std::time::Instant::now();
+    let first = Sqlite::execute(tx, sql, params).await;
+    let Err(e) = first else {
+        return first;
+    };
+    let Some(code) = busy_code(&e) else {
+        return Err(e);
+    };
+    let waited = started.elapsed();
+    let timeout: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
+        .fetch_one(&mut **tx)
+        .await?;
+    let timeout = Duration::from_millis(u64::try_from(timeout).unwrap_or(0));
+    // SQLite's busy handler gives up at the timeout itself; a refused upgrade is immediate.
+    if code != BUSY_SNAPSHOT && waited + Duration::from_millis(20) >= timeout {
+        return Err(e);
+    }
+    let attached: Vec<(i64, String, String)> = sqlx::query_as("PRAGMA database_list")
+        .fetch_all(&mut **tx)
+        .await?;
+    if attached
+        .iter()
+        .any(|(_, name, _)| name != "main" && name != "temp")
+    {
+        return Err(e);
+    }
+    tx.begin_again(Sqlite::BEGIN).await?;
+    Sqlite::execute(tx, sql, params).await
 }
 
 /// The batch claim: multi-row `INSERT … ON CONFLICT DO NOTHING RETURNING`, in chunks under

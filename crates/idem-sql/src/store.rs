@@ -232,14 +232,19 @@ impl<E: Engine> SqlStore<E> {
     /// Begins a transaction (SQLite: `BEGIN IMMEDIATE`, holding the write lock) for a caller
     /// that claims with [`claim_on`](Self::claim_on) inside its own unit of work.
     pub async fn begin_tx(&self) -> Result<Tx<E>, Error> {
+        self.begin_with(E::BEGIN).await
+    }
+
+    /// A transaction on the held connections or the pool, begun with `begin`.
+    pub(crate) async fn begin_with(&self, begin: &'static str) -> Result<Tx<E>, Error> {
         match &self.held {
-            Some(held) => Tx::begin_held(held).await,
+            Some(held) => Tx::begin_held(held, begin).await,
             None => {
                 let strikes = Some(self.strikes.clone());
-                Tx::begin_pooled(&self.pool, self.recycling.begin_timeout, strikes).await
+                Tx::begin_pooled(&self.pool, begin, self.recycling.begin_timeout, strikes).await
             }
         }
-        .map_err(|e| store_error::<E>(E::BEGIN, e))
+        .map_err(|e| store_error::<E>(begin, e))
     }
 
     /// The claim on a connection inside a transaction the caller began (see

@@ -15,8 +15,9 @@
 //! committed the claim on MySQL, its `commit()` committed it on PostgreSQL, and everything
 //! after ran in autocommit.)
 //!
-//! `BEGIN` (SQLite's `BEGIN IMMEDIATE`) goes through the manager's `begin` at depth 0, which
-//! takes a custom statement there. SQLite and MySQL commit and roll back through the manager.
+//! `BEGIN` (SQLite's `BEGIN IMMEDIATE`; for an idempotent request's execution the engine's
+//! `REQUEST_BEGIN`, SQLite's `BEGIN DEFERRED`) goes through the manager's `begin` at depth 0,
+//! which takes a custom statement there. SQLite and MySQL commit and roll back through the manager.
 //! PostgreSQL commits with its [checked commit](crate::engine::Engine::CHECKED_COMMIT),
 //! `SELECT 1; COMMIT`, one simple query that fails with 25P02 in a transaction a swallowed
 //! error aborted, where the manager's bare `COMMIT` would roll back and report success. Raw
@@ -110,17 +111,19 @@ impl<E: Engine> Tx<E> {
     /// A transaction on sqlx's pool, without a `BEGIN` timeout or read-only count (schema
     /// maintenance).
     pub(crate) async fn begin(pool: &sqlx::Pool<E>) -> Result<Self, sqlx::Error> {
-        Self::begin_pooled(pool, None, None).await
+        Self::begin_pooled(pool, E::BEGIN, None, None).await
     }
 
-    /// A transaction on sqlx's pool.
+    /// A transaction on sqlx's pool, begun with `begin` (the engine's `BEGIN` or
+    /// `REQUEST_BEGIN`).
     pub(crate) async fn begin_pooled(
         pool: &sqlx::Pool<E>,
+        begin: &'static str,
         timeout: Option<Duration>,
         strikes: Option<Arc<PoolStrikes>>,
     ) -> Result<Self, sqlx::Error> {
         let mut conn = pool.acquire().await?;
-        if let Err(e) = bounded(timeout, begin_on::<E>(&mut conn, false)).await {
+        if let Err(e) = bounded(timeout, begin_on::<E>(&mut conn, false, begin)).await {
             // The connection's state is unknown; do not hand it back to the pool.
             conn.close_on_drop();
             return Err(e);
@@ -132,9 +135,12 @@ impl<E: Engine> Tx<E> {
         })
     }
 
-    pub(crate) async fn begin_held(held: &Arc<HeldConnections<E>>) -> Result<Self, sqlx::Error> {
+    pub(crate) async fn begin_held(
+        held: &Arc<HeldConnections<E>>,
+        begin: &'static str,
+    ) -> Result<Self, sqlx::Error> {
         Ok(Self {
-            conn: Conn::Held(held.begin().await?),
+            conn: Conn::Held(held.begin(begin).await?),
             open: true,
             writes: Writes::Unknown,
         })
@@ -193,6 +199,23 @@ impl<E: Engine> Tx<E> {
         Ok(())
     }
 
+    /// Rolls this transaction back and begins another with `begin` on the same connection,
+    /// for a transaction known to hold no write of the handler's (SQLite's deferred request
+    /// transaction that never took the write lock: see `sqlite.rs`). On an error the
+    /// connection is left outside any transaction and is closed when this is dropped.
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    pub(crate) async fn begin_again(&mut self, begin: &'static str) -> Result<(), sqlx::Error> {
+        let held = self.held();
+        let conn: &mut E::Connection = self;
+        if E::TransactionManager::get_transaction_depth(conn) != 1 {
+            return Err(sqlx::Error::InvalidArgument(
+                "a transaction with a nested transaction still open cannot begin again".into(),
+            ));
+        }
+        E::TransactionManager::rollback(conn).await?;
+        begin_on::<E>(conn, held, begin).await
+    }
+
     /// Notes what one of idem's writes in this transaction said about the server.
     pub(crate) fn saw<T>(&mut self, result: &Result<T, idem_core::Error>) {
         match result {
@@ -225,17 +248,19 @@ fn read_only_error<E: Engine>(error: &(dyn std::error::Error + 'static)) -> bool
     false
 }
 
-/// Begins idem's transaction on `conn`, through sqlx's transaction manager so that sqlx counts
-/// it (see the module docs). A held connection on an engine with a checked commit rests at
-/// depth 1, outside any transaction on the server; its `BEGIN` is then sent raw.
+/// Begins idem's transaction on `conn` with `begin` (the engine's `BEGIN` or `REQUEST_BEGIN`),
+/// through sqlx's transaction manager so that sqlx counts it (see the module docs). A held
+/// connection on an engine with a checked commit rests at depth 1, outside any transaction on
+/// the server; its `BEGIN` is then sent raw.
 pub(crate) async fn begin_on<E: Engine>(
     conn: &mut E::Connection,
     held: bool,
+    begin: &'static str,
 ) -> Result<(), sqlx::Error> {
     let rests_at = usize::from(held && E::CHECKED_COMMIT.is_some());
     match E::TransactionManager::get_transaction_depth(conn) {
-        0 => E::TransactionManager::begin(conn, Some(Cow::Borrowed(E::BEGIN))).await,
-        1 if rests_at == 1 => E::execute_simple(conn, E::BEGIN).await.map(drop),
+        0 => E::TransactionManager::begin(conn, Some(Cow::Borrowed(begin))).await,
+        1 if rests_at == 1 => E::execute_simple(conn, begin).await.map(drop),
         depth => Err(sqlx::Error::InvalidArgument(format!(
             "a connection at transaction depth {depth} cannot begin idem's transaction"
         ))),

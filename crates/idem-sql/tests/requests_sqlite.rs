@@ -64,8 +64,8 @@ impl RequestFixture for SqliteFixture {
 idem_testkit::request_conformance_tests!(SqliteFixture);
 request_extras::request_extras!(SqliteFixture);
 
-/// On SQLite a running operation's transaction holds the write lock, so its heartbeat cannot
-/// renew the lease meanwhile. A retry after the lease ran out must still be answered at once
+/// On SQLite a running operation's transaction that wrote holds the write lock, so its heartbeat
+/// cannot renew the lease meanwhile. A retry after the lease ran out must still be answered at once
 /// — "in progress", since the holder may still be writing — not wait out the busy timeout;
 /// once the holder committed, the retry replays its result. The connection the take-over
 /// attempt used gets its busy timeout back.
@@ -140,5 +140,135 @@ async fn a_lapsed_lease_whose_holder_still_writes_is_in_progress_at_once() {
     }
     drop((a, b));
     s.pool().close().await;
+    fx.teardown().await;
+}
+
+/// An execution's transaction begins deferred: it takes no lock until it writes, so another
+/// transaction writes and commits meanwhile. Its completion then still commits — the
+/// transaction's snapshot is older than that commit, which SQLite refuses to turn into a write
+/// (`SQLITE_BUSY_SNAPSHOT`), so it is begun again with the lock — and a nested `begin()` in
+/// it is a savepoint whose writes commit with the stored result.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_execution_takes_the_write_lock_only_when_it_writes() {
+    use std::time::Duration;
+
+    use idem_core::store::RequestStore;
+    use idem_core::{
+        Begin, Fingerprint, IdempotencyKey, RequestKey, RequestScope, TransactionalStore,
+    };
+    use sqlx::Acquire;
+
+    let test = "an_execution_takes_the_write_lock_only_when_it_writes";
+    let fx = SqliteFixture::setup(test).await.expect("sqlite");
+    let s = fx.store();
+    let day = Duration::from_secs(86_400);
+    let key = |k: &str| {
+        RequestKey::new(
+            RequestScope::new(["alice"]),
+            IdempotencyKey::new(k).expect("key"),
+        )
+    };
+    let fp = Fingerprint::of(b"body");
+    let acquire = async |k: &RequestKey| match s.begin_request(k, &fp, day, day).await {
+        Ok(Begin::Acquired { fence, .. }) => fence,
+        other => panic!("not acquired: {other:?}"),
+    };
+
+    let reader = key("k-reader");
+    let fence = acquire(&reader).await;
+    let mut tx = s.begin_execution().await.expect("begin");
+    let seen: i64 = sqlx::query_scalar("SELECT count(*) FROM effects")
+        .fetch_one(&mut *tx)
+        .await
+        .expect("read");
+    assert_eq!(seen, 0);
+    // Another writer while the execution's transaction is open: no wait for its lock.
+    let mut other = s
+        .begin()
+        .await
+        .expect("BEGIN IMMEDIATE beside a deferred transaction");
+    fx.record_effect(&mut other, "other").await.expect("write");
+    s.commit(other).await.expect("commit");
+    s.complete_in(&mut tx, &reader, fence, b"read 0", day)
+        .await
+        .expect("completes in a transaction begun again");
+    s.commit(tx).await.expect("commit");
+    assert_eq!(
+        s.begin_request(&reader, &fp, day, day)
+            .await
+            .expect("replay"),
+        Begin::Completed {
+            result: b"read 0".to_vec()
+        }
+    );
+
+    let writer = key("k-writer");
+    let fence = acquire(&writer).await;
+    let mut tx = s.begin_execution().await.expect("begin");
+    {
+        let mut nested = (&mut *tx).begin().await.expect("savepoint");
+        sqlx::query("INSERT INTO effects (key) VALUES ('nested')")
+            .execute(&mut *nested)
+            .await
+            .expect("write");
+        nested.commit().await.expect("release the savepoint");
+    }
+    s.complete_in(&mut tx, &writer, fence, b"wrote", day)
+        .await
+        .expect("complete");
+    s.commit(tx).await.expect("commit");
+    assert_eq!(fx.count_effects("nested").await, 1);
+    assert_eq!(
+        s.begin_request(&writer, &fp, day, day)
+            .await
+            .expect("replay"),
+        Begin::Completed {
+            result: b"wrote".to_vec()
+        }
+    );
+    fx.teardown().await;
+}
+
+/// A lease renewal while a transaction holds the write lock — on SQLite often the renewing
+/// execution's own — is refused at once as transient, instead of waiting out the busy
+/// timeout on a pooled connection; once the lock is free it renews.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewal_under_a_held_write_lock_is_refused_at_once() {
+    use std::time::{Duration, Instant};
+
+    use idem_core::store::RequestStore;
+    use idem_core::{
+        Begin, ErrorKind, Fingerprint, IdempotencyKey, RequestKey, RequestScope, TransactionalStore,
+    };
+
+    let test = "a_renewal_under_a_held_write_lock_is_refused_at_once";
+    let fx = SqliteFixture::setup(test).await.expect("sqlite");
+    let s = fx.store();
+    let day = Duration::from_secs(86_400);
+    let k = RequestKey::new(
+        RequestScope::new(["alice"]),
+        IdempotencyKey::new("k-renew").expect("key"),
+    );
+    let Ok(Begin::Acquired { fence, .. }) = s
+        .begin_request(&k, &Fingerprint::of(b"body"), day, day)
+        .await
+    else {
+        panic!("not acquired");
+    };
+    let mut tx = s.begin_execution().await.expect("begin");
+    fx.record_effect(&mut tx, "held").await.expect("write");
+    let started = Instant::now();
+    let refused = s
+        .extend_lease(&k, fence, day)
+        .await
+        .expect_err("renewed under a held write lock");
+    assert_eq!(refused.kind(), ErrorKind::Transient, "{refused}");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "waited {:?}",
+        started.elapsed()
+    );
+    s.rollback(tx).await.expect("rollback");
+    assert!(s.extend_lease(&k, fence, day).await.expect("renew"));
     fx.teardown().await;
 }

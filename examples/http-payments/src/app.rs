@@ -19,6 +19,11 @@ use crate::ledger::{Charge, Ledger};
 /// `--test-hooks` (the crash tests kill the server while it sleeps).
 pub(crate) const TEST_SLEEP_HEADER: &str = "x-test-sleep-ms";
 
+/// The header that makes a handler sleep *before* it writes the charge — the work a real
+/// handler does first (a call to a card processor) — honoured only with `--test-hooks` (the
+/// benchmark's slow handler).
+pub(crate) const TEST_WORK_HEADER: &str = "x-test-work-ms";
+
 /// Where this service's own problem types point (the layer's point at idem-http's docs).
 const PROBLEM_TYPE_BASE: &str = "https://github.com/idem-rs/idem/tree/main/examples/http-payments#";
 
@@ -244,9 +249,24 @@ pub(crate) fn created(charge: &Charge) -> Response {
     response
 }
 
-/// 500 for a database error: not stored by the layer, so the key is free and a retry runs
-/// again; on a SQL store the charge written through the layer's transaction rolls back.
-pub(crate) fn database_error(e: &sqlx::Error) -> Response {
+/// A database error, answered so that the layer does not store it (the key is free and a
+/// retry runs again; on a SQL store the charge written through the layer's transaction rolls
+/// back): `503` with `Retry-After` when it is worth retrying soon — SQLite's write lock not
+/// free within `--busy-timeout`, a deadlock, a serialization failure — else `500`.
+pub(crate) fn database_error(state: &AppState, e: &sqlx::Error) -> Response {
+    if state.ledger.transient(e) {
+        tracing::info!(error = %e, "charging refused for now (database busy)");
+        let mut response = problem(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "database-busy",
+            "The database is busy",
+            "nothing was charged; retry after 1 s with the same Idempotency-Key",
+        );
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        return response;
+    }
     tracing::warn!(error = %e, "charging failed");
     problem(
         StatusCode::INTERNAL_SERVER_ERROR,
@@ -258,15 +278,19 @@ pub(crate) fn database_error(e: &sqlx::Error) -> Response {
 
 /// The test hook: how long to sleep inside the transaction, if asked and allowed.
 pub(crate) fn test_sleep(state: &AppState, headers: &HeaderMap) -> Option<Duration> {
+    test_hook(state, headers, TEST_SLEEP_HEADER)
+}
+
+/// The test hook: how long to work before writing the charge, if asked and allowed.
+pub(crate) fn test_work(state: &AppState, headers: &HeaderMap) -> Option<Duration> {
+    test_hook(state, headers, TEST_WORK_HEADER)
+}
+
+fn test_hook(state: &AppState, headers: &HeaderMap, name: &str) -> Option<Duration> {
     if !state.test_hooks {
         return None;
     }
-    let ms: u64 = headers
-        .get(TEST_SLEEP_HEADER)?
-        .to_str()
-        .ok()?
-        .parse()
-        .ok()?;
+    let ms: u64 = headers.get(name)?.to_str().ok()?.parse().ok()?;
     Some(Duration::from_millis(ms))
 }
 
@@ -291,6 +315,9 @@ pub(crate) async fn post_charge_own_tx(
         Ok(c) => c,
         Err(problem) => return problem.into_response(),
     };
+    if let Some(d) = test_work(&state, &headers) {
+        tokio::time::sleep(d).await;
+    }
     let sleep = test_sleep(&state, &headers);
     let inside = async move {
         if let Some(d) = sleep {
@@ -299,7 +326,7 @@ pub(crate) async fn post_charge_own_tx(
     };
     match state.ledger.insert(&principal.0, &charge, inside).await {
         Ok(()) => created(&charge),
-        Err(e) => database_error(&e),
+        Err(e) => database_error(&state, &e),
     }
 }
 

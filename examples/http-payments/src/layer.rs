@@ -107,8 +107,13 @@ where
         Ok(c) => c,
         Err(problem) => return problem.into_response(),
     };
+    if let Some(d) = app::test_work(&state, &headers) {
+        tokio::time::sleep(d).await;
+    }
+    // On SQLite this first write takes the database's write lock (the layer's transaction
+    // begins deferred), waiting up to `--busy-timeout` for it.
     if let Err(e) = tx.insert_charge(&principal.0, &charge).await {
-        return app::database_error(&e);
+        return app::database_error(&state, &e);
     }
     if let Some(d) = app::test_sleep(&state, &headers) {
         app::sleep_in_transaction(d).await;
@@ -129,6 +134,9 @@ async fn post_charge_keyed(
         Ok(c) => c,
         Err(problem) => return problem.into_response(),
     };
+    if let Some(d) = app::test_work(&state, &headers) {
+        tokio::time::sleep(d).await;
+    }
     let sleep = app::test_sleep(&state, &headers);
     let inside = async move {
         if let Some(d) = sleep {
@@ -143,7 +151,7 @@ async fn post_charge_keyed(
         .await
     {
         Ok(stored) => app::created(&stored),
-        Err(e) => app::database_error(&e),
+        Err(e) => app::database_error(&state, &e),
     }
 }
 

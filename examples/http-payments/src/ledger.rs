@@ -81,11 +81,11 @@ impl Ledger {
     }
 
     /// Opens the ledger at `url` on its own pool (through idem-sql, which sets SQLite up with
-    /// WAL and a busy timeout).
-    pub(crate) async fn open(url: &str) -> Result<Self> {
+    /// WAL, `--busy-timeout` and `--max-connections`).
+    pub(crate) async fn open(url: &str, args: &crate::ServeArgs) -> Result<Self> {
         let shown = idem_core::redact_url(url);
         let context = || format!("opening the ledger {shown}");
-        let store = idem_sql::AnyStore::connect_or_create(url, idem_sql::TableName::default())
+        let store = crate::stores::open_sql(url, args)
             .await
             .with_context(context)?;
         match store {
@@ -251,6 +251,20 @@ impl Ledger {
             amount_cents,
             created_at,
         })
+    }
+
+    /// Whether `e` is worth retrying soon — SQLite's write lock not free within the busy
+    /// timeout, a deadlock, a serialization failure — as idem-sql classifies it (by the
+    /// driver's code).
+    pub(crate) fn transient(&self, e: &sqlx::Error) -> bool {
+        use idem_core::TransactionalStore;
+        // A store over the same pool, only to ask it; this is the error path.
+        let kind = match self {
+            Ledger::Sqlite(pool) => idem_sql::SqliteStore::from_pool(pool.clone()).classify(e),
+            Ledger::Postgres(pool) => idem_sql::PostgresStore::from_pool(pool.clone()).classify(e),
+            Ledger::MySql(pool) => idem_sql::MySqlStore::from_pool(pool.clone()).classify(e),
+        };
+        kind == Some(idem_core::ErrorKind::Transient)
     }
 
     /// The charge `id` if `principal` made it.

@@ -71,11 +71,23 @@ pub(crate) struct ServeArgs {
     /// How long a completed request is replayed.
     #[arg(long, value_name = "DURATION", default_value = "24h", value_parser = parse_duration)]
     pub(crate) ttl: Duration,
+    /// SQLite only: how long a request waits for the database's write lock — to take its
+    /// key's record, to write its charge, to store its response — before it is answered `503`
+    /// with `Retry-After` (its key free for the retry).
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_duration)]
+    pub(crate) busy_timeout: Duration,
+    /// SQLite only: connections in the pool. Every keyed request holds one for its
+    /// transaction from the moment its record is taken until its response is stored, whether
+    /// or not it writes; size it for the keyed requests in flight. (PostgreSQL and MySQL
+    /// pools have 16.)
+    #[arg(long, value_name = "N", default_value_t = 32)]
+    pub(crate) max_connections: u32,
     /// Threads serving requests (default: one per core).
     #[arg(long, value_name = "N")]
     pub(crate) worker_threads: Option<usize>,
     /// Honour test-only request headers (`X-Test-Sleep-Ms`: sleep inside the transaction
-    /// after writing the charge). Never in production.
+    /// after writing the charge; `X-Test-Work-Ms`: sleep before writing it, as a call to
+    /// another service would). Never in production.
     #[arg(long, hide = true)]
     pub(crate) test_hooks: bool,
     /// Benchmark baselines: `bare` serves the same routes without the idempotency layer (the

@@ -4,7 +4,7 @@
 use anyhow::{Context, Result};
 use axum::Router;
 use axum::routing::post;
-use idem_sql::{AnyStore, TableName};
+use idem_sql::{AnyStore, SqliteOptions, SqliteStore, TableName};
 
 use crate::app::{self, AppState};
 use crate::ledger::Ledger;
@@ -16,6 +16,19 @@ pub(crate) fn scheme(url: &str) -> String {
         .next()
         .unwrap_or_default()
         .to_ascii_lowercase()
+}
+
+/// The SQL store at `url`, created if missing; a SQLite file with `--busy-timeout` and
+/// `--max-connections`.
+pub(crate) async fn open_sql(url: &str, args: &ServeArgs) -> Result<AnyStore, idem_core::Error> {
+    if scheme(url) == "sqlite" {
+        let options = SqliteOptions::default()
+            .busy_timeout(args.busy_timeout)
+            .max_connections(args.max_connections);
+        let store = SqliteStore::connect(url, options).await?;
+        return Ok(AnyStore::Sqlite(store));
+    }
+    AnyStore::connect_or_create(url, TableName::default()).await
 }
 
 /// Opens the stores, binds, serves until SIGTERM or Ctrl-C, then finishes in-flight requests.
@@ -71,15 +84,17 @@ pub(crate) async fn build(args: &ServeArgs) -> Result<Router> {
         );
     }
     if args.mode != Mode::Idempotent {
-        let ledger = match scheme.as_str() {
-            "redis" | "rediss" => {
-                Ledger::open(args.ledger.as_deref().context(
-                    "--database redis://… needs --ledger URL: the SQL database for the charges",
-                )?)
-                .await?
-            }
-            _ => Ledger::open(url).await?,
-        };
+        let ledger =
+            match scheme.as_str() {
+                "redis" | "rediss" => Ledger::open(
+                    args.ledger.as_deref().context(
+                        "--database redis://… needs --ledger URL: the SQL database for the charges",
+                    )?,
+                    args,
+                )
+                .await?,
+                _ => Ledger::open(url, args).await?,
+            };
         let state = AppState {
             ledger,
             test_hooks: args.test_hooks,
@@ -96,11 +111,11 @@ pub(crate) async fn build(args: &ServeArgs) -> Result<Router> {
             .ledger
             .as_deref()
             .context("--database redis://… needs --ledger URL: the SQL database for the charges")?;
-        let ledger = Ledger::open(ledger_url).await?;
+        let ledger = Ledger::open(ledger_url, args).await?;
         return crate::layer::redis(url, ledger, args).await;
     }
     // Every SQL scheme: AnyStore maps it to its engine (and refuses an unknown one).
-    let store = AnyStore::connect_or_create(url, TableName::default())
+    let store = open_sql(url, args)
         .await
         .with_context(|| format!("opening {shown}"))?;
     store.migrate().await?;

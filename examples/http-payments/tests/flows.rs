@@ -258,6 +258,61 @@ async fn redis_an_expired_key_is_a_new_charge() {
     an_expired_key_is_a_new_charge(Store::Redis, "redis_an_expired_key_is_a_new_charge").await;
 }
 
+/// SQLite (issue 19, point 4): a request that works before it writes holds no lock meanwhile,
+/// and one that cannot get the write lock within `--busy-timeout` — here a charge held in its
+/// transaction by another request — is `503` with `Retry-After`, charges nothing, and leaves
+/// its key free: the retry charges once. (Its handler's write waits past the bound, or, on a
+/// machine too slow to take its record before the other request locks, its record's take
+/// does: `database-busy` from the handler or `store-unavailable` from the layer.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_charge_waiting_for_the_write_lock_past_the_bound_is_503_and_its_key_stays_free() {
+    let test = "sqlite_write_lock_bound";
+    let Some(db) = TestDb::new(Store::Sqlite, test).await else {
+        return;
+    };
+    let server = Server::start(&db, &["--test-hooks", "--busy-timeout", "300ms"]);
+    let http = client();
+    let me = token(test);
+    let (waiting_key, holder_key) = (format!("\"{test}-waiting\""), format!("\"{test}-holder\""));
+    let spawn = |key: String, work_ms: Option<u64>, sleep_ms: Option<u64>| {
+        let (http, base, me) = (http.clone(), server.base.clone(), me.clone());
+        tokio::spawn(async move {
+            let p = Post {
+                work_ms,
+                sleep_ms,
+                ..Post::new(&me, &key, BODY)
+            };
+            post(&http, &base, &p).await.expect("an answer")
+        })
+    };
+    // Its record taken, it works 600 ms before writing.
+    let waiting = spawn(waiting_key.clone(), Some(600), None);
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    // Writes its charge at once, then keeps the transaction (and the write lock) for 2 s.
+    let holder = spawn(holder_key, None, Some(2000));
+    let refused = waiting.await.expect("task");
+    assert_eq!(refused.status, 503, "{refused:?} {:#?}", server.log());
+    assert!(
+        ["database-busy", "store-unavailable"].contains(&refused.problem_code().as_str()),
+        "{refused:?}"
+    );
+    let retry_after: u64 = refused
+        .header("retry-after")
+        .and_then(|v| v.parse().ok())
+        .expect("Retry-After in whole seconds");
+    assert!(retry_after >= 1);
+    let holder = holder.await.expect("task");
+    assert_eq!(holder.status, 201, "{holder:?}");
+    assert_eq!(db.count_charges(&me).await, 1, "only the holder's charge");
+    let again = post(&http, &server.base, &Post::new(&me, &waiting_key, BODY))
+        .await
+        .expect("again");
+    assert_eq!((again.status, again.replayed()), (201, false), "{again:?}");
+    assert_eq!(db.count_charges(&me).await, 2);
+    drop(server);
+    db.teardown().await;
+}
+
 #[test]
 fn bad_urls_are_one_line_errors() {
     for args in [

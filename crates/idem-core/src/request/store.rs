@@ -38,6 +38,15 @@ pub trait RequestStore: TransactionalStore {
         ttl: Duration,
     ) -> impl Future<Output = Result<Begin, Error>> + Send;
 
+    /// Begins the transaction an execution's operation writes through and its result is
+    /// completed in. By default [`begin`](TransactionalStore::begin). A store whose `begin`
+    /// takes a lock every writer waits for (SQLite's `BEGIN IMMEDIATE`, its one write lock)
+    /// begins it without: the lock is then taken by the operation's first write, and an
+    /// operation that never writes never holds it (see `idem_sql`'s SQLite engine).
+    fn begin_execution(&self) -> impl Future<Output = Result<Self::Tx, Error>> + Send {
+        self.begin()
+    }
+
     /// Completes the record held under `fence` with `result`, expiring `ttl` from now, inside
     /// `tx` — the transaction carrying the operation's writes, so both commit or neither does.
     /// [`ErrorKind::LeaseLost`](crate::ErrorKind::LeaseLost) when another executor took the

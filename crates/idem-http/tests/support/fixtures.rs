@@ -18,8 +18,8 @@ use sqlx::postgres::PgPoolOptions;
 /// What the HTTP suite needs beside [`RequestFixture`].
 pub(crate) trait HttpFixture: RequestFixture {
     /// Whether a retry can take over a lapsed lease while the old holder's transaction is
-    /// still open. Not on SQLite: the holder's transaction keeps the database's write lock, so
-    /// the retry is told "in progress" until the holder finishes.
+    /// still open after writing. Not on SQLite: a transaction that wrote keeps the database's
+    /// write lock, so the retry is told "in progress" until the holder finishes.
     const TAKEOVER_WHILE_HOLDER_RUNS: bool = true;
 
     /// Request records in the store (any state).
@@ -27,6 +27,13 @@ pub(crate) trait HttpFixture: RequestFixture {
 
     /// A store of the same kind whose server is gone (or, for SQLite, whose pool is closed).
     fn down_store(&self) -> impl Future<Output = Self::Store> + Send;
+
+    /// Reads the effects table through `tx` (a read, no write; Redis has nothing to read
+    /// through and answers 0).
+    fn read_through(
+        &self,
+        tx: &mut RequestTxOf<Self>,
+    ) -> impl Future<Output = Result<i64, BoxError>> + Send;
 }
 
 // ---------------------------------------------------------------------------------------- SQLite
@@ -81,8 +88,32 @@ impl RequestFixture for SqliteFx {
     }
 }
 
+impl SqliteFx {
+    /// Another store on the same database file, opened with `options`.
+    pub(crate) async fn store_with(&self, options: SqliteOptions) -> SqliteStore {
+        SqliteStore::open(self.dir.join("app.db"), options)
+            .await
+            .expect("open sqlite")
+    }
+
+    /// The lease of `key`'s record (any scope) in microseconds since the Unix epoch.
+    pub(crate) async fn lease_until(&self, key: &str) -> i64 {
+        sqlx::query_scalar("SELECT lease_until FROM idem_requests WHERE idem_key = ?")
+            .bind(key.as_bytes())
+            .fetch_one(self.store.pool())
+            .await
+            .expect("the record's lease")
+    }
+}
+
 impl HttpFixture for SqliteFx {
     const TAKEOVER_WHILE_HOLDER_RUNS: bool = false;
+
+    async fn read_through(&self, tx: &mut RequestTxOf<Self>) -> Result<i64, BoxError> {
+        Ok(sqlx::query_scalar("SELECT count(*) FROM effects")
+            .fetch_one(&mut **tx)
+            .await?)
+    }
 
     async fn count_records(&self) -> i64 {
         sqlx::query_scalar("SELECT count(*) FROM idem_requests")
@@ -151,6 +182,12 @@ impl RequestFixture for PgFx {
 }
 
 impl HttpFixture for PgFx {
+    async fn read_through(&self, tx: &mut RequestTxOf<Self>) -> Result<i64, BoxError> {
+        Ok(sqlx::query_scalar("SELECT count(*) FROM effects")
+            .fetch_one(&mut **tx)
+            .await?)
+    }
+
     async fn count_records(&self) -> i64 {
         sqlx::query_scalar("SELECT count(*) FROM idem_requests")
             .fetch_one(self.store.pool())
@@ -219,6 +256,12 @@ impl RequestFixture for MySqlFx {
 }
 
 impl HttpFixture for MySqlFx {
+    async fn read_through(&self, tx: &mut RequestTxOf<Self>) -> Result<i64, BoxError> {
+        Ok(sqlx::query_scalar("SELECT count(*) FROM effects")
+            .fetch_one(&mut **tx)
+            .await?)
+    }
+
     async fn count_records(&self) -> i64 {
         sqlx::query_scalar("SELECT count(*) FROM idem_requests")
             .fetch_one(self.store.pool())
@@ -336,6 +379,10 @@ impl RequestFixture for RedisFx {
 }
 
 impl HttpFixture for RedisFx {
+    async fn read_through(&self, _tx: &mut RedisTx) -> Result<i64, BoxError> {
+        Ok(0)
+    }
+
     async fn count_records(&self) -> i64 {
         self.scan(&format!("{}:{{*}}:rec", self.prefix)).await.len() as i64
     }

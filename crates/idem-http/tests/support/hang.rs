@@ -90,6 +90,13 @@ impl<S: RequestStore> RequestStore for Hang<S> {
         self.inner.max_key_len()
     }
 
+    async fn begin_execution(&self) -> Result<S::Tx, Error> {
+        self.gate.point().await;
+        let r = self.inner.begin_execution().await;
+        self.gate.point().await;
+        r
+    }
+
     async fn begin_request(
         &self,
         key: &RequestKey,

@@ -5,3 +5,4 @@ pub(crate) mod fixtures;
 pub(crate) mod grpc;
 pub(crate) mod hang;
 pub(crate) mod suite;
+pub(crate) mod write_lock;

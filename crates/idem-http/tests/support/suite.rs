@@ -12,6 +12,7 @@ use super::app::{Post, REQUEST_LIMIT, Reply, STORAGE_LIMIT, Server, serve};
 use super::fixtures::HttpFixture;
 use super::grpc;
 use super::hang::{Gate, Hang};
+pub(crate) use super::write_lock::a_slow_request_that_never_writes_does_not_delay_another_key;
 
 macro_rules! fixture {
     ($test:expr) => {

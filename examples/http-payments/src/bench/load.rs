@@ -61,10 +61,13 @@ pub(crate) fn cpu_micros(pid: u32) -> u64 {
 }
 
 /// Runs `clients` clients against `addr` for `warmup + measure`; counts only `measure`.
+/// `work_ms`: each request asks the handler to work that long before it writes
+/// (`X-Test-Work-Ms`, honoured by a server with `--test-hooks`).
 pub(crate) async fn run(
     addr: SocketAddr,
     clients: usize,
     keys: Keys,
+    work_ms: Option<u64>,
     run_id: &str,
     warmup: Duration,
     measure: Duration,
@@ -76,7 +79,17 @@ pub(crate) async fn run(
     for client in 0..clients {
         let run_id = run_id.to_owned();
         tasks.push(tokio::spawn(async move {
-            one_client(addr, client, keys, run_id, start, counted_from, until).await
+            one_client(
+                addr,
+                client,
+                keys,
+                work_ms,
+                run_id,
+                start,
+                counted_from,
+                until,
+            )
+            .await
         }));
     }
     let mut latencies = Vec::new();
@@ -129,10 +142,12 @@ async fn connect(addr: SocketAddr) -> Result<SendRequest<Full<Bytes>>> {
     Ok(sender)
 }
 
+#[allow(clippy::too_many_arguments)] // one call site, each argument named there
 async fn one_client(
     addr: SocketAddr,
     client: usize,
     keys: Keys,
+    work_ms: Option<u64>,
     run_id: String,
     start: Instant,
     counted_from: Instant,
@@ -166,6 +181,9 @@ async fn one_client(
         };
         if let Some(key) = &key {
             req = req.header("idempotency-key", key);
+        }
+        if let Some(ms) = work_ms {
+            req = req.header("x-test-work-ms", ms);
         }
         let req = req.body(Full::new(body.clone()))?;
         if sender.ready().await.is_err() {

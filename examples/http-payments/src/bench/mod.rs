@@ -5,6 +5,12 @@
 //! same routes without it, or a static answer without any database — the HTTP floor); the load
 //! generator is in this process. Variants of one store run in interleaved rounds, so drift of
 //! the machine hits them alike; the median round is shown.
+//!
+//! Besides the handler as shipped (one write, at once), each store is measured with a slow
+//! handler — `--work-ms` (50) of work before its one write, at `--work-clients` (16) — with and
+//! without the layer: what the layer costs when handlers do something before they write. On
+//! SQLite that shows whether the layer holds the database's one write lock while the handler
+//! works (issue 19, point 4: it must not).
 
 mod function;
 mod load;
@@ -32,6 +38,13 @@ pub(crate) struct BenchArgs {
     /// Concurrent clients, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,16")]
     clients: Vec<usize>,
+    /// The slow handler's work before its one write, in milliseconds (0: no slow-handler
+    /// cells).
+    #[arg(long, value_name = "MS", default_value_t = 50)]
+    work_ms: u64,
+    /// Concurrent clients of the slow-handler cells.
+    #[arg(long, value_name = "N", default_value_t = 16)]
+    work_clients: usize,
     /// Stores to measure, comma-separated.
     #[arg(
         long,
@@ -78,18 +91,20 @@ struct Server {
 }
 
 /// Runs one cell against `server`, with the CPU the server (and Redis, `redis_pid`) spent on it.
+#[allow(clippy::too_many_arguments)] // each call site names them
 async fn measure_cell(
     server: &Server,
     redis_pid: Option<u32>,
     clients: usize,
     keys: Keys,
+    work_ms: Option<u64>,
     id: &str,
     warmup: Duration,
     measure: Duration,
 ) -> Result<Sample> {
     let pid = server.child.id().unwrap_or(0);
     let (cpu0, redis0) = (load::cpu_micros(pid), redis_pid.map_or(0, load::cpu_micros));
-    let mut sample = load::run(server.addr, clients, keys, id, warmup, measure).await?;
+    let mut sample = load::run(server.addr, clients, keys, work_ms, id, warmup, measure).await?;
     let (cpu1, redis1) = (load::cpu_micros(pid), redis_pid.map_or(0, load::cpu_micros));
     let sent = sample.sent.max(1) as f64;
     sample.server_cpu_us = (cpu1 - cpu0) as f64 / sent;
@@ -296,6 +311,10 @@ async fn target(name: &str, a: &BenchArgs, run: &str, tmp: &std::path::Path) -> 
     })
 }
 
+/// The slow handler's variants (see the module docs).
+const SLOW_BARE: &str = "no layer, slow handler";
+const SLOW_LAYER: &str = "layer, first execution, slow handler";
+
 /// One row of the HTTP table: a variant at a client count, over the rounds.
 #[derive(Debug)]
 struct Row {
@@ -371,7 +390,17 @@ pub(crate) async fn run(a: BenchArgs) -> Result<()> {
             for round in 0..a.rounds {
                 let id = format!("floor-{run}-{clients}-{round}");
                 row.rounds.push(
-                    measure_cell(&server, None, clients, Keys::None, &id, warmup, measure).await?,
+                    measure_cell(
+                        &server,
+                        None,
+                        clients,
+                        Keys::None,
+                        None,
+                        &id,
+                        warmup,
+                        measure,
+                    )
+                    .await?,
                 );
             }
             rows.push(row);
@@ -401,41 +430,61 @@ pub(crate) async fn run(a: BenchArgs) -> Result<()> {
             None
         };
         let result = async {
+            // `--test-hooks`: the slow handler's `X-Test-Work-Ms`; no other request sends one.
+            let mut args = args.clone();
+            args.push("--test-hooks");
             let mut bare_args = args.clone();
             bare_args.extend(["--mode", "bare"]);
             // The layered server first: it migrates the store and creates the charges table.
             let layered = Server::start(&args, a.server_threads).await?;
             let bare = Server::start(&bare_args, a.server_threads).await?;
-            let variants: [(&'static str, &Server, Keys); 3] = [
-                ("no layer", &bare, Keys::None),
-                ("layer, first execution", &layered, Keys::Fresh),
-                ("layer, replay", &layered, Keys::Repeated),
+            type Variant<'s> = (&'static str, &'s Server, Keys, Option<u64>);
+            let variants: [Variant<'_>; 3] = [
+                ("no layer", &bare, Keys::None, None),
+                ("layer, first execution", &layered, Keys::Fresh, None),
+                ("layer, replay", &layered, Keys::Repeated, None),
             ];
-            let mut store_rows: Vec<Row> = Vec::new();
-            for &clients in &a.clients {
-                for (variant, _, _) in &variants {
-                    store_rows.push(Row {
-                        store: t.name.to_owned(),
-                        variant,
-                        clients,
-                        rounds: Vec::new(),
-                    });
-                }
+            let work = Some(a.work_ms).filter(|ms| *ms > 0);
+            let slow: [Variant<'_>; 2] = [
+                (SLOW_BARE, &bare, Keys::None, work),
+                (SLOW_LAYER, &layered, Keys::Fresh, work),
+            ];
+            // One group of cells per client count, the slow handler's last; the cells of a
+            // group rotate each round.
+            let mut groups: Vec<(usize, &[Variant<'_>])> =
+                a.clients.iter().map(|&c| (c, &variants[..])).collect();
+            if work.is_some() {
+                groups.push((a.work_clients, &slow[..]));
             }
+            let mut store_rows: Vec<Vec<Row>> = groups
+                .iter()
+                .map(|&(clients, cells)| {
+                    cells
+                        .iter()
+                        .map(|&(variant, ..)| Row {
+                            store: t.name.to_owned(),
+                            variant,
+                            clients,
+                            rounds: Vec::new(),
+                        })
+                        .collect()
+                })
+                .collect();
             for round in 0..a.rounds {
-                for (i, &clients) in a.clients.iter().enumerate() {
-                    // Rotate the order each round.
-                    for k in 0..variants.len() {
-                        let v = (k + round) % variants.len();
-                        let (_, server, keys) = variants[v];
-                        let id = format!("{name}-{run}-{clients}-{round}-{v}");
-                        let sample =
-                            measure_cell(server, redis_pid, clients, keys, &id, warmup, measure)
-                                .await?;
-                        store_rows[i * variants.len() + v].rounds.push(sample);
+                for (g, &(clients, cells)) in groups.iter().enumerate() {
+                    for k in 0..cells.len() {
+                        let v = (k + round) % cells.len();
+                        let (_, server, keys, work) = cells[v];
+                        let id = format!("{name}-{run}-{g}-{clients}-{round}-{v}");
+                        let sample = measure_cell(
+                            server, redis_pid, clients, keys, work, &id, warmup, measure,
+                        )
+                        .await?;
+                        store_rows[g][v].rounds.push(sample);
                     }
                 }
             }
+            let store_rows: Vec<Row> = store_rows.into_iter().flatten().collect();
             layered.stop().await;
             bare.stop().await;
             anyhow::Ok(store_rows)
@@ -533,9 +582,17 @@ fn report(
     notes: &[String],
 ) -> String {
     let mut out = String::new();
-    let base = |store: &str, clients: usize| {
+    // A variant's baseline: the same handler without the layer.
+    let baseline = |variant: &str| {
+        if variant == SLOW_LAYER || variant == SLOW_BARE {
+            SLOW_BARE
+        } else {
+            "no layer"
+        }
+    };
+    let base = |store: &str, clients: usize, variant: &str| {
         rows.iter()
-            .find(|r| r.store == store && r.clients == clients && r.variant == "no layer")
+            .find(|r| r.store == store && r.clients == clients && r.variant == baseline(variant))
             .map(|r| median_of(&r.rounds, |s| f64::from(s.p50_us)))
     };
     let floor = |clients: usize| {
@@ -545,10 +602,11 @@ fn report(
     };
     let _ = writeln!(
         out,
-        "\nHTTP: POST /charges over loopback TCP, keep-alive HTTP/1.1, {} s per cell after a {} s warm-up, {} interleaved rounds (median round shown; min–max req/s across rounds)\n",
+        "\nHTTP: POST /charges over loopback TCP, keep-alive HTTP/1.1, {} s per cell after a {} s warm-up, {} interleaved rounds (median round shown; min–max req/s across rounds); slow handler: {} ms of work before its one write\n",
         a.seconds,
         a.seconds / 5.0,
-        a.rounds
+        a.rounds,
+        a.work_ms
     );
     let _ = writeln!(
         out,
@@ -569,7 +627,9 @@ fn report(
         let p50 = median_of(&r.rounds, |s| f64::from(s.p50_us));
         let p99 = median_of(&r.rounds, |s| f64::from(s.p99_us));
         let vs = |b: Option<f64>| match b {
-            Some(b) if r.variant != "no layer" && r.store != "none" => format!("{:+.0}", p50 - b),
+            Some(b) if baseline(r.variant) != r.variant && r.store != "none" => {
+                format!("{:+.0}", p50 - b)
+            }
             _ => "—".to_owned(),
         };
         let unexpected: usize = r.rounds.iter().map(|s| s.unexpected).sum();
@@ -591,7 +651,7 @@ fn report(
             hi,
             p50,
             p99,
-            vs(base(&r.store, r.clients)),
+            vs(base(&r.store, r.clients, r.variant)),
             if r.store == "none" {
                 "—".to_owned()
             } else {
@@ -668,6 +728,25 @@ fn report(
                 r.clients,
                 p50,
                 p50 - f
+            );
+        }
+    }
+    for r in rows.iter().filter(|r| r.variant == SLOW_LAYER) {
+        let bare = rows
+            .iter()
+            .find(|b| b.store == r.store && b.clients == r.clients && b.variant == SLOW_BARE);
+        if let Some(bare) = bare {
+            let (layer, bare) = (r.median().per_second, bare.median().per_second);
+            let _ = writeln!(
+                out,
+                "- slow handler ({} ms of work, then one write), {} clients, {}: {:.0} req/s with the layer, {:.0} without ({:.2}×; the work alone allows {:.0})",
+                a.work_ms,
+                r.clients,
+                r.store,
+                layer,
+                bare,
+                layer / bare.max(f64::MIN_POSITIVE),
+                r.clients as f64 * 1000.0 / a.work_ms.max(1) as f64
             );
         }
     }

@@ -319,6 +319,8 @@ pub struct Post<'a> {
     pub key: Option<&'a str>,
     pub body: &'a str,
     pub sleep_ms: Option<u64>,
+    /// `X-Test-Work-Ms`: the handler sleeps this long *before* writing the charge.
+    pub work_ms: Option<u64>,
 }
 
 impl<'a> Post<'a> {
@@ -328,6 +330,7 @@ impl<'a> Post<'a> {
             key: Some(key),
             body,
             sleep_ms: None,
+            work_ms: None,
         }
     }
 }
@@ -352,6 +355,9 @@ pub async fn post(client: &reqwest::Client, base: &str, p: &Post<'_>) -> reqwest
     }
     if let Some(ms) = p.sleep_ms {
         req = req.header("x-test-sleep-ms", ms.to_string());
+    }
+    if let Some(ms) = p.work_ms {
+        req = req.header("x-test-work-ms", ms.to_string());
     }
     let resp = req.send().await?;
     read(resp).await
