@@ -462,6 +462,30 @@ impl PartitionRecord {
         ))
     }
 
+    /// The refusal of a store not configured partitioned asked to prune `table`, which is
+    /// partitioned and carries `comment`: pruning it means dropping whole days past the table's
+    /// retention, which such a store does not know. Says what to do: configure the store as the
+    /// table records, or record it first. One message for every PostgreSQL store.
+    pub fn refuse_unpartitioned_prune(table: impl fmt::Display, comment: Option<&str>) -> Error {
+        let how = match Self::from_comment(&table, comment.unwrap_or("")) {
+            Ok(Some(r)) => format!(
+                "configure the store with .partitioned(..) as the table records ({r}), or run \
+                 `idem prune`, which reads that record"
+            ),
+            _ => "configure the store with .partitioned(..) as the table was created, and \
+                  migrate it once so that the table records its partitioning for `idem prune`"
+                .to_owned(),
+        };
+        Error::new(
+            ErrorKind::Misconfigured,
+            format!(
+                "the claims table {table} is partitioned by the ID's time, but this store is \
+                 not configured for it: pruning it means dropping whole days past the table's \
+                 retention, not deleting rows; {how}"
+            ),
+        )
+    }
+
     /// The partitioning the record describes, for a tool that maintains the table it did not
     /// create: the built-in extractors by name; for any other name one that maintains the table
     /// (creates days ahead, drops them past the recorded retention) but claims nothing (its

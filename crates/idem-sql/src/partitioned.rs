@@ -430,31 +430,12 @@ async fn table_shape(
 pub(crate) async fn check_not_partitioned(store: &PostgresStore) -> Result<(), Error> {
     let t = store.table();
     match table_shape(store.pool(), t).await? {
-        Some((kind, comment)) if kind == "p" => Err(Error::new(
-            ErrorKind::Misconfigured,
-            not_configured_to_prune(t, comment.as_deref()),
+        Some((kind, comment)) if kind == "p" => Err(PartitionRecord::refuse_unpartitioned_prune(
+            t,
+            comment.as_deref(),
         )),
         _ => Ok(()),
     }
-}
-
-/// Why a store not configured partitioned refuses to prune a partitioned table, and what to do:
-/// configure it as the table records (`comment`), or record it first.
-fn not_configured_to_prune(t: &TableName, comment: Option<&str>) -> String {
-    let how = match PartitionRecord::from_comment(t, comment.unwrap_or("")) {
-        Ok(Some(r)) => format!(
-            "configure the store with .partitioned(..) as the table records ({r}), or run \
-             `idem prune`, which reads that record"
-        ),
-        _ => "configure the store with .partitioned(..) as the table was created, and migrate \
-              it once so that the table records its partitioning for `idem prune`"
-            .to_owned(),
-    };
-    format!(
-        "the claims table {t} is partitioned by the ID's time, but this store is not \
-         configured for it: pruning it means dropping whole days past the table's retention, \
-         not deleting rows; {how}"
-    )
 }
 
 /// Migrate's round of maintenance (today's partition and those ahead): a lock it cannot get in
