@@ -18,7 +18,7 @@
 //! ([`PartitionRecord`], in its comment): a store reading IDs with another extractor is
 //! refused, and a store not configured partitioned never prunes the table.
 //!
-//! One round, as a store runs it: read [`READ_CLOCK`] and [`DAYS`] (the table's comment,
+//! One round, as a store runs it: read [`READ_CLOCK`](super::READ_CLOCK) and [`DAYS`] (the table's comment,
 //! checked with [`check_record`], and its partitions' names, read with [`days_of`]); [`plan`]
 //! the round; then for each day to create, in a transaction opened with
 //! [`maintenance_lock`]: [`EXISTS`], and unless it does, [`create_day`]; for each day to drop,
