@@ -190,3 +190,37 @@ pub fn connection_lost(number: u16) -> bool {
 pub fn read_only(number: u16) -> bool {
     matches!(number, 1290 | 1792 | 1836)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lost_sessions_and_read_only_servers_are_outages() {
+        for n in [1927, 2006, 2013, 1158, 1161, 1053, 1290, 1792, 1836] {
+            assert_eq!(kind(n), ErrorKind::Unavailable, "{n}");
+        }
+        assert!(connection_lost(2013) && !connection_lost(1290) && !connection_lost(1213));
+        assert!(read_only(1290) && !read_only(2013));
+        assert_eq!(kind(1213), ErrorKind::Transient);
+        assert_eq!(kind(1146), ErrorKind::Misconfigured);
+        assert_eq!(kind(1062), ErrorKind::Store, "a duplicate key is no outage");
+    }
+
+    #[test]
+    fn the_batch_claim_is_a_head_and_a_tail_around_the_rows() {
+        let t = TableName::new("app.claims").expect("table");
+        let sql = claim_statements(&t);
+        assert!(
+            sql.claim_many.ends_with("processed_at) "),
+            "{}",
+            sql.claim_many
+        );
+        assert_eq!(
+            sql.claim_many_tail,
+            " ON DUPLICATE KEY UPDATE duplicates = duplicates + 1"
+        );
+        assert!(sql.claim.ends_with(&sql.claim_many_tail), "{}", sql.claim);
+        assert_eq!(migration(&t, &TableName::default_requests()).len(), 2);
+    }
+}

@@ -143,3 +143,35 @@ pub fn kind(code: u32, message: &str) -> ErrorKind {
         _ => ErrorKind::Store,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_map_by_their_primary_byte() {
+        assert_eq!(kind(5, ""), ErrorKind::Transient);
+        assert_eq!(kind(517, ""), ErrorKind::Transient, "SQLITE_BUSY_SNAPSHOT");
+        assert_eq!(kind(13, ""), ErrorKind::Unavailable);
+        assert_eq!(kind(1, "no such table: x"), ErrorKind::Misconfigured);
+        assert_eq!(kind(1, "syntax error"), ErrorKind::Store);
+        assert_eq!(
+            kind(2067, ""),
+            ErrorKind::Store,
+            "a unique violation is no outage"
+        );
+    }
+
+    #[test]
+    fn request_statements_bind_now_last() {
+        let sql = request_statements(&TableName::default_requests());
+        // read takes three parameters then now; insert six then now.
+        assert!(sql.read.contains("?4 AS now"), "{}", sql.read);
+        assert!(sql.insert.contains("?7 + ?5"), "{}", sql.insert);
+        assert!(
+            !sql.release.contains("?4"),
+            "release takes no now: {}",
+            sql.release
+        );
+    }
+}
