@@ -242,7 +242,7 @@ pub(crate) async fn stats(args: StatsArgs) -> anyhow::Result<()> {
 
 /// What a round of partition maintenance did: days created ahead, days dropped past the
 /// table's retention (claims by the planner's estimate: counting would read them all).
-fn print_maintenance(report: &idem_core::partition::PartitionReport, kept: Duration) {
+fn print_maintenance(report: &idem_sql::partition::PartitionReport, kept: Duration) {
     let plural = |n: usize| if n == 1 { "" } else { "s" };
     if !report.created.is_empty() {
         let days: Vec<String> = report.created.iter().map(ToString::to_string).collect();
@@ -299,8 +299,8 @@ fn print_consumers(rows: &[idem_core::ConsumerStats]) {
 
 /// A table partitioned by the ID's time: each partition with what it holds. Claims are the
 /// planner's estimate (counting would read every partition).
-fn print_partitions(parts: &[idem_core::partition::PartitionInfo]) {
-    use idem_core::partition::PartitionKind;
+fn print_partitions(parts: &[idem_sql::partition::PartitionInfo]) {
+    use idem_sql::partition::PartitionKind;
     let width = parts.iter().map(|p| p.name.len()).max().unwrap_or(9).max(9);
     println!();
     println!(

@@ -38,12 +38,10 @@ mod handler;
 mod id;
 mod message;
 mod outcome;
-pub mod partition;
 mod processor;
 mod redact;
 mod request;
 mod retention;
-pub mod sqlstate;
 pub mod store;
 mod table;
 

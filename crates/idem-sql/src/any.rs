@@ -171,7 +171,7 @@ impl AnyStore {
     /// engines.
     pub async fn maintain_partitions(
         &self,
-    ) -> Result<Option<idem_core::partition::PartitionReport>, Error> {
+    ) -> Result<Option<crate::partition::PartitionReport>, Error> {
         match self {
             #[cfg(feature = "postgres")]
             Self::Postgres(s) if s.partitioning().is_some() => {
@@ -184,7 +184,7 @@ impl AnyStore {
 
     /// The claims table's partitions (PostgreSQL tables partitioned by the ID's time); empty
     /// for a plain table and on the other engines.
-    pub async fn partitions(&self) -> Result<Vec<idem_core::partition::PartitionInfo>, Error> {
+    pub async fn partitions(&self) -> Result<Vec<crate::partition::PartitionInfo>, Error> {
         match self {
             #[cfg(feature = "postgres")]
             Self::Postgres(s) => s.partitions().await,

@@ -40,11 +40,6 @@ pub(crate) fn host_stamp(stamp: Stamp) -> Option<i64> {
     }
 }
 
-/// A duration in microseconds, saturating, as prune statements bind it.
-pub(crate) fn micros(d: std::time::Duration) -> i64 {
-    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
-}
-
 /// Reads one `(consumer, count, oldest, newest)` row of a stats query.
 pub(crate) fn stats_row<R>(r: &R) -> Result<ConsumerStats, sqlx::Error>
 where

@@ -40,8 +40,8 @@ const CLAIMS_PART: &str = "idem_bench_claims_part";
 /// The partitioning of [`CLAIMS_PART`]: the bench's IDs carry no time, so every ID is read as
 /// made at the start of today (UTC), as a live stream of UUIDv7 IDs lands in today's
 /// partition; the default partition and the undated one stay empty.
-fn bench_partitioning() -> Result<idem_core::partition::Partitioning, idem_core::Error> {
-    use idem_core::partition::{Day, Partitioning};
+fn bench_partitioning() -> Result<idem_sql::partition::Partitioning, idem_core::Error> {
+    use idem_sql::partition::{Day, Partitioning};
     let today = Day::of(idem_core::Timestamp::from(std::time::SystemTime::now()));
     let at = idem_core::Timestamp::from_micros(today.start() + 1);
     // A fixed name: the extractor is the same function on every run (the day it returns is
