@@ -34,6 +34,7 @@ mod derived;
 mod error;
 mod fingerprint;
 mod handler;
+pub mod hex;
 mod id;
 mod message;
 mod outcome;
