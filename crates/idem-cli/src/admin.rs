@@ -23,21 +23,21 @@ pub(crate) struct StoreArgs {
     table: String,
 }
 
-/// The store URL may hold a password: shown through [`idem_core::redact_url`].
+/// The store URL may hold a password: shown through [`idem_redact::redact_url`].
 impl std::fmt::Debug for StoreArgs {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StoreArgs")
-            .field("store", &idem_core::redact_url(&self.store))
+            .field("store", &idem_redact::redact_url(&self.store))
             .field("table", &self.table)
             .finish()
     }
 }
 
-/// The store URL may hold a password: shown through [`idem_core::redact_url`].
+/// The store URL may hold a password: shown through [`idem_redact::redact_url`].
 impl std::fmt::Debug for ReapRequestsArgs {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ReapRequestsArgs")
-            .field("store", &idem_core::redact_url(&self.store))
+            .field("store", &idem_redact::redact_url(&self.store))
             .field("table", &self.table)
             .field("batch", &self.batch)
             .finish()
@@ -263,7 +263,7 @@ fn print_maintenance(report: &idem_sql::partition::PartitionReport, kept: Durati
             plural(days.len()),
             format_duration(kept),
             days.join(", "),
-            idem_core::group_digits(estimate)
+            crate::format::group_digits(estimate)
         );
     }
     if report.moved > 0 {
@@ -318,7 +318,7 @@ fn print_partitions(parts: &[idem_sql::partition::PartitionInfo]) {
             "{:<width$}  {:<28}  {:>12}  {:>10}",
             p.name,
             holds,
-            idem_core::group_digits(p.claims_estimate),
+            crate::format::group_digits(p.claims_estimate),
             format!("{:.1} MiB", p.bytes as f64 / 1_048_576.0)
         );
     }

@@ -123,7 +123,7 @@ impl PgStore {
         use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 
         const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-        let shown = idem_core::redact_url(url);
+        let shown = idem_redact::redact_url(url);
         let config: tokio_postgres::Config = url.parse().map_err(|e: tokio_postgres::Error| {
             Error::new(
                 ErrorKind::InvalidConfig,

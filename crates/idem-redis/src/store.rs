@@ -6,9 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::store::{ReapRequests, RequestStore};
-use idem_core::{
-    Begin, Error, ErrorKind, Fence, Fingerprint, RequestKey, TransactionalStore, redact_url,
-};
+use idem_core::{Begin, Error, ErrorKind, Fence, Fingerprint, RequestKey, TransactionalStore};
+use idem_redact::redact_url;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::{FromRedisValue, RedisResult, Script, ServerErrorKind};
 

@@ -74,7 +74,7 @@ pub(crate) async fn connect_pool<E: crate::engine::Engine>(
     use sqlx::Connection;
     type Opts<E> = <<E as sqlx::Database>::Connection as Connection>::Options;
 
-    let shown = idem_core::redact_url(url);
+    let shown = idem_redact::redact_url(url);
     let options: Opts<E> = url.parse().map_err(|e: sqlx::Error| {
         Error::new(
             ErrorKind::InvalidConfig,

@@ -205,11 +205,11 @@ impl SqlStore<Sqlite> {
         let connect = SqliteConnectOptions::from_str(url).map_err(|e| {
             Error::new(
                 ErrorKind::InvalidConfig,
-                format!("invalid SQLite URL {:?}: {e}", idem_core::redact_url(url)),
+                format!("invalid SQLite URL {:?}: {e}", idem_redact::redact_url(url)),
             )
             .with_source(e)
         })?;
-        Self::open_with(connect, options, &idem_core::redact_url(url)).await
+        Self::open_with(connect, options, &idem_redact::redact_url(url)).await
     }
 
     async fn open_with(

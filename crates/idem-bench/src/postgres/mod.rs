@@ -70,11 +70,11 @@ pub(crate) struct Bench {
     describe: String,
 }
 
-/// The URL may hold a password: shown through [`idem_core::redact_url`].
+/// The URL may hold a password: shown through [`idem_redact::redact_url`].
 impl std::fmt::Debug for Bench {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Bench")
-            .field("url", &idem_core::redact_url(&self.url))
+            .field("url", &idem_redact::redact_url(&self.url))
             .field("admin", &self.admin)
             .field("settings", &self.settings)
             .field("describe", &self.describe)
