@@ -4,12 +4,9 @@
 //! default partition); the same scenarios as `idem-sql`'s `tests/partitions_postgres.rs`. Each
 //! test gets its own schema.
 
-mod common;
-
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::Conns;
 use idem_core::{
     ClaimRequest, ConsumerName, ErrorKind, Fingerprint, ManualClock, Message, MessageId, Migrate,
     Outcome, Processor, Retention, Stamp, Timestamp,
@@ -18,6 +15,8 @@ use idem_postgres::partition::{Day, PartitionKind, Partitioning, uuid_v7};
 use idem_postgres::tokio_postgres::Client;
 use idem_postgres::{PgStore, TableName};
 use idem_testkit::isolated::PgSchema;
+
+use crate::common::{self, Conns};
 
 const DAY: Duration = Duration::from_secs(86_400);
 
