@@ -14,8 +14,7 @@ use crate::common::{self, Conns};
 
 /// `CLIENTS`: the store on 8 plain clients instead of a pool of 20; `PARTS`: the claims table
 /// partitioned by the ID's time (the suite's IDs carry none, so every claim goes through the
-/// partitioned statements into the undated partition; `tests/partitions.rs` covers day
-/// partitions).
+/// partitioned statements into the undated partition; `partitions.rs` covers day partitions).
 struct PgFixture<const CLIENTS: bool, const PARTS: bool = false> {
     store: PgStore,
     admin: Client,
