@@ -4,7 +4,7 @@
 //! tokio-postgres. Why deduplication survives it is [`crate::partition`]'s module docs; why it
 //! is safe beside running consumers, `maintenance`'s. `idem-sql`'s `PostgresStore` executes the
 //! same text under the same locks, so either store maintains a table the other claims in
-//! (`tests/interop.rs` runs each store's maintenance under the other's claims).
+//! (`tests/postgres/interop.rs` runs each store's maintenance under the other's claims).
 
 use std::sync::Arc;
 

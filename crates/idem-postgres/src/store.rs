@@ -13,8 +13,8 @@
 //! the transaction. The claim's statement is prepared before, once per connection (a cached
 //! statement costs nothing), so nothing waits in between. A new message thus costs what the
 //! bare handler does — `BEGIN`, the handler's statements, `COMMIT` — and a duplicate one
-//! round trip more, to read the stored fingerprint. `tests/pipelining.rs` counts the round
-//! trips through a proxy that holds the server's answers back.
+//! round trip more, to read the stored fingerprint. `tests/postgres/pipelining.rs` counts the
+//! round trips through a proxy that holds the server's answers back.
 //!
 //! `BEGIN` cannot fail while the claim succeeds (it fails only on a broken connection or an
 //! aborted transaction, and so does the claim), which is what makes sending the claim before

@@ -5,12 +5,9 @@
 //! store's maintenance moves the other's claims — and a request record begun by one is
 //! completed by it and replayed by the other.
 
-mod common;
-
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::Conns;
 use idem_core::store::RequestStore;
 use idem_core::{
     Begin, BoxError, ClaimStore, Fingerprint, IdempotencyKey, ManualClock, Message, MessageId,
@@ -20,6 +17,8 @@ use idem_core::{
 use idem_postgres::partition::{Day, Partitioning};
 use idem_sql::PostgresStore;
 use idem_testkit::isolated::PgSchema;
+
+use crate::common::{self, Conns};
 
 const DAY: Duration = Duration::from_secs(86_400);
 

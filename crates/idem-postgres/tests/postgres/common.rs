@@ -1,8 +1,6 @@
 //! Shared by the real-server tests: connections into a test's own schema, on a deadpool pool
 //! or on plain clients.
 
-#![allow(dead_code)] // each test file uses part of it
-
 use idem_postgres::PgStore;
 use idem_postgres::deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use idem_postgres::tokio_postgres::{self, Client, Config, NoTls};

@@ -9,8 +9,6 @@
 //! The same holds on a claims table partitioned by the ID's time, whose claim binds the
 //! partition key too.
 
-mod common;
-
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -27,6 +25,8 @@ use idem_postgres::{PgStore, PgTx};
 use idem_testkit::isolated::PgSchema;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+
+use crate::common;
 
 /// How long the proxy holds each answer back: far longer than the client takes between two
 /// requests it sends without waiting.

@@ -14,7 +14,7 @@ use idem_testkit::unique_name;
 use sqlx::mysql::MySqlPoolOptions;
 use sqlx::postgres::PgPoolOptions;
 
-use crate::proxy::{Proxy, upstream};
+use super::proxy::{Proxy, upstream};
 
 fn msg(id: &str) -> Message<Vec<u8>> {
     Message::new(MessageId::new(id).expect("id"), b"x".to_vec())

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use idem_core::{BoxError, Handler, Message, MessageId, Outcome, Processor};
 use sqlx::{Acquire, TransactionManager};
 
-use crate::fixture::Fx;
+use super::fixture::Fx;
 
 fn msg(id: &str, payload: &str) -> Message<Vec<u8>> {
     Message::new(MessageId::new(id).expect("id"), payload.as_bytes().to_vec())

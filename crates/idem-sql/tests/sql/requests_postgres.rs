@@ -2,8 +2,6 @@
 //! `IDEM_TEST_POSTGRES_URL`. Each test gets its own schema (first on the pool's `search_path`),
 //! so tests run in parallel.
 
-mod request_extras;
-
 use idem_core::{BoxError, Migrate};
 use idem_sql::PostgresStore;
 use idem_testkit::isolated::PgSchema;
@@ -58,4 +56,4 @@ impl RequestFixture for PgFixture {
 }
 
 idem_testkit::request_conformance_tests!(PgFixture);
-request_extras::request_extras!(PgFixture);
+crate::request_extras::request_extras!(PgFixture);

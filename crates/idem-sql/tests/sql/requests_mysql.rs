@@ -1,8 +1,6 @@
 //! The idempotent-request conformance suite against the real MySQL/MariaDB server in
 //! `IDEM_TEST_MYSQL_URL`. Each test gets its own database, so tests run in parallel.
 
-mod request_extras;
-
 use idem_core::{BoxError, Migrate};
 use idem_sql::MySqlStore;
 use idem_testkit::isolated::MySqlDatabase;
@@ -57,4 +55,4 @@ impl RequestFixture for MySqlFixture {
 }
 
 idem_testkit::request_conformance_tests!(MySqlFixture);
-request_extras::request_extras!(MySqlFixture);
+crate::request_extras::request_extras!(MySqlFixture);

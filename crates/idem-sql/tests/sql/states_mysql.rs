@@ -5,15 +5,14 @@
 //! failure. Real states where the server can be put in them per test; `SIGNAL … SET
 //! MYSQL_ERRNO` for the rest (the server then answers with exactly that error number).
 
-mod states;
-
 use idem_core::{BoxError, ErrorKind, Migrate, Processor};
 use idem_sql::{MySqlStore, TableName};
 use idem_testkit::isolated::MySqlDatabase;
 use idem_testkit::unique_name;
 use sqlx::Executor;
 use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
-use states::{assert_state, failure};
+
+use crate::states::{assert_state, failure};
 
 struct Db {
     database: MySqlDatabase,

@@ -1,8 +1,6 @@
 //! The idempotent-request conformance suite on a real SQLite database file (always runs:
 //! SQLite is embedded).
 
-mod request_extras;
-
 use std::path::PathBuf;
 
 use idem_core::{BoxError, Migrate};
@@ -62,7 +60,7 @@ impl RequestFixture for SqliteFixture {
 }
 
 idem_testkit::request_conformance_tests!(SqliteFixture);
-request_extras::request_extras!(SqliteFixture);
+crate::request_extras::request_extras!(SqliteFixture);
 
 /// On SQLite a running operation's transaction that wrote holds the write lock, so its heartbeat
 /// cannot renew the lease meanwhile. A retry after the lease ran out must still be answered at once

@@ -1,15 +1,12 @@
 //! Claims partitioned by the ID's own time, against the real PostgreSQL server in
 //! `IDEM_TEST_POSTGRES_URL`: retention drops whole days, and deduplication holds across every
 //! move maintenance makes (a late claim out of a dropped day, a future day's claims out of the
-//! default partition); the same scenarios as `idem-sql`'s `tests/partitions_postgres.rs`. Each
-//! test gets its own schema.
-
-mod common;
+//! default partition); the same scenarios as `idem-sql`'s `tests/sql/partitions_postgres.rs`.
+//! Each test gets its own schema.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::Conns;
 use idem_core::{
     ClaimRequest, ConsumerName, ErrorKind, Fingerprint, ManualClock, Message, MessageId, Migrate,
     Outcome, Processor, Retention, Stamp, Timestamp,
@@ -18,6 +15,8 @@ use idem_postgres::partition::{Day, PartitionKind, Partitioning, uuid_v7};
 use idem_postgres::tokio_postgres::Client;
 use idem_postgres::{PgStore, TableName};
 use idem_testkit::isolated::PgSchema;
+
+use crate::common::{self, Conns};
 
 const DAY: Duration = Duration::from_secs(86_400);
 
@@ -382,7 +381,7 @@ async fn claim_on_a_partitioned_table_finds_the_claim_by_its_key() {
 
 // Issue 18: a mixed-case table name, pruning through a store not configured partitioned,
 // retention against the redelivery window, the recorded extractor, and lock order; the same
-// scenarios as idem-sql's `tests/partitions_postgres.rs`.
+// scenarios as idem-sql's `tests/sql/partitions_postgres.rs`.
 
 fn retention_7d() -> Partitioning {
     Partitioning::uuid_v7().retention(Retention::new(7 * DAY, 7 * DAY).expect("retention"))

@@ -6,15 +6,14 @@
 //! states where the server can be put in them per test; `RAISE … USING ERRCODE` for the rest
 //! (the server then answers with exactly that SQLSTATE, as it would in the real state).
 
-mod states;
-
 use idem_core::{BoxError, ErrorKind, Migrate, Processor};
 use idem_sql::{PostgresStore, TableName};
 use idem_testkit::isolated::PgSchema;
 use idem_testkit::unique_name;
 use sqlx::ConnectOptions;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
-use states::{assert_state, failure};
+
+use crate::states::{assert_state, failure};
 
 struct Db {
     schema: PgSchema,

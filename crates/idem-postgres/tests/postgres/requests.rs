@@ -3,16 +3,13 @@
 //! extra request checks (byte-for-byte keys, results of several MiB, migrating twice), which
 //! live with `idem-sql`'s tests and run here unchanged. Each test gets its own schema.
 
-mod common;
-#[path = "../../idem-sql/tests/request_extras/mod.rs"]
-mod request_extras;
-
-use common::Conns;
 use idem_core::{BoxError, Migrate};
 use idem_postgres::PgStore;
 use idem_postgres::tokio_postgres::Client;
 use idem_testkit::isolated::PgSchema;
 use idem_testkit::{RequestFixture, RequestTxOf};
+
+use crate::common::{self, Conns};
 
 /// `CLIENTS`: the store on 4 plain clients instead of a pool of 20.
 struct PgFixture<const CLIENTS: bool> {
@@ -83,15 +80,15 @@ impl<const CLIENTS: bool> RequestFixture for PgFixture<CLIENTS> {
 }
 
 mod pooled {
-    use super::{PgFixture, request_extras};
+    use super::PgFixture;
 
     idem_testkit::request_conformance_tests!(PgFixture<false>);
-    request_extras::request_extras!(PgFixture<false>);
+    crate::request_extras::request_extras!(PgFixture<false>);
 }
 
 mod clients {
-    use super::{PgFixture, request_extras};
+    use super::PgFixture;
 
     idem_testkit::request_conformance_tests!(PgFixture<true>);
-    request_extras::request_extras!(PgFixture<true>);
+    crate::request_extras::request_extras!(PgFixture<true>);
 }

@@ -2,12 +2,11 @@
 //! (`max_page_count` reached) is `Unavailable`; a missing claims table is `Misconfigured`; a
 //! table missing under the handler is that message's `Store` failure.
 
-mod states;
-
 use idem_core::{BoxError, ErrorKind, Migrate, Processor};
 use idem_sql::{SqliteOptions, SqliteStore, TableName};
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
-use states::{assert_state, failure};
+
+use crate::states::{self, assert_state, failure};
 
 async fn migrated(path: &std::path::Path) -> SqliteStore {
     let store = SqliteStore::open(path, SqliteOptions::default())

@@ -10,14 +10,11 @@
 //! and a `BEGIN` that gets no answer (a proxy that stops forwarding) fails as unavailable
 //! within the bound, on the pool and on plain clients.
 
-mod common;
-
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use common::Conns;
 use idem_core::{BoxError, ErrorKind, Message, MessageId, Migrate, Outcome, Processor};
 use idem_postgres::tokio_postgres::config::Host;
 use idem_postgres::tokio_postgres::{Client, Config};
@@ -26,6 +23,8 @@ use idem_testkit::isolated::PgSchema;
 use idem_testkit::unique_name;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+
+use crate::common::{self, Conns};
 
 fn msg(id: &str) -> Message<Vec<u8>> {
     Message::new(MessageId::new(id).expect("id"), b"x".to_vec())

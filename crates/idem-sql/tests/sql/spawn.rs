@@ -2,8 +2,6 @@
 //! way services use idem. This is mostly a compile-time check: it fails to build if the
 //! store's transaction type ever carries a lifetime again (see `idem_sql::Tx`).
 
-#![cfg(feature = "sqlite")]
-
 use std::sync::Arc;
 
 use idem_core::{BoxError, Message, MessageId, Migrate, Outcome, Processor};

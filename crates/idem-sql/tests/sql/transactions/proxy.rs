@@ -4,7 +4,7 @@
 //!
 //! With `hold`, every answer is held back that long: whatever the client sends without waiting
 //! reaches the proxy long before any answer does, so it joins the flight before it, and the
-//! count is exact (as in idem-postgres's `tests/pipelining.rs`).
+//! count is exact (as in idem-postgres's `tests/postgres/pipelining.rs`).
 
 use std::net::SocketAddr;
 use std::sync::Arc;

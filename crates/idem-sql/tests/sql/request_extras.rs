@@ -1,6 +1,7 @@
 //! Request-store checks beyond the shared conformance suite that matter for SQL schemas: keys
 //! compared byte for byte (no collation folding case), results of several MiB, and a migration
-//! that runs twice.
+//! that runs twice. idem-postgres's test binary includes this file too (`#[path]`); both
+//! declare it at their root, where the macro's `$crate::request_extras` paths find it.
 
 use std::time::Duration;
 
@@ -111,7 +112,7 @@ macro_rules! request_extras {
     ($fixture:ty) => {
         #[tokio::test]
         async fn keys_are_compared_byte_for_byte() {
-            request_extras::keys_are_compared_byte_for_byte::<$fixture>(
+            $crate::request_extras::keys_are_compared_byte_for_byte::<$fixture>(
                 "keys_are_compared_byte_for_byte",
             )
             .await;
@@ -119,7 +120,7 @@ macro_rules! request_extras {
 
         #[tokio::test]
         async fn results_of_several_mib_round_trip() {
-            request_extras::results_of_several_mib_round_trip::<$fixture>(
+            $crate::request_extras::results_of_several_mib_round_trip::<$fixture>(
                 "results_of_several_mib_round_trip",
             )
             .await;
@@ -127,7 +128,7 @@ macro_rules! request_extras {
 
         #[tokio::test]
         async fn migrating_again_keeps_the_records() {
-            request_extras::migrating_again_keeps_the_records::<$fixture>(
+            $crate::request_extras::migrating_again_keeps_the_records::<$fixture>(
                 "migrating_again_keeps_the_records",
             )
             .await;

@@ -12,7 +12,7 @@ use idem_sql::PostgresStore;
 use idem_testkit::isolated::PgSchema;
 use sqlx::postgres::PgPoolOptions;
 
-use crate::proxy::{Proxy, upstream};
+use super::proxy::{Proxy, upstream};
 
 /// Far longer than the client takes between two requests it sends without waiting.
 const HOLD: Duration = Duration::from_millis(40);

@@ -8,11 +8,8 @@
 //! `Processed`. Real states where the server can be put in them per test,
 //! `RAISE … USING ERRCODE` for the rest.
 
-mod common;
-
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use common::Conns;
 use idem_core::{
     BoxError, ClaimStore, Disposition, Error, ErrorKind, Message, MessageId, Migrate, Outcome,
     Processor, TransactionalStore,
@@ -21,6 +18,8 @@ use idem_postgres::tokio_postgres::{Client, Config};
 use idem_postgres::{PgStore, TableName};
 use idem_testkit::isolated::PgSchema;
 use idem_testkit::unique_name;
+
+use crate::common::{self, Conns};
 
 struct Db {
     schema: PgSchema,

@@ -2,21 +2,19 @@
 //! on a deadpool-postgres pool and on plain clients. Each test gets its own schema (first on
 //! the connections' `search_path`), so tests run in parallel.
 
-mod common;
-
 use std::time::Duration;
 
-use common::Conns;
 use idem_core::{BoxError, Message, MessageId, Migrate, Outcome, Processor, TransactionalStore};
 use idem_postgres::PgStore;
 use idem_postgres::tokio_postgres::Client;
 use idem_testkit::isolated::PgSchema;
 use idem_testkit::{StoreFixture, TxOf};
 
+use crate::common::{self, Conns};
+
 /// `CLIENTS`: the store on 8 plain clients instead of a pool of 20; `PARTS`: the claims table
 /// partitioned by the ID's time (the suite's IDs carry none, so every claim goes through the
-/// partitioned statements into the undated partition; `tests/partitions.rs` covers day
-/// partitions).
+/// partitioned statements into the undated partition; `partitions.rs` covers day partitions).
 struct PgFixture<const CLIENTS: bool, const PARTS: bool = false> {
     store: PgStore,
     admin: Client,
