@@ -30,6 +30,8 @@ pub enum AnyStore {
 /// of matching on the variants, and so needs no arm for engines it has not compiled in.
 ///
 /// ```no_run
+/// # #[cfg(all(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+/// # mod example {
 /// use idem_sql::{AnyStore, MySqlStore, PostgresStore, SqliteStore, StoreVisitor};
 ///
 /// /// The engine's pool size, whichever engine the URL chose.
@@ -48,11 +50,14 @@ pub enum AnyStore {
 ///     }
 /// }
 ///
-/// # async fn demo() -> Result<(), idem_core::Error> {
-/// let store = AnyStore::connect("sqlite:payments.db", Default::default()).await?;
-/// let connections = store.visit(PoolSize).await;
-/// # Ok(())
+/// async fn demo() -> Result<(), idem_core::Error> {
+///     let store = AnyStore::connect("sqlite:payments.db", Default::default()).await?;
+///     let connections = store.visit(PoolSize).await;
+///     # let _ = connections;
+///     Ok(())
+/// }
 /// # }
+/// # fn main() {}
 /// ```
 pub trait StoreVisitor {
     /// What the visit returns.

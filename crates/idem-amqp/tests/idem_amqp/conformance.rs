@@ -1,6 +1,6 @@
 //! The shared broker conformance suite against a real RabbitMQ (`IDEM_TEST_AMQP_URL`).
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -1,7 +1,7 @@
 //! Adapter behaviour against the real Mosquitto: IDs, acks, persistent-session redelivery,
 //! dead letters, abandon, and MQTT 3.1.1.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

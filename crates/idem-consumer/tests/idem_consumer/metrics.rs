@@ -1,9 +1,10 @@
 //! The Prometheus exposition after a real run over the in-memory fake broker and a real SQLite
-//! store. Its own test binary: the metrics recorder is process-wide.
+//! store. The recorder is process-wide and shared with the other tests of this binary
+//! ([`recorder`](crate::recorder)): every line read here is this test's consumer's.
 
 use std::sync::Arc;
 
-use idem_consumer::{CancellationToken, Consumer, Handler, InMemoryBroker, Json, metrics};
+use idem_consumer::{CancellationToken, Consumer, Handler, InMemoryBroker, Json};
 use idem_core::{BoxError, Message, Migrate, Processor};
 use idem_sql::{SqliteOptions, SqliteStore, Tx};
 
@@ -27,7 +28,7 @@ impl Handler<Tx<sqlx::Sqlite>, Ping> for Record {
 
 #[tokio::test]
 async fn prometheus_exposition_counts_outcomes_and_times_handlers() {
-    let handle = metrics::install_prometheus_recorder().expect("recorder");
+    let handle = crate::recorder::recorder();
     let dir = tempfile::tempdir().expect("temp dir");
     let store = SqliteStore::open(dir.path().join("m.db"), SqliteOptions::default())
         .await
@@ -60,8 +61,11 @@ async fn prometheus_exposition_counts_outcomes_and_times_handlers() {
     );
 
     let text = handle.render();
+    // Other tests of this binary report to the same recorder under their own consumer names.
+    let ours = r#"consumer="metrics-test""#;
     let line = |needle: &str| {
         text.lines()
+            .filter(|l| l.contains(ours))
             .find(|l| l.starts_with(needle) || (l.contains(needle) && !l.starts_with('#')))
             .unwrap_or_else(|| panic!("no {needle} in\n{text}"))
             .to_owned()

@@ -3,7 +3,7 @@
 //! effects table must still hold exactly one row per message ID, none missing.
 //! Runs on the mock cluster always, and on `IDEM_TEST_KAFKA_BROKERS` when set.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

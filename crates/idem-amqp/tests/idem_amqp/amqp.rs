@@ -1,6 +1,6 @@
 //! RabbitMQ-specific behaviour of the adapter, against a real broker (`IDEM_TEST_AMQP_URL`).
 
-mod common;
+use crate::common;
 
 use std::borrow::Cow;
 use std::time::Duration;

@@ -1,7 +1,7 @@
 //! The shared broker conformance suite, twice: against librdkafka's in-process mock cluster
 //! (always runs) and against the real brokers in `IDEM_TEST_KAFKA_BROKERS` (skipped when unset).
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -1,6 +1,6 @@
 //! The JetStream adapter against a real server (`IDEM_TEST_NATS_URL`).
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -9,7 +9,7 @@
 //! sources get two distinct IDs. Slot 0's session is created in `setup`, so messages published
 //! before any source exists are queued rather than dropped.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};

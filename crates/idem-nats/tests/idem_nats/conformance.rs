@@ -1,7 +1,7 @@
 //! The shared broker conformance suite against a real JetStream server
 //! (`IDEM_TEST_NATS_URL`), in every consumer mode.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::time::Duration;

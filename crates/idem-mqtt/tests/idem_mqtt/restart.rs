@@ -11,7 +11,7 @@
 
 #![cfg(unix)]
 
-mod common;
+use crate::common;
 
 use std::borrow::Cow;
 use std::net::{Ipv4Addr, TcpListener, TcpStream};

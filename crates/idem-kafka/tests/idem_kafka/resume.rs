@@ -5,7 +5,7 @@
 //! `memory://` engine) loses the rest of it, and this test says so.
 //! Runs on the mock cluster always, and on `IDEM_TEST_KAFKA_BROKERS` when set.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

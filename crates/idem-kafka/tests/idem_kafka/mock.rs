@@ -1,7 +1,7 @@
 //! Adapter tests against librdkafka's in-process mock cluster: no server needed, so they run in
 //! every plain `cargo test`.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

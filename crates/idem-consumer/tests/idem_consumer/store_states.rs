@@ -5,16 +5,17 @@
 //! Its own test binary: the metrics recorder is process-wide.
 
 use std::str::FromStr;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use idem_consumer::metrics::PrometheusHandle;
 use idem_consumer::{
-    CancellationToken, Consumer, Handler, InMemoryBroker, Json, RetryPolicy, RunStats, metrics,
+    CancellationToken, Consumer, Handler, InMemoryBroker, Json, RetryPolicy, RunStats,
 };
 use idem_core::{BoxError, ErrorKind, Message, Migrate, Processor};
 use idem_sql::{PostgresStore, PostgresTx, SqliteOptions, SqliteStore, TableName, Tx};
 use idem_testkit::{service_url, services, unique_name};
+
+use crate::recorder::recorder;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
 
@@ -51,11 +52,6 @@ impl Handler<PostgresTx, Ping> for Record {
 /// Three attempts a message, quickly: an outage lasting longer would exhaust them many times.
 fn quick() -> RetryPolicy {
     RetryPolicy::exponential(3, Duration::from_millis(5), Duration::from_millis(50))
-}
-
-fn recorder() -> &'static PrometheusHandle {
-    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
-    HANDLE.get_or_init(|| metrics::install_prometheus_recorder().expect("recorder"))
 }
 
 /// The `idem_store_unavailable` gauge of `consumer`.

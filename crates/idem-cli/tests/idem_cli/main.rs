@@ -1,0 +1,7 @@
+//! The `idem` binary's integration tests as one binary (one link, not one per file): the admin
+//! commands on every SQL store (`admin`), the demo (`demo`) and URLs in its errors
+//! (`redaction`).
+
+mod admin;
+mod demo;
+mod redaction;
