@@ -343,6 +343,7 @@
 //! the table above and the Redis store's documentation.
 
 mod body;
+pub mod exchange;
 pub mod execution;
 #[cfg(feature = "axum")]
 mod extract;
@@ -357,6 +358,7 @@ mod service;
 mod tx;
 
 pub use body::{RequestBody, ResponseBody};
+pub use exchange::Exchange;
 pub use execution::{Executed, IdemRequest};
 pub use future::ResponseFuture;
 pub use key::{IDEMPOTENCY_KEY, KeyError, parse_key, parse_key_header};
