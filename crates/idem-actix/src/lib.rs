@@ -66,7 +66,7 @@
 //! assert!(first.headers().get("idempotent-replayed").is_none());
 //! let retry = test::call_service(&app, charge()).await;
 //! assert_eq!(retry.status(), 201);
-//! assert_eq!(retry.headers()["idempotent-replayed"], "true");
+//! assert_eq!(retry.headers().get("idempotent-replayed").unwrap(), "true");
 //! assert_eq!(test::read_body(retry).await, "charge 1");
 //!
 //! let charges: i64 = sqlx::query_scalar("SELECT count(*) FROM charges")

@@ -93,6 +93,9 @@ fn json_rejection(err: JsonPayloadError, _: &HttpRequest) -> actix_web::Error {
 }
 
 impl HttpFramework for Actix {
+    // actix-web's dispatcher does not cancel a handler whose client went away.
+    const CANCELS_ON_DISCONNECT: bool = false;
+
     async fn serve<F: HttpFixture>(app: Arc<SuiteApp<F>>, idem: Idempotency<F::Store>) -> Running {
         let data = web::Data::from(app);
         let factory = move || {

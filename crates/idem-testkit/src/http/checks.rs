@@ -810,7 +810,9 @@ pub async fn a_truncated_body_is_400_records_nothing_and_serving_goes_on<
 /// the request, the execution is abandoned (its writes roll back on the stores that share a
 /// transaction with them, the key is freed), and a
 /// retry with the same key runs the handler again — answered at once, `409` with
-/// `Retry-After` only until the key is freed, never a hang.
+/// `Retry-After` only until the key is freed, never a hang. A framework that runs the handler
+/// to its end whatever the client does ([`HttpFramework::CANCELS_ON_DISCONNECT`] false) keeps
+/// the key until then, and the first execution is stored.
 pub async fn a_client_gone_mid_request_abandons_the_execution_and_the_retry_runs<
     A: HttpFramework,
     F: HttpFixture,
@@ -841,6 +843,37 @@ pub async fn a_client_gone_mid_request_abandons_the_execution_and_the_retry_runs
     // The handler is asleep with its effect written in the open transaction.
     drop(conn);
     let started = Instant::now();
+    if !A::CANCELS_ON_DISCONNECT {
+        // The framework runs the handler to its end (actix-web): every retry meanwhile is
+        // answered at once (`409` with `Retry-After`, never held), and once the handler is
+        // done the first execution is the one stored and replayed.
+        let replay = loop {
+            let r = tokio::time::timeout(
+                Duration::from_secs(10),
+                server.post(Post::new("k-gone", "gone")),
+            )
+            .await
+            .expect("the retry is answered, not held");
+            if r.status != 409 {
+                break r;
+            }
+            assert_eq!(r.code(), "conflict");
+            assert!(r.headers.contains_key("retry-after"), "{r:?}");
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "the key is freed when the handler ends"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert_eq!(
+            (replay.status, replay.replayed()),
+            (201, true),
+            "{replay:?}"
+        );
+        assert_eq!(server.executions(), 1, "the handler ran once");
+        assert_eq!(fx.count_effects("gone").await, 1);
+        return done(server, fx).await;
+    }
     let retry = loop {
         let r = tokio::time::timeout(
             Duration::from_secs(10),

@@ -49,6 +49,12 @@ pub use fixtures::HttpFixture;
 
 /// A web framework under the suite.
 pub trait HttpFramework: Send + Sync + 'static {
+    /// Whether the server drops a request (its handler future) when the client disconnects
+    /// mid-request, as hyper does. actix-web 4 runs the handler to its end instead, so the
+    /// execution completes rather than being abandoned; the check of a client gone mid-request
+    /// asserts what applies.
+    const CANCELS_ON_DISCONNECT: bool = true;
+
     /// Serves the suite's routes (see the [module docs](self)) for `app` on 127.0.0.1 (a port
     /// the OS picks), behind middleware built from [`layer`]`(idem)`; the server stops when
     /// the returned [`Running`] is dropped.
