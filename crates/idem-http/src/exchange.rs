@@ -24,7 +24,7 @@
 //! use http::{Request, Response};
 //! use http_body_util::{BodyExt, Full};
 //! use idem_http::exchange::{Begin, Decision};
-//! use idem_http::IdempotencyLayer;
+//! use idem_http::{IdempotencyLayer, ResponseBody};
 //! use idem_request::Idempotency;
 //! use idem_sql::{SqliteOptions, SqliteStore};
 //!
@@ -37,43 +37,45 @@
 //!     .require_key()
 //!     .exchange();
 //!
-//! // A framework's request, as `http` parts and a body.
-//! let handle = async |req: Request<Full<Bytes>>| -> Response<Full<Bytes>> {
+//! // Reads a response whole (a framework converts it to its own type instead).
+//! async fn collect<B>(response: Response<B>) -> Response<Bytes>
+//! where
+//!     B: http_body::Body<Data = Bytes>,
+//!     B::Error: std::fmt::Debug,
+//! {
+//!     let (head, body) = response.into_parts();
+//!     Response::from_parts(head, body.collect().await.expect("a body").to_bytes())
+//! }
+//!
+//! // A framework's request, as `http` parts and a body; its handler answers `charged`.
+//! let handle = async |req: Request<Full<Bytes>>| -> Response<Bytes> {
 //!     let (parts, body) = req.into_parts();
-//!     let keyed = match exchange.begin(&parts, 0) {
-//!         Begin::Pass => return Response::new(Full::from("ran without a record")),
-//!         Begin::Respond(refusal) => return refusal.map(|b| Full::new(b.to_bytes())),
+//!     let keyed = match exchange.begin::<Full<Bytes>>(&parts, 0) {
 //!         Begin::Keyed(keyed) => keyed,
+//!         Begin::Respond(refusal) => return collect(refusal).await,
+//!         _ => return Response::new(Bytes::from("ran without a record")),
 //!     };
 //!     let (data, _trailers) = match keyed.read_body(body).await {
 //!         Ok(read) => read,
-//!         Err(refusal) => return refusal.map(|b| Full::new(b.to_bytes())),
+//!         Err(refusal) => return collect::<ResponseBody<Full<Bytes>>>(refusal).await,
 //!     };
-//!     let execution = match keyed.start(&parts, &data).await {
-//!         Decision::Respond(answer) => return answer.map(|b| Full::new(b.to_bytes())),
+//!     let execution = match keyed.start::<Full<Bytes>>(&parts, &data).await {
 //!         Decision::Execute(execution) => execution,
+//!         Decision::Respond(answer) => return collect(answer).await,
+//!         _ => unreachable!("a decision this framework does not know"),
 //!     };
 //!     // The handler would find the transaction in these extensions.
 //!     let mut extensions = http::Extensions::new();
 //!     execution.attach(&mut extensions);
-//!     let response = Response::new(Full::from("charged"));
-//!     let (head, body) = response.into_parts();
-//!     let sent = execution.finish(head, body).await;
-//!     sent.map(|b| b.to_bytes())
+//!     let (head, body) = Response::new(Full::from("charged")).into_parts();
+//!     collect(execution.finish(head, body).await).await
 //! };
-//! # trait ToBytes { fn to_bytes(self) -> Bytes; }
-//! # impl<B: http_body::Body<Data = Bytes>> ToBytes for B where B::Error: std::fmt::Debug {
-//! #     fn to_bytes(self) -> Bytes {
-//! #         futures_util::FutureExt::now_or_never(self.collect()).unwrap().unwrap().to_bytes()
-//! #     }
-//! # }
-//! # let _ = &handle;
 //! let post = || Request::post("/jobs").header("idempotency-key", "job-1").body(Full::from("{}"));
 //! let first = handle(post()?).await;
 //! let retry = handle(post()?).await;
 //! assert!(first.headers().get("idempotent-replayed").is_none());
 //! assert_eq!(retry.headers()["idempotent-replayed"], "true");
-//! assert_eq!(retry.into_body().collect().await?.to_bytes(), "charged");
+//! assert_eq!(retry.into_body(), "charged");
 //! # Ok(()) }
 //! ```
 
