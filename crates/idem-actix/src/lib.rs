@@ -5,7 +5,7 @@
 //! It drives idem-http's framework-free [`Exchange`](idem_http::exchange::Exchange), so it
 //! decides exactly as the tower layer does — key format, scope per principal, fingerprint,
 //! replay, `409`/`422`/`503` problems, what is stored and what rolls back — and it is
-//! configured by the same builder, [`IdempotencyLayer`](idem_http::IdempotencyLayer). Read
+//! configured by the same builder, [`IdempotencyLayer`]. Read
 //! [idem-http's documentation](idem_http) for the behaviour; this crate only adapts actix-web's
 //! types. Both pass the same black-box suite on every store (`idem_testkit::http`).
 //!
@@ -88,7 +88,7 @@
 //!   idempotent execution; take `Option<…>` of them where the key is optional. (actix-web's
 //!   `Option` extractor turns every failure into `None`.) A 4xx the handler answers without
 //!   using either is stored only when it says it executed: insert
-//!   [`Executed`](idem_http::Executed) in the response's extensions
+//!   [`Executed`] in the response's extensions
 //!   (`response.extensions_mut().insert(Executed)`). An extractor's rejection (the `Json`
 //!   extractor's `400`) is never stored, so the corrected retry runs.
 //! - **Trailers** are not sent by actix-web; a stored response keeps none.

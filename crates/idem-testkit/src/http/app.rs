@@ -101,8 +101,10 @@ impl<F: HttpFixture> SuiteApp<F> {
         self.executions.fetch_add(1, Ordering::SeqCst) + 1
     }
 
-    /// `POST /charges`, `/optional`, `/off`: see the [module docs](self). `tx` is the
-    /// execution's transaction, `None` when the request runs without a record.
+    /// `POST /charges`, `/optional`, `/off`: writes one effect row named by the body's
+    /// `effect` through `tx` (the execution's transaction, `None` without a record), sleeps
+    /// `x-sleep-ms` with it open or panics on `x-panic`, then answers the status in `x-status`
+    /// (201 by default) with a body naming the execution, so a replay is told apart.
     pub async fn charge(
         &self,
         tx: Option<&mut RequestTxOf<F>>,
