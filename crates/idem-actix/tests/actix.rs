@@ -180,3 +180,76 @@ impl HttpFramework for Actix {
 }
 
 idem_testkit::http_suite_tests!(Actix);
+
+/// The principal found in actix-web's own extensions (where an authentication middleware puts
+/// it): scoped per account, and `401 missing-principal` without one.
+#[test]
+fn a_principal_from_the_actix_request_scopes_the_records() {
+    use actix_web::dev::Service;
+    use actix_web::{HttpMessage, test};
+
+    #[derive(Clone)]
+    struct Account(String);
+
+    actix_web::rt::System::new().block_on(async {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let store = idem_sql::SqliteStore::open(
+            dir.path().join("app.db"),
+            idem_sql::SqliteOptions::default(),
+        )
+        .await
+        .expect("open sqlite");
+        idem_core::Migrate::migrate(&store).await.expect("migrate");
+        let idem = Idempotency::builder(store).build().expect("engine");
+        let middleware = IdempotencyMiddleware::new(
+            idem_http::IdempotencyLayer::shared_scope(idem).require_key(),
+        )
+        .principal_from_request(|req: &HttpRequest| {
+            req.extensions().get::<Account>().map(|a| a.0.clone())
+        });
+        let calls = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let counted = Arc::clone(&calls);
+        let app = test::init_service(
+            App::new()
+                .wrap_fn(|req, srv| {
+                    // Stands in for authentication: the account from a header, in extensions.
+                    let account = req
+                        .headers()
+                        .get("x-account")
+                        .and_then(|v| v.to_str().ok())
+                        .map(|a| Account(a.to_owned()));
+                    if let Some(account) = account {
+                        req.extensions_mut().insert(account);
+                    }
+                    srv.call(req)
+                })
+                .service(
+                    web::resource("/charges")
+                        .wrap(middleware)
+                        .route(web::post().to(move || {
+                            let n = counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+                            async move { HttpResponse::Created().body(format!("charge {n}")) }
+                        })),
+                ),
+        )
+        .await;
+        let post = |account: Option<&str>| {
+            let mut req = test::TestRequest::post()
+                .uri("/charges")
+                .insert_header(("idempotency-key", "k-1"));
+            if let Some(account) = account {
+                req = req.insert_header(("x-account", account.to_owned()));
+            }
+            req.to_request()
+        };
+        let anonymous = test::call_service(&app, post(None)).await;
+        assert_eq!(anonymous.status(), 401);
+        let alice = test::read_body(test::call_service(&app, post(Some("alice"))).await).await;
+        let again = test::call_service(&app, post(Some("alice"))).await;
+        assert!(again.headers().contains_key("idempotent-replayed"));
+        assert_eq!(test::read_body(again).await, alice);
+        let bob = test::read_body(test::call_service(&app, post(Some("bob"))).await).await;
+        assert_ne!(bob, alice, "another principal's record");
+        assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 2);
+    });
+}
