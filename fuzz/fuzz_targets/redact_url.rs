@@ -13,7 +13,7 @@
 #![no_main]
 
 use arbitrary::Arbitrary;
-use idem_core::redact_url;
+use idem_redact::redact_url;
 use libfuzzer_sys::fuzz_target;
 
 /// The secret. Its letters occur in no credential-like parameter name and in none of the

@@ -126,7 +126,7 @@ impl AmqpSourceBuilder {
             .unwrap_or_else(|| format!("idem consumer: {}", self.queue));
         Ok(AmqpSource::new(Arc::new(Settings {
             uri,
-            broker: idem_core::redact_url(url),
+            broker: idem_redact::redact_url(url),
             queue,
             prefetch: self.prefetch.unwrap_or(DEFAULT_PREFETCH),
             prefetch_chosen: self.prefetch.is_some(),
@@ -136,5 +136,21 @@ impl AmqpSourceBuilder {
             confirm_timeout: self.confirm_timeout,
             connection_name,
         })))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::AmqpSource;
+
+    /// Sources and their settings get logged; the URL's password must not be.
+    #[test]
+    fn debug_hides_the_password() {
+        let source = AmqpSource::builder("orders")
+            .connect_lazy("amqp://app:hunter2@127.0.0.1:5672/%2f?heartbeat=10")
+            .expect("valid settings");
+        let shown = format!("{source:?}");
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(shown.contains("app:***@127.0.0.1"), "{shown}");
     }
 }

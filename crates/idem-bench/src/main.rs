@@ -28,13 +28,13 @@ use idem_core::Timestamp;
 
 use measure::{Sample, Window};
 
-/// The PostgreSQL URL may hold a password: shown through [`idem_core::redact_url`].
+/// The PostgreSQL URL may hold a password: shown through [`idem_redact::redact_url`].
 impl std::fmt::Debug for BenchArgs {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("BenchArgs")
             .field(
                 "postgres",
-                &self.postgres.as_deref().map(idem_core::redact_url),
+                &self.postgres.as_deref().map(idem_redact::redact_url),
             )
             .field("sqlite", &self.sqlite)
             .field("only", &self.only)
@@ -487,7 +487,7 @@ async fn run(args: BenchArgs) -> anyhow::Result<()> {
             Err(e) => {
                 let line = format!(
                     "PostgreSQL scenarios skipped: PostgreSQL at {} is unreachable ({e:#})",
-                    idem_core::redact_url(&url)
+                    idem_redact::redact_url(&url)
                 );
                 if prune.is_some() {
                     // Nothing else would tell the caller that the scenario they asked for
@@ -777,7 +777,15 @@ fn ratio(x: f64, base: Option<f64>) -> String {
 
 /// `12345.6` as `12,346`: rates are read, not computed with.
 fn thousands(x: f64) -> String {
-    idem_core::group_digits(x.round().max(0.0) as u64)
+    let digits = (x.round().max(0.0) as u64).to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
 }
 
 #[cfg(test)]

@@ -149,7 +149,7 @@ mod tests {
         let ms = 1_733_000_000_123;
         let a = Ids::new(7, 1).delivery_v7(3, 5, ms)?;
         assert_eq!(a.id.len(), 36);
-        let t = idem_core::partition::uuid_v7(&a.id).map(|t| t.as_micros());
+        let t = idem_sql::partition::uuid_v7(&a.id).map(|t| t.as_micros());
         assert_eq!(t, Some(ms as i64 * 1000));
         assert_ne!(a.id, Ids::new(7, 1).delivery_v7(4, 5, ms)?.id);
         assert_ne!(a.id, Ids::new(7, 1).delivery_v7(3, 6, ms)?.id);

@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
+use idem_any::{AnyProducer, Broker as Kind, BrokerUrl, SourceSpec, dead_letters};
 use idem_kafka::rdkafka;
 use idem_nats::async_nats;
 use rdkafka::consumer::{BaseConsumer, Consumer};
@@ -13,22 +14,12 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 /// Publishes in flight at once.
 const PUBLISH_CONCURRENCY: usize = 32;
 
-/// One of the brokers the harness can drive (MQTT has no consumer groups with a backlog a
-/// checker can read, and Mosquitto caps what it keeps for a disconnected session).
-#[derive(Clone)]
-pub(crate) enum Broker {
-    Nats(String),
-    Amqp(String),
-    /// `host:port[,…]`
-    Kafka(String),
-    Redis(String),
-}
-
-impl std::fmt::Debug for Broker {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.redacted())
-    }
-}
+/// One of the brokers the harness can drive, as idem-any parses it (MQTT has no consumer
+/// groups with a backlog a checker can read, and Mosquitto caps what it keeps for a
+/// disconnected session). What the checker asks the broker (backlog, dead letters, partitions)
+/// goes through the brokers' own clients, not through idem.
+#[derive(Debug, Clone)]
+pub(crate) struct Broker(BrokerUrl);
 
 /// What the consumers' group is called on the broker, and what they consume.
 #[derive(Debug, Clone)]
@@ -37,33 +28,44 @@ pub(crate) struct Names {
     pub(crate) consumer: String,
 }
 
+impl Names {
+    fn spec(&self) -> SourceSpec {
+        SourceSpec::new(
+            self.source.as_str(),
+            self.consumer.as_str(),
+            self.consumer.as_str(),
+        )
+    }
+}
+
 impl Broker {
     pub(crate) fn parse(url: &str) -> Result<Self> {
-        let (scheme, rest) = url.split_once("://").unwrap_or((url, ""));
-        Ok(match scheme.to_ascii_lowercase().as_str() {
-            "nats" => Broker::Nats(url.to_owned()),
-            "amqp" | "amqps" => Broker::Amqp(url.to_owned()),
-            "kafka" if !rest.trim_end_matches('/').is_empty() => {
-                Broker::Kafka(rest.trim_end_matches('/').to_owned())
-            }
-            "redis" | "rediss" => Broker::Redis(url.to_owned()),
-            _ => bail!(
-                "unsupported --broker {:?}: expected nats://, amqp://, kafka://host:port or redis://",
-                idem_core::redact_url(url)
-            ),
-        })
+        let url = BrokerUrl::parse(url)?;
+        if url.broker() == Kind::Mqtt {
+            bail!(
+                "unsupported --broker {:?}: idem-chaos drives nats://, amqp://, kafka://host:port or redis://",
+                url.redacted()
+            );
+        }
+        Ok(Self(url))
+    }
+
+    pub(crate) fn kind(&self) -> Kind {
+        self.0.broker()
+    }
+
+    /// What the broker's own clients connect to (Kafka: the `host:port` list).
+    pub(crate) fn address(&self) -> &str {
+        self.0.address()
     }
 
     /// The URL as the payments service takes it.
     pub(crate) fn url(&self) -> String {
-        match self {
-            Broker::Kafka(hosts) => format!("kafka://{hosts}"),
-            Broker::Nats(u) | Broker::Amqp(u) | Broker::Redis(u) => u.clone(),
-        }
+        self.0.as_str().to_owned()
     }
 
     pub(crate) fn redacted(&self) -> String {
-        idem_core::redact_url(&self.url())
+        self.0.redacted()
     }
 
     /// Creates the stream, queue or topic before any consumer does, with the shape the run
@@ -77,14 +79,15 @@ impl Broker {
         replicas: usize,
     ) -> Result<()> {
         let source = names.source.as_str();
-        match self {
-            Broker::Nats(url) => {
+        let url = self.address();
+        match self.kind() {
+            Kind::Nats => {
                 let js = nats(url).await?;
                 for (name, subject) in [
                     (source.to_owned(), source.to_owned()),
                     (
-                        format!("{source}-dead-letter"),
-                        format!("{source}.dead-letter"),
+                        idem_any::nats_dead_letter_stream(source),
+                        dead_letters(Kind::Nats, source),
                     ),
                 ] {
                     let config = async_nats::jetstream::stream::Config {
@@ -102,17 +105,17 @@ impl Broker {
                         .with_context(|| format!("creating JetStream stream {name}"))?;
                 }
             }
-            Broker::Amqp(url) => {
+            Kind::Amqp => {
                 let producer = idem_amqp::AmqpProducer::connect(url).await?;
                 idem_amqp::ensure_queue(producer.channel(), source).await?;
                 producer.close().await?;
             }
-            Broker::Kafka(hosts) => {
+            Kind::Kafka => {
                 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
                 use rdkafka::client::DefaultClientContext;
                 let admin: AdminClient<DefaultClientContext> =
-                    kafka_config(hosts).create().context("Kafka admin client")?;
-                let dead = format!("{source}.dead-letter");
+                    kafka_config(url).create().context("Kafka admin client")?;
+                let dead = dead_letters(Kind::Kafka, source);
                 let topics = [
                     NewTopic::new(source, partitions, TopicReplication::Fixed(1)),
                     NewTopic::new(&dead, 1, TopicReplication::Fixed(1)),
@@ -128,28 +131,17 @@ impl Broker {
                     }
                 }
             }
-            Broker::Redis(_) => {} // The service creates the group from the stream's start.
+            Kind::RedisStreams => {} // The service creates the group from the stream's start.
+            other => bail!("idem-chaos does not drive {}", other.name()),
         }
         Ok(())
     }
 
     /// A connection publishing to the run's source.
     pub(crate) async fn publisher(&self, names: &Names) -> Result<Publisher> {
-        let source = names.source.clone();
-        Ok(match self {
-            Broker::Nats(url) => {
-                Publisher::Nats(idem_nats::NatsProducer::new(nats(url).await?), source)
-            }
-            Broker::Amqp(url) => {
-                Publisher::Amqp(idem_amqp::AmqpProducer::connect(url).await?, source)
-            }
-            Broker::Kafka(hosts) => {
-                Publisher::Kafka(idem_kafka::KafkaProducer::connect(hosts).await?, source)
-            }
-            Broker::Redis(url) => Publisher::Redis(
-                idem_redis_streams::RedisStreamProducer::connect(url).await?,
-                source,
-            ),
+        Ok(Publisher {
+            producer: AnyProducer::connect(&self.0, "idem-chaos-publisher").await?,
+            destination: names.source.clone(),
         })
     }
 
@@ -158,8 +150,9 @@ impl Broker {
     /// lag + pending). `None` while the group does not exist yet.
     pub(crate) async fn backlog(&self, names: &Names) -> Result<Option<u64>> {
         let source = names.source.as_str();
-        match self {
-            Broker::Nats(url) => {
+        let url = self.address();
+        match self.kind() {
+            Kind::Nats => {
                 let js = nats(url).await?;
                 let stream = js.get_stream(source).await.context("JetStream stream")?;
                 let Ok(mut consumer) = stream
@@ -171,7 +164,7 @@ impl Broker {
                 let info = consumer.info().await.context("JetStream consumer info")?;
                 Ok(Some(info.num_pending + info.num_ack_pending as u64))
             }
-            Broker::Amqp(url) => {
+            Kind::Amqp => {
                 // Unacknowledged messages are not counted by a passive declare; they return to
                 // ready when their consumer's connection closes, so read this with the
                 // consumers stopped.
@@ -185,8 +178,8 @@ impl Broker {
                 producer.close().await?;
                 Ok(Some(u64::from(n)))
             }
-            Broker::Kafka(hosts) => kafka_lag(hosts, &names.consumer, source).await,
-            Broker::Redis(url) => {
+            Kind::Kafka => kafka_lag(url, &names.consumer, source).await,
+            Kind::RedisStreams => {
                 let mut conn = redis_conn(url).await?;
                 let groups: redis::Value = redis::cmd("XINFO")
                     .arg("GROUPS")
@@ -196,22 +189,24 @@ impl Broker {
                     .context("XINFO GROUPS")?;
                 Ok(redis_group_backlog(&groups, &names.consumer))
             }
+            other => bail!("idem-chaos does not drive {}", other.name()),
         }
     }
 
     /// Messages in the dead-letter destination.
     pub(crate) async fn dead_letters(&self, names: &Names) -> Result<u64> {
         let source = names.source.as_str();
-        match self {
-            Broker::Nats(url) => {
+        let url = self.address();
+        match self.kind() {
+            Kind::Nats => {
                 let js = nats(url).await?;
                 let mut stream = js
-                    .get_stream(format!("{source}-dead-letter"))
+                    .get_stream(idem_any::nats_dead_letter_stream(source))
                     .await
                     .context("dead-letter stream")?;
                 Ok(stream.info().await.context("stream info")?.state.messages)
             }
-            Broker::Amqp(url) => {
+            Kind::Amqp => {
                 let producer = idem_amqp::AmqpProducer::connect(url).await?;
                 let topology = idem_amqp::Topology::new(source);
                 let q = producer
@@ -227,9 +222,9 @@ impl Broker {
                 producer.close().await?;
                 Ok(u64::from(n))
             }
-            Broker::Kafka(hosts) => {
-                let consumer: BaseConsumer = kafka_config(hosts).create()?;
-                let topic = format!("{source}.dead-letter");
+            Kind::Kafka => {
+                let consumer: BaseConsumer = kafka_config(url).create()?;
+                let topic = dead_letters(Kind::Kafka, source);
                 let (low, high) = tokio::task::spawn_blocking(move || {
                     consumer.fetch_watermarks(&topic, 0, Duration::from_secs(10))
                 })
@@ -237,113 +232,49 @@ impl Broker {
                 .context("dead-letter topic watermarks")?;
                 Ok((high - low).max(0) as u64)
             }
-            Broker::Redis(url) => {
+            Kind::RedisStreams => {
                 let mut conn = redis_conn(url).await?;
                 let n: u64 = redis::cmd("XLEN")
-                    .arg(format!("{source}:dead-letter"))
+                    .arg(dead_letters(Kind::RedisStreams, source))
                     .query_async(&mut conn)
                     .await
                     .context("XLEN")?;
                 Ok(n)
             }
+            other => bail!("idem-chaos does not drive {}", other.name()),
         }
     }
 
     /// Deletes what the run created on the broker.
     pub(crate) async fn teardown(&self, names: &Names) -> Result<()> {
-        let source = names.source.as_str();
-        match self {
-            Broker::Nats(url) => {
-                let js = nats(url).await?;
-                for s in [source.to_owned(), format!("{source}-dead-letter")] {
-                    let _ = js.delete_stream(&s).await;
-                }
-            }
-            Broker::Amqp(url) => {
-                let producer = idem_amqp::AmqpProducer::connect(url).await?;
-                idem_amqp::Topology::new(source)
-                    .delete(producer.channel())
-                    .await?;
-                producer.close().await?;
-            }
-            Broker::Kafka(_) => {
-                // tansu's sqlite engine deletes every topic on a DeleteTopics call; the topics
-                // carry the run's unique name and stay.
-            }
-            Broker::Redis(url) => {
-                let mut conn = redis_conn(url).await?;
-                let _: i64 = redis::cmd("DEL")
-                    .arg(source)
-                    .arg(format!("{source}:dead-letter"))
-                    .query_async(&mut conn)
-                    .await?;
-            }
+        if self.kind() == Kind::Kafka {
+            // tansu's sqlite engine deletes every topic on a DeleteTopics call; the topics
+            // carry the run's unique name and stay.
+            return Ok(());
         }
-        Ok(())
+        Ok(self.0.teardown(&names.spec()).await?)
     }
 }
 
 /// A connection that publishes the run's messages.
-pub(crate) enum Publisher {
-    Nats(idem_nats::NatsProducer, String),
-    Amqp(idem_amqp::AmqpProducer, String),
-    Kafka(idem_kafka::KafkaProducer, String),
-    Redis(idem_redis_streams::RedisStreamProducer, String),
+pub(crate) struct Publisher {
+    producer: AnyProducer,
+    destination: String,
 }
 
 impl Publisher {
     /// Publishes every message, `PUBLISH_CONCURRENCY` at a time, each confirmed. Returns how
     /// many the broker dropped as repeats of an ID it had just stored.
     pub(crate) async fn publish_all(&self, msgs: &[(String, Vec<u8>)]) -> Result<u64> {
-        // Groups joined in turn rather than a buffered stream: a stream combinator's closure
-        // here makes the future not provably `Send` for `tokio::spawn`.
-        let mut dropped = 0;
-        for group in msgs.chunks(PUBLISH_CONCURRENCY) {
-            let mut pending = Vec::with_capacity(group.len());
-            for (id, payload) in group {
-                pending.push(self.publish(id, payload));
-            }
-            for r in futures_util::future::join_all(pending).await {
-                dropped += u64::from(r?);
-            }
-        }
-        Ok(dropped)
-    }
-
-    async fn publish(&self, id: &str, payload: &[u8]) -> Result<bool> {
-        match self {
-            Publisher::Nats(p, subject) => {
-                let ack = p.publish(subject.clone(), id, payload.to_vec()).await?;
-                Ok(ack.duplicate)
-            }
-            Publisher::Amqp(p, queue) => {
-                p.publish("", queue, id, payload).await?;
-                Ok(false)
-            }
-            Publisher::Kafka(p, topic) => {
-                // Keyed by ID: a repeat lands on the same partition, as a producer retry does.
-                p.publish(topic, Some(id.as_bytes()), id, payload).await?;
-                Ok(false)
-            }
-            Publisher::Redis(p, stream) => {
-                p.publish(stream, id, payload).await?;
-                Ok(false)
-            }
-        }
+        Ok(self
+            .producer
+            .publish_all(&self.destination, msgs, PUBLISH_CONCURRENCY)
+            .await?)
     }
 }
 
 pub(crate) async fn nats(url: &str) -> Result<async_nats::jetstream::Context> {
-    // The cluster's URL lists every node; async-nats takes them as a list.
-    let servers = url
-        .split(',')
-        .map(|u| u.trim().parse::<async_nats::ServerAddr>())
-        .collect::<Result<Vec<_>, _>>()
-        .with_context(|| format!("NATS URL {}", idem_core::redact_url(url)))?;
-    let client = async_nats::connect(servers)
-        .await
-        .with_context(|| format!("connecting to NATS at {}", idem_core::redact_url(url)))?;
-    Ok(async_nats::jetstream::new(client))
+    Ok(idem_any::connect_nats(url).await?)
 }
 
 async fn redis_conn(url: &str) -> Result<redis::aio::MultiplexedConnection> {
@@ -443,9 +374,10 @@ fn redis_group_backlog(reply: &redis::Value, group: &str) -> Option<u64> {
 impl Broker {
     /// Kafka only: how many partitions the run's topic has.
     pub(crate) async fn partitions(&self, names: &Names) -> Result<Option<usize>> {
-        let Broker::Kafka(hosts) = self else {
+        if self.kind() != Kind::Kafka {
             return Ok(None);
-        };
+        }
+        let hosts = self.address();
         let consumer: BaseConsumer = kafka_config(hosts).create()?;
         let topic = names.source.clone();
         tokio::task::spawn_blocking(move || -> Result<Option<usize>> {
@@ -459,9 +391,10 @@ impl Broker {
 
     /// Kafka only: makes the group rebalance, by a member that joins and leaves at once.
     pub(crate) async fn nudge_group(&self, names: &Names) -> Result<()> {
-        let Broker::Kafka(hosts) = self else {
+        if self.kind() != Kind::Kafka {
             return Ok(());
-        };
+        }
+        let hosts = self.address();
         let consumer: BaseConsumer = kafka_config(hosts)
             .set("group.id", &names.consumer)
             .set("enable.auto.commit", "false")

@@ -21,12 +21,12 @@ impl RunDatabase {
     pub(crate) async fn create(url: &str, name: &str) -> Result<Self> {
         let options: PgConnectOptions = url
             .parse()
-            .with_context(|| format!("--database {}", idem_core::redact_url(url)))?;
+            .with_context(|| format!("--database {}", idem_redact::redact_url(url)))?;
         let admin = PgPoolOptions::new()
             .max_connections(2)
             .connect_with(options.clone().database("postgres"))
             .await
-            .with_context(|| format!("connecting to {}", idem_core::redact_url(url)))?;
+            .with_context(|| format!("connecting to {}", idem_redact::redact_url(url)))?;
         admin
             .execute(format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)").as_str())
             .await?;

@@ -31,12 +31,12 @@ use std::time::Duration;
 
 use clap::Parser;
 
-/// The broker and database URLs may hold passwords: shown through [`idem_core::redact_url`].
+/// The broker and database URLs may hold passwords: shown through [`idem_redact::redact_url`].
 impl std::fmt::Debug for Args {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Args")
-            .field("broker", &idem_core::redact_url(&self.broker))
-            .field("database", &idem_core::redact_url(&self.database))
+            .field("broker", &idem_redact::redact_url(&self.broker))
+            .field("database", &idem_redact::redact_url(&self.database))
             .field("messages", &self.messages)
             .field("duplicates", &self.duplicates)
             .field("kills", &self.kills)

@@ -39,19 +39,19 @@ pub(crate) async fn run(args: Args) -> Result<Report> {
     let payments = locate_payments(&args)?;
 
     let mut broker = Broker::parse(&args.broker)?;
-    if let Broker::Kafka(hosts) = &broker {
-        check_kafka_broker(hosts).await?;
+    if broker.kind() == idem_any::Broker::Kafka {
+        check_kafka_broker(broker.address()).await?;
     }
     let mut cluster = None;
     if args.restart_broker > 0 {
-        let Broker::Nats(_) = broker else {
+        if broker.kind() != idem_any::Broker::Nats {
             bail!(
                 "--restart-broker is for NATS (a 3-node JetStream cluster of the harness's own); \
                  use --restart-database, --failover or --cut-connections with other brokers"
             );
-        };
+        }
         let c = NatsCluster::start(&args.nats_server, &work.join("nats")).await?;
-        broker = Broker::Nats(c.url());
+        broker = Broker::parse(&c.url())?;
         cluster = Some(c);
     }
     let names = Names {

@@ -23,21 +23,21 @@ pub(crate) struct StoreArgs {
     table: String,
 }
 
-/// The store URL may hold a password: shown through [`idem_core::redact_url`].
+/// The store URL may hold a password: shown through [`idem_redact::redact_url`].
 impl std::fmt::Debug for StoreArgs {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StoreArgs")
-            .field("store", &idem_core::redact_url(&self.store))
+            .field("store", &idem_redact::redact_url(&self.store))
             .field("table", &self.table)
             .finish()
     }
 }
 
-/// The store URL may hold a password: shown through [`idem_core::redact_url`].
+/// The store URL may hold a password: shown through [`idem_redact::redact_url`].
 impl std::fmt::Debug for ReapRequestsArgs {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ReapRequestsArgs")
-            .field("store", &idem_core::redact_url(&self.store))
+            .field("store", &idem_redact::redact_url(&self.store))
             .field("table", &self.table)
             .field("batch", &self.batch)
             .finish()
@@ -242,7 +242,7 @@ pub(crate) async fn stats(args: StatsArgs) -> anyhow::Result<()> {
 
 /// What a round of partition maintenance did: days created ahead, days dropped past the
 /// table's retention (claims by the planner's estimate: counting would read them all).
-fn print_maintenance(report: &idem_core::partition::PartitionReport, kept: Duration) {
+fn print_maintenance(report: &idem_sql::partition::PartitionReport, kept: Duration) {
     let plural = |n: usize| if n == 1 { "" } else { "s" };
     if !report.created.is_empty() {
         let days: Vec<String> = report.created.iter().map(ToString::to_string).collect();
@@ -263,7 +263,7 @@ fn print_maintenance(report: &idem_core::partition::PartitionReport, kept: Durat
             plural(days.len()),
             format_duration(kept),
             days.join(", "),
-            idem_core::group_digits(estimate)
+            crate::format::group_digits(estimate)
         );
     }
     if report.moved > 0 {
@@ -299,8 +299,8 @@ fn print_consumers(rows: &[idem_core::ConsumerStats]) {
 
 /// A table partitioned by the ID's time: each partition with what it holds. Claims are the
 /// planner's estimate (counting would read every partition).
-fn print_partitions(parts: &[idem_core::partition::PartitionInfo]) {
-    use idem_core::partition::PartitionKind;
+fn print_partitions(parts: &[idem_sql::partition::PartitionInfo]) {
+    use idem_sql::partition::PartitionKind;
     let width = parts.iter().map(|p| p.name.len()).max().unwrap_or(9).max(9);
     println!();
     println!(
@@ -318,7 +318,7 @@ fn print_partitions(parts: &[idem_core::partition::PartitionInfo]) {
             "{:<width$}  {:<28}  {:>12}  {:>10}",
             p.name,
             holds,
-            idem_core::group_digits(p.claims_estimate),
+            crate::format::group_digits(p.claims_estimate),
             format!("{:.1} MiB", p.bytes as f64 / 1_048_576.0)
         );
     }

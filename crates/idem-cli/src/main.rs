@@ -6,6 +6,7 @@
 
 mod admin;
 mod demo;
+mod format;
 
 use std::process::ExitCode;
 

@@ -404,9 +404,9 @@ fn uuid_at(t: idem_core::Timestamp, n: u16) -> idem_core::MessageId {
 /// day only.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_prune_of_a_partitioned_table_drops_old_days_only() {
-    use idem_core::partition::{Day, Partitioning};
     use idem_core::{BatchClaimStore, ConsumerName, Fingerprint, Migrate, Stamp};
     use idem_core::{Timestamp, TransactionalStore};
+    use idem_sql::partition::{Day, Partitioning};
     let test = "postgres_prune_of_a_partitioned_table_drops_old_days_only";
     let Some(schema) = idem_testkit::isolated::PgSchema::create("cli_part", test).await else {
         return;

@@ -1,4 +1,4 @@
-//! Connection URLs in `idem`'s errors go through `idem_core::redact_url`: a password is never
+//! Connection URLs in `idem`'s errors go through `idem_redact::redact_url`: a password is never
 //! printed, wherever the URL carries it.
 
 use std::process::Command;

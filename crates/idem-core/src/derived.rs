@@ -60,7 +60,7 @@ impl DerivedKey {
         b.copy_from_slice(&self.0[..16]);
         b[6] = (b[6] & 0x0f) | 0x80; // version 8
         b[8] = (b[8] & 0x3f) | 0x80; // RFC 9562 variant
-        let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
+        let hex = crate::hex::encode(&b);
         format!(
             "{}-{}-{}-{}-{}",
             &hex[0..8],

@@ -45,9 +45,7 @@ impl Fingerprint {
 
 impl fmt::Display for Fingerprint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        for b in &self.0[..8] {
-            write!(f, "{b:02x}")?;
-        }
+        f.write_str(&crate::hex::encode(&self.0[..8]))?;
         f.write_str("…")
     }
 }

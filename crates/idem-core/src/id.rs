@@ -70,10 +70,7 @@ impl fmt::Display for MessageId {
             Ok(s) if !s.chars().any(char::is_control) => f.write_str(s),
             _ => {
                 f.write_str("0x")?;
-                for b in self.0.iter() {
-                    write!(f, "{b:02x}")?;
-                }
-                Ok(())
+                f.write_str(&crate::hex::encode(&self.0))
             }
         }
     }

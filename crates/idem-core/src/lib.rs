@@ -33,17 +33,14 @@ mod clock;
 mod derived;
 mod error;
 mod fingerprint;
-mod format;
 mod handler;
+pub mod hex;
 mod id;
 mod message;
 mod outcome;
-pub mod partition;
 mod processor;
-mod redact;
 mod request;
 mod retention;
-pub mod sqlstate;
 pub mod store;
 mod table;
 
@@ -51,13 +48,11 @@ pub use clock::{Clock, ManualClock, Stamp, StoreClock, SystemClock, Timestamp};
 pub use derived::DerivedKey;
 pub use error::{BoxError, Disposition, Error, ErrorKind};
 pub use fingerprint::{Fingerprint, FingerprintHasher};
-pub use format::group_digits;
 pub use handler::{Handler, SetHandler};
 pub use id::{ConsumerName, DEFAULT_MAX_ID_LEN, MAX_CONSUMER_NAME_LEN, MessageId};
 pub use message::{Identified, Message};
 pub use outcome::{Claim, Outcome};
 pub use processor::{Processor, ProcessorBuilder, SetBatch};
-pub use redact::redact_url;
 pub use request::record as request_record;
 pub use request::{
     Begin, Fence, IdempotencyKey, MAX_IDEMPOTENCY_KEY_LEN, RequestAction, RequestErrorKind,

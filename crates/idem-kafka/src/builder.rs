@@ -33,27 +33,17 @@ pub struct KafkaSourceBuilder {
     send_timeout: Duration,
 }
 
-/// Words that make a librdkafka setting secret (`sasl.password`, `ssl.key.password`,
-/// `ssl.key.pem`, `sasl.oauthbearer.client.secret`, …): its value is not shown.
-const SECRET_SETTINGS: &[&str] = &["password", "secret", "token", "sasl.oauthbearer", "ssl.key"];
-
-/// `value`, or `***` when `key` names a secret.
-fn shown_setting<'a>(key: &str, value: &'a str) -> &'a str {
-    let key = key.to_ascii_lowercase();
-    if SECRET_SETTINGS.iter().any(|word| key.contains(word)) {
-        "***"
-    } else {
-        value
-    }
-}
-
-/// librdkafka settings as `key=value`, secrets masked.
+/// librdkafka settings as `key=value`, secrets masked by the redaction every idem crate shares.
 struct Settings<'a>(&'a [(String, String)]);
 
 impl std::fmt::Debug for Settings<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_map()
-            .entries(self.0.iter().map(|(k, v)| (k, shown_setting(k, v))))
+            .entries(
+                self.0
+                    .iter()
+                    .map(|(k, v)| (k, idem_redact::redact_setting(k, v))),
+            )
             .finish()
     }
 }

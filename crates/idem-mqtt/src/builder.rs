@@ -213,4 +213,13 @@ mod tests {
         );
         assert!(MqttSource::builder("orders", "").validate().is_err());
     }
+
+    /// Builders get logged; the password given to `credentials` must not be.
+    #[test]
+    fn debug_hides_the_password() {
+        let builder = MqttSource::builder("orders", "c").credentials("app", "hunter2");
+        let shown = format!("{builder:?}");
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(shown.contains("\"app\""), "{shown}");
+    }
 }

@@ -120,7 +120,7 @@ impl std::fmt::Debug for Endpoint {
 }
 
 /// Why an MQTT URL was refused. Its message quotes the URL through
-/// [`idem_core::redact_url`], so it never shows the password.
+/// [`idem_redact::redact_url`], so it never shows the password.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub(crate) enum UrlError {
     /// Not a URL at all (or a port out of range).
@@ -150,7 +150,7 @@ impl Endpoint {
     /// user name and password (`p%40ss` is the password `p@ss`).
     pub(crate) fn parse(input: &str) -> Result<Self, UrlError> {
         // Errors quote the URL, which may hold the password.
-        let url = || idem_core::redact_url(input);
+        let url = || idem_redact::redact_url(input);
         let parsed =
             url::Url::parse(input).map_err(|reason| UrlError::Malformed { url: url(), reason })?;
         if !matches!(parsed.scheme(), "mqtt" | "tcp") {

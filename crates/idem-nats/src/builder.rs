@@ -106,7 +106,10 @@ impl JetStreamSourceBuilder {
     /// See [`connect_with`](Self::connect_with).
     pub async fn connect(self, url: &str) -> Result<JetStreamSource, Error> {
         let client = async_nats::connect(url).await.map_err(|e| {
-            error::unavailable(&format!("connecting to {}", idem_core::redact_url(url)), e)
+            error::unavailable(
+                &format!("connecting to {}", idem_redact::redact_url(url)),
+                e,
+            )
         })?;
         self.connect_with(jetstream::new(client)).await
     }

@@ -48,7 +48,10 @@ impl NatsProducer {
     /// [`ErrorKind::Unavailable`] when the server cannot be reached.
     pub async fn connect(url: &str) -> Result<Self, Error> {
         let client = async_nats::connect(url).await.map_err(|e| {
-            error::unavailable(&format!("connecting to {}", idem_core::redact_url(url)), e)
+            error::unavailable(
+                &format!("connecting to {}", idem_redact::redact_url(url)),
+                e,
+            )
         })?;
         Ok(Self::new(jetstream::new(client)))
     }
@@ -143,5 +146,16 @@ mod tests {
             assert_eq!(err.kind(), ErrorKind::InvalidMessageId, "{bad:?}");
         }
         assert_eq!(id_header_value(b"order-42").unwrap().as_str(), "order-42");
+    }
+
+    /// A NATS token is the URL's user name: neither the error nor the producer shows it.
+    #[tokio::test]
+    async fn connect_errors_hide_the_token() {
+        let err = NatsProducer::connect("nats://hunter2-token@127.0.0.1:1")
+            .await
+            .expect_err("nothing listens on port 1");
+        for shown in [err.to_string(), format!("{err:?}")] {
+            assert!(!shown.contains("hunter2"), "{shown}");
+        }
     }
 }

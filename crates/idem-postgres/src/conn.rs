@@ -28,7 +28,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_postgres::{Client, Statement};
 
 use crate::errors::{SYSTEM, store_error};
-use crate::sql;
+use idem_dialect::postgres as sql;
 
 /// How long a lease waits for a plain client to come free.
 pub(crate) const CLIENT_WAIT: Duration = Duration::from_secs(30);

@@ -1,5 +1,5 @@
 //! tokio-postgres's (and deadpool's) errors as idem's [`ErrorKind`]s: by SQLSTATE through
-//! [`idem_core::sqlstate::kind`], the table `idem-sql` classifies with too, never by message
+//! [`idem_dialect::postgres::sqlstate::kind`], the table `idem-sql` classifies with too, never by message
 //! text; a connection that closed or failed at the socket is [`ErrorKind::Unavailable`], and at
 //! `COMMIT` [`ErrorKind::OutcomeUnknown`].
 
@@ -15,7 +15,7 @@ pub(crate) const SYSTEM: &str = "PostgreSQL";
 /// What a consumer should do about a tokio-postgres error.
 pub(crate) fn kind_of(err: &tokio_postgres::Error) -> ErrorKind {
     if let Some(code) = err.code() {
-        return idem_core::sqlstate::kind(code.code());
+        return idem_dialect::postgres::sqlstate::kind(code.code());
     }
     // No SQLSTATE: the server never answered. tokio-postgres says so through `is_closed` (the
     // connection ended, so every request on it fails) or an I/O error in the source chain
@@ -133,7 +133,7 @@ fn pool_kind(err: &deadpool_postgres::PoolError) -> ErrorKind {
 /// consumer probes to tell an outage from a message that ends its own session.
 fn handler_kind(err: &tokio_postgres::Error) -> ErrorKind {
     let lost = match err.code() {
-        Some(code) => idem_core::sqlstate::connection_lost(code.code()),
+        Some(code) => idem_dialect::postgres::sqlstate::connection_lost(code.code()),
         None => err.is_closed() || has_io_source(err),
     };
     if lost {

@@ -23,8 +23,9 @@
 //!   needs `&mut Client`, which a transaction does not hand out). A transaction dropped while
 //!   open never leaves its connection inside it.
 //! - **Same tables as `idem-sql`:** `idem_processed` and `idem_requests`, the same columns,
-//!   statements, migration (under the same advisory lock) and server-clock stamps, so the two
-//!   stores can share a database and take over from each other.
+//!   statements, migration (under the same advisory lock) and server-clock stamps — the text
+//!   is `idem_dialect::postgres`'s, which both stores execute — so the two stores can share a
+//!   database and take over from each other.
 //! - **Capabilities:** every one `idem-sql`'s PostgreSQL store has — transactions, the claim,
 //!   the batch claim (one `unnest` statement), savepoints, pruning, statistics, migration, and
 //!   idempotent-request records ([`RequestStore`](idem_core::store::RequestStore),
@@ -34,8 +35,9 @@
 //!   by the time inside each message ID, one partition per UTC day, so that retention drops
 //!   whole days instead of deleting rows — the same schema, statements and maintenance as
 //!   `idem-sql`'s `PostgresStore::partitioned`, so either store maintains a table the other
-//!   claims in (why deduplication survives it: `idem_core::partition`).
-//! - **Errors** are classified by SQLSTATE ([`idem_core::sqlstate`], the table `idem-sql` uses),
+//!   claims in (why deduplication survives it: [`partition`]).
+//! - **Errors** are classified by SQLSTATE (`idem_dialect::postgres::sqlstate`, the table
+//!   `idem-sql` uses),
 //!   never by message text: a closed connection is `Unavailable` under idem's statements and
 //!   `ConnectionLost` under a handler's (the consumer then probes the store with `SELECT 1`
 //!   to tell an outage from a message that ends its own session), a connection lost at
@@ -90,13 +92,16 @@ mod conn;
 mod errors;
 mod partitioned;
 mod requests;
-mod sql;
 mod store;
 
 mod tx;
 
 /// Table names are idem-core's, shared with idem-sql.
 pub use idem_core::{DEFAULT_REQUESTS_TABLE, DEFAULT_TABLE, TableName};
+/// Claims partitioned by the ID's time ([`PgStore::partitioned`]): `Partitioning`, the
+/// extractors, days and the maintenance reports, shared with `idem-sql` through
+/// `idem_dialect`.
+pub use idem_dialect::postgres::partition;
 pub use requests::MAX_REQUEST_KEY_LEN;
 pub use store::{MAX_MESSAGE_ID_LEN, PgStore};
 pub use tx::{PgSavepoint, PgTx};

@@ -29,7 +29,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::future::join;
-use idem_core::partition::Partitioning;
 use idem_core::{
     BatchClaimStore, ClaimRequest, ClaimStore, ConsumerName, ConsumerStats, Error, ErrorKind,
     Fingerprint, MessageId, Migrate, Prune, Savepoints, Stamp, Stats, Timestamp,
@@ -40,9 +39,11 @@ use tokio_postgres::{Client, GenericClient, Row};
 
 use crate::conn::{CLIENT_WAIT, Clients, Lease, Limits, Source, begin_error};
 use crate::errors::{commit_error, store_error};
-use crate::sql::{self, ClaimSql, RequestSql};
 use crate::tx::PgTx;
 use idem_core::TableName;
+use idem_dialect::postgres as sql;
+use idem_dialect::postgres::partition::{Partitioning, check_table_name};
+use idem_dialect::{ClaimStatements, RequestStatements, micros};
 
 /// Longest message ID the schema holds (the same limit as `idem-sql`'s PostgreSQL store): well
 /// inside the btree tuple limit.
@@ -64,9 +65,9 @@ pub struct PgStore {
     /// When a connection is given up (lifetime, idle time, `BEGIN` timeout, read-only).
     limits: Arc<Limits>,
     table: TableName,
-    pub(crate) sql: Arc<ClaimSql>,
+    pub(crate) sql: Arc<ClaimStatements>,
     requests: TableName,
-    pub(crate) rsql: Arc<RequestSql>,
+    pub(crate) rsql: Arc<RequestStatements>,
     /// Set by [`partitioned`](Self::partitioned): claims carry the ID's time as partition key.
     pub(crate) partitioning: Option<Partitioning>,
 }
@@ -89,8 +90,8 @@ impl PgStore {
         Self {
             source,
             limits: Arc::new(Limits::new(wait)),
-            sql: Arc::new(ClaimSql::new(&table, false)),
-            rsql: Arc::new(RequestSql::new(&requests)),
+            sql: Arc::new(sql::claim_statements(&table, false)),
+            rsql: Arc::new(sql::request_statements(&requests)),
             table,
             requests,
             partitioning: None,
@@ -122,7 +123,7 @@ impl PgStore {
         use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 
         const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-        let shown = idem_core::redact_url(url);
+        let shown = idem_redact::redact_url(url);
         let config: tokio_postgres::Config = url.parse().map_err(|e: tokio_postgres::Error| {
             Error::new(
                 ErrorKind::InvalidConfig,
@@ -194,9 +195,9 @@ impl PgStore {
         let table = table.folded();
         let partitioned = self.partitioning.is_some();
         if partitioned {
-            idem_core::partition::check_table_name(table.table())?;
+            check_table_name(table.table())?;
         }
-        self.sql = Arc::new(ClaimSql::new(&table, partitioned));
+        self.sql = Arc::new(sql::claim_statements(&table, partitioned));
         self.table = table;
         Ok(self)
     }
@@ -205,7 +206,7 @@ impl PgStore {
     /// lower case, as [`with_table`](Self::with_table)).
     pub fn with_requests_table(mut self, table: TableName) -> Result<Self, Error> {
         let table = table.folded();
-        self.rsql = Arc::new(RequestSql::new(&table));
+        self.rsql = Arc::new(sql::request_statements(&table));
         self.requests = table;
         Ok(self)
     }
@@ -489,11 +490,6 @@ pub(crate) fn stamp(stamp: Stamp) -> Option<i64> {
         Stamp::StoreClock => None,
         Stamp::At(t) => Some(t.as_micros()),
     }
-}
-
-/// A duration in microseconds, saturating, as prune statements bind it.
-pub(crate) fn micros(d: Duration) -> i64 {
-    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
 }
 
 /// The stored column as a fingerprint; a missing row means the claim vanished between the

@@ -14,7 +14,13 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::{Client, Statement};
 
 use crate::conn::{Lease, Limits, Writes};
-use crate::sql;
+use idem_dialect::postgres as sql;
+
+/// Fails the transaction, with the server's own error, when a savepoint of it was dropped
+/// without release or rollback ([`PgTx::commit`]).
+const ABANDONED_SAVEPOINT: &str = "DO $$ BEGIN RAISE EXCEPTION 'idem: a savepoint \
+     of this transaction was dropped without release() or rollback(), so nothing was \
+     committed'; END $$";
 
 /// An open transaction on the business database, holding the claim until commit.
 ///
@@ -107,7 +113,7 @@ impl PgTx {
         if self.abandoned || self.savepoints > 0 {
             // The server's own error, so that callers see one error type: the transaction
             // aborts, and dropping it (open) rolls everything back.
-            self.batch_execute(sql::ABANDONED_SAVEPOINT).await?;
+            self.batch_execute(ABANDONED_SAVEPOINT).await?;
         }
         let committed = self.batch_execute(sql::COMMIT).await;
         self.saw(&committed);

@@ -46,7 +46,7 @@ impl<const CLIENTS: bool, const PARTS: bool> StoreFixture for PgFixture<CLIENTS,
         let store = common::store(&config, conns).await;
         let store = if PARTS {
             store
-                .partitioned(idem_core::partition::Partitioning::uuid_v7())
+                .partitioned(idem_postgres::partition::Partitioning::uuid_v7())
                 .expect("partitioned")
         } else {
             store

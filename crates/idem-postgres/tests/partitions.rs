@@ -10,11 +10,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::Conns;
-use idem_core::partition::{Day, PartitionKind, Partitioning, uuid_v7};
 use idem_core::{
     ClaimRequest, ConsumerName, ErrorKind, Fingerprint, ManualClock, Message, MessageId, Migrate,
     Outcome, Processor, Retention, Stamp, Timestamp,
 };
+use idem_postgres::partition::{Day, PartitionKind, Partitioning, uuid_v7};
 use idem_postgres::tokio_postgres::Client;
 use idem_postgres::{PgStore, TableName};
 use idem_testkit::isolated::PgSchema;

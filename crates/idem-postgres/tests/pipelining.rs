@@ -16,11 +16,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use idem_core::partition::{Day, Partitioning};
 use idem_core::{
     BatchClaimStore, BoxError, ClaimRequest, ClaimStore, ConsumerName, Error, Fingerprint, Message,
     MessageId, Migrate, Outcome, Processor, Stamp, Timestamp, TransactionalStore,
 };
+use idem_postgres::partition::{Day, Partitioning};
 use idem_postgres::tokio_postgres::config::Host;
 use idem_postgres::tokio_postgres::{Config, NoTls};
 use idem_postgres::{PgStore, PgTx};

@@ -18,7 +18,7 @@ pub(crate) fn invalid_url(url: &str, e: redis::RedisError) -> Error {
     Error::from_system(
         ErrorKind::InvalidConfig,
         SYSTEM,
-        format_args!("parsing the URL {}", idem_core::redact_url(url)),
+        format_args!("parsing the URL {}", idem_redact::redact_url(url)),
         e,
     )
 }

@@ -177,3 +177,24 @@ impl RedisStreamProducer {
             .map_err(|e| error::unavailable("XADD", e))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::RedisStreamProducer;
+
+    /// Neither a URL redis-rs refuses nor a server out of reach shows the password.
+    #[tokio::test]
+    async fn connect_errors_hide_the_password() {
+        for url in [
+            "redis://:hunter2@127.0.0.1:1/0",
+            "redis://app:hunter2@127.0.0.1:1/not-a-db",
+        ] {
+            let err = RedisStreamProducer::connect(url)
+                .await
+                .expect_err("nothing listens on port 1");
+            for shown in [err.to_string(), format!("{err:?}")] {
+                assert!(!shown.contains("hunter2"), "{url}: {shown}");
+            }
+        }
+    }
+}

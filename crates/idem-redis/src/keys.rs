@@ -27,17 +27,12 @@ pub(crate) struct RecordKeys {
 
 impl RecordKeys {
     pub(crate) fn new(prefix: &str, key: &RequestKey) -> Self {
-        const HEX: &[u8; 16] = b"0123456789abcdef";
         let k = key.key.as_str();
-        // Hex by hand: this runs on every request, and `RequestScope::to_hex` formats byte
-        // by byte.
+        // Into the key's own buffer: this runs on every request.
         let mut base = String::with_capacity(prefix.len() + k.len() + 72);
         base.push_str(prefix);
         base.push_str(":{");
-        for b in key.scope.as_bytes() {
-            base.push(char::from(HEX[usize::from(b >> 4)]));
-            base.push(char::from(HEX[usize::from(b & 0x0f)]));
-        }
+        idem_core::hex::push(&mut base, key.scope.as_bytes());
         base.push(':');
         base.push_str(k);
         base.push_str("}:");

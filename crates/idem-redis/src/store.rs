@@ -8,8 +8,8 @@ use std::time::Duration;
 use idem_core::store::{ReapRequests, RequestStore};
 use idem_core::{
     Begin, Error, ErrorKind, Fence, Fingerprint, RequestErrorKind, RequestKey, TransactionalStore,
-    redact_url,
 };
+use idem_redact::redact_url;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::{FromRedisValue, RedisResult, Script, ServerErrorKind};
 

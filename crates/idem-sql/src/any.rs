@@ -1,7 +1,7 @@
 //! A store chosen at run time from a URL: the one place that maps URL schemes to engines, for
 //! operators' tools (`idem migrate/prune/stats/reap-requests`) and for services that take a
-//! `--database` URL (match on the variant to get the typed [`SqlStore`](crate::SqlStore) a
-//! `Processor` needs).
+//! `--database` URL ([`AnyStore::visit`] hands the typed [`SqlStore`](crate::SqlStore) a
+//! `Processor` needs to a [`StoreVisitor`], one method per engine, without a `match`).
 //!
 //! The enum forwards only the administrative capabilities; processing code names its engine.
 
@@ -22,6 +22,53 @@ pub enum AnyStore {
     /// MySQL / MariaDB.
     #[cfg(feature = "mysql")]
     MySql(crate::MySqlStore),
+}
+
+/// What to do with the typed store inside an [`AnyStore`], one method per compiled-in engine:
+/// [`AnyStore::visit`] calls the one for its engine. An application that needs the typed store
+/// (a `Processor` over it, its pool for the application's own tables) implements this instead
+/// of matching on the variants, and so needs no arm for engines it has not compiled in.
+///
+/// ```no_run
+/// use idem_sql::{AnyStore, MySqlStore, PostgresStore, SqliteStore, StoreVisitor};
+///
+/// /// The engine's pool size, whichever engine the URL chose.
+/// struct PoolSize;
+///
+/// impl StoreVisitor for PoolSize {
+///     type Output = u32;
+///     async fn sqlite(self, store: SqliteStore) -> u32 {
+///         store.pool().size()
+///     }
+///     async fn postgres(self, store: PostgresStore) -> u32 {
+///         store.pool().size()
+///     }
+///     async fn mysql(self, store: MySqlStore) -> u32 {
+///         store.pool().size()
+///     }
+/// }
+///
+/// # async fn demo() -> Result<(), idem_core::Error> {
+/// let store = AnyStore::connect("sqlite:payments.db", Default::default()).await?;
+/// let connections = store.visit(PoolSize).await;
+/// # Ok(())
+/// # }
+/// ```
+pub trait StoreVisitor {
+    /// What the visit returns.
+    type Output;
+
+    /// Called with a SQLite store.
+    #[cfg(feature = "sqlite")]
+    fn sqlite(self, store: crate::SqliteStore) -> impl Future<Output = Self::Output> + Send;
+
+    /// Called with a PostgreSQL store.
+    #[cfg(feature = "postgres")]
+    fn postgres(self, store: crate::PostgresStore) -> impl Future<Output = Self::Output> + Send;
+
+    /// Called with a MySQL / MariaDB store.
+    #[cfg(feature = "mysql")]
+    fn mysql(self, store: crate::MySqlStore) -> impl Future<Output = Self::Output> + Send;
 }
 
 /// The URL schemes [`AnyStore::connect`] understands.
@@ -62,7 +109,7 @@ impl AnyStore {
                 ErrorKind::InvalidConfig,
                 format!(
                     "unsupported store URL {:?}: expected one of {SCHEMES}",
-                    idem_core::redact_url(url)
+                    idem_redact::redact_url(url)
                 ),
             )),
         }
@@ -80,6 +127,18 @@ impl AnyStore {
             ));
         }
         Self::connect(url, table).await
+    }
+
+    /// Hands the typed store to `visitor`'s method for its engine.
+    pub async fn visit<V: StoreVisitor>(self, visitor: V) -> V::Output {
+        match self {
+            #[cfg(feature = "sqlite")]
+            Self::Sqlite(s) => visitor.sqlite(s).await,
+            #[cfg(feature = "postgres")]
+            Self::Postgres(s) => visitor.postgres(s).await,
+            #[cfg(feature = "mysql")]
+            Self::MySql(s) => visitor.mysql(s).await,
+        }
     }
 
     /// Keeps idempotent-request records in `table` instead of `idem_requests`.
@@ -171,7 +230,7 @@ impl AnyStore {
     /// engines.
     pub async fn maintain_partitions(
         &self,
-    ) -> Result<Option<idem_core::partition::PartitionReport>, Error> {
+    ) -> Result<Option<crate::partition::PartitionReport>, Error> {
         match self {
             #[cfg(feature = "postgres")]
             Self::Postgres(s) if s.partitioning().is_some() => {
@@ -184,7 +243,7 @@ impl AnyStore {
 
     /// The claims table's partitions (PostgreSQL tables partitioned by the ID's time); empty
     /// for a plain table and on the other engines.
-    pub async fn partitions(&self) -> Result<Vec<idem_core::partition::PartitionInfo>, Error> {
+    pub async fn partitions(&self) -> Result<Vec<crate::partition::PartitionInfo>, Error> {
         match self {
             #[cfg(feature = "postgres")]
             Self::Postgres(s) => s.partitions().await,

@@ -40,11 +40,6 @@ pub(crate) fn host_stamp(stamp: Stamp) -> Option<i64> {
     }
 }
 
-/// A duration in microseconds, saturating, as prune statements bind it.
-pub(crate) fn micros(d: std::time::Duration) -> i64 {
-    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
-}
-
 /// Reads one `(consumer, count, oldest, newest)` row of a stats query.
 pub(crate) fn stats_row<R>(r: &R) -> Result<ConsumerStats, sqlx::Error>
 where
@@ -79,7 +74,7 @@ pub(crate) async fn connect_pool<E: crate::engine::Engine>(
     use sqlx::Connection;
     type Opts<E> = <<E as sqlx::Database>::Connection as Connection>::Options;
 
-    let shown = idem_core::redact_url(url);
+    let shown = idem_redact::redact_url(url);
     let options: Opts<E> = url.parse().map_err(|e: sqlx::Error| {
         Error::new(
             ErrorKind::InvalidConfig,

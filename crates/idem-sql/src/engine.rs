@@ -1,14 +1,18 @@
-//! What differs between SQL engines, as one sealed trait: [`Engine`]. Everything else — the
-//! store, its transactions, every capability of `idem_core::store` — is written once, in
-//! [`SqlStore`], [`Tx`] and the request-record code, generic over the
-//! engine.
+//! What differs between SQL engines, as one sealed trait of data: [`Engine`]. Everything
+//! else — the store, its transactions, every capability of `idem_core::store` — is written
+//! once, in [`SqlStore`](crate::SqlStore), [`Tx`] and the request-record code, generic over the
+//! engine, and executes what the engine answers.
 //!
 //! An engine is a sqlx database type (`sqlx::Sqlite`, `sqlx::Postgres`, `sqlx::MySql`; its
-//! `sqlx::Database::NAME` starts every error message it causes) with:
-//! its SQL dialect (the claim, prune, stats and request statements and the schema `migrate`
-//! creates), whose clock stamps claims (the server's, or this host's for an embedded file), how
-//! a transaction begins and commits, how the driver's error codes map onto [`ErrorKind`]s, and
-//! the batch claim, whose best form differs per engine (`unnest` arrays, multi-row `VALUES`).
+//! `sqlx::Database::NAME` starts every error message it causes) with: its SQL (the claim,
+//! prune, stats and request statements and the migration, all from `idem_dialect`, the text
+//! `idem-postgres` runs too), how it lays out a claims table beyond its name
+//! ([`Engine::Layout`]: PostgreSQL's may be partitioned by the ID's time), whose clock stamps
+//! claims (the server's, or this host's for an embedded file), how a transaction begins and
+//! commits, and how the driver's error codes map onto [`ErrorKind`]s. It never sees the store.
+//! Where engines differ in what a store *does* rather than in what it sends — the batch
+//! claim's binding (`unnest` arrays or multi-row `VALUES`), a partitioned table's maintenance
+//! — the capability is implemented on the concrete store type, in the engine's module.
 //! `CONTRIBUTING.md` walks through adding one.
 //!
 //! The driver glue ([`Driver`]) is implemented once for every sqlx database, so generic code
@@ -16,17 +20,16 @@
 //! at every use (Rust does not carry a trait's `where` clauses to its users; a supertrait with a
 //! blanket impl does).
 
+use std::fmt::Debug;
 use std::future::Future;
+use std::time::Duration;
 
-use idem_core::{ConsumerName, ConsumerStats, Error, ErrorKind, Fingerprint, MessageId, Stamp};
+use idem_core::{ConsumerStats, Error, ErrorKind, MessageId, Stamp, TableName};
 use sqlx::error::DatabaseError;
 
 use crate::requests::RecordRow;
-pub use crate::requests::RequestStatements;
-pub use crate::store::ClaimStatements;
-use crate::store::SqlStore;
 use crate::tx::Tx;
-use idem_core::TableName;
+pub use idem_dialect::{ClaimStatements, RequestStatements};
 
 /// An SQL engine idem stores claims on: implemented for `sqlx::Sqlite`, `sqlx::Postgres` and
 /// `sqlx::MySql` (each behind the cargo feature of the same name). Sealed: a new engine is
@@ -61,16 +64,31 @@ pub trait Engine: Driver + sealed::Sealed {
     /// its busy timeout bounds already.
     const SERVER: bool;
 
-    /// The claim statements for `table`, parameters bound in the order
-    /// [`ClaimStatements`] documents; `partitioned`: for a table partitioned by the ID's time
-    /// (only engines that support it are ever asked, see `PostgresStore::partitioned`).
-    fn claim_statements(table: &TableName, partitioned: bool) -> ClaimStatements;
+    /// Whether the migration runs in one transaction (begun with [`BEGIN`](Self::BEGIN)):
+    /// not on MySQL, whose DDL commits implicitly.
+    const TRANSACTIONAL_DDL: bool;
+
+    /// What a store knows about its claims table's layout beyond its name: nothing (`()`)
+    /// but on PostgreSQL, where it is the table's partitioning by the ID's time, if any
+    /// (`PostgresStore::partitioned`).
+    type Layout: Clone + Debug + Default + Send + Sync + 'static;
+
+    /// The claim statements for `table` laid out as `layout` says, parameters bound in the
+    /// order [`ClaimStatements`] documents, then the [`partition_key`](Self::partition_key)
+    /// where there is one.
+    fn claim_statements(table: &TableName, layout: &Self::Layout) -> ClaimStatements;
 
     /// The request-record statements for `table` (see [`RequestStatements`]).
     fn request_statements(table: &TableName) -> RequestStatements;
 
-    /// Refuses a table name this engine cannot use (SQLite: a schema-qualified one).
-    fn check_table(_table: &TableName) -> Result<(), Error> {
+    /// The statements that create the claims table (laid out as `layout` says) and the
+    /// requests table, their indexes and comments, each idempotent, in order; run in one
+    /// transaction where [`TRANSACTIONAL_DDL`](Self::TRANSACTIONAL_DDL).
+    fn migration(claims: &TableName, requests: &TableName, layout: &Self::Layout) -> Vec<String>;
+
+    /// Refuses a table name this engine cannot use (SQLite: a schema-qualified one; a
+    /// partitioned PostgreSQL table: one too long for its partitions' names).
+    fn check_table(_table: &TableName, _layout: &Self::Layout) -> Result<(), Error> {
         Ok(())
     }
 
@@ -79,6 +97,18 @@ pub trait Engine: Driver + sealed::Sealed {
     /// [`TableName::folded`]).
     fn resolved_table(table: TableName) -> TableName {
         table
+    }
+
+    /// The partition key a claim on `id` carries, bound after the claim statements' listed
+    /// parameters: `None` on a table that is not partitioned.
+    fn partition_key(_layout: &Self::Layout, _id: &MessageId) -> Result<Option<i64>, Error> {
+        Ok(None)
+    }
+
+    /// How long a table laid out as `layout` keeps every claim by itself (a partitioned
+    /// table's retention: its days are dropped past it); `None`: until pruned.
+    fn kept_for(_layout: &Self::Layout) -> Option<Duration> {
+        None
     }
 
     /// The `processed_at` / `now` bound for `stamp`: `None` makes a statement read the
@@ -112,34 +142,6 @@ pub trait Engine: Driver + sealed::Sealed {
     /// nothing committed because the handler swallowed a failed statement.
     fn aborted(_error: &dyn DatabaseError) -> bool {
         false
-    }
-
-    /// Claims many messages in one statement inside `tx` (see
-    /// [`BatchClaimStore`](idem_core::BatchClaimStore)): `None` for each inserted, the stored
-    /// fingerprint for each already there.
-    fn claim_many(
-        store: &SqlStore<Self>,
-        tx: &mut Tx<Self>,
-        consumer: &ConsumerName,
-        items: &[(&MessageId, Fingerprint)],
-        at: Stamp,
-    ) -> impl Future<Output = Result<Vec<Option<Fingerprint>>, Error>> + Send;
-
-    /// Creates the claims and requests tables and their indexes, idempotently and safely when
-    /// several replicas start at once.
-    fn migrate(store: &SqlStore<Self>) -> impl Future<Output = Result<(), Error>> + Send;
-
-    /// Deletes up to `limit` claims older than `older_than` (of `consumer`, or all). The
-    /// default deletes row by row with the engine's prune statements; a partitioned table
-    /// (PostgreSQL) first drops whole partitions past the table's retention.
-    fn prune_batch<'e>(
-        store: &'e SqlStore<Self>,
-        consumer: Option<&'e ConsumerName>,
-        now: Stamp,
-        older_than: std::time::Duration,
-        limit: u32,
-    ) -> impl Future<Output = Result<u64, Error>> + Send + 'e {
-        async move { store.prune_rows(consumer, now, older_than, limit).await }
     }
 
     /// Runs a request statement (a take-over, a lease renewal) without waiting for a lock

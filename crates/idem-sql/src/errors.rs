@@ -1,6 +1,6 @@
 //! Maps sqlx errors onto idem's [`ErrorKind`]s by driver code, never by message text: the
-//! kinds every driver shares here, each engine's database codes in its own function (called
-//! through [`Engine::database_kind`]).
+//! kinds every driver shares here, each engine's database codes through
+//! [`Engine::database_kind`] (whose tables are `idem_dialect`'s, shared with `idem-postgres`).
 
 use idem_core::{Error, ErrorKind};
 
@@ -17,76 +17,6 @@ pub(crate) fn kind_of<E: Engine>(err: &sqlx::Error) -> ErrorKind {
         | sqlx::Error::Protocol(_) => ErrorKind::Unavailable,
         sqlx::Error::Configuration(_) => ErrorKind::InvalidConfig,
         sqlx::Error::Database(db) => E::database_kind(db.as_ref()),
-        _ => ErrorKind::Store,
-    }
-}
-
-/// MySQL / MariaDB server error numbers.
-#[cfg(feature = "mysql")]
-pub(crate) fn mysql_kind(number: u16) -> ErrorKind {
-    match number {
-        // 1213 deadlock, 1205 lock wait timeout, 1020 record changed (snapshot conflict),
-        // 3024 / 1969 statement time limit (MySQL / MariaDB).
-        1213 | 1205 | 1020 | 3024 | 1969 => ErrorKind::Transient,
-        // 1290 running with --read-only, 1792 read-only transaction, 1836 read-only mode;
-        // 1021 disk full, 1114 table full; 1040 too many connections, 1203 / 1226 per-user
-        // connection limits; 1037 / 1038 / 1041 out of memory; 1053 server shutdown;
-        // 1927 connection killed, 2006 server gone away, 2013 lost connection mid-query,
-        // 1158–1161 network read/write errors.
-        1290
-        | 1792
-        | 1836
-        | 1021
-        | 1114
-        | 1040
-        | 1203
-        | 1226
-        | 1037
-        | 1038
-        | 1041
-        | 1053
-        | 1927
-        | 2006
-        | 2013
-        | 1158..=1161 => ErrorKind::Unavailable,
-        // 1044 / 1045 / 1142 / 1143 / 1227 / 1370 access denied; 1046 no database selected,
-        // 1049 unknown database, 1054 unknown column, 1064 SQL syntax, 1109 unknown table,
-        // 1146 no such table, 1305 no such function or procedure.
-        1044 | 1045 | 1142 | 1143 | 1227 | 1370 | 1046 | 1049 | 1054 | 1064 | 1109 | 1146
-        | 1305 => ErrorKind::Misconfigured,
-        _ => ErrorKind::Store,
-    }
-}
-
-/// MySQL / MariaDB server error numbers that end the session under a running statement: 1927
-/// connection killed (`KILL`), 2006 server gone away, 2013 lost connection mid-query,
-/// 1158–1161 network read/write errors, 1053 server shutdown. [`mysql_kind`] calls them
-/// outages; under a handler's statement they are [`ErrorKind::ConnectionLost`].
-#[cfg(feature = "mysql")]
-pub(crate) fn mysql_connection_lost(number: u16) -> bool {
-    matches!(number, 1927 | 2006 | 2013 | 1158..=1161 | 1053)
-}
-
-/// SQLite result codes (extended codes carry the primary code in their low byte).
-#[cfg(feature = "sqlite")]
-pub(crate) fn sqlite_kind(code: u32, message: &str) -> ErrorKind {
-    match code & 0xff {
-        // SQLITE_BUSY, SQLITE_LOCKED: another writer holds the lock.
-        5 | 6 => ErrorKind::Transient,
-        // SQLITE_READONLY (a read-only file or mount), SQLITE_IOERR, SQLITE_FULL (disk or
-        // max_page_count), SQLITE_CANTOPEN: the database cannot take writes now.
-        8 | 10 | 13 | 14 => ErrorKind::Unavailable,
-        // SQLITE_PERM, SQLITE_AUTH; SQLITE_CORRUPT, SQLITE_NOTADB: a damaged file is for an
-        // operator, not for retries.
-        3 | 23 | 11 | 26 => ErrorKind::Misconfigured,
-        // SQLITE_ERROR is every SQL error at once; SQLite has no separate code for a missing
-        // table or column, so the prefix of its message is the only signal there is.
-        1 if message.starts_with("no such table")
-            || message.starts_with("no such column")
-            || message.starts_with("no such function") =>
-        {
-            ErrorKind::Misconfigured
-        }
         _ => ErrorKind::Store,
     }
 }

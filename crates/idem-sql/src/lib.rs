@@ -69,11 +69,16 @@ mod sqlite;
 mod store;
 mod tx;
 
-pub use any::{AnyStore, SCHEMES};
-/// Kept for callers of `idem_sql::redact_url`; the one implementation is idem-core's.
-pub use idem_core::redact_url;
+pub use any::{AnyStore, SCHEMES, StoreVisitor};
 /// Table names are idem-core's, shared by every SQL store.
 pub use idem_core::{DEFAULT_REQUESTS_TABLE, DEFAULT_TABLE, TableName};
+/// PostgreSQL claims partitioned by the ID's time (`PostgresStore::partitioned`):
+/// `Partitioning`, the extractors, days and the maintenance reports, from `idem_dialect`,
+/// which `idem-postgres` shares. Pure data, so present without the `postgres` feature too
+/// ([`AnyStore`] reports partitions whatever is compiled in).
+pub use idem_dialect::postgres::partition;
+/// Kept for callers of `idem_sql::redact_url`; the one implementation is idem-redact's.
+pub use idem_redact::redact_url;
 #[cfg(feature = "mysql")]
 pub use mysql::{MAX_MESSAGE_ID_LEN as MYSQL_MAX_MESSAGE_ID_LEN, MySqlStore};
 #[cfg(feature = "postgres")]

@@ -19,25 +19,25 @@
 //! count is right under either flag. A stored result is bounded by the server's
 //! `max_allowed_packet` (16 MiB by default on MariaDB, 64 MiB on MySQL 8).
 
-use idem_core::{ConsumerName, Error, ErrorKind, Fingerprint, MessageId, Stamp};
+use std::time::Duration;
+
+use idem_core::{
+    BatchClaimStore, ConsumerName, Error, ErrorKind, Fingerprint, MessageId, Migrate, Prune, Stamp,
+};
+use idem_dialect::mysql as dialect;
 use sqlx::QueryBuilder;
 use sqlx::error::DatabaseError;
 use sqlx::mysql::MySql;
 
 use crate::common::{server_stamp, stored_fingerprint};
-use crate::engine::{Driver, Engine};
+use crate::engine::{ClaimStatements, Engine, RequestStatements};
 use crate::errors::store_error;
-use crate::requests::{MAX_REQUEST_KEY_LEN, RequestStatements};
-use crate::store::{ClaimStatements, SqlStore};
+use crate::store::SqlStore;
 use crate::tx::Tx;
 use idem_core::TableName;
 
-/// The server's clock in `processed_at` units: microseconds since the Unix epoch, computed on
-/// UTC so the session's time zone (and its daylight-saving jumps) cannot shift it.
-const SERVER_NOW: &str = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))";
-
 /// Longest message ID the `VARBINARY(1024)` column holds.
-pub const MAX_MESSAGE_ID_LEN: usize = 1024;
+pub const MAX_MESSAGE_ID_LEN: usize = dialect::MAX_MESSAGE_ID_LEN;
 
 /// Rows per multi-row INSERT.
 const CHUNK: usize = 1000;
@@ -49,80 +49,22 @@ impl crate::engine::sealed::Sealed for MySql {}
 
 impl Engine for MySql {
     const MAX_MESSAGE_ID_LEN: usize = MAX_MESSAGE_ID_LEN;
-    const BEGIN: &'static str = "BEGIN";
+    const BEGIN: &'static str = dialect::BEGIN;
     const SERVER: bool = true;
+    const TRANSACTIONAL_DDL: bool = false;
+    type Layout = ();
 
-    fn claim_statements(t: &TableName, _partitioned: bool) -> ClaimStatements {
-        ClaimStatements {
-            claim_many: format!(
-                "INSERT INTO {t} (consumer, message_id, fingerprint, processed_at) "
-            ),
-            read_fingerprints: format!(
-                "SELECT message_id, fingerprint FROM {t} WHERE duplicates > 0 AND consumer = "
-            ),
-            claim: format!(
-                "INSERT INTO {t} (consumer, message_id, fingerprint, processed_at) \
-                 VALUES (?, ?, ?, COALESCE(?, {SERVER_NOW})) \
-                 ON DUPLICATE KEY UPDATE duplicates = duplicates + 1"
-            ),
-            read_fingerprint: format!(
-                "SELECT fingerprint FROM {t} WHERE consumer = ? AND message_id = ?"
-            ),
-            prune_all: format!(
-                "DELETE FROM {t} WHERE processed_at < COALESCE(?, {SERVER_NOW}) - ? LIMIT ?"
-            ),
-            prune_consumer: format!(
-                "DELETE FROM {t} WHERE processed_at < COALESCE(?, {SERVER_NOW}) - ? \
-                 AND consumer = ? LIMIT ?"
-            ),
-            stats: format!(
-                "SELECT CAST(consumer AS CHAR), CAST(count(*) AS SIGNED), min(processed_at), max(processed_at) \
-                 FROM {t} GROUP BY consumer ORDER BY consumer"
-            ),
-        }
+    fn claim_statements(t: &TableName, _: &()) -> ClaimStatements {
+        dialect::claim_statements(t)
     }
 
-    /// On the server's clock (`UTC_TIMESTAMP(6)` is fixed for the whole statement). MySQL
-    /// binds `?` in the order they appear, which is the order listed on [`RequestStatements`].
+    /// On the server's clock (`UTC_TIMESTAMP(6)` is fixed for the whole statement).
     fn request_statements(t: &TableName) -> RequestStatements {
-        let now = SERVER_NOW;
-        RequestStatements {
-            read: format!(
-                "SELECT r.fingerprint, r.state, r.fence, r.lease_until, r.expires_at, n.now, \
-             CASE WHEN r.fingerprint = ? AND r.state = 1 THEN r.result END \
-             FROM (SELECT {now} AS now) n LEFT JOIN {t} r ON r.scope = ? AND r.idem_key = ?"
-            ),
-            insert: format!(
-                "INSERT INTO {t} (scope, idem_key, fingerprint, state, fence, lease_until, expires_at) \
-             VALUES (?, ?, ?, 0, ?, {now} + ?, {now} + ?)"
-            ),
-            reset: format!(
-                "UPDATE {t} SET fingerprint = ?, state = 0, fence = fence + 1, \
-             lease_until = {now} + ?, expires_at = {now} + ?, result = NULL \
-             WHERE scope = ? AND idem_key = ? AND fence = ? \
-             AND expires_at <= {now} AND (state = 1 OR lease_until <= {now})"
-            ),
-            take_over: format!(
-                "UPDATE {t} SET fence = fence + 1, lease_until = {now} + ? \
-             WHERE scope = ? AND idem_key = ? AND fence = ? AND state = 0 \
-             AND lease_until <= {now}"
-            ),
-            complete: format!(
-                "UPDATE {t} SET state = 1, result = ?, expires_at = {now} + ? \
-             WHERE scope = ? AND idem_key = ? AND fence = ? AND state = 0"
-            ),
-            release: format!(
-                "DELETE FROM {t} WHERE scope = ? AND idem_key = ? AND fence = ? AND state = 0"
-            ),
-            extend: format!(
-                "UPDATE {t} SET lease_until = {now} + ? \
-             WHERE scope = ? AND idem_key = ? AND fence = ? AND state = 0"
-            ),
-            reap: format!(
-                "DELETE FROM {t} WHERE expires_at < {now} AND (state = 1 OR lease_until < {now}) \
-             LIMIT ?"
-            ),
-        }
+        dialect::request_statements(t)
+    }
+
+    fn migration(claims: &TableName, requests: &TableName, _: &()) -> Vec<String> {
+        dialect::migration(claims, requests)
     }
 
     fn stamp(stamp: Stamp) -> Option<i64> {
@@ -131,35 +73,52 @@ impl Engine for MySql {
 
     fn database_kind(db: &dyn DatabaseError) -> ErrorKind {
         match db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
-            Some(my) => crate::errors::mysql_kind(my.number()),
+            Some(my) => dialect::kind(my.number()),
             None => ErrorKind::Store,
         }
     }
 
-    /// 1290 running with `--read-only` (`super_read_only`), 1792 a read-only transaction,
-    /// 1836 read-only mode.
     fn read_only(db: &dyn DatabaseError) -> bool {
         db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
-            .is_some_and(|my| matches!(my.number(), 1290 | 1792 | 1836))
+            .is_some_and(|my| dialect::read_only(my.number()))
     }
 
     fn connection_lost(db: &dyn DatabaseError) -> bool {
         db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
-            .is_some_and(|my| crate::errors::mysql_connection_lost(my.number()))
+            .is_some_and(|my| dialect::connection_lost(my.number()))
     }
+}
 
+impl BatchClaimStore for MySqlStore {
     async fn claim_many(
-        store: &SqlStore<Self>,
-        tx: &mut Tx<Self>,
+        &self,
+        tx: &mut Tx<MySql>,
         consumer: &ConsumerName,
         items: &[(&MessageId, Fingerprint)],
         at: Stamp,
     ) -> Result<Vec<Option<Fingerprint>>, Error> {
-        claim_many(store, tx, consumer, items, at).await
+        let claimed = claim_many(self, tx, consumer, items, at).await;
+        tx.saw(&claimed);
+        claimed
     }
+}
 
-    async fn migrate(store: &SqlStore<Self>) -> Result<(), Error> {
-        migrate(store).await
+impl Prune for MySqlStore {
+    async fn prune_batch(
+        &self,
+        consumer: Option<&ConsumerName>,
+        now: Stamp,
+        older_than: Duration,
+        limit: u32,
+    ) -> Result<u64, Error> {
+        self.prune_rows(consumer, now, older_than, limit).await
+    }
+}
+
+impl Migrate for MySqlStore {
+    /// Both tables, statement by statement: MySQL commits DDL implicitly.
+    async fn migrate(&self) -> Result<(), Error> {
+        self.migrate_tables().await
     }
 }
 
@@ -202,10 +161,10 @@ async fn claim_many(
                 .push_bind(&fp.as_bytes()[..]);
             match at {
                 Some(micros) => row.push_bind(micros),
-                None => row.push(SERVER_NOW),
+                None => row.push(dialect::SERVER_NOW),
             };
         });
-        q.push(" ON DUPLICATE KEY UPDATE duplicates = duplicates + 1");
+        q.push(&store.sql.claim_many_tail);
         affected += q
             .build()
             .execute(&mut **tx)
@@ -242,44 +201,4 @@ async fn claim_many(
             Some(fp) => stored_fingerprint(Some(fp)),
         })
         .collect()
-}
-
-/// Both tables; MySQL commits DDL implicitly, so each statement stands alone.
-async fn migrate(store: &MySqlStore) -> Result<(), Error> {
-    let t = store.table();
-    let name = t.table();
-    let (r, rname) = (store.requests_table(), store.requests_table().table());
-    // MySQL DDL commits implicitly, so there is no transaction to hold; CREATE … IF NOT
-    // EXISTS is atomic per statement, which is enough for concurrent starts.
-    let sql = format!(
-        "CREATE TABLE IF NOT EXISTS {t} (
-            consumer     VARCHAR(100) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
-            message_id   VARBINARY({MAX_MESSAGE_ID_LEN}) NOT NULL,
-            fingerprint  BINARY(32)   NOT NULL,
-            processed_at BIGINT       NOT NULL COMMENT 'microseconds since the Unix epoch',
-            duplicates   INT UNSIGNED NOT NULL DEFAULT 0,
-            PRIMARY KEY (consumer, message_id),
-            KEY {name}_processed_at (processed_at)
-        ) ENGINE = InnoDB"
-    );
-    let requests = format!(
-        "CREATE TABLE IF NOT EXISTS {r} (
-            scope       BINARY(32) NOT NULL,
-            idem_key    VARBINARY({MAX_REQUEST_KEY_LEN}) NOT NULL,
-            fingerprint BINARY(32) NOT NULL,
-            state       SMALLINT   NOT NULL COMMENT '0 in progress, 1 completed',
-            fence       BIGINT     NOT NULL,
-            lease_until BIGINT     NOT NULL COMMENT 'microseconds since the Unix epoch',
-            expires_at  BIGINT     NOT NULL COMMENT 'microseconds since the Unix epoch',
-            result      LONGBLOB   NULL,
-            PRIMARY KEY (scope, idem_key),
-            KEY {rname}_expires_at (expires_at)
-        ) ENGINE = InnoDB"
-    );
-    for sql in [sql, requests] {
-        MySql::execute_pool(store.pool(), &sql, &[])
-            .await
-            .map_err(|e| store_error::<MySql>("migrate", e))?;
-    }
-    Ok(())
 }

@@ -1,78 +1,29 @@
 //! Claims partitioned by the time inside the message ID (PostgreSQL, opt-in with
-//! [`PostgresStore::partitioned`]): the schema, and the maintenance that creates day
-//! partitions ahead and drops them past the table's retention. Why deduplication survives it
-//! is `idem_core::partition`'s module docs.
-//!
-//! pg_partman could do the create-ahead and drop-behind, but it is an extension a managed
-//! PostgreSQL may not offer, wants a background worker or cron for its maintenance, and knows
-//! nothing of the two moves correctness needs here (claims of a day out of the default
-//! partition when that day's partition is created; claims younger than the retention out of a
-//! day's partition before it is dropped). The few statements below do exactly that, under one
-//! advisory lock, from the consumer's own pruning loop.
-//!
-//! Three rules keep maintenance safe beside running consumers. It locks the parent table
-//! before a partition, in the mode its DDL needs, as a claim locks the parent before the
-//! partition its key routes to (the other order deadlocks with such a claim). Its waits are
-//! bounded (`lock_timeout`, the advisory lock included): a busy round fails and the next one
-//! tries again, and `migrate` goes on without it. And the table records how it is partitioned
-//! (`idem_core::partition::PartitionRecord`, in its comment): a store reading IDs with another
-//! extractor is refused, and a store not configured partitioned never prunes the table.
+//! [`PostgresStore::partitioned`]): running the maintenance `idem_dialect::postgres::maintenance`
+//! plans and writes — create day partitions ahead, drop them past the table's retention — on
+//! sqlx. Why deduplication survives it is `idem_dialect::postgres::partition`'s module docs; why
+//! it is safe beside running consumers, `maintenance`'s. `idem-postgres` executes the same
+//! text under the same locks, so either store maintains a table the other claims in.
 
-use idem_core::partition::{
-    Day, PartitionInfo, PartitionKind, PartitionRecord, PartitionReport, Partitioning,
-    check_table_name,
-};
-use idem_core::{ConsumerName, Error, ErrorKind, Stamp};
+use idem_core::{ConsumerName, Error, ErrorKind, Stamp, TableName, Timestamp};
+use idem_dialect::postgres::maintenance::{self, Plan};
+use idem_dialect::postgres::partition::{Day, PartitionInfo, PartitionReport, Partitioning};
+use idem_dialect::postgres::{READ_CLOCK, sqlstate};
 use sqlx::{Postgres, Row};
 
-use crate::engine::{Driver, Engine};
+use crate::engine::Driver;
 use crate::errors::{commit_error, store_error};
 use crate::store::SqlStore;
 use crate::tx::Tx;
-use idem_core::TableName;
 
 /// Claims stored in a PostgreSQL table (default `idem_processed`).
 type PostgresStore = SqlStore<Postgres>;
 
-/// How long maintenance waits for a lock before giving up until the next round: for the
-/// claims table (creating or dropping a partition takes an exclusive lock on the parent for a
-/// moment, and a queue of claims behind a waiting DDL would stall the consumer longer than
-/// skipping), and for the maintenance lock itself (another replica holding it is doing the
-/// same work).
-const LOCK_TIMEOUT: &str = "SET LOCAL lock_timeout = '2s'";
+/// A table's kind and comment, as [`maintenance::SHAPE`] reads it.
+type Shape = Option<(String, Option<String>)>;
 
-/// A table's kind (`r` plain, `p` partitioned) and comment (where a partitioned table records
-/// its partitioning), by its (possibly qualified) name; no row when it does not exist.
-const SHAPE: &str = "SELECT relkind::text, obj_description(oid, 'pg_class') FROM pg_class WHERE oid = to_regclass($1)";
-
-/// A table's comment and the names of the partitions attached to it, in one catalog read.
-const DAYS: &str = "SELECT obj_description(to_regclass($1), 'pg_class'), \
-     ARRAY(SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
-     WHERE i.inhparent = to_regclass($1))";
-
-/// The name of one of `t`'s partitions: `<table>_<suffix>`, in `t`'s schema.
-pub(crate) fn name(t: &TableName, suffix: &str) -> String {
-    match t.schema() {
-        Some(s) => format!("{s}.{}_{suffix}", t.table()),
-        None => format!("{}_{suffix}", t.table()),
-    }
-}
-
-fn day_name(t: &TableName, day: Day) -> String {
-    name(t, &format!("p{}", day.suffix()))
-}
-
-/// Takes the maintenance lock of `t`, which every replica's maintenance of the table (on
-/// either PostgreSQL store) takes turns on. Its key is the table as the catalog names it,
-/// `idem-partitions:<schema>.<table>`, however the store spells it (`Claims`, `claims`,
-/// `public.claims` are one table, so one lock); the name as given while the table is missing.
-fn lock_statement(t: &TableName) -> String {
-    format!(
-        "SELECT pg_advisory_xact_lock(hashtext('idem-partitions:' || COALESCE(\
-         (SELECT n.nspname || '.' || c.relname FROM pg_class c \
-         JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass('{t}')), \
-         '{t}')))"
-    )
+fn shape_ref(shape: &Shape) -> Option<(&str, Option<&str>)> {
+    shape.as_ref().map(|(k, c)| (k.as_str(), c.as_deref()))
 }
 
 impl SqlStore<Postgres> {
@@ -81,37 +32,30 @@ impl SqlStore<Postgres> {
     /// instead of deleting rows. `migrate` creates the table partitioned; an existing plain
     /// table is refused, not converted. The table's retention (`p`'s, not a consumer's)
     /// decides when a day is dropped; IDs without a readable time, or outside the days
-    /// created, are kept in a default partition pruned row by row (see `idem_core::partition`).
-    pub fn partitioned(mut self, p: Partitioning) -> Result<Self, Error> {
-        check_table_name(self.table().table())?;
-        self.sql = Postgres::claim_statements(self.table(), true);
-        self.partitioning = Some(p);
-        Ok(self)
+    /// created, are kept in a default partition pruned row by row (see
+    /// [`idem_sql::partition`](crate::partition)).
+    pub fn partitioned(self, p: Partitioning) -> Result<Self, Error> {
+        self.with_layout(Some(p))
     }
 
     /// The partitioning, if the table is partitioned.
     pub fn partitioning(&self) -> Option<&Partitioning> {
-        self.partitioning.as_ref()
+        self.layout.as_ref()
     }
 
     /// Configures the store as its claims table is: partitioned as the table records it
-    /// ([`PartitionRecord`], written by `migrate`), for a tool that maintains a table it did
+    /// ([`PartitionRecord`](crate::partition::PartitionRecord), written by `migrate`), for a tool that maintains a table it did
     /// not create (`idem prune`). Unchanged for a plain or missing table, for a partitioned one
     /// made before tables recorded their partitioning (its prune and migrate then refuse it),
     /// and for a store configured `partitioned` already. A table partitioned by a custom
     /// extractor gets a partitioning that maintains it but claims nothing
-    /// ([`PartitionRecord::partitioning`]).
+    /// ([`PartitionRecord::partitioning`](crate::partition::PartitionRecord::partitioning)).
     pub async fn with_table_partitioning(self) -> Result<Self, Error> {
-        if self.partitioning.is_some() {
+        if self.layout.is_some() {
             return Ok(self);
         }
-        let record = match table_shape(self.pool(), self.table()).await? {
-            Some((kind, Some(comment))) if kind == "p" => {
-                PartitionRecord::from_comment(self.table(), &comment)?
-            }
-            _ => None,
-        };
-        match record {
+        let shape = table_shape(self.pool(), self.table()).await?;
+        match maintenance::recorded(self.table(), shape_ref(&shape))? {
             Some(r) => self.partitioned(r.partitioning()),
             None => Ok(self),
         }
@@ -119,29 +63,27 @@ impl SqlStore<Postgres> {
 
     /// Creates today's partition and those `ahead` of it, then drops the days wholly past the
     /// table's retention (a claim in them younger than the retention first moves to the
-    /// default partition). Idempotent; replicas running it at once take turns. Runs with every
-    /// prune of a partitioned store, so a consumer's pruning loop keeps the table in shape.
+    /// default partition). Idempotent; replicas running it at once — on this store or on
+    /// `idem-postgres`'s — take turns. Runs with every prune of a partitioned store, so a
+    /// consumer's pruning loop keeps the table in shape.
     pub async fn maintain_partitions(&self) -> Result<PartitionReport, Error> {
         let p = self.require_partitioning()?;
         let now = self.server_now().await?;
         // One catalog read decides both: it runs with every prune batch, and opening a locked
         // transaction per day ahead only to find it exists would cost three each time.
         // `create_day` still checks again under the lock.
-        let existing: Vec<Day> = self
-            .day_partitions(p)
-            .await?
-            .into_iter()
-            .map(|(d, _)| d)
-            .collect();
-        let missing = p.days_to_create(now).filter(|d| !existing.contains(d));
-        let mut report = self.create_partitions(missing).await?;
-        let cutoff = now.as_micros() - crate::common::micros(p.table_retention().prune_age());
-        for day in existing {
-            if p.droppable(day, now) {
-                let (rows, moved) = self.drop_day(day, cutoff).await?;
-                report.dropped.push((day, rows));
-                report.moved += moved;
-            }
+        let existing = self.day_partitions(p).await?;
+        let Plan {
+            create,
+            drop,
+            cutoff,
+            ..
+        } = maintenance::plan(&existing, now, p);
+        let mut report = self.create_partitions(create).await?;
+        for day in drop {
+            let (rows, moved) = self.drop_day(day, cutoff).await?;
+            report.dropped.push((day, rows));
+            report.moved += moved;
         }
         Ok(report)
     }
@@ -169,19 +111,15 @@ impl SqlStore<Postgres> {
     /// `partitioned` too (`idem stats`).
     pub async fn partitions(&self) -> Result<Vec<PartitionInfo>, Error> {
         let t = self.table();
-        let rows = sqlx::query(
-            "SELECT c.relname::text, c.reltuples::bigint, pg_total_relation_size(c.oid) \
-             FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
-             WHERE i.inhparent = to_regclass($1) ORDER BY c.relname",
-        )
-        .bind(t.to_string())
-        .fetch_all(self.pool())
-        .await
-        .map_err(|e| store_error::<Postgres>("listing partitions", e))?;
+        let rows = sqlx::query(maintenance::LIST)
+            .bind(t.to_string())
+            .fetch_all(self.pool())
+            .await
+            .map_err(|e| store_error::<Postgres>("listing partitions", e))?;
         let mut out = Vec::with_capacity(rows.len());
         for r in rows {
             let name: String = r.get(0);
-            let kind = match kind_of(t, &name) {
+            let kind = match maintenance::kind_of(t, &name) {
                 Some(k) => k,
                 None => continue, // someone else's table attached to ours: not ours to show
             };
@@ -193,7 +131,7 @@ impl SqlStore<Postgres> {
     }
 
     fn require_partitioning(&self) -> Result<&Partitioning, Error> {
-        self.partitioning.as_ref().ok_or_else(|| {
+        self.layout.as_ref().ok_or_else(|| {
             Error::new(
                 ErrorKind::InvalidConfig,
                 "the store is not partitioned: configure it with .partitioned(..)",
@@ -201,35 +139,25 @@ impl SqlStore<Postgres> {
         })
     }
 
-    async fn server_now(&self) -> Result<idem_core::Timestamp, Error> {
-        let now: i64 = sqlx::query_scalar("SELECT (extract(epoch from now()) * 1000000)::bigint")
+    async fn server_now(&self) -> Result<Timestamp, Error> {
+        let now: i64 = sqlx::query_scalar(READ_CLOCK)
             .fetch_one(self.pool())
             .await
             .map_err(|e| store_error::<Postgres>("reading the clock", e))?;
-        Ok(idem_core::Timestamp::from_micros(now))
+        Ok(Timestamp::from_micros(now))
     }
 
-    /// The day partitions that exist, by name, once the table's record says it is read as `p`
-    /// reads IDs (a table without a record passes: migrate writes it).
-    async fn day_partitions(&self, p: &Partitioning) -> Result<Vec<(Day, String)>, Error> {
+    /// The day partitions that exist, oldest first, once the table's record says it is read
+    /// as `p` reads IDs (a table without a record passes: migrate writes it).
+    async fn day_partitions(&self, p: &Partitioning) -> Result<Vec<Day>, Error> {
         let t = self.table();
-        let (comment, names): (Option<String>, Vec<String>) = sqlx::query_as(DAYS)
+        let (comment, names): (Option<String>, Vec<String>) = sqlx::query_as(maintenance::DAYS)
             .bind(t.to_string())
             .fetch_one(self.pool())
             .await
             .map_err(|e| store_error::<Postgres>("listing partitions", e))?;
-        if let Some(record) = PartitionRecord::from_comment(t, comment.as_deref().unwrap_or(""))? {
-            record.check(t, p)?;
-        }
-        let mut days: Vec<_> = names
-            .into_iter()
-            .filter_map(|n| match kind_of(t, &n) {
-                Some(PartitionKind::Day(d)) => Some((d, n)),
-                _ => None,
-            })
-            .collect();
-        days.sort();
-        Ok(days)
+        maintenance::check_record(t, comment.as_deref(), p)?;
+        Ok(maintenance::days_of(t, names))
     }
 
     /// One maintenance transaction: serialised with other replicas' maintenance, and never
@@ -238,9 +166,7 @@ impl SqlStore<Postgres> {
         let mut tx = Tx::begin(self.pool())
             .await
             .map_err(|e| store_error::<Postgres>("partition maintenance", e))?;
-        // The timeout first, so that it bounds the wait for the advisory lock too.
-        let lock = format!("{LOCK_TIMEOUT}; {}", lock_statement(self.table()));
-        Postgres::execute_simple(&mut tx, &lock)
+        Postgres::execute_simple(&mut tx, &maintenance::maintenance_lock(self.table()))
             .await
             .map_err(|e| store_error::<Postgres>("partition maintenance lock", e))?;
         Ok(tx)
@@ -250,192 +176,88 @@ impl SqlStore<Postgres> {
     /// partition)`, `None` if it existed.
     async fn create_day(&self, day: Day) -> Result<Option<u64>, Error> {
         let t = self.table();
-        let (part, default) = (day_name(t, day), name(t, "default"));
+        let part = maintenance::day_name(t, day);
         let err = |e| store_error::<Postgres>(&format!("creating partition {part}"), e);
         let mut tx = self.maintenance_tx().await?;
         if exists(&mut tx, &part).await.map_err(err)? {
             tx.rollback().await.map_err(err)?;
             return Ok(None);
         }
-        // No claim may land in the default partition while its day's claims move out, or the
-        // new partition would not cover them; PostgreSQL then checks the default partition
-        // holds none of the day, under the same lock. The parent is locked first, as a claim
-        // locks it (the parent, then the partition its key routes to): the other order
-        // deadlocks with a claim routed to the default partition by a transaction that holds
-        // the parent already. ACCESS EXCLUSIVE is what CREATE TABLE … PARTITION OF takes on
-        // the parent anyway; a weaker lock upgraded later would deadlock with a transaction
-        // that read the table and then claims.
-        let (start, end) = (day.start(), day.end());
-        let script = format!(
-            "LOCK TABLE ONLY {t} IN ACCESS EXCLUSIVE MODE; \
-             LOCK TABLE {default} IN SHARE ROW EXCLUSIVE MODE; \
-             CREATE TEMP TABLE idem_moving (LIKE {t}) ON COMMIT DROP; \
-             WITH m AS (DELETE FROM {default} WHERE id_time >= {start} AND id_time < {end} \
-             RETURNING *) INSERT INTO idem_moving SELECT * FROM m; \
-             CREATE TABLE {part} PARTITION OF {t} FOR VALUES FROM ({start}) TO ({end}); \
-             INSERT INTO {t} SELECT * FROM idem_moving"
-        );
+        let script = maintenance::create_day(t, day);
         let moved = Postgres::execute_simple(&mut tx, &script)
             .await
             .map_err(err)?;
         tx.commit().await.map_err(commit_error::<Postgres>)?;
-        // rows_affected sums the statements: the DELETE and the INSERT each count the moved
-        // claims once.
+        // The DELETE and the INSERT each count the moved claims once.
         Ok(Some(moved / 2))
     }
 
-    /// Drops `day`'s partition; claims in it processed at `cutoff` or later (an old ID
-    /// processed late, still inside the retention) move to the default partition first.
-    /// Returns (the planner's estimate of the claims dropped, claims moved).
+    /// Drops `day`'s partition; claims in it processed at `cutoff` or later move to the
+    /// default partition first. Returns (the planner's estimate of the claims dropped, claims
+    /// moved).
     async fn drop_day(&self, day: Day, cutoff: i64) -> Result<(u64, u64), Error> {
         let t = self.table();
-        let part = day_name(t, day);
+        let part = maintenance::day_name(t, day);
         let err = |e| store_error::<Postgres>(&format!("dropping partition {part}"), e);
         let mut tx = self.maintenance_tx().await?;
         if !exists(&mut tx, &part).await.map_err(err)? {
             tx.rollback().await.map_err(err)?;
             return Ok((0, 0));
         }
-        let estimate: i64 = sqlx::query_scalar(
-            "SELECT reltuples::bigint FROM pg_class WHERE oid = to_regclass($1)",
-        )
-        .bind(&part)
-        .fetch_one(&mut *tx)
-        .await
-        .map_err(err)?;
-        // Locked before the look so that no late claim lands in it between the look and the
-        // drop; the parent first, in the mode DETACH and DROP take on it, as in `create_day`.
-        let look = format!(
-            "LOCK TABLE ONLY {t} IN ACCESS EXCLUSIVE MODE; \
-             LOCK TABLE {part} IN SHARE ROW EXCLUSIVE MODE; \
-             CREATE TEMP TABLE idem_moving ON COMMIT DROP AS \
-             SELECT * FROM {part} WHERE processed_at >= {cutoff}"
-        );
+        let estimate: i64 = sqlx::query_scalar(maintenance::ESTIMATE)
+            .bind(&part)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(err)?;
+        let look = maintenance::look_before_drop(t, day, cutoff);
         let young = Postgres::execute_simple(&mut tx, &look)
             .await
             .map_err(err)?;
-        let sql = if young == 0 {
-            format!("DROP TABLE {part}")
-        } else {
-            // Detached, the day's range is no longer covered, so the parent routes its young
-            // claims to the default partition, where their key still finds them.
-            format!(
-                "ALTER TABLE {t} DETACH PARTITION {part}; \
-                 INSERT INTO {t} SELECT * FROM idem_moving; DROP TABLE {part}"
-            )
-        };
-        Postgres::execute_simple(&mut tx, &sql).await.map_err(err)?;
+        let drop = maintenance::drop_day(t, day, young);
+        Postgres::execute_simple(&mut tx, &drop)
+            .await
+            .map_err(err)?;
         tx.commit().await.map_err(commit_error::<Postgres>)?;
         Ok((u64::try_from(estimate).unwrap_or(0), young))
     }
 }
 
 async fn exists(tx: &mut Tx<Postgres>, name: &str) -> Result<bool, sqlx::Error> {
-    sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+    sqlx::query_scalar(maintenance::EXISTS)
         .bind(name)
         .fetch_one(&mut **tx)
         .await
 }
 
-/// Which of `t`'s partitions `relname` (unqualified) is.
-fn kind_of(t: &TableName, relname: &str) -> Option<PartitionKind> {
-    let rest = relname.strip_prefix(t.table())?.strip_prefix('_')?;
-    match rest {
-        "default" => Some(PartitionKind::Default),
-        "undated" => Some(PartitionKind::Undated),
-        _ => Day::parse_suffix(rest.strip_prefix('p')?).map(PartitionKind::Day),
-    }
-}
-
-/// The partitioned schema's statements, after the requests table's (same transaction, same
-/// advisory lock as the plain schema). The comment ends with `p`'s [`PartitionRecord`].
-pub(crate) fn create_statements(t: &TableName, p: &Partitioning) -> Vec<String> {
-    let name = t.table();
-    let (undated, default) = (self::name(t, "undated"), self::name(t, "default"));
-    vec![
-        format!(
-            "CREATE TABLE IF NOT EXISTS {t} (
-                consumer     text   NOT NULL,
-                message_id   bytea  NOT NULL,
-                fingerprint  bytea  NOT NULL,
-                processed_at bigint NOT NULL,
-                id_time      bigint NOT NULL,
-                PRIMARY KEY (consumer, message_id, id_time)
-            ) PARTITION BY RANGE (id_time)"
-        ),
-        // Key 0 (idem_core::partition::UNDATED): IDs with no readable time.
-        format!(
-            "CREATE TABLE IF NOT EXISTS {undated} PARTITION OF {t} FOR VALUES FROM (MINVALUE) TO (1)"
-        ),
-        format!("CREATE TABLE IF NOT EXISTS {default} PARTITION OF {t} DEFAULT"),
-        format!("CREATE INDEX IF NOT EXISTS {name}_processed_at ON {t} USING brin (processed_at)"),
-        format!(
-            "COMMENT ON TABLE {t} IS 'idem claims, partitioned by the time inside the message ID \
-             (id_time, microseconds since the Unix epoch; 0 when the ID has none): one row per \
-             (consumer, message_id) processed; processed_at in microseconds since the Unix \
-             epoch. {}'",
-            p.record()
-        ),
-    ]
-}
-
-/// Refuses to run a partitioned store on a plain table or the reverse (the statements of one
-/// do not fit the other, and converting a table of claims is an operator's decision), and a
-/// partitioned store whose extractor is not the one the table records.
+/// Refuses to run a partitioned store on a plain table or the reverse, and a partitioned
+/// store whose extractor is not the one the table records ([`maintenance::shape_fits`]).
 pub(crate) async fn check_shape(
     tx: &mut Tx<Postgres>,
     t: &TableName,
     partitioning: Option<&Partitioning>,
 ) -> Result<(), Error> {
-    let shape: Option<(String, Option<String>)> = sqlx::query_as(SHAPE)
+    let shape: Shape = sqlx::query_as(maintenance::SHAPE)
         .bind(t.to_string())
         .fetch_optional(&mut **tx)
         .await
         .map_err(|e| store_error::<Postgres>("migrate", e))?;
-    let message = match (shape, partitioning) {
-        (Some((kind, _)), Some(_)) if kind == "r" => format!(
-            "the claims table {t} exists and is not partitioned; partitioning is chosen when the \
-             table is created: migrate into a new table (with_table) or drop .partitioned(..)"
-        ),
-        (Some((kind, _)), None) if kind == "p" => format!(
-            "the claims table {t} is partitioned by the ID's time; configure the store with \
-             .partitioned(..) to use it"
-        ),
-        (Some((kind, Some(comment))), Some(p)) if kind == "p" => {
-            if let Some(record) = PartitionRecord::from_comment(t, &comment)? {
-                record.check(t, p)?;
-            }
-            return Ok(());
-        }
-        _ => return Ok(()),
-    };
-    Err(Error::new(ErrorKind::Misconfigured, message))
+    maintenance::shape_fits(t, shape_ref(&shape), partitioning)
 }
 
-/// The claims table's kind and comment (see [`SHAPE`]), on the pool.
-async fn table_shape(
-    pool: &sqlx::PgPool,
-    t: &TableName,
-) -> Result<Option<(String, Option<String>)>, Error> {
-    sqlx::query_as(SHAPE)
+/// The claims table's kind and comment, on the pool.
+async fn table_shape(pool: &sqlx::PgPool, t: &TableName) -> Result<Shape, Error> {
+    sqlx::query_as(maintenance::SHAPE)
         .bind(t.to_string())
         .fetch_optional(pool)
         .await
         .map_err(|e| store_error::<Postgres>("reading the claims table's shape", e))
 }
 
-/// Refuses to prune a partitioned claims table from a store not configured `.partitioned(..)`:
-/// its days must be dropped past the table's retention, which such a store does not know, and
-/// its row-wise statement deletes nothing from a parent (`ONLY`, see the engine's prune).
+/// Refuses to prune a partitioned claims table from a store not configured `.partitioned(..)`
+/// ([`maintenance::refuse_unpartitioned_prune`]).
 pub(crate) async fn check_not_partitioned(store: &PostgresStore) -> Result<(), Error> {
-    let t = store.table();
-    match table_shape(store.pool(), t).await? {
-        Some((kind, comment)) if kind == "p" => Err(PartitionRecord::refuse_unpartitioned_prune(
-            t,
-            comment.as_deref(),
-        )),
-        _ => Ok(()),
-    }
+    let shape = table_shape(store.pool(), store.table()).await?;
+    maintenance::refuse_unpartitioned_prune(store.table(), shape_ref(&shape))
 }
 
 /// Migrate's round of maintenance (today's partition and those ahead): a lock it cannot get in
@@ -456,21 +278,21 @@ pub(crate) async fn maintain_at_start_up(store: &PostgresStore) -> Result<(), Er
     }
 }
 
-/// Whether `e` is PostgreSQL's lock timeout (55P03), from maintenance's `lock_timeout`.
+/// Whether `e` is PostgreSQL's lock timeout, from maintenance's `lock_timeout`.
 fn lock_timed_out(e: &Error) -> bool {
     let mut cause = std::error::Error::source(e);
     while let Some(c) = cause {
         if let Some(sqlx::Error::Database(db)) = c.downcast_ref::<sqlx::Error>() {
-            return db.code().as_deref() == Some("55P03");
+            return db.code().as_deref() == Some(sqlstate::LOCK_NOT_AVAILABLE);
         }
         cause = c.source();
     }
     false
 }
 
-/// The engine's prune of a partitioned store: maintenance (whole days past the table's
-/// retention), then up to `limit` rows of the default and undated partitions older than
-/// `older_than`. Dropped partitions count by the planner's estimate.
+/// The prune of a partitioned store: maintenance (whole days past the table's retention),
+/// then up to `limit` rows of the default and undated partitions older than `older_than`.
+/// Dropped partitions count by the planner's estimate.
 pub(crate) async fn prune_batch(
     store: &PostgresStore,
     consumer: Option<&ConsumerName>,

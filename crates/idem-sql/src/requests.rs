@@ -35,32 +35,6 @@ use crate::errors::store_error;
 use crate::store::SqlStore;
 use crate::tx::Tx;
 
-/// The request statements of one store, for its requests table. Parameters are bound in the
-/// order listed, then — on a store that stamps on the host (SQLite) — `now` last, which the
-/// statement may use several times; on the servers the statements read the server's clock.
-#[derive(Debug, Clone)]
-pub struct RequestStatements {
-    /// fingerprint, scope, key → always one row: fingerprint, state, fence, lease_until,
-    /// expires_at (all NULL when there is no record), now, result (only for a completed record
-    /// with this fingerprint).
-    pub(crate) read: String,
-    /// scope, key, fingerprint, fence, lease, ttl: a new record in progress; no row on a
-    /// conflict (or a unique violation, which counts the same).
-    pub(crate) insert: String,
-    /// fingerprint, lease, ttl, scope, key, fence: an expired record started afresh.
-    pub(crate) reset: String,
-    /// lease, scope, key, fence: a lapsed lease taken over.
-    pub(crate) take_over: String,
-    /// result, ttl, scope, key, fence.
-    pub(crate) complete: String,
-    /// scope, key, fence (no `now`).
-    pub(crate) release: String,
-    /// lease, scope, key, fence.
-    pub(crate) extend: String,
-    /// limit.
-    pub(crate) reap: String,
-}
-
 /// Whether a driver error is the unique violation of a lost insert race (MySQL has no
 /// `ON CONFLICT DO NOTHING` that reports it through rows affected).
 pub(crate) fn is_unique_violation(e: &sqlx::Error) -> bool {

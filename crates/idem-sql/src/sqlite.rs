@@ -46,21 +46,23 @@ use std::path::Path;
 use std::str::FromStr;
 use std::time::Duration;
 
-use idem_core::{ConsumerName, Error, ErrorKind, Fingerprint, MessageId, Stamp};
+use idem_core::{
+    BatchClaimStore, ConsumerName, Error, ErrorKind, Fingerprint, MessageId, Migrate, Prune, Stamp,
+};
+use idem_dialect::sqlite as dialect;
 use sqlx::error::DatabaseError;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::{QueryBuilder, Sqlite};
 
 use crate::common::{host_stamp, stored_fingerprint};
-use crate::engine::{Driver, Engine, Param};
-use crate::errors::{commit_error, store_error};
-use crate::requests::RequestStatements;
-use crate::store::{ClaimStatements, SqlStore};
+use crate::engine::{ClaimStatements, Driver, Engine, Param, RequestStatements};
+use crate::errors::store_error;
+use crate::store::SqlStore;
 use crate::tx::Tx;
 use idem_core::TableName;
 
 /// SQLite has no practical limit; this bound keeps rows and the index reasonable.
-pub const MAX_MESSAGE_ID_LEN: usize = 4096;
+pub const MAX_MESSAGE_ID_LEN: usize = dialect::MAX_MESSAGE_ID_LEN;
 
 /// Rows per multi-row INSERT, under SQLite's bound-parameter limit (4 per row).
 const CHUNK: usize = 500;
@@ -72,79 +74,26 @@ impl crate::engine::sealed::Sealed for Sqlite {}
 
 impl Engine for Sqlite {
     const MAX_MESSAGE_ID_LEN: usize = MAX_MESSAGE_ID_LEN;
-    const BEGIN: &'static str = "BEGIN IMMEDIATE";
-    const REQUEST_BEGIN: &'static str = "BEGIN DEFERRED";
+    const BEGIN: &'static str = dialect::BEGIN;
+    const REQUEST_BEGIN: &'static str = dialect::REQUEST_BEGIN;
     const SERVER: bool = false;
+    const TRANSACTIONAL_DDL: bool = true;
+    type Layout = ();
 
-    fn claim_statements(t: &TableName, _partitioned: bool) -> ClaimStatements {
-        ClaimStatements {
-            claim_many: format!(
-                "INSERT INTO {t} (consumer, message_id, fingerprint, processed_at) "
-            ),
-            read_fingerprints: String::new(),
-            claim: format!(
-                "INSERT INTO {t} (consumer, message_id, fingerprint, processed_at) \
-                 VALUES (?1, ?2, ?3, ?4) ON CONFLICT (consumer, message_id) DO NOTHING"
-            ),
-            read_fingerprint: format!(
-                "SELECT fingerprint FROM {t} WHERE consumer = ?1 AND message_id = ?2"
-            ),
-            prune_all: format!(
-                "DELETE FROM {t} WHERE rowid IN \
-                 (SELECT rowid FROM {t} WHERE processed_at < ?1 - ?2 LIMIT ?3)"
-            ),
-            prune_consumer: format!(
-                "DELETE FROM {t} WHERE rowid IN \
-                 (SELECT rowid FROM {t} WHERE processed_at < ?1 - ?2 AND consumer = ?3 LIMIT ?4)"
-            ),
-            stats: format!(
-                "SELECT consumer, count(*), min(processed_at), max(processed_at) \
-                 FROM {t} GROUP BY consumer ORDER BY consumer"
-            ),
-        }
+    fn claim_statements(t: &TableName, _: &()) -> ClaimStatements {
+        dialect::claim_statements(t)
     }
 
     /// `now` (host microseconds) is the last parameter.
     fn request_statements(t: &TableName) -> RequestStatements {
-        RequestStatements {
-            read: format!(
-                "SELECT r.fingerprint, r.state, r.fence, r.lease_until, r.expires_at, n.now, \
-             CASE WHEN r.fingerprint = ?1 AND r.state = 1 THEN r.result END \
-             FROM (SELECT ?4 AS now) n LEFT JOIN {t} r ON r.scope = ?2 AND r.idem_key = ?3"
-            ),
-            insert: format!(
-                "INSERT INTO {t} (scope, idem_key, fingerprint, state, fence, lease_until, expires_at) \
-             VALUES (?1, ?2, ?3, 0, ?4, ?7 + ?5, ?7 + ?6) ON CONFLICT (scope, idem_key) DO NOTHING"
-            ),
-            reset: format!(
-                "UPDATE {t} SET fingerprint = ?1, state = 0, fence = fence + 1, lease_until = ?7 + ?2, \
-             expires_at = ?7 + ?3, result = NULL \
-             WHERE scope = ?4 AND idem_key = ?5 AND fence = ?6 \
-             AND expires_at <= ?7 AND (state = 1 OR lease_until <= ?7)"
-            ),
-            take_over: format!(
-                "UPDATE {t} SET fence = fence + 1, lease_until = ?5 + ?1 \
-             WHERE scope = ?2 AND idem_key = ?3 AND fence = ?4 AND state = 0 AND lease_until <= ?5"
-            ),
-            complete: format!(
-                "UPDATE {t} SET state = 1, result = ?1, expires_at = ?6 + ?2 \
-             WHERE scope = ?3 AND idem_key = ?4 AND fence = ?5 AND state = 0"
-            ),
-            release: format!(
-                "DELETE FROM {t} WHERE scope = ?1 AND idem_key = ?2 AND fence = ?3 AND state = 0"
-            ),
-            extend: format!(
-                "UPDATE {t} SET lease_until = ?5 + ?1 \
-             WHERE scope = ?2 AND idem_key = ?3 AND fence = ?4 AND state = 0"
-            ),
-            reap: format!(
-                "DELETE FROM {t} WHERE rowid IN (SELECT rowid FROM {t} \
-             WHERE expires_at < ?2 AND (state = 1 OR lease_until < ?2) LIMIT ?1)"
-            ),
-        }
+        dialect::request_statements(t)
     }
 
-    fn check_table(table: &TableName) -> Result<(), Error> {
+    fn migration(claims: &TableName, requests: &TableName, _: &()) -> Vec<String> {
+        dialect::migration(claims, requests)
+    }
+
+    fn check_table(table: &TableName, _: &()) -> Result<(), Error> {
         if table.schema().is_some() {
             return Err(Error::new(
                 ErrorKind::InvalidConfig,
@@ -160,21 +109,7 @@ impl Engine for Sqlite {
 
     fn database_kind(db: &dyn DatabaseError) -> ErrorKind {
         let code = db.code().and_then(|c| c.parse::<u32>().ok()).unwrap_or(1);
-        crate::errors::sqlite_kind(code, db.message())
-    }
-
-    async fn claim_many(
-        store: &SqlStore<Self>,
-        tx: &mut Tx<Self>,
-        consumer: &ConsumerName,
-        items: &[(&MessageId, Fingerprint)],
-        at: Stamp,
-    ) -> Result<Vec<Option<Fingerprint>>, Error> {
-        claim_many(store, tx, consumer, items, at).await
-    }
-
-    async fn migrate(store: &SqlStore<Self>) -> Result<(), Error> {
-        migrate(store).await
+        dialect::kind(code, db.message())
     }
 
     async fn execute_unless_locked<'e>(
@@ -270,11 +205,11 @@ impl SqlStore<Sqlite> {
         let connect = SqliteConnectOptions::from_str(url).map_err(|e| {
             Error::new(
                 ErrorKind::InvalidConfig,
-                format!("invalid SQLite URL {:?}: {e}", idem_core::redact_url(url)),
+                format!("invalid SQLite URL {:?}: {e}", idem_redact::redact_url(url)),
             )
             .with_source(e)
         })?;
-        Self::open_with(connect, options, &idem_core::redact_url(url)).await
+        Self::open_with(connect, options, &idem_redact::redact_url(url)).await
     }
 
     async fn open_with(
@@ -411,6 +346,39 @@ async fn complete_request(
     Sqlite::execute(tx, sql, params).await
 }
 
+impl BatchClaimStore for SqliteStore {
+    async fn claim_many(
+        &self,
+        tx: &mut Tx<Sqlite>,
+        consumer: &ConsumerName,
+        items: &[(&MessageId, Fingerprint)],
+        at: Stamp,
+    ) -> Result<Vec<Option<Fingerprint>>, Error> {
+        let claimed = claim_many(self, tx, consumer, items, at).await;
+        tx.saw(&claimed);
+        claimed
+    }
+}
+
+impl Prune for SqliteStore {
+    async fn prune_batch(
+        &self,
+        consumer: Option<&ConsumerName>,
+        now: Stamp,
+        older_than: Duration,
+        limit: u32,
+    ) -> Result<u64, Error> {
+        self.prune_rows(consumer, now, older_than, limit).await
+    }
+}
+
+impl Migrate for SqliteStore {
+    /// Both tables in one `BEGIN IMMEDIATE` transaction: concurrent starts take turns.
+    async fn migrate(&self) -> Result<(), Error> {
+        self.migrate_tables().await
+    }
+}
+
 /// The batch claim: multi-row `INSERT … ON CONFLICT DO NOTHING RETURNING`, in chunks under
 /// SQLite's parameter limit; the fingerprints of the rest are read one by one (no round trip
 /// on an embedded database).
@@ -431,7 +399,7 @@ async fn claim_many(
                 .push_bind(&fp.as_bytes()[..])
                 .push_bind(at);
         });
-        q.push(" ON CONFLICT (consumer, message_id) DO NOTHING RETURNING message_id");
+        q.push(&store.sql.claim_many_tail);
         let rows: Vec<Vec<u8>> = q
             .build_query_scalar()
             .fetch_all(&mut **tx)
@@ -452,46 +420,4 @@ async fn claim_many(
         }
     }
     Ok(out)
-}
-
-/// Both tables in one `BEGIN IMMEDIATE` transaction: concurrent starts take turns.
-async fn migrate(store: &SqliteStore) -> Result<(), Error> {
-    let t = store.table();
-    let name = t.table();
-    let (r, rname) = (store.requests_table(), store.requests_table().table());
-    let mut tx = store.begin_tx().await?;
-    for sql in [
-        // processed_at: microseconds since the Unix epoch.
-        format!(
-            "CREATE TABLE IF NOT EXISTS {t} (
-                consumer     TEXT    NOT NULL,
-                message_id   BLOB    NOT NULL,
-                fingerprint  BLOB    NOT NULL,
-                processed_at INTEGER NOT NULL,
-                PRIMARY KEY (consumer, message_id)
-            )"
-        ),
-        format!("CREATE INDEX IF NOT EXISTS {name}_processed_at ON {t} (processed_at)"),
-        // Idempotent-request records: state 0 in progress, 1 completed; lease_until and
-        // expires_at in microseconds since the Unix epoch; result NULL while in progress.
-        format!(
-            "CREATE TABLE IF NOT EXISTS {r} (
-                scope       BLOB    NOT NULL,
-                idem_key    BLOB    NOT NULL,
-                fingerprint BLOB    NOT NULL,
-                state       INTEGER NOT NULL,
-                fence       INTEGER NOT NULL,
-                lease_until INTEGER NOT NULL,
-                expires_at  INTEGER NOT NULL,
-                result      BLOB,
-                PRIMARY KEY (scope, idem_key)
-            )"
-        ),
-        format!("CREATE INDEX IF NOT EXISTS {rname}_expires_at ON {r} (expires_at)"),
-    ] {
-        Sqlite::execute(&mut tx, &sql, &[])
-            .await
-            .map_err(|e| store_error::<Sqlite>("migrate", e))?;
-    }
-    tx.commit().await.map_err(commit_error::<Sqlite>)
 }

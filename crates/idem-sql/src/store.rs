@@ -2,22 +2,25 @@
 //! database as the application's data, so a claim commits with the handler's writes.
 //!
 //! Everything here is the same on every engine — transactions, the single claim and its
-//! fingerprint read-back, savepoints, bounded pruning, statistics; what differs (the SQL, the
-//! clock, error codes, the batch claim, the schema) comes from the engine.
+//! fingerprint read-back, savepoints, bounded pruning, statistics, running the migration;
+//! what differs (the SQL, the table's layout, the clock, error codes, the schema) is data the
+//! engine answers with. The batch claim, pruning and migration are each engine's capability
+//! impls (in its module), over the helpers here: they differ in how a batch binds, and a
+//! partitioned PostgreSQL table is maintained rather than pruned row by row.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::{
-    BatchClaimStore, ClaimRequest, ClaimStore, ConsumerName, ConsumerStats, Error, ErrorKind,
-    Fingerprint, MessageId, Migrate, Prune, Savepoints, Stamp, Stats, TransactionalStore,
+    ClaimRequest, ClaimStore, ConsumerName, ConsumerStats, Error, ErrorKind, Fingerprint,
+    Savepoints, Stamp, Stats, TransactionalStore,
 };
+use idem_dialect::micros;
 
-use crate::common::{micros, stored_fingerprint};
-use crate::engine::{Engine, Param};
+use crate::common::stored_fingerprint;
+use crate::engine::{ClaimStatements, Engine, Param, RequestStatements};
 use crate::errors::{commit_error, store_error};
 use crate::held::{HeldConnections, PoolStrikes, Recycling};
-use crate::requests::RequestStatements;
 use crate::tx::Tx;
 use idem_core::TableName;
 
@@ -38,8 +41,9 @@ pub struct SqlStore<E: Engine> {
     pub(crate) sql: ClaimStatements,
     requests: TableName,
     pub(crate) rsql: RequestStatements,
-    /// Set by `PostgresStore::partitioned`: claims carry the ID's time as partition key.
-    pub(crate) partitioning: Option<idem_core::partition::Partitioning>,
+    /// The claims table's layout beyond its name: `()` but on PostgreSQL, where
+    /// `PostgresStore::partitioned` sets its partitioning.
+    pub(crate) layout: E::Layout,
 }
 
 impl<E: Engine> Clone for SqlStore<E> {
@@ -53,7 +57,7 @@ impl<E: Engine> Clone for SqlStore<E> {
             sql: self.sql.clone(),
             requests: self.requests.clone(),
             rsql: self.rsql.clone(),
-            partitioning: self.partitioning.clone(),
+            layout: self.layout.clone(),
         }
     }
 }
@@ -66,35 +70,9 @@ impl<E: Engine> std::fmt::Debug for SqlStore<E> {
             .field("requests", &self.requests)
             .field("held", &self.held)
             .field("recycling", &self.recycling)
-            .field("partitioning", &self.partitioning)
+            .field("layout", &self.layout)
             .finish_non_exhaustive()
     }
-}
-
-/// An engine's claim statements for one table. Parameters are bound in the order given; a
-/// `now`/`processed_at` parameter is [`Engine::stamp`] (`NULL`: the server's clock). On a
-/// partitioned table the claim and the fingerprint read take the partition key
-/// (`id_time`) last.
-#[derive(Debug, Clone)]
-pub struct ClaimStatements {
-    /// consumer, message_id, fingerprint, processed_at: one row affected when inserted,
-    /// none (or, on MySQL, the no-op update's count) when the claim exists.
-    pub(crate) claim: String,
-    /// consumer, message_id → the stored fingerprint.
-    pub(crate) read_fingerprint: String,
-    /// now, older-than, limit: deletes up to `limit` claims of every consumer.
-    pub(crate) prune_all: String,
-    /// now, older-than, consumer, limit.
-    pub(crate) prune_consumer: String,
-    /// (consumer, count, oldest, newest) per consumer.
-    pub(crate) stats: String,
-    /// The batch claim: a whole statement where a batch binds arrays (PostgreSQL's `unnest`),
-    /// else the `INSERT … ` head each batch appends its rows to.
-    pub(crate) claim_many: String,
-    /// The batch's fingerprint read-back, likewise a whole statement or a head; empty where
-    /// the engine reads each one with `read_fingerprint` (SQLite: no round trips to save).
-    #[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
-    pub(crate) read_fingerprints: String,
 }
 
 impl<E: Engine> SqlStore<E> {
@@ -105,8 +83,9 @@ impl<E: Engine> SqlStore<E> {
     pub fn from_pool(pool: sqlx::Pool<E>) -> Self {
         let (table, requests) = (TableName::default(), TableName::default_requests());
         let recycling = Recycling::of_pool(&pool);
+        let layout = E::Layout::default();
         Self {
-            sql: E::claim_statements(&table, false),
+            sql: E::claim_statements(&table, &layout),
             rsql: E::request_statements(&requests),
             pool,
             held: None,
@@ -114,7 +93,7 @@ impl<E: Engine> SqlStore<E> {
             strikes: PoolStrikes::new(recycling),
             table,
             requests,
-            partitioning: None,
+            layout,
         }
     }
 
@@ -122,20 +101,27 @@ impl<E: Engine> SqlStore<E> {
     /// or a database on MySQL; SQLite refuses a qualified name). PostgreSQL spells it in lower
     /// case from here on ([`TableName::folded`]), as it resolves the unquoted name.
     pub fn with_table(mut self, table: TableName) -> Result<Self, Error> {
-        E::check_table(&table)?;
         let table = E::resolved_table(table);
-        if self.partitioning.is_some() {
-            idem_core::partition::check_table_name(table.table())?;
-        }
-        self.sql = E::claim_statements(&table, self.partitioning.is_some());
+        E::check_table(&table, &self.layout)?;
+        self.sql = E::claim_statements(&table, &self.layout);
         self.table = table;
+        Ok(self)
+    }
+
+    /// Lays the claims table out as `layout` says (PostgreSQL: partitioned), with the
+    /// statements that fit it.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub(crate) fn with_layout(mut self, layout: E::Layout) -> Result<Self, Error> {
+        E::check_table(&self.table, &layout)?;
+        self.sql = E::claim_statements(&self.table, &layout);
+        self.layout = layout;
         Ok(self)
     }
 
     /// Stores idempotent-request records in `table` instead of `idem_requests`.
     pub fn with_requests_table(mut self, table: TableName) -> Result<Self, Error> {
-        E::check_table(&table)?;
         let table = E::resolved_table(table);
+        E::check_table(&table, &E::Layout::default())?;
         self.rsql = E::request_statements(&table);
         self.requests = table;
         Ok(self)
@@ -259,35 +245,52 @@ impl<E: Engine> SqlStore<E> {
         claim: ClaimRequest<'_>,
     ) -> Result<Option<Fingerprint>, Error> {
         let (consumer, id) = (claim.consumer.as_str(), claim.id.as_bytes());
-        // Unpartitioned: the key is not bound (the statements take four and two parameters).
-        let key = self
-            .partitioning
-            .as_ref()
-            .map(|p| p.key_of(claim.id))
-            .transpose()?;
-        let params = [
-            Param::Text(consumer),
-            Param::Bytes(id),
-            Param::Bytes(&claim.fingerprint.as_bytes()[..]),
-            Param::OptInt(E::stamp(claim.at)),
-            Param::Int(key.unwrap_or_default()),
-        ];
-        let bound = if key.is_some() { 5 } else { 4 };
-        let inserted = E::execute(conn, &self.sql.claim, &params[..bound])
+        let key = E::partition_key(&self.layout, claim.id)?;
+        let fingerprint = claim.fingerprint.as_bytes();
+        let params = Keyed::new(
+            [
+                Param::Text(consumer),
+                Param::Bytes(id),
+                Param::Bytes(&fingerprint[..]),
+                Param::OptInt(E::stamp(claim.at)),
+            ],
+            key,
+        );
+        let inserted = E::execute(conn, &self.sql.claim, params.bound())
             .await
             .map_err(|e| store_error::<E>("claim", e))?;
         if inserted == 1 {
             return Ok(None);
         }
-        let params = [
-            Param::Text(consumer),
-            Param::Bytes(id),
-            Param::Int(key.unwrap_or_default()),
-        ];
-        let row = E::fetch_bytes(conn, &self.sql.read_fingerprint, &params[..bound - 2])
+        let params = Keyed::new([Param::Text(consumer), Param::Bytes(id)], key);
+        let row = E::fetch_bytes(conn, &self.sql.read_fingerprint, params.bound())
             .await
             .map_err(|e| store_error::<E>("reading the stored fingerprint", e))?;
         stored_fingerprint(row)
+    }
+
+    /// Creates the tables with the engine's migration: in one transaction where the engine's
+    /// DDL is transactional (SQLite's `BEGIN IMMEDIATE`: concurrent starts take turns), else
+    /// statement by statement (MySQL, where `CREATE … IF NOT EXISTS` is atomic on its own).
+    #[cfg_attr(not(any(feature = "sqlite", feature = "mysql")), allow(dead_code))]
+    pub(crate) async fn migrate_tables(&self) -> Result<(), Error> {
+        TableName::check_distinct(&self.table, &self.requests)?;
+        let statements = E::migration(&self.table, &self.requests, &self.layout);
+        if !E::TRANSACTIONAL_DDL {
+            for sql in &statements {
+                E::execute_pool(&self.pool, sql, &[])
+                    .await
+                    .map_err(|e| store_error::<E>("migrate", e))?;
+            }
+            return Ok(());
+        }
+        let mut tx = self.begin_tx().await?;
+        for sql in &statements {
+            E::execute(&mut tx, sql, &[])
+                .await
+                .map_err(|e| store_error::<E>("migrate", e))?;
+        }
+        tx.commit().await.map_err(commit_error::<E>)
     }
 
     /// Runs a fixed statement inside `tx`.
@@ -336,7 +339,7 @@ impl<E: Engine> ClaimStore for SqlStore<E> {
 
     /// A partitioned table's retention (PostgreSQL): its days are dropped past it.
     fn kept_for(&self) -> Option<Duration> {
-        self.partitioning.as_ref().map(|p| p.kept_for())
+        E::kept_for(&self.layout)
     }
 
     async fn claim(
@@ -345,20 +348,6 @@ impl<E: Engine> ClaimStore for SqlStore<E> {
         claim: ClaimRequest<'_>,
     ) -> Result<Option<Fingerprint>, Error> {
         let claimed = self.claim_on(tx, claim).await;
-        tx.saw(&claimed);
-        claimed
-    }
-}
-
-impl<E: Engine> BatchClaimStore for SqlStore<E> {
-    async fn claim_many(
-        &self,
-        tx: &mut Tx<E>,
-        consumer: &ConsumerName,
-        items: &[(&MessageId, Fingerprint)],
-        at: Stamp,
-    ) -> Result<Vec<Option<Fingerprint>>, Error> {
-        let claimed = E::claim_many(self, tx, consumer, items, at).await;
         tx.saw(&claimed);
         claimed
     }
@@ -377,18 +366,6 @@ impl<E: Engine> Savepoints for SqlStore<E> {
         // ROLLBACK TO keeps the savepoint; release it so savepoints do not pile up.
         Self::exec(tx, "ROLLBACK TO SAVEPOINT idem_message").await?;
         Self::exec(tx, "RELEASE SAVEPOINT idem_message").await
-    }
-}
-
-impl<E: Engine> Prune for SqlStore<E> {
-    async fn prune_batch(
-        &self,
-        consumer: Option<&ConsumerName>,
-        now: Stamp,
-        older_than: Duration,
-        limit: u32,
-    ) -> Result<u64, Error> {
-        E::prune_batch(self, consumer, now, older_than, limit).await
     }
 }
 
@@ -426,9 +403,29 @@ impl<E: Engine> Stats for SqlStore<E> {
     }
 }
 
-impl<E: Engine> Migrate for SqlStore<E> {
-    async fn migrate(&self) -> Result<(), Error> {
-        TableName::check_distinct(&self.table, &self.requests)?;
-        E::migrate(self).await
+/// A statement's listed parameters, then the partition key where the table has one (claim
+/// statements take it last). On the stack: the claim is the hot path.
+#[derive(Debug)]
+struct Keyed<'a> {
+    params: [Param<'a>; 5],
+    len: usize,
+}
+
+impl<'a> Keyed<'a> {
+    /// `listed` (at most four), then `key` if there is one.
+    fn new<const N: usize>(listed: [Param<'a>; N], key: Option<i64>) -> Self {
+        let mut params = [Param::Int(0); 5];
+        params[..N].copy_from_slice(&listed);
+        let mut len = N;
+        if let Some(key) = key {
+            params[len] = Param::Int(key);
+            len += 1;
+        }
+        Self { params, len }
+    }
+
+    /// The parameters as bound.
+    fn bound(&self) -> &[Param<'a>] {
+        &self.params[..self.len]
     }
 }

@@ -110,6 +110,7 @@ pub(crate) enum Writes {
 impl<E: Engine> Tx<E> {
     /// A transaction on sqlx's pool, without a `BEGIN` timeout or read-only count (schema
     /// maintenance).
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) async fn begin(pool: &sqlx::Pool<E>) -> Result<Self, sqlx::Error> {
         Self::begin_pooled(pool, E::BEGIN, None, None).await
     }

@@ -32,7 +32,7 @@ impl<const HELD: bool, const PARTS: bool> StoreFixture for PgFixture<HELD, PARTS
         };
         let store = if PARTS {
             store
-                .partitioned(idem_core::partition::Partitioning::uuid_v7())
+                .partitioned(idem_sql::partition::Partitioning::uuid_v7())
                 .expect("partitioned")
         } else {
             store

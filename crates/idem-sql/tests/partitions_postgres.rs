@@ -6,11 +6,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_core::partition::{Day, PartitionKind, Partitioning, uuid_v7};
 use idem_core::{
     ErrorKind, ManualClock, Message, MessageId, Migrate, Outcome, Processor, Retention, Timestamp,
 };
 use idem_sql::PostgresStore;
+use idem_sql::partition::{Day, PartitionKind, Partitioning, uuid_v7};
 use idem_testkit::isolated::PgSchema;
 
 const DAY: Duration = Duration::from_secs(86_400);

@@ -16,11 +16,11 @@ pub struct PgSchema {
     name: String,
 }
 
-/// The service URL may hold a password: shown through [`idem_core::redact_url`].
+/// The service URL may hold a password: shown through [`idem_redact::redact_url`].
 impl std::fmt::Debug for PgSchema {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PgSchema")
-            .field("url", &idem_core::redact_url(&self.url))
+            .field("url", &idem_redact::redact_url(&self.url))
             .field("name", &self.name)
             .finish()
     }
@@ -92,11 +92,11 @@ pub struct MySqlDatabase {
     name: String,
 }
 
-/// The service URL may hold a password: shown through [`idem_core::redact_url`].
+/// The service URL may hold a password: shown through [`idem_redact::redact_url`].
 impl std::fmt::Debug for MySqlDatabase {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MySqlDatabase")
-            .field("url", &idem_core::redact_url(&self.url))
+            .field("url", &idem_redact::redact_url(&self.url))
             .field("name", &self.name)
             .finish()
     }

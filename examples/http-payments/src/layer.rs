@@ -75,7 +75,7 @@ where
 pub(crate) async fn redis(url: &str, ledger: Ledger, args: &ServeArgs) -> Result<Router> {
     let store = RedisRequestStore::connect(url)
         .await
-        .with_context(|| format!("connecting to {}", idem_core::redact_url(url)))?;
+        .with_context(|| format!("connecting to {}", idem_redact::redact_url(url)))?;
     let idem = engine(store, args)?;
     let state = AppState {
         ledger,

@@ -83,7 +83,7 @@ impl Ledger {
     /// Opens the ledger at `url` on its own pool (through idem-sql, which sets SQLite up with
     /// WAL, `--busy-timeout` and `--max-connections`).
     pub(crate) async fn open(url: &str, args: &crate::ServeArgs) -> Result<Self> {
-        let shown = idem_core::redact_url(url);
+        let shown = idem_redact::redact_url(url);
         let context = || format!("opening the ledger {shown}");
         let store = crate::stores::open_sql(url, args)
             .await

@@ -47,7 +47,7 @@ enum Command {
 }
 
 /// What the service is started with.
-#[derive(Debug, Clone, Args)]
+#[derive(Clone, Args)]
 pub(crate) struct ServeArgs {
     /// Address to listen on (port 0 picks a free one; the log line `listening` shows it).
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8080")]
@@ -95,6 +95,29 @@ pub(crate) struct ServeArgs {
     /// fixed charge (the HTTP floor).
     #[arg(long, hide = true, value_enum, default_value_t = Mode::Idempotent)]
     pub(crate) mode: Mode,
+}
+
+/// The database and ledger URLs may hold passwords: shown through
+/// [`idem_redact::redact_url`].
+impl std::fmt::Debug for ServeArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServeArgs")
+            .field("listen", &self.listen)
+            .field("database", &idem_redact::redact_url(&self.database))
+            .field(
+                "ledger",
+                &self.ledger.as_deref().map(idem_redact::redact_url),
+            )
+            .field("lease", &self.lease)
+            .field("heartbeat", &self.heartbeat)
+            .field("ttl", &self.ttl)
+            .field("busy_timeout", &self.busy_timeout)
+            .field("max_connections", &self.max_connections)
+            .field("worker_threads", &self.worker_threads)
+            .field("test_hooks", &self.test_hooks)
+            .field("mode", &self.mode)
+            .finish()
+    }
 }
 
 /// Whether requests go through the idempotency layer (benchmark baselines do not).

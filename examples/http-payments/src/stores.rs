@@ -40,8 +40,8 @@ pub(crate) async fn serve(args: ServeArgs) -> Result<()> {
     let addr = listener.local_addr()?;
     tracing::info!(
         %addr,
-        database = %idem_core::redact_url(&args.database),
-        ledger = args.ledger.as_deref().map(idem_core::redact_url).as_deref().unwrap_or("(the database)"),
+        database = %idem_redact::redact_url(&args.database),
+        ledger = args.ledger.as_deref().map(idem_redact::redact_url).as_deref().unwrap_or("(the database)"),
         lease = ?args.lease,
         mode = ?args.mode,
         "listening"
@@ -76,7 +76,7 @@ async fn shutdown_signal() {
 /// The router for `args`: the store chosen by `--database`, the layer unless a baseline mode.
 pub(crate) async fn build(args: &ServeArgs) -> Result<Router> {
     let url = args.database.as_str();
-    let shown = idem_core::redact_url(url);
+    let shown = idem_redact::redact_url(url);
     let scheme = scheme(url);
     if args.ledger.is_some() && scheme != "redis" && scheme != "rediss" {
         anyhow::bail!(

@@ -13,7 +13,9 @@ use anyhow::{Context, Result};
 use idem_consumer::{CancellationToken, Consumer, Delivery, Handler, SetHandler, Source};
 use idem_core::{BatchClaimStore, Fingerprint, Message, MessageId, Processor, TransactionalStore};
 
-use crate::brokers::{self, BrokerUrl, WithSource};
+use idem_any::{BrokerUrl, WithSource};
+
+use crate::brokers;
 use crate::charge_batch::ChargeBatch;
 use crate::ledger::{Charge, PaymentRequested};
 use crate::{Database, Settings};
@@ -55,7 +57,7 @@ fn backlog(prefix: &str, n: usize) -> Vec<(String, Vec<u8>)> {
 struct Subscribe;
 
 impl WithSource for Subscribe {
-    type Output = ();
+    type Output = Result<()>;
 
     async fn run<Src: Source>(self, src: Src) -> Result<()> {
         src.close().await?;
@@ -69,7 +71,7 @@ struct DrainAndAck {
 }
 
 impl WithSource for DrainAndAck {
-    type Output = Duration;
+    type Output = Result<Duration>;
 
     async fn run<Src: Source>(self, mut src: Src) -> Result<Duration> {
         let started = Instant::now();
@@ -101,7 +103,7 @@ struct Idem<'a> {
 }
 
 impl WithSource for Idem<'_> {
-    type Output = Duration;
+    type Output = Result<Duration>;
 
     async fn run<Src: Source>(self, src: Src) -> Result<Duration> {
         match self.db {

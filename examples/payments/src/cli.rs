@@ -42,7 +42,7 @@ pub(crate) struct TeardownArgs {
     pub(crate) instance: Option<String>,
 }
 
-#[derive(Debug, Args)]
+#[derive(Args)]
 pub(crate) struct BenchArgs {
     #[command(flatten)]
     pub(crate) endpoint: Endpoint,
@@ -66,7 +66,7 @@ pub(crate) struct BenchArgs {
     pub(crate) markdown: bool,
 }
 
-#[derive(Debug, Args)]
+#[derive(Args)]
 pub(crate) struct Endpoint {
     /// Broker URL: nats://, amqp://, kafka://host:port, redis://, mqtt://
     #[arg(long, value_name = "URL")]
@@ -76,7 +76,7 @@ pub(crate) struct Endpoint {
     pub(crate) source: String,
 }
 
-#[derive(Debug, Args)]
+#[derive(Args)]
 pub(crate) struct ServeArgs {
     #[command(flatten)]
     pub(crate) endpoint: Endpoint,
@@ -129,6 +129,53 @@ pub(crate) struct PublishArgs {
     pub(crate) payload: String,
 }
 
+/// The broker URL may hold a password or a token: shown through [`idem_redact::redact_url`].
+impl std::fmt::Debug for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Endpoint")
+            .field(
+                "broker",
+                &self.broker.as_deref().map(idem_redact::redact_url),
+            )
+            .field("source", &self.source)
+            .finish()
+    }
+}
+
+/// The database URL may hold a password: shown through [`idem_redact::redact_url`].
+impl std::fmt::Debug for BenchArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BenchArgs")
+            .field("endpoint", &self.endpoint)
+            .field("database", &idem_redact::redact_url(&self.database))
+            .field("messages", &self.messages)
+            .field("concurrency", &self.concurrency)
+            .field("batch", &self.batch)
+            .field("set", &self.set)
+            .field("markdown", &self.markdown)
+            .finish()
+    }
+}
+
+/// The database URL may hold a password: shown through [`idem_redact::redact_url`].
+impl std::fmt::Debug for ServeArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServeArgs")
+            .field("endpoint", &self.endpoint)
+            .field("database", &idem_redact::redact_url(&self.database))
+            .field("metrics", &self.metrics)
+            .field("consumer", &self.consumer)
+            .field("instance", &self.instance)
+            .field("keep_claims_for", &self.keep_claims_for)
+            .field("redelivery_window", &self.redelivery_window)
+            .field("concurrency", &self.concurrency)
+            .field("batch", &self.batch)
+            .field("set", &self.set)
+            .field("redeliver_after", &self.redeliver_after)
+            .finish()
+    }
+}
+
 pub(crate) fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
     idem_core::parse_duration(s).map_err(|e| e.to_string())
 }
@@ -141,4 +188,36 @@ pub(crate) fn host_name() -> String {
         .map(|h| h.trim().to_owned())
         .filter(|h| !h.is_empty())
         .unwrap_or_else(|| "payments-1".to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::{Cli, Command};
+
+    #[test]
+    fn debug_hides_the_passwords_in_urls() {
+        let cli = Cli::parse_from([
+            "payments",
+            "--broker",
+            "amqp://app:hunter2-broker@mq:5672/%2f",
+            "--database",
+            "postgres://app:hunter2-db@db/pay",
+        ]);
+        let shown = format!("{cli:?}");
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(shown.contains("app:***@mq"), "{shown}");
+        let cli = Cli::parse_from([
+            "payments",
+            "bench",
+            "--broker",
+            "nats://hunter2-token@127.0.0.1:4222",
+            "--database",
+            "mysql://root:hunter2-db@127.0.0.1/test",
+        ]);
+        assert!(matches!(cli.command, Some(Command::Bench(_))));
+        let shown = format!("{cli:?}");
+        assert!(!shown.contains("hunter2"), "{shown}");
+    }
 }

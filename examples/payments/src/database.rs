@@ -6,7 +6,7 @@ use std::sync::Arc;
 use anyhow::Result;
 use idem_consumer::{CancellationToken, Consumer, Handler, Json, RunStats, SetHandler, Source};
 use idem_core::{BatchClaimStore, ErrorKind, Processor, TransactionalStore};
-use idem_sql::{AnyStore, MySqlStore, PostgresStore, SqliteStore, TableName};
+use idem_sql::{AnyStore, MySqlStore, PostgresStore, SqliteStore, StoreVisitor, TableName};
 
 use crate::Settings;
 use crate::charge_batch::ChargeBatch;
@@ -36,7 +36,7 @@ fn ddl_error<S: TransactionalStore>(store: &S, e: sqlx::Error) -> anyhow::Error 
 
 /// The database, opened and migrated: claims table plus the service's own tables. Which
 /// engine a `--database` URL means is `AnyStore`'s decision, the one place idem maps schemes;
-/// this keeps the typed store each engine's `Processor` needs.
+/// its visitor hands over the typed store each engine's `Processor` needs, kept here.
 #[derive(Debug, Clone)]
 pub(crate) enum Database {
     Sqlite(SqliteStore),
@@ -70,7 +70,7 @@ impl Database {
             if waiting {
                 tracing::debug!(error = %format!("{e:#}"), retry_in = ?wait, "database still unavailable");
             } else {
-                tracing::warn!(error = %format!("{e:#}"), database = %idem_core::redact_url(url), "database unavailable at start; waiting for it");
+                tracing::warn!(error = %format!("{e:#}"), database = %idem_redact::redact_url(url), "database unavailable at start; waiting for it");
                 waiting = true;
             }
             tokio::select! {
@@ -84,27 +84,7 @@ impl Database {
     pub(crate) async fn open(url: &str) -> Result<Self> {
         let store = AnyStore::connect_or_create(url, TableName::default()).await?;
         store.migrate().await?;
-        Ok(match store {
-            AnyStore::Sqlite(s) => {
-                ledger::create_sqlite(s.pool())
-                    .await
-                    .map_err(|e| ddl_error(&s, e))?;
-                Database::Sqlite(s)
-            }
-            AnyStore::Postgres(s) => {
-                ledger::create_postgres(s.pool())
-                    .await
-                    .map_err(|e| ddl_error(&s, e))?;
-                Database::Postgres(s)
-            }
-            AnyStore::MySql(s) => {
-                ledger::create_mysql(s.pool())
-                    .await
-                    .map_err(|e| ddl_error(&s, e))?;
-                Database::MySql(s)
-            }
-            other => anyhow::bail!("this build of payments has no {} support", other.engine()),
-        })
+        store.visit(CreateLedger).await
     }
 
     /// Consumes `source` into this database until shutdown.
@@ -122,6 +102,34 @@ impl Database {
             }
             Database::MySql(store) => consume(store, source, settings).await,
         }
+    }
+}
+
+/// The service's own tables next to the claims table, on whichever engine the URL chose.
+struct CreateLedger;
+
+impl StoreVisitor for CreateLedger {
+    type Output = Result<Database>;
+
+    async fn sqlite(self, s: SqliteStore) -> Result<Database> {
+        ledger::create_sqlite(s.pool())
+            .await
+            .map_err(|e| ddl_error(&s, e))?;
+        Ok(Database::Sqlite(s))
+    }
+
+    async fn postgres(self, s: PostgresStore) -> Result<Database> {
+        ledger::create_postgres(s.pool())
+            .await
+            .map_err(|e| ddl_error(&s, e))?;
+        Ok(Database::Postgres(s))
+    }
+
+    async fn mysql(self, s: MySqlStore) -> Result<Database> {
+        ledger::create_mysql(s.pool())
+            .await
+            .map_err(|e| ddl_error(&s, e))?;
+        Ok(Database::MySql(s))
     }
 }
 

@@ -269,7 +269,7 @@ mod tests {
                 sorted(read("SELECT account, balance_cents FROM accounts").await),
                 expected,
                 "balances after {mode} on {}",
-                idem_core::redact_url(url)
+                idem_redact::redact_url(url)
             );
             let sent: Vec<(String, i64)> = (0..runs)
                 .flat_map(|_| PAYMENTS.iter().map(|(a, n)| ((*a).to_owned(), *n)))

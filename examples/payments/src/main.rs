@@ -22,7 +22,6 @@ use anyhow::Result;
 use clap::Parser;
 use idem_consumer::CancellationToken;
 
-use crate::brokers::BrokerUrl;
 use crate::cli::{Cli, Command, ServeArgs, host_name};
 pub(crate) use crate::database::{Database, run_consumer, workers};
 
@@ -89,7 +88,7 @@ fn exit_with(e: anyhow::Error) -> ! {
 async fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Some(Command::Publish(p)) => {
-            let broker = BrokerUrl::parse(p.endpoint.broker.as_deref())?;
+            let broker = brokers::parse(p.endpoint.broker.as_deref())?;
             let note =
                 brokers::publish(&broker, &p.endpoint.source, &p.id, p.payload.as_bytes()).await?;
             println!(
@@ -104,7 +103,7 @@ async fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Some(Command::Teardown(t)) => {
-            let broker = BrokerUrl::parse(t.endpoint.broker.as_deref())?;
+            let broker = brokers::parse(t.endpoint.broker.as_deref())?;
             let settings = Settings {
                 source: t.endpoint.source,
                 consumer: t.consumer,
@@ -119,7 +118,7 @@ async fn run(cli: Cli) -> Result<()> {
             brokers::teardown(&broker, &settings).await
         }
         Some(Command::Bench(b)) => {
-            let broker = BrokerUrl::parse(b.endpoint.broker.as_deref())?;
+            let broker = brokers::parse(b.endpoint.broker.as_deref())?;
             let settings = Settings {
                 source: b.endpoint.source,
                 consumer: "payments-bench".to_owned(),
@@ -173,7 +172,7 @@ async fn run(cli: Cli) -> Result<()> {
 }
 
 async fn serve(args: ServeArgs) -> Result<()> {
-    let broker = BrokerUrl::parse(args.endpoint.broker.as_deref())?;
+    let broker = brokers::parse(args.endpoint.broker.as_deref())?;
     // A fault-injection run (idem-chaos) arms a crash point; a typo must not go unnoticed.
     if let Some(at) = idem_consumer::crash::from_env().map_err(anyhow::Error::msg)? {
         tracing::info!(crash_at = %at, "crash point armed: this process aborts there");
@@ -197,7 +196,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         tracing::info!("stopped before the database came up");
         return Ok(());
     };
-    tracing::info!(broker = %broker.redacted(), source = %settings.source, database = %idem_core::redact_url(&args.database), "starting");
+    tracing::info!(broker = %broker.redacted(), source = %settings.source, database = %idem_redact::redact_url(&args.database), "starting");
     let stats = brokers::serve(&broker, &settings, db).await?;
     tracing::info!(
         processed = stats.processed,

@@ -40,8 +40,8 @@ const CLAIMS_PART: &str = "idem_bench_claims_part";
 /// The partitioning of [`CLAIMS_PART`]: the bench's IDs carry no time, so every ID is read as
 /// made at the start of today (UTC), as a live stream of UUIDv7 IDs lands in today's
 /// partition; the default partition and the undated one stay empty.
-fn bench_partitioning() -> Result<idem_core::partition::Partitioning, idem_core::Error> {
-    use idem_core::partition::{Day, Partitioning};
+fn bench_partitioning() -> Result<idem_sql::partition::Partitioning, idem_core::Error> {
+    use idem_sql::partition::{Day, Partitioning};
     let today = Day::of(idem_core::Timestamp::from(std::time::SystemTime::now()));
     let at = idem_core::Timestamp::from_micros(today.start() + 1);
     // A fixed name: the extractor is the same function on every run (the day it returns is
@@ -70,11 +70,11 @@ pub(crate) struct Bench {
     describe: String,
 }
 
-/// The URL may hold a password: shown through [`idem_core::redact_url`].
+/// The URL may hold a password: shown through [`idem_redact::redact_url`].
 impl std::fmt::Debug for Bench {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Bench")
-            .field("url", &idem_core::redact_url(&self.url))
+            .field("url", &idem_redact::redact_url(&self.url))
             .field("admin", &self.admin)
             .field("settings", &self.settings)
             .field("describe", &self.describe)

@@ -366,9 +366,9 @@ async fn pipelined(
         "BEGIN; INSERT INTO {CLAIMS} (consumer, message_id, fingerprint, processed_at) \
          VALUES (convert_from(decode('{}', 'hex'), 'UTF8'), decode('{}', 'hex'), \
          decode('{}', 'hex'), {})",
-        hex(consumer.as_str().as_bytes()),
-        hex(d.id.as_bytes()),
-        hex(d.fingerprint().as_bytes()),
+        idem_core::hex::encode(consumer.as_str().as_bytes()),
+        idem_core::hex::encode(d.id.as_bytes()),
+        idem_core::hex::encode(d.fingerprint().as_bytes()),
         now_micros()
     );
     let failed = match conn.begin_with(sql).await {
@@ -383,13 +383,4 @@ async fn pipelined(
     // connection that goes back to the pool.
     let _ = sqlx::query("ROLLBACK").execute(conn).await;
     Err(failed.into())
-}
-
-fn hex(bytes: &[u8]) -> String {
-    use std::fmt::Write as _;
-    let mut s = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        let _ = write!(s, "{b:02x}");
-    }
-    s
 }

@@ -22,11 +22,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{Context, bail, ensure};
-use idem_core::partition::{Day, PartitionKind, PartitionReport, Partitioning};
 use idem_core::{
     Fingerprint, Identified, Migrate as _, Outcome, Processor, Prune as _, Retention, Stamp,
     Timestamp,
 };
+use idem_sql::partition::{Day, PartitionKind, PartitionReport, Partitioning};
 use idem_sql::{PostgresStore, TableName};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 

@@ -292,7 +292,7 @@ fn dollars(cents: i64) -> String {
     let cents = cents.unsigned_abs();
     format!(
         "{sign}${}.{:02}",
-        idem_core::group_digits(cents / 100),
+        crate::format::group_digits(cents / 100),
         cents % 100
     )
 }

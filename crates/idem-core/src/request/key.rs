@@ -134,7 +134,7 @@ impl RequestScope {
 
     /// Lowercase hex, e.g. for key names in a key-value store.
     pub fn to_hex(&self) -> String {
-        self.0.iter().map(|b| format!("{b:02x}")).collect()
+        crate::hex::encode(&self.0)
     }
 }
 

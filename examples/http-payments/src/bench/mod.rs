@@ -240,7 +240,7 @@ async fn pg_schema(base: &str, run: &str) -> Result<(String, Cleanup)> {
     let schema = format!("http_bench_{run}");
     let pool = sqlx::PgPool::connect(base)
         .await
-        .with_context(|| format!("connecting to {}", idem_core::redact_url(base)))?;
+        .with_context(|| format!("connecting to {}", idem_redact::redact_url(base)))?;
     sqlx::query(&format!("CREATE SCHEMA {schema}"))
         .execute(&pool)
         .await?;
@@ -283,7 +283,7 @@ async fn target(name: &str, a: &BenchArgs, run: &str, tmp: &std::path::Path) -> 
             let db = format!("http_bench_{run}");
             let pool = sqlx::MySqlPool::connect(&base)
                 .await
-                .with_context(|| format!("connecting to {}", idem_core::redact_url(&base)))?;
+                .with_context(|| format!("connecting to {}", idem_redact::redact_url(&base)))?;
             sqlx::query(&format!("CREATE DATABASE {db}"))
                 .execute(&pool)
                 .await?;

@@ -2,12 +2,7 @@
 
 /// Formats `n` with a comma between groups of three digits, for operator-facing output:
 /// `1234567` as `1,234,567`.
-///
-/// ```
-/// assert_eq!(idem_core::group_digits(1_234_567), "1,234,567");
-/// assert_eq!(idem_core::group_digits(999), "999");
-/// ```
-pub fn group_digits(n: u64) -> String {
+pub(crate) fn group_digits(n: u64) -> String {
     let digits = n.to_string();
     let mut out = String::with_capacity(digits.len() + digits.len() / 3);
     for (i, c) in digits.chars().enumerate() {

@@ -77,7 +77,7 @@ const SEPARATORS: &[char] = &['?', '#', '&', ';', ' ', '\t', '\r', '\n'];
 /// encoding details (for example a space in the query becomes `%20`).
 ///
 /// ```
-/// use idem_core::redact_url;
+/// use idem_redact::redact_url;
 ///
 /// assert_eq!(redact_url("postgres://app:hunter2@db:5432/pay"), "postgres://app:***@db:5432/pay");
 /// assert_eq!(
@@ -342,7 +342,7 @@ fn quoted_end(s: &str, from: usize) -> usize {
     s.len()
 }
 
-fn is_secret_name(name: &str) -> bool {
+pub(crate) fn is_secret_name(name: &str) -> bool {
     let name = normalized_name(name);
     SECRET_NAMES.contains(&name.as_str()) || SECRET_WORDS.iter().any(|w| name.contains(w))
 }

@@ -14,7 +14,8 @@
 //! ([`Partitioning::key_of`]), the daily ranges a store creates and drops ([`Day`]), and what a
 //! table records about its partitioning ([`PartitionRecord`]: the extractor's name, so a store
 //! reading IDs otherwise is refused; the retention, so `idem prune` can maintain the table).
-//! The stores own the DDL:
+//! The DDL, the catalog reads and the maintenance plan are [`super::maintenance`]'s; both
+//! PostgreSQL stores execute them with their own driver:
 //!
 //! * one range partition per UTC day of ID time, created [`ahead`](Partitioning::ahead) of
 //!   the database's clock; an ID whose time falls outside every partition — ahead of the
@@ -34,10 +35,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::clock::Timestamp;
-use crate::error::{Error, ErrorKind};
-use crate::id::MessageId;
-use crate::retention::Retention;
+use idem_core::{Error, ErrorKind, MessageId, Retention, Timestamp};
 
 /// The partition key of a claim whose ID carries no readable time.
 pub const UNDATED: i64 = 0;
@@ -421,7 +419,7 @@ impl PartitionRecord {
                 return Err(unreadable("a field without ="));
             };
             let duration =
-                || crate::retention::parse_duration(value).map_err(|e| unreadable(&e.to_string()));
+                || idem_core::parse_duration(value).map_err(|e| unreadable(&e.to_string()));
             match key {
                 "extractor" => {
                     check_extractor_name(value).map_err(|e| unreadable(&e.to_string()))?;
@@ -512,8 +510,8 @@ impl fmt::Display for PartitionRecord {
             f,
             "{RECORD_TAG} extractor={} kept-for={} ahead={}",
             self.extractor,
-            crate::retention::format_duration(self.kept_for),
-            crate::retention::format_duration(self.ahead)
+            idem_core::format_duration(self.kept_for),
+            idem_core::format_duration(self.ahead)
         )
     }
 }

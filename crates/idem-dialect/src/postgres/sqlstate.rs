@@ -2,7 +2,19 @@
 //! idem runs on (sqlx in `idem-sql`, tokio-postgres in `idem-postgres`), so an outage or a
 //! misconfiguration means the same on both. Pure data: no driver dependency here.
 
-use crate::ErrorKind;
+use idem_core::ErrorKind;
+
+/// `read_only_sql_transaction`: a standby, or a session or role with
+/// `default_transaction_read_only`. After a failover behind a stale DNS name a connection can
+/// stay on the old primary, now a replica, while a new one would reach the new primary.
+pub const READ_ONLY_SQL_TRANSACTION: &str = "25006";
+
+/// `in_failed_sql_transaction`: a statement of the transaction failed earlier, so it aborted;
+/// what [`COMMIT`](super::COMMIT)'s `SELECT` answers in it.
+pub const IN_FAILED_SQL_TRANSACTION: &str = "25P02";
+
+/// `lock_not_available`: a wait past [`LOCK_TIMEOUT`](super::maintenance::LOCK_TIMEOUT).
+pub const LOCK_NOT_AVAILABLE: &str = "55P03";
 
 /// PostgreSQL SQLSTATEs (appendix A of its manual). What a database in trouble answers is an
 /// outage to wait out, not a verdict on the message; what a wrong deployment answers stops the

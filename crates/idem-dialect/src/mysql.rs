@@ -1,0 +1,226 @@
+//! MySQL / MariaDB (InnoDB): the statements, migration and error-number table `idem-sql`'s
+//! MySQL store runs.
+//!
+//! The claim is `INSERT … ON DUPLICATE KEY UPDATE duplicates = duplicates + 1`: one statement
+//! that cannot race, and — unlike `INSERT IGNORE` — it does not turn truncation or other errors
+//! into warnings. The counter is what makes the result readable: connected with
+//! `CLIENT_FOUND_ROWS`, a no-op update reports 1 affected row, the same as an insert; a real
+//! increment reports 2. (The increment persists only when a batch containing the duplicate
+//! commits; a lone duplicate rolls back, so the column is not a redelivery count.) A
+//! concurrent duplicate waits on the first transaction's record lock; the increment then locks
+//! the existing row and makes it visible to the fingerprint read that follows.
+//!
+//! Request records are all binary columns (`BINARY`/`VARBINARY`/`LONGBLOB`, never a collated
+//! text column, whose comparison would fold case). Their insert is a plain `INSERT` whose
+//! duplicate-key error means a lost race (no `ON DUPLICATE KEY UPDATE` no-op: under
+//! `CLIENT_FOUND_ROWS` it reports one row, like an insert). Every guarded `UPDATE` changes a
+//! column anyway (the state, the fence or the lease), so its count is right under either flag.
+
+use idem_core::request_record::MAX_REQUEST_KEY_LEN;
+use idem_core::{ErrorKind, TableName};
+
+use crate::{ClaimStatements, RequestStatements};
+
+/// The server's clock in `processed_at` units: microseconds since the Unix epoch, computed on
+/// UTC so the session's time zone (and its daylight-saving jumps) cannot shift it.
+/// `UTC_TIMESTAMP(6)` is fixed for the whole statement.
+pub const SERVER_NOW: &str = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))";
+
+/// Longest message ID the `VARBINARY(1024)` column holds.
+pub const MAX_MESSAGE_ID_LEN: usize = 1024;
+
+/// Begins a transaction.
+pub const BEGIN: &str = "BEGIN";
+
+/// The claim statements for `t`. Parameters are `?`, bound in the order they appear.
+pub fn claim_statements(t: &TableName) -> ClaimStatements {
+    ClaimStatements {
+        claim: format!(
+            "INSERT INTO {t} (consumer, message_id, fingerprint, processed_at) \
+             VALUES (?, ?, ?, COALESCE(?, {SERVER_NOW})) \
+             ON DUPLICATE KEY UPDATE duplicates = duplicates + 1"
+        ),
+        read_fingerprint: format!(
+            "SELECT fingerprint FROM {t} WHERE consumer = ? AND message_id = ?"
+        ),
+        prune_all: format!(
+            "DELETE FROM {t} WHERE processed_at < COALESCE(?, {SERVER_NOW}) - ? LIMIT ?"
+        ),
+        prune_consumer: format!(
+            "DELETE FROM {t} WHERE processed_at < COALESCE(?, {SERVER_NOW}) - ? \
+             AND consumer = ? LIMIT ?"
+        ),
+        stats: format!(
+            "SELECT CAST(consumer AS CHAR), CAST(count(*) AS SIGNED), min(processed_at), \
+             max(processed_at) FROM {t} GROUP BY consumer ORDER BY consumer"
+        ),
+        claim_many: format!("INSERT INTO {t} (consumer, message_id, fingerprint, processed_at) "),
+        claim_many_tail: " ON DUPLICATE KEY UPDATE duplicates = duplicates + 1".to_owned(),
+        // Every row of a batch is locked by its transaction once claimed: inserted ones still
+        // have duplicates = 0, pre-existing ones were just incremented.
+        read_fingerprints: format!(
+            "SELECT message_id, fingerprint FROM {t} WHERE duplicates > 0 AND consumer = "
+        ),
+    }
+}
+
+/// The request-record statements for `t`, on the server's clock. `?` are bound in the order
+/// they appear, which is the order listed on [`RequestStatements`].
+pub fn request_statements(t: &TableName) -> RequestStatements {
+    let now = SERVER_NOW;
+    RequestStatements {
+        read: format!(
+            "SELECT r.fingerprint, r.state, r.fence, r.lease_until, r.expires_at, n.now, \
+             CASE WHEN r.fingerprint = ? AND r.state = 1 THEN r.result END \
+             FROM (SELECT {now} AS now) n LEFT JOIN {t} r ON r.scope = ? AND r.idem_key = ?"
+        ),
+        insert: format!(
+            "INSERT INTO {t} (scope, idem_key, fingerprint, state, fence, lease_until, expires_at) \
+             VALUES (?, ?, ?, 0, ?, {now} + ?, {now} + ?)"
+        ),
+        reset: format!(
+            "UPDATE {t} SET fingerprint = ?, state = 0, fence = fence + 1, \
+             lease_until = {now} + ?, expires_at = {now} + ?, result = NULL \
+             WHERE scope = ? AND idem_key = ? AND fence = ? \
+             AND expires_at <= {now} AND (state = 1 OR lease_until <= {now})"
+        ),
+        take_over: format!(
+            "UPDATE {t} SET fence = fence + 1, lease_until = {now} + ? \
+             WHERE scope = ? AND idem_key = ? AND fence = ? AND state = 0 \
+             AND lease_until <= {now}"
+        ),
+        complete: format!(
+            "UPDATE {t} SET state = 1, result = ?, expires_at = {now} + ? \
+             WHERE scope = ? AND idem_key = ? AND fence = ? AND state = 0"
+        ),
+        release: format!(
+            "DELETE FROM {t} WHERE scope = ? AND idem_key = ? AND fence = ? AND state = 0"
+        ),
+        extend: format!(
+            "UPDATE {t} SET lease_until = {now} + ? \
+             WHERE scope = ? AND idem_key = ? AND fence = ? AND state = 0"
+        ),
+        reap: format!(
+            "DELETE FROM {t} WHERE expires_at < {now} AND (state = 1 OR lease_until < {now}) \
+             LIMIT ?"
+        ),
+    }
+}
+
+/// Both tables. MySQL DDL commits implicitly, so there is no transaction to hold: each
+/// statement runs alone, and `CREATE … IF NOT EXISTS` is atomic per statement, which is enough
+/// for concurrent starts.
+pub fn migration(t: &TableName, r: &TableName) -> Vec<String> {
+    let (name, rname) = (t.table(), r.table());
+    vec![
+        format!(
+            "CREATE TABLE IF NOT EXISTS {t} (
+            consumer     VARCHAR(100) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
+            message_id   VARBINARY({MAX_MESSAGE_ID_LEN}) NOT NULL,
+            fingerprint  BINARY(32)   NOT NULL,
+            processed_at BIGINT       NOT NULL COMMENT 'microseconds since the Unix epoch',
+            duplicates   INT UNSIGNED NOT NULL DEFAULT 0,
+            PRIMARY KEY (consumer, message_id),
+            KEY {name}_processed_at (processed_at)
+        ) ENGINE = InnoDB"
+        ),
+        format!(
+            "CREATE TABLE IF NOT EXISTS {r} (
+            scope       BINARY(32) NOT NULL,
+            idem_key    VARBINARY({MAX_REQUEST_KEY_LEN}) NOT NULL,
+            fingerprint BINARY(32) NOT NULL,
+            state       SMALLINT   NOT NULL COMMENT '0 in progress, 1 completed',
+            fence       BIGINT     NOT NULL,
+            lease_until BIGINT     NOT NULL COMMENT 'microseconds since the Unix epoch',
+            expires_at  BIGINT     NOT NULL COMMENT 'microseconds since the Unix epoch',
+            result      LONGBLOB   NULL,
+            PRIMARY KEY (scope, idem_key),
+            KEY {rname}_expires_at (expires_at)
+        ) ENGINE = InnoDB"
+        ),
+    ]
+}
+
+/// What a MySQL / MariaDB server error number means for a consumer.
+pub fn kind(number: u16) -> ErrorKind {
+    match number {
+        // 1213 deadlock, 1205 lock wait timeout, 1020 record changed (snapshot conflict),
+        // 3024 / 1969 statement time limit (MySQL / MariaDB).
+        1213 | 1205 | 1020 | 3024 | 1969 => ErrorKind::Transient,
+        // 1290 running with --read-only, 1792 read-only transaction, 1836 read-only mode;
+        // 1021 disk full, 1114 table full; 1040 too many connections, 1203 / 1226 per-user
+        // connection limits; 1037 / 1038 / 1041 out of memory; 1053 server shutdown;
+        // 1927 connection killed, 2006 server gone away, 2013 lost connection mid-query,
+        // 1158–1161 network read/write errors.
+        1290
+        | 1792
+        | 1836
+        | 1021
+        | 1114
+        | 1040
+        | 1203
+        | 1226
+        | 1037
+        | 1038
+        | 1041
+        | 1053
+        | 1927
+        | 2006
+        | 2013
+        | 1158..=1161 => ErrorKind::Unavailable,
+        // 1044 / 1045 / 1142 / 1143 / 1227 / 1370 access denied; 1046 no database selected,
+        // 1049 unknown database, 1054 unknown column, 1064 SQL syntax, 1109 unknown table,
+        // 1146 no such table, 1305 no such function or procedure.
+        1044 | 1045 | 1142 | 1143 | 1227 | 1370 | 1046 | 1049 | 1054 | 1064 | 1109 | 1146
+        | 1305 => ErrorKind::Misconfigured,
+        _ => ErrorKind::Store,
+    }
+}
+
+/// Error numbers that end the session under a running statement: 1927 connection killed
+/// (`KILL`), 2006 server gone away, 2013 lost connection mid-query, 1158–1161 network
+/// read/write errors, 1053 server shutdown. [`kind`] calls them outages; under a handler's
+/// statement they are [`ErrorKind::ConnectionLost`].
+pub fn connection_lost(number: u16) -> bool {
+    matches!(number, 1927 | 2006 | 2013 | 1158..=1161 | 1053)
+}
+
+/// Error numbers that say the server takes no writes on this connection: 1290 running with
+/// `--read-only` (`super_read_only`), 1792 a read-only transaction, 1836 read-only mode.
+pub fn read_only(number: u16) -> bool {
+    matches!(number, 1290 | 1792 | 1836)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lost_sessions_and_read_only_servers_are_outages() {
+        for n in [1927, 2006, 2013, 1158, 1161, 1053, 1290, 1792, 1836] {
+            assert_eq!(kind(n), ErrorKind::Unavailable, "{n}");
+        }
+        assert!(connection_lost(2013) && !connection_lost(1290) && !connection_lost(1213));
+        assert!(read_only(1290) && !read_only(2013));
+        assert_eq!(kind(1213), ErrorKind::Transient);
+        assert_eq!(kind(1146), ErrorKind::Misconfigured);
+        assert_eq!(kind(1062), ErrorKind::Store, "a duplicate key is no outage");
+    }
+
+    #[test]
+    fn the_batch_claim_is_a_head_and_a_tail_around_the_rows() {
+        let t = TableName::new("app.claims").expect("table");
+        let sql = claim_statements(&t);
+        assert!(
+            sql.claim_many.ends_with("processed_at) "),
+            "{}",
+            sql.claim_many
+        );
+        assert_eq!(
+            sql.claim_many_tail,
+            " ON DUPLICATE KEY UPDATE duplicates = duplicates + 1"
+        );
+        assert!(sql.claim.ends_with(&sql.claim_many_tail), "{}", sql.claim);
+        assert_eq!(migration(&t, &TableName::default_requests()).len(), 2);
+    }
+}

@@ -1,0 +1,177 @@
+//! SQLite: the statements, migration and result-code table `idem-sql`'s SQLite store runs.
+//! Times are bound by the store (this host's clock, the only host writing the file), so no
+//! statement reads a clock of its own.
+
+use idem_core::{ErrorKind, TableName};
+
+use crate::{ClaimStatements, RequestStatements};
+
+/// SQLite has no practical limit; this bound keeps rows and the index reasonable.
+pub const MAX_MESSAGE_ID_LEN: usize = 4096;
+
+/// Begins a consumer's transaction, taking the write lock up front, so a concurrent duplicate
+/// waits (up to the busy timeout) for the first claim instead of failing on a refused upgrade.
+pub const BEGIN: &str = "BEGIN IMMEDIATE";
+
+/// Begins an idempotent request's transaction: the write lock is taken by the handler's first
+/// write, never held while the handler does anything else.
+pub const REQUEST_BEGIN: &str = "BEGIN DEFERRED";
+
+/// The claim statements for `t`, parameters numbered (`?1`…).
+pub fn claim_statements(t: &TableName) -> ClaimStatements {
+    ClaimStatements {
+        claim: format!(
+            "INSERT INTO {t} (consumer, message_id, fingerprint, processed_at) \
+             VALUES (?1, ?2, ?3, ?4) ON CONFLICT (consumer, message_id) DO NOTHING"
+        ),
+        read_fingerprint: format!(
+            "SELECT fingerprint FROM {t} WHERE consumer = ?1 AND message_id = ?2"
+        ),
+        prune_all: format!(
+            "DELETE FROM {t} WHERE rowid IN \
+             (SELECT rowid FROM {t} WHERE processed_at < ?1 - ?2 LIMIT ?3)"
+        ),
+        prune_consumer: format!(
+            "DELETE FROM {t} WHERE rowid IN \
+             (SELECT rowid FROM {t} WHERE processed_at < ?1 - ?2 AND consumer = ?3 LIMIT ?4)"
+        ),
+        stats: format!(
+            "SELECT consumer, count(*), min(processed_at), max(processed_at) \
+             FROM {t} GROUP BY consumer ORDER BY consumer"
+        ),
+        claim_many: format!("INSERT INTO {t} (consumer, message_id, fingerprint, processed_at) "),
+        claim_many_tail: " ON CONFLICT (consumer, message_id) DO NOTHING RETURNING message_id"
+            .to_owned(),
+        read_fingerprints: String::new(),
+    }
+}
+
+/// The request-record statements for `t`; `now` (host microseconds) is the last parameter.
+pub fn request_statements(t: &TableName) -> RequestStatements {
+    RequestStatements {
+        read: format!(
+            "SELECT r.fingerprint, r.state, r.fence, r.lease_until, r.expires_at, n.now, \
+             CASE WHEN r.fingerprint = ?1 AND r.state = 1 THEN r.result END \
+             FROM (SELECT ?4 AS now) n LEFT JOIN {t} r ON r.scope = ?2 AND r.idem_key = ?3"
+        ),
+        insert: format!(
+            "INSERT INTO {t} (scope, idem_key, fingerprint, state, fence, lease_until, expires_at) \
+             VALUES (?1, ?2, ?3, 0, ?4, ?7 + ?5, ?7 + ?6) ON CONFLICT (scope, idem_key) DO NOTHING"
+        ),
+        reset: format!(
+            "UPDATE {t} SET fingerprint = ?1, state = 0, fence = fence + 1, lease_until = ?7 + ?2, \
+             expires_at = ?7 + ?3, result = NULL \
+             WHERE scope = ?4 AND idem_key = ?5 AND fence = ?6 \
+             AND expires_at <= ?7 AND (state = 1 OR lease_until <= ?7)"
+        ),
+        take_over: format!(
+            "UPDATE {t} SET fence = fence + 1, lease_until = ?5 + ?1 \
+             WHERE scope = ?2 AND idem_key = ?3 AND fence = ?4 AND state = 0 AND lease_until <= ?5"
+        ),
+        complete: format!(
+            "UPDATE {t} SET state = 1, result = ?1, expires_at = ?6 + ?2 \
+             WHERE scope = ?3 AND idem_key = ?4 AND fence = ?5 AND state = 0"
+        ),
+        release: format!(
+            "DELETE FROM {t} WHERE scope = ?1 AND idem_key = ?2 AND fence = ?3 AND state = 0"
+        ),
+        extend: format!(
+            "UPDATE {t} SET lease_until = ?5 + ?1 \
+             WHERE scope = ?2 AND idem_key = ?3 AND fence = ?4 AND state = 0"
+        ),
+        reap: format!(
+            "DELETE FROM {t} WHERE rowid IN (SELECT rowid FROM {t} \
+             WHERE expires_at < ?2 AND (state = 1 OR lease_until < ?2) LIMIT ?1)"
+        ),
+    }
+}
+
+/// Both tables, run in one `BEGIN IMMEDIATE` transaction: concurrent starts take turns.
+pub fn migration(t: &TableName, r: &TableName) -> Vec<String> {
+    let (name, rname) = (t.table(), r.table());
+    vec![
+        // processed_at: microseconds since the Unix epoch.
+        format!(
+            "CREATE TABLE IF NOT EXISTS {t} (
+                consumer     TEXT    NOT NULL,
+                message_id   BLOB    NOT NULL,
+                fingerprint  BLOB    NOT NULL,
+                processed_at INTEGER NOT NULL,
+                PRIMARY KEY (consumer, message_id)
+            )"
+        ),
+        format!("CREATE INDEX IF NOT EXISTS {name}_processed_at ON {t} (processed_at)"),
+        // Idempotent-request records: state 0 in progress, 1 completed; lease_until and
+        // expires_at in microseconds since the Unix epoch; result NULL while in progress.
+        format!(
+            "CREATE TABLE IF NOT EXISTS {r} (
+                scope       BLOB    NOT NULL,
+                idem_key    BLOB    NOT NULL,
+                fingerprint BLOB    NOT NULL,
+                state       INTEGER NOT NULL,
+                fence       INTEGER NOT NULL,
+                lease_until INTEGER NOT NULL,
+                expires_at  INTEGER NOT NULL,
+                result      BLOB,
+                PRIMARY KEY (scope, idem_key)
+            )"
+        ),
+        format!("CREATE INDEX IF NOT EXISTS {rname}_expires_at ON {r} (expires_at)"),
+    ]
+}
+
+/// What an SQLite result code means for a consumer (extended codes carry the primary code in
+/// their low byte); `message` only where SQLite has no code of its own.
+pub fn kind(code: u32, message: &str) -> ErrorKind {
+    match code & 0xff {
+        // SQLITE_BUSY, SQLITE_LOCKED: another writer holds the lock.
+        5 | 6 => ErrorKind::Transient,
+        // SQLITE_READONLY (a read-only file or mount), SQLITE_IOERR, SQLITE_FULL (disk or
+        // max_page_count), SQLITE_CANTOPEN: the database cannot take writes now.
+        8 | 10 | 13 | 14 => ErrorKind::Unavailable,
+        // SQLITE_PERM, SQLITE_AUTH; SQLITE_CORRUPT, SQLITE_NOTADB: a damaged file is for an
+        // operator, not for retries.
+        3 | 23 | 11 | 26 => ErrorKind::Misconfigured,
+        // SQLITE_ERROR is every SQL error at once; SQLite has no separate code for a missing
+        // table or column, so the prefix of its message is the only signal there is.
+        1 if message.starts_with("no such table")
+            || message.starts_with("no such column")
+            || message.starts_with("no such function") =>
+        {
+            ErrorKind::Misconfigured
+        }
+        _ => ErrorKind::Store,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_map_by_their_primary_byte() {
+        assert_eq!(kind(5, ""), ErrorKind::Transient);
+        assert_eq!(kind(517, ""), ErrorKind::Transient, "SQLITE_BUSY_SNAPSHOT");
+        assert_eq!(kind(13, ""), ErrorKind::Unavailable);
+        assert_eq!(kind(1, "no such table: x"), ErrorKind::Misconfigured);
+        assert_eq!(kind(1, "syntax error"), ErrorKind::Store);
+        assert_eq!(
+            kind(2067, ""),
+            ErrorKind::Store,
+            "a unique violation is no outage"
+        );
+    }
+
+    #[test]
+    fn request_statements_bind_now_last() {
+        let sql = request_statements(&TableName::default_requests());
+        // read takes three parameters then now; insert six then now.
+        assert!(sql.read.contains("?4 AS now"), "{}", sql.read);
+        assert!(sql.insert.contains("?7 + ?5"), "{}", sql.insert);
+        assert!(
+            !sql.release.contains("?4"),
+            "release takes no now: {}",
+            sql.release
+        );
+    }
+}
