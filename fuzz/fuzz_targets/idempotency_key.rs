@@ -5,7 +5,7 @@
 #![no_main]
 
 use arbitrary::Arbitrary;
-use idem_core::{ErrorKind, IdempotencyKey, MAX_IDEMPOTENCY_KEY_LEN};
+use idem_core::{IdempotencyKey, MAX_IDEMPOTENCY_KEY_LEN, RequestErrorKind};
 use libfuzzer_sys::fuzz_target;
 
 #[derive(Arbitrary, Debug)]
@@ -36,7 +36,7 @@ fn check(key: &str, limit: usize) {
         }
         Err(e) => {
             assert!(!valid, "{key:?} refused under a limit of {limit}: {e}");
-            assert_eq!(e.kind(), ErrorKind::InvalidKey);
+            assert_eq!(e.request_kind(), Some(RequestErrorKind::InvalidKey));
         }
     }
 }

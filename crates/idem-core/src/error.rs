@@ -9,6 +9,8 @@
 use std::borrow::Cow;
 use std::fmt;
 
+use crate::request::RequestErrorKind;
+
 /// A boxed error from a handler or a driver.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
@@ -51,16 +53,11 @@ pub enum ErrorKind {
     Handler,
     /// The handler rejected the message as permanently unprocessable (see [`Error::reject`]).
     Rejected,
-    /// An idempotency key that is empty, too long or not visible ASCII. A client error.
-    InvalidKey,
-    /// An execution with this idempotency key is still running elsewhere; ask again after
-    /// [`Error::retry_after`].
-    InProgress,
-    /// The idempotency key was already used for a different request (another fingerprint).
-    KeyReused,
-    /// This executor's lease on a request record was taken over after it ran out; its
-    /// completion was refused and its writes rolled back.
-    LeaseLost,
+    /// A failure only an idempotent request can have (an invalid key, a key in progress or
+    /// reused, a lost lease): the request API's own kinds, in
+    /// [`RequestErrorKind`]; what its caller should do is
+    /// [`RequestAction::of`](crate::RequestAction::of).
+    Request(RequestErrorKind),
     /// Any other error reported by the store (a constraint the handler's write violates, a
     /// value out of range), and any refusal of the handler's own statements (a table or
     /// privilege it lacks, a row-level-security check): retried like a handler failure.
@@ -85,16 +82,16 @@ impl ErrorKind {
         match self {
             ErrorKind::InvalidMessageId
             | ErrorKind::Rejected
-            | ErrorKind::InvalidKey
-            | ErrorKind::KeyReused => Disposition::DeadLetter,
+            | ErrorKind::Request(RequestErrorKind::InvalidKey | RequestErrorKind::KeyReused) => {
+                Disposition::DeadLetter
+            }
             ErrorKind::InvalidConfig | ErrorKind::Misconfigured => Disposition::Fatal,
             ErrorKind::Unavailable
             | ErrorKind::ConnectionLost
             | ErrorKind::Transient
             | ErrorKind::OutcomeUnknown
             | ErrorKind::Handler
-            | ErrorKind::InProgress
-            | ErrorKind::LeaseLost
+            | ErrorKind::Request(_)
             | ErrorKind::Store => Disposition::Retry,
         }
     }

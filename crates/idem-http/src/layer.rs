@@ -15,6 +15,7 @@ use idem_core::{Fingerprint, MAX_IDEMPOTENCY_KEY_LEN};
 use idem_request::Idempotency;
 use tower_layer::Layer;
 
+use crate::exchange::Exchange;
 use crate::key::IDEMPOTENCY_KEY;
 use crate::policy::StorePolicy;
 use crate::principal::{MakePrincipal, PrincipalFn, SharedScope};
@@ -288,6 +289,19 @@ impl<S, P> IdempotencyLayer<S, P> {
         &self.idem
     }
 
+    /// The framework-free [`Exchange`] of this configuration, for a framework other than
+    /// tower's (see [`exchange`](crate::exchange)).
+    pub fn exchange(&self) -> Exchange<S, P>
+    where
+        P: Clone,
+    {
+        Exchange::new(
+            self.idem.clone(),
+            self.principal.clone(),
+            Arc::clone(&self.config),
+        )
+    }
+
     /// The header carrying the key (default `Idempotency-Key`; names are case-insensitive).
     pub fn key_header(self, name: HeaderName) -> Self {
         self.config(|c| c.key_header = name)
@@ -442,11 +456,6 @@ where
     type Service = IdempotencyService<Inner, S, P>;
 
     fn layer(&self, inner: Inner) -> Self::Service {
-        IdempotencyService::new(
-            inner,
-            self.idem.clone(),
-            self.principal.clone(),
-            Arc::clone(&self.config),
-        )
+        IdempotencyService::new(inner, self.exchange())
     }
 }

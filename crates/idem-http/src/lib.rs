@@ -333,6 +333,14 @@
 //! | 500 | `internal-error` | a stored response the layer cannot read, a handler that kept the transaction, a response body that failed | ran; not stored |
 //! | 503 | `store-unavailable` | the store is down, refusing work, or busy past its bound (SQLite's write lock, see below); with `Retry-After`; the key is free | not run, or ran and not stored |
 //!
+//! # Other frameworks
+//!
+//! Everything above is decided by a framework-free [`Exchange`] over
+//! `http` types — request head and body bytes in, decision and stored response out — that
+//! [`IdempotencyService`] drives for tower and `idem-actix` drives for actix-web; another
+//! framework drives it the same way (see [`exchange`]), configured by this crate's
+//! [`IdempotencyLayer`] builder ([`IdempotencyLayer::exchange`]).
+//!
 //! # Placement
 //!
 //! Put authentication *in front of* (outside) this layer so the principal function finds the
@@ -343,6 +351,7 @@
 //! the table above and the Redis store's documentation.
 
 mod body;
+pub mod exchange;
 pub mod execution;
 #[cfg(feature = "axum")]
 mod extract;
@@ -357,6 +366,7 @@ mod service;
 mod tx;
 
 pub use body::{RequestBody, ResponseBody};
+pub use exchange::Exchange;
 pub use execution::{Executed, IdemRequest};
 pub use future::ResponseFuture;
 pub use key::{IDEMPOTENCY_KEY, KeyError, parse_key, parse_key_header};

@@ -170,6 +170,17 @@ impl std::fmt::Display for ProblemCode {
     }
 }
 
+/// A problem response of `code` with `detail`, its `type` under `type_base` (use
+/// [`DEFAULT_TYPE_BASE`] unless the layer was configured otherwise): for a framework
+/// integration that answers for the layer (an extractor finding no transaction, say).
+pub fn problem_response(
+    code: ProblemCode,
+    detail: impl Into<String>,
+    type_base: &str,
+) -> Response<Bytes> {
+    Problem::new(code, detail).render(type_base)
+}
+
 /// One problem response, before it is rendered.
 #[derive(Debug)]
 pub(crate) struct Problem {

@@ -122,7 +122,7 @@
 //! | operation | what the script does |
 //! |---|---|
 //! | `begin_request` | same fingerprint and completed → the stored result; different fingerprint → mismatch (nothing changes); lease alive → in progress with its `PTTL`, rounded up to whole seconds ([`idem_core::retry_after`]); otherwise takes the record: new, or a takeover of a lapsed lease with fence + 1 |
-//! | `complete_in` | if the record is in progress under this fence: stores the result, `PEXPIRE` TTL, deletes the lease; else [`LeaseLost`](idem_core::ErrorKind::LeaseLost) |
+//! | `complete_in` | if the record is in progress under this fence: stores the result, `PEXPIRE` TTL, deletes the lease; else [`LeaseLost`](idem_core::RequestErrorKind::LeaseLost) |
 //! | `extend_lease` | if this fence holds the record: the lease `PX` the new length, the record kept at least as long |
 //! | `release` | if this fence holds the record: deletes it and the lease; the counter stays, so the next holder's fence is larger |
 //!

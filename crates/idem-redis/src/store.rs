@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::store::{ReapRequests, RequestStore};
-use idem_core::{Begin, Error, ErrorKind, Fence, Fingerprint, RequestKey, TransactionalStore};
+use idem_core::{
+    Begin, Error, ErrorKind, Fence, Fingerprint, RequestErrorKind, RequestKey, TransactionalStore,
+};
 use idem_redact::redact_url;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::{FromRedisValue, RedisResult, Script, ServerErrorKind};
@@ -419,7 +421,7 @@ where
         let len = key.key.as_str().len();
         if len > MAX_KEY_LEN {
             return Err(Error::new(
-                ErrorKind::InvalidKey,
+                ErrorKind::Request(RequestErrorKind::InvalidKey),
                 format!("idempotency key is {len} bytes, over this store's limit of {MAX_KEY_LEN}"),
             ));
         }
@@ -564,7 +566,7 @@ where
             }
         } else {
             Err(Error::new(
-                ErrorKind::LeaseLost,
+                ErrorKind::Request(RequestErrorKind::LeaseLost),
                 format!(
                     "key {}: fence {} no longer holds the record (taken over after its lease \
                      ran out, released, or expired); the result was not stored",

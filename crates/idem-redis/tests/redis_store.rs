@@ -11,8 +11,8 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use idem_core::store::{ReapRequests, RequestStore};
 use idem_core::{
-    Begin, ErrorKind, Fence, Fingerprint, IdempotencyKey, RequestKey, RequestScope,
-    TransactionalStore,
+    Begin, ErrorKind, Fence, Fingerprint, IdempotencyKey, RequestErrorKind, RequestKey,
+    RequestScope, TransactionalStore,
 };
 use idem_redis::RedisRequestStore;
 use redis::aio::{ConnectionLike, MultiplexedConnection};
@@ -424,7 +424,7 @@ async fn a_stalled_executor_of_an_expired_record_cannot_complete_its_successor()
         .complete_in(&mut tx, &k, stalled, b"stale", DAY)
         .await
         .expect_err("a stale fence completed");
-    assert_eq!(err.kind(), ErrorKind::LeaseLost);
+    assert_eq!(err.request_kind(), Some(RequestErrorKind::LeaseLost));
     assert!(!store.extend_lease(&k, stalled, LONG).await.expect("extend"));
     complete(&store, &k, successor, b"fresh").await;
     assert_eq!(
@@ -441,7 +441,7 @@ async fn a_stalled_executor_of_an_expired_record_cannot_complete_its_successor()
         .complete_in(&mut tx, &k, successor, b"twice", DAY)
         .await
         .expect_err("completed twice");
-    assert_eq!(err.kind(), ErrorKind::LeaseLost);
+    assert_eq!(err.request_kind(), Some(RequestErrorKind::LeaseLost));
     clean(&mut plain, &prefix).await;
 }
 

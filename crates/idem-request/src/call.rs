@@ -6,7 +6,8 @@ use std::panic::AssertUnwindSafe;
 use futures_util::FutureExt;
 use idem_core::store::RequestStore;
 use idem_core::{
-    BoxError, Error, ErrorKind, Fingerprint, IdempotencyKey, RequestKey, RequestScope,
+    BoxError, Error, ErrorKind, Fingerprint, IdempotencyKey, RequestErrorKind, RequestKey,
+    RequestScope,
 };
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -20,7 +21,7 @@ impl<S: RequestStore + Clone + 'static> Idempotency<S> {
     /// result back, deserialized, without running `f`.
     ///
     /// `input` is what the call is about: its JSON encoding is the fingerprint, so the same key
-    /// with a different input is refused ([`ErrorKind::KeyReused`]) rather than replayed. The
+    /// with a different input is refused ([`RequestErrorKind::KeyReused`]) rather than replayed. The
     /// encoding is canonical: serde_json's compact JSON with the entries of every map (a
     /// `HashMap`, a `BTreeMap`, a `serde_json::Value` object, a struct with
     /// `#[serde(flatten)]`) sorted by key, so an equal input rebuilt in another iteration
@@ -28,7 +29,8 @@ impl<S: RequestStore + Clone + 'static> Idempotency<S> {
     /// writes through the store's transaction, which commits together with the stored
     /// result. An error from `f` (or a panic) is not stored: its writes roll back and a repeat
     /// runs `f` again. A repeat while the first call runs fails at once with
-    /// [`ErrorKind::InProgress`] and a [`retry_after`](Error::retry_after).
+    /// [`RequestErrorKind::InProgress`] and a [`retry_after`](Error::retry_after).
+    /// [`RequestAction::of`](idem_core::RequestAction::of) says what to do with any error it returns: retry, wait or give up.
     ///
     /// **Fingerprints from earlier versions.** Before maps were sorted the fingerprint hashed
     /// `serde_json::to_vec(input)`. The canonical encoding is byte for byte the same for every
@@ -36,7 +38,7 @@ impl<S: RequestStore + Clone + 'static> Idempotency<S> {
     /// as a string (`BTreeMap<String, _>`, `serde_json::Value` without `preserve_order`), so
     /// their records still match. An input with a map in another order (a `HashMap`, a
     /// `BTreeMap` with integer keys, a flattened struct, a `preserve_order` object) gets a new
-    /// fingerprint: a retry that straddles the upgrade is refused as [`ErrorKind::KeyReused`]
+    /// fingerprint: a retry that straddles the upgrade is refused as [`RequestErrorKind::KeyReused`]
     /// until the earlier record expires (its TTL). A `HashMap` rarely had a repeatable
     /// fingerprint before, so this bites mainly integer-keyed `BTreeMap`s and flattened structs.
     pub async fn call<I, T, E, F>(
@@ -72,8 +74,8 @@ impl<S: RequestStore + Clone + 'static> Idempotency<S> {
                 });
             }
             Start::InProgress { retry_after } => {
-                return Err(Error::new(
-                    ErrorKind::InProgress,
+                return Err(Error::request(
+                    RequestErrorKind::InProgress,
                     format!(
                         "a call with key {key} is still running; retry in {}s",
                         retry_after.as_secs()
@@ -82,8 +84,8 @@ impl<S: RequestStore + Clone + 'static> Idempotency<S> {
                 .with_retry_after(retry_after));
             }
             Start::Mismatch => {
-                return Err(Error::new(
-                    ErrorKind::KeyReused,
+                return Err(Error::request(
+                    RequestErrorKind::KeyReused,
                     format!("key {key} was already used for a call with a different input"),
                 ));
             }

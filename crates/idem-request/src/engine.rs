@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use idem_core::store::RequestStore;
-use idem_core::{Begin, Error, ErrorKind, Fence, Fingerprint, RequestKey};
+use idem_core::{Begin, Error, ErrorKind, Fence, Fingerprint, RequestErrorKind, RequestKey};
 use tokio::task::JoinHandle;
 
 /// Idempotent execution of operations keyed by client keys, on a [`RequestStore`].
@@ -166,8 +166,8 @@ impl<S: RequestStore + Clone + 'static> Idempotency<S> {
     ) -> Result<Start<S>, Error> {
         let me = &self.inner;
         if key.key.as_str().len() > me.store.max_key_len() {
-            return Err(Error::new(
-                ErrorKind::InvalidKey,
+            return Err(Error::request(
+                RequestErrorKind::InvalidKey,
                 format!(
                     "idempotency key is {} bytes, over this store's limit of {}",
                     key.key.as_str().len(),
@@ -446,7 +446,7 @@ impl<S: RequestStore + Clone + 'static> Execution<S> {
 
     /// Stores `result` with the record in the operation's transaction and commits both.
     ///
-    /// [`ErrorKind::LeaseLost`] when another executor took the record over meanwhile: the
+    /// [`RequestErrorKind::LeaseLost`] when another executor took the record over meanwhile: the
     /// transaction is rolled back, so this execution's writes never happened.
     ///
     /// Dropped before it returns (a cancelled request), the key is freed in the background:
@@ -473,7 +473,7 @@ impl<S: RequestStore + Clone + 'static> Execution<S> {
         {
             let _ = store.rollback(tx).await;
             match e.kind() {
-                ErrorKind::LeaseLost => {}
+                ErrorKind::Request(RequestErrorKind::LeaseLost) => {}
                 // The completion waited for a lock (SQLite's write lock) as long as the store
                 // waits; the release would wait for the same lock: free it in the background.
                 ErrorKind::Transient => self.idem.release_later(self.key.clone(), self.fence),

@@ -15,6 +15,8 @@ pub mod broker_conformance;
 mod broker_fixture;
 pub mod conformance;
 mod fixture;
+#[cfg(feature = "http")]
+pub mod http;
 pub mod isolated;
 pub mod request_conformance;
 mod request_fixture;

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use idem_core::store::{ReapRequests, RequestStore, reap_all};
 use idem_core::{
-    Begin, BoxError, ErrorKind, Fence, Fingerprint, IdempotencyKey, RequestKey, RequestScope,
-    TransactionalStore,
+    Begin, BoxError, Fence, Fingerprint, IdempotencyKey, RequestAction, RequestErrorKind,
+    RequestKey, RequestScope, TransactionalStore,
 };
 use idem_request::{Idempotency, Start};
 
@@ -171,7 +171,11 @@ pub async fn a_lapsed_lease_is_taken_over_and_the_late_completion_refused<F: Req
         .complete_in(&mut late, &k, old, b"late", DAY)
         .await
         .expect_err("a stale fence must not complete");
-    assert_eq!(err.kind(), ErrorKind::LeaseLost, "{err}");
+    assert_eq!(
+        err.request_kind(),
+        Some(RequestErrorKind::LeaseLost),
+        "{err}"
+    );
     let _ = s.rollback(late).await;
     if F::SHARED_TRANSACTION {
         assert_eq!(
@@ -386,7 +390,13 @@ pub async fn function_calls_run_once_and_replay_their_result<F: RequestFixture>(
     for t in tasks {
         match t.await.expect("task") {
             Ok(v) => assert_eq!(v, vec![42, 7]),
-            Err(e) => assert_eq!(e.kind(), ErrorKind::InProgress, "{e}"),
+            Err(e) => {
+                assert_eq!(e.request_kind(), Some(RequestErrorKind::InProgress), "{e}");
+                assert!(
+                    matches!(RequestAction::of(&e), RequestAction::Wait(Some(_))),
+                    "{e}"
+                );
+            }
         }
     }
     let again: Vec<u64> = idem
@@ -402,7 +412,8 @@ pub async fn function_calls_run_once_and_replay_their_result<F: RequestFixture>(
         })
         .await
         .expect_err("another input under the same key");
-    assert_eq!(reused.kind(), ErrorKind::KeyReused);
+    assert_eq!(reused.request_kind(), Some(RequestErrorKind::KeyReused));
+    assert_eq!(RequestAction::of(&reused), RequestAction::GiveUp);
     assert_eq!(ran.load(Ordering::SeqCst), 1);
     assert_eq!(fx.count_effects("call-1").await, 1);
     if let Ok(fx) = Arc::try_unwrap(fx) {

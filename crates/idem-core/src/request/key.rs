@@ -5,7 +5,8 @@ use std::fmt;
 
 use sha2::{Digest, Sha256};
 
-use crate::error::{Error, ErrorKind};
+use crate::error::Error;
+use crate::request::RequestErrorKind;
 
 /// The default upper bound on an idempotency key, in bytes.
 pub const MAX_IDEMPOTENCY_KEY_LEN: usize = 255;
@@ -26,7 +27,7 @@ impl IdempotencyKey {
 
     /// Validates `key` against a caller-chosen limit in bytes.
     pub fn with_limit(key: &str, max_len: usize) -> Result<Self, Error> {
-        let invalid = |why: String| Error::new(ErrorKind::InvalidKey, why);
+        let invalid = |why: String| Error::request(RequestErrorKind::InvalidKey, why);
         if key.is_empty() {
             return Err(invalid("idempotency key is empty".into()));
         }
@@ -52,7 +53,7 @@ impl IdempotencyKey {
     ///
     /// [`with_limit`]: Self::with_limit
     pub fn quoted(key: &str, max_len: usize) -> Result<Self, Error> {
-        let invalid = |why: String| Error::new(ErrorKind::InvalidKey, why);
+        let invalid = |why: String| Error::request(RequestErrorKind::InvalidKey, why);
         if key.bytes().all(|b| b == b' ') {
             return Err(invalid(if key.is_empty() {
                 "idempotency key is empty".into()
@@ -169,7 +170,11 @@ mod tests {
         assert!(IdempotencyKey::new(&"k".repeat(255)).is_ok());
         for bad in ["", " ", "a b", "tab\there", "é", "new\nline", "\u{7f}"] {
             let e = IdempotencyKey::new(bad).expect_err(bad);
-            assert_eq!(e.kind(), ErrorKind::InvalidKey, "{bad:?}");
+            assert_eq!(
+                e.request_kind(),
+                Some(RequestErrorKind::InvalidKey),
+                "{bad:?}"
+            );
         }
         assert!(IdempotencyKey::new(&"k".repeat(256)).is_err());
         assert!(IdempotencyKey::with_limit(&"k".repeat(300), 300).is_ok());
@@ -184,7 +189,11 @@ mod tests {
         assert!(IdempotencyKey::quoted(" a ", 255).is_ok());
         for bad in ["", " ", "   ", "tab\there", "é", "new\nline", "\u{7f}"] {
             let e = IdempotencyKey::quoted(bad, 255).expect_err(bad);
-            assert_eq!(e.kind(), ErrorKind::InvalidKey, "{bad:?}");
+            assert_eq!(
+                e.request_kind(),
+                Some(RequestErrorKind::InvalidKey),
+                "{bad:?}"
+            );
         }
         assert!(IdempotencyKey::quoted(&"k ".repeat(128), 255).is_err());
     }

@@ -15,10 +15,12 @@
 //! record inside the transaction that carries the operation's writes, so the effect and the
 //! stored result commit together or not at all.
 
+mod error;
 mod key;
 pub mod record;
 pub(crate) mod store;
 
+pub use error::{RequestAction, RequestErrorKind};
 pub use key::{IdempotencyKey, MAX_IDEMPOTENCY_KEY_LEN, RequestKey, RequestScope};
 
 use std::time::Duration;

@@ -137,7 +137,7 @@ pub fn bound_fence(fence: Fence) -> i64 {
 /// The error of a completion whose fence lost the record.
 pub fn lease_lost(fence: Fence) -> Error {
     Error::new(
-        ErrorKind::LeaseLost,
+        ErrorKind::Request(crate::RequestErrorKind::LeaseLost),
         format!(
             "the request record is no longer held by fence {} (its lease ran out and another \
              executor took it over, or it was released): completion refused; roll the \

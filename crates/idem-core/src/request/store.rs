@@ -49,7 +49,7 @@ pub trait RequestStore: TransactionalStore {
 
     /// Completes the record held under `fence` with `result`, expiring `ttl` from now, inside
     /// `tx` — the transaction carrying the operation's writes, so both commit or neither does.
-    /// [`ErrorKind::LeaseLost`](crate::ErrorKind::LeaseLost) when another executor took the
+    /// [`RequestErrorKind::LeaseLost`](crate::RequestErrorKind::LeaseLost) when another executor took the
     /// record over: the caller must roll `tx` back.
     fn complete_in(
         &self,

@@ -17,8 +17,8 @@ use tonic::{Code, Status};
 use tonic_prost::ProstCodec;
 use tower::Service;
 
-use super::app::AppState;
-use super::fixtures::HttpFixture;
+use idem_testkit::http::HttpFixture;
+use idem_testkit::http::SuiteApp as AppState;
 
 pub(crate) const CHARGE: &str = "/idem.test.Charges/Charge";
 pub(crate) const WATCH: &str = "/idem.test.Charges/Watch";

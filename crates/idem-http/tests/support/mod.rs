@@ -1,7 +1,7 @@
-//! Shared by the HTTP tests: the store fixtures, the service under test and the checks.
+//! Shared by the HTTP tests: the axum adapter of the black-box suite, and the checks that
+//! drive the layer as a tower service.
 
 pub(crate) mod app;
-pub(crate) mod fixtures;
 pub(crate) mod grpc;
 pub(crate) mod hang;
 pub(crate) mod suite;

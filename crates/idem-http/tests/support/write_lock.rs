@@ -25,8 +25,9 @@ use serde_json::json;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use super::app::Reply;
-use super::fixtures::{HttpFixture, SqliteFx};
+use idem_testkit::http::HttpFixture;
+use idem_testkit::http::fixtures::SqliteFx;
+use idem_testkit::http::{Reply, layer};
 
 /// Named points a handler stops at until the test opens them.
 #[derive(Default)]
@@ -148,7 +149,7 @@ impl<F: HttpFixture> HoldServer<F> {
             executions: AtomicU64::new(0),
         });
         let router = Router::new()
-            .route("/hold", post(hold::<F>).layer(super::app::layer(idem)))
+            .route("/hold", post(hold::<F>).layer(layer(idem)))
             .with_state(Arc::clone(&app));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await

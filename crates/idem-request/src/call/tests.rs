@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use idem_core::{ErrorKind, IdempotencyKey, RequestScope};
+use idem_core::{IdempotencyKey, RequestAction, RequestErrorKind, RequestScope};
 use idem_sql::{SqliteOptions, SqliteStore};
 
 use crate::Idempotency;
@@ -68,7 +68,12 @@ async fn a_rebuilt_hash_map_input_replays_instead_of_key_reused() {
         })
         .await
         .expect_err("another input under the same key");
-    assert_eq!(err.kind(), ErrorKind::KeyReused, "{err}");
+    assert_eq!(
+        err.request_kind(),
+        Some(RequestErrorKind::KeyReused),
+        "{err}"
+    );
+    assert_eq!(RequestAction::of(&err), RequestAction::GiveUp);
 }
 
 mod canonical_encoding {

@@ -6,17 +6,17 @@ use std::future::Future;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use crate::isolated::{MySqlDatabase, PgSchema};
+use crate::{RequestFixture, RequestTxOf, service_url, services, unique_name};
 use idem_core::{BoxError, Migrate};
 use idem_redis::{RedisRequestStore, RedisTx};
 use idem_sql::{MySqlStore, PostgresStore, SqliteOptions, SqliteStore};
-use idem_testkit::isolated::{MySqlDatabase, PgSchema};
-use idem_testkit::{RequestFixture, RequestTxOf, service_url, services, unique_name};
 use redis::aio::ConnectionManager;
 use sqlx::mysql::MySqlPoolOptions;
 use sqlx::postgres::PgPoolOptions;
 
 /// What the HTTP suite needs beside [`RequestFixture`].
-pub(crate) trait HttpFixture: RequestFixture {
+pub trait HttpFixture: RequestFixture {
     /// Whether a retry can take over a lapsed lease while the old holder's transaction is
     /// still open after writing. Not on SQLite: a transaction that wrote keeps the database's
     /// write lock, so the retry is told "in progress" until the holder finishes.
@@ -38,8 +38,9 @@ pub(crate) trait HttpFixture: RequestFixture {
 
 // ---------------------------------------------------------------------------------------- SQLite
 
+/// SQLite: a database file of its own in a temporary directory.
 #[derive(Debug)]
-pub(crate) struct SqliteFx {
+pub struct SqliteFx {
     store: SqliteStore,
     dir: PathBuf,
 }
@@ -90,14 +91,14 @@ impl RequestFixture for SqliteFx {
 
 impl SqliteFx {
     /// Another store on the same database file, opened with `options`.
-    pub(crate) async fn store_with(&self, options: SqliteOptions) -> SqliteStore {
+    pub async fn store_with(&self, options: SqliteOptions) -> SqliteStore {
         SqliteStore::open(self.dir.join("app.db"), options)
             .await
             .expect("open sqlite")
     }
 
     /// The lease of `key`'s record (any scope) in microseconds since the Unix epoch.
-    pub(crate) async fn lease_until(&self, key: &str) -> i64 {
+    pub async fn lease_until(&self, key: &str) -> i64 {
         sqlx::query_scalar("SELECT lease_until FROM idem_requests WHERE idem_key = ?")
             .bind(key.as_bytes())
             .fetch_one(self.store.pool())
@@ -133,8 +134,9 @@ impl HttpFixture for SqliteFx {
 
 // ------------------------------------------------------------------------------------ PostgreSQL
 
+/// PostgreSQL through idem-sql: a schema of its own (`IDEM_TEST_POSTGRES_URL`).
 #[derive(Debug)]
-pub(crate) struct PgFx {
+pub struct PgFx {
     store: PostgresStore,
     schema: PgSchema,
 }
@@ -207,8 +209,9 @@ impl HttpFixture for PgFx {
 
 // ----------------------------------------------------------------------------------------- MySQL
 
+/// MySQL / MariaDB: a database of its own (`IDEM_TEST_MYSQL_URL`).
 #[derive(Debug)]
-pub(crate) struct MySqlFx {
+pub struct MySqlFx {
     store: MySqlStore,
     database: MySqlDatabase,
 }
@@ -280,7 +283,9 @@ impl HttpFixture for MySqlFx {
 
 // ----------------------------------------------------------------------------------------- Redis
 
-pub(crate) struct RedisFx {
+/// Redis: a key prefix of its own (`IDEM_TEST_REDIS_URL`); no transaction shared with the
+/// effects, which are counters written directly.
+pub struct RedisFx {
     store: RedisRequestStore,
     conn: ConnectionManager,
     prefix: String,
