@@ -88,12 +88,7 @@ impl Ledger {
         let store = crate::stores::open_sql(url, args)
             .await
             .with_context(context)?;
-        match store {
-            idem_sql::AnyStore::Sqlite(s) => Self::sqlite(s.pool().clone()).await,
-            idem_sql::AnyStore::Postgres(s) => Self::postgres(s.pool().clone()).await,
-            idem_sql::AnyStore::MySql(s) => Self::mysql(s.pool().clone()).await,
-            other => anyhow::bail!("this build has no {} support", other.engine()),
-        }
+        store.visit(OnPool).await
     }
 
     /// Inserts `charge` in a transaction of its own, calling `inside` before the commit.
@@ -413,5 +408,24 @@ impl WriteCharge for Tx<MySql> {
         charge: &'a Charge,
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a {
         insert_mysql(self, principal, charge)
+    }
+}
+
+/// The ledger on the pool of whichever engine the URL chose.
+struct OnPool;
+
+impl idem_sql::StoreVisitor for OnPool {
+    type Output = Result<Ledger>;
+
+    async fn sqlite(self, store: idem_sql::SqliteStore) -> Result<Ledger> {
+        Ledger::sqlite(store.pool().clone()).await
+    }
+
+    async fn postgres(self, store: idem_sql::PostgresStore) -> Result<Ledger> {
+        Ledger::postgres(store.pool().clone()).await
+    }
+
+    async fn mysql(self, store: idem_sql::MySqlStore) -> Result<Ledger> {
+        Ledger::mysql(store.pool().clone()).await
     }
 }

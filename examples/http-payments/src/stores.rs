@@ -4,7 +4,9 @@
 use anyhow::{Context, Result};
 use axum::Router;
 use axum::routing::post;
-use idem_sql::{AnyStore, SqliteOptions, SqliteStore, TableName};
+use idem_sql::{
+    AnyStore, MySqlStore, PostgresStore, SqliteOptions, SqliteStore, StoreVisitor, TableName,
+};
 
 use crate::app::{self, AppState};
 use crate::ledger::Ledger;
@@ -119,19 +121,27 @@ pub(crate) async fn build(args: &ServeArgs) -> Result<Router> {
         .await
         .with_context(|| format!("opening {shown}"))?;
     store.migrate().await?;
-    match store {
-        AnyStore::Sqlite(store) => {
-            let ledger = Ledger::sqlite(store.pool().clone()).await?;
-            crate::layer::sql(store, ledger, args)
-        }
-        AnyStore::Postgres(store) => {
-            let ledger = Ledger::postgres(store.pool().clone()).await?;
-            crate::layer::sql(store, ledger, args)
-        }
-        AnyStore::MySql(store) => {
-            let ledger = Ledger::mysql(store.pool().clone()).await?;
-            crate::layer::sql(store, ledger, args)
-        }
-        other => anyhow::bail!("this build has no {} support", other.engine()),
+    store.visit(SqlRouter(args)).await
+}
+
+/// The router on a SQL engine: the ledger on the store's own pool, the layer over both.
+struct SqlRouter<'a>(&'a ServeArgs);
+
+impl StoreVisitor for SqlRouter<'_> {
+    type Output = Result<Router>;
+
+    async fn sqlite(self, store: SqliteStore) -> Result<Router> {
+        let ledger = Ledger::sqlite(store.pool().clone()).await?;
+        crate::layer::sql(store, ledger, self.0)
+    }
+
+    async fn postgres(self, store: PostgresStore) -> Result<Router> {
+        let ledger = Ledger::postgres(store.pool().clone()).await?;
+        crate::layer::sql(store, ledger, self.0)
+    }
+
+    async fn mysql(self, store: MySqlStore) -> Result<Router> {
+        let ledger = Ledger::mysql(store.pool().clone()).await?;
+        crate::layer::sql(store, ledger, self.0)
     }
 }
