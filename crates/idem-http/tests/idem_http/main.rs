@@ -6,14 +6,20 @@
 //! `black_box`: the test kit's black-box suite over real TCP (axum on 127.0.0.1:0, reqwest),
 //! the same checks idem-actix runs. The modules per store below: the checks that drive the
 //! layer as a tower service.
+//!
+//! This is the crate's one integration-test binary, shared by all of these checks. It needs
+//! the `axum` feature (on by default): without it every module below is left out.
 
+#[cfg(feature = "axum")]
 mod support;
 
+#[cfg(feature = "axum")]
 mod black_box {
     idem_testkit::http_suite_tests!(crate::support::app::Axum);
 }
 
 /// One `#[tokio::test]` per check of `support::suite`, on `$fixture`.
+#[cfg(feature = "axum")]
 macro_rules! http_suite {
     ($fixture:ty) => {
         http_suite!(@tests $fixture;
@@ -35,23 +41,28 @@ macro_rules! http_suite {
     };
 }
 
+#[cfg(feature = "axum")]
 mod sqlite {
     http_suite!(idem_testkit::http::fixtures::SqliteFx);
 }
 
+#[cfg(feature = "axum")]
 mod postgres {
     http_suite!(idem_testkit::http::fixtures::PgFx);
 }
 
+#[cfg(feature = "axum")]
 mod mysql {
     http_suite!(idem_testkit::http::fixtures::MySqlFx);
 }
 
+#[cfg(feature = "axum")]
 mod redis {
     http_suite!(idem_testkit::http::fixtures::RedisFx);
 }
 
 /// SQLite's one write lock and keyed requests (issue 19, point 4).
+#[cfg(feature = "axum")]
 mod sqlite_write_lock {
     macro_rules! sqlite_tests {
         ($($name:ident),* $(,)?) => {

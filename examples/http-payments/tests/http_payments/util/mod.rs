@@ -1,8 +1,6 @@
 //! Shared by the binary's tests: an isolated database per test on each store, the real server
 //! as a child process on a loopback port, and a real HTTP client.
 
-#![allow(dead_code, unreachable_pub)]
-
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -11,11 +9,11 @@ use std::time::{Duration, Instant};
 
 use idem_testkit::{service_url, services, unique_name};
 
-pub const BIN: &str = env!("CARGO_BIN_EXE_http-payments");
+pub(crate) const BIN: &str = env!("CARGO_BIN_EXE_http-payments");
 
 /// Which store a test runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Store {
+pub(crate) enum Store {
     Sqlite,
     Postgres,
     MySql,
@@ -23,10 +21,10 @@ pub enum Store {
 }
 
 /// A database of the test's own, and how to count the charges in it.
-pub struct TestDb {
-    pub store: Store,
+pub(crate) struct TestDb {
+    pub(crate) store: Store,
     /// `--database` and, for Redis, `--ledger`.
-    pub args: Vec<String>,
+    pub(crate) args: Vec<String>,
     /// Where the charges are (the ledger).
     ledger_url: String,
     cleanup: Option<(String, String)>,
@@ -35,7 +33,7 @@ pub struct TestDb {
 
 impl TestDb {
     /// `None` (after a `SKIPPING` line) when the store's service is not configured.
-    pub async fn new(store: Store, test: &str) -> Option<Self> {
+    pub(crate) async fn new(store: Store, test: &str) -> Option<Self> {
         let name = unique_name("httppay", test);
         let dir = std::env::temp_dir().join(&name);
         std::fs::create_dir_all(&dir).expect("temp dir");
@@ -107,12 +105,12 @@ impl TestDb {
     }
 
     /// Charges made with bearer token `token`, as committed (stored under its digest).
-    pub async fn count_charges(&self, token: &str) -> i64 {
+    pub(crate) async fn count_charges(&self, token: &str) -> i64 {
         self.count_rows_of(&principal_of(token)).await
     }
 
     /// Rows whose `principal` column is `principal`, byte for byte.
-    pub async fn count_rows_of(&self, principal: &str) -> i64 {
+    pub(crate) async fn count_rows_of(&self, principal: &str) -> i64 {
         let sql = match self.store {
             Store::Postgres => "SELECT count(*) FROM charges WHERE principal = $1",
             _ => "SELECT count(*) FROM charges WHERE principal = ?",
@@ -158,7 +156,7 @@ impl TestDb {
     }
 
     /// Drops the test's schema or database and removes its files.
-    pub async fn teardown(self) {
+    pub(crate) async fn teardown(self) {
         if let Some((base, ddl)) = &self.cleanup {
             match self.store {
                 Store::Postgres => {
@@ -179,15 +177,15 @@ impl TestDb {
 }
 
 /// The real binary, serving on a free loopback port.
-pub struct Server {
+pub(crate) struct Server {
     child: Child,
-    pub base: String,
+    pub(crate) base: String,
     log: Arc<Mutex<Vec<String>>>,
 }
 
 impl Server {
     /// Starts the server on `db` with `extra` flags and waits for its `listening` line.
-    pub fn start(db: &TestDb, extra: &[&str]) -> Self {
+    pub(crate) fn start(db: &TestDb, extra: &[&str]) -> Self {
         // Test records on a shared Redis expire in minutes, not the default day.
         let ttl: &[&str] = if extra.contains(&"--ttl") {
             &[]
@@ -241,18 +239,18 @@ impl Server {
     }
 
     /// Its log so far.
-    pub fn log(&self) -> Vec<String> {
+    pub(crate) fn log(&self) -> Vec<String> {
         self.log.lock().expect("log").clone()
     }
 
     /// SIGKILL: the process dies at once, mid-request, without running any cleanup.
-    pub fn kill(mut self) {
+    pub(crate) fn kill(mut self) {
         self.child.kill().expect("SIGKILL");
         let _ = self.child.wait();
     }
 
     /// SIGTERM, then the exit status.
-    pub fn terminate(mut self) -> std::process::ExitStatus {
+    pub(crate) fn terminate(mut self) -> std::process::ExitStatus {
         let pid = self.child.id().to_string();
         let sent = Command::new("kill")
             .args(["-TERM", &pid])
@@ -282,28 +280,28 @@ impl Drop for Server {
 
 /// A response, read whole.
 #[derive(Debug, Clone)]
-pub struct Answer {
-    pub status: u16,
-    pub headers: reqwest::header::HeaderMap,
-    pub body: Vec<u8>,
+pub(crate) struct Answer {
+    pub(crate) status: u16,
+    pub(crate) headers: reqwest::header::HeaderMap,
+    pub(crate) body: Vec<u8>,
 }
 
 impl Answer {
-    pub fn header(&self, name: &str) -> Option<&str> {
+    pub(crate) fn header(&self, name: &str) -> Option<&str> {
         self.headers.get(name).and_then(|v| v.to_str().ok())
     }
 
-    pub fn replayed(&self) -> bool {
+    pub(crate) fn replayed(&self) -> bool {
         self.header("idempotent-replayed") == Some("true")
     }
 
-    pub fn json(&self) -> serde_json::Value {
+    pub(crate) fn json(&self) -> serde_json::Value {
         serde_json::from_slice(&self.body)
             .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
     }
 
     /// The `code` of a problem+json answer.
-    pub fn problem_code(&self) -> String {
+    pub(crate) fn problem_code(&self) -> String {
         assert_eq!(
             self.header("content-type"),
             Some("application/problem+json"),
@@ -314,17 +312,17 @@ impl Answer {
 }
 
 /// One `POST /charges`.
-pub struct Post<'a> {
-    pub token: Option<&'a str>,
-    pub key: Option<&'a str>,
-    pub body: &'a str,
-    pub sleep_ms: Option<u64>,
+pub(crate) struct Post<'a> {
+    pub(crate) token: Option<&'a str>,
+    pub(crate) key: Option<&'a str>,
+    pub(crate) body: &'a str,
+    pub(crate) sleep_ms: Option<u64>,
     /// `X-Test-Work-Ms`: the handler sleeps this long *before* writing the charge.
-    pub work_ms: Option<u64>,
+    pub(crate) work_ms: Option<u64>,
 }
 
 impl<'a> Post<'a> {
-    pub fn new(token: &'a str, key: &'a str, body: &'a str) -> Self {
+    pub(crate) fn new(token: &'a str, key: &'a str, body: &'a str) -> Self {
         Self {
             token: Some(token),
             key: Some(key),
@@ -335,14 +333,18 @@ impl<'a> Post<'a> {
     }
 }
 
-pub fn client() -> reqwest::Client {
+pub(crate) fn client() -> reqwest::Client {
     reqwest::Client::builder()
         .timeout(Duration::from_secs(60))
         .build()
         .expect("client")
 }
 
-pub async fn post(client: &reqwest::Client, base: &str, p: &Post<'_>) -> reqwest::Result<Answer> {
+pub(crate) async fn post(
+    client: &reqwest::Client,
+    base: &str,
+    p: &Post<'_>,
+) -> reqwest::Result<Answer> {
     let mut req = client
         .post(format!("{base}/charges"))
         .header("content-type", "application/json")
@@ -363,7 +365,7 @@ pub async fn post(client: &reqwest::Client, base: &str, p: &Post<'_>) -> reqwest
     read(resp).await
 }
 
-pub async fn get(client: &reqwest::Client, base: &str, token: &str, path: &str) -> Answer {
+pub(crate) async fn get(client: &reqwest::Client, base: &str, token: &str, path: &str) -> Answer {
     let resp = client
         .get(format!("{base}{path}"))
         .header("authorization", format!("Bearer {token}"))
@@ -386,11 +388,11 @@ async fn read(resp: reqwest::Response) -> reqwest::Result<Answer> {
 
 /// What the service stores as the principal of bearer token `token`: a digest, never the
 /// token.
-pub fn principal_of(token: &str) -> String {
+pub(crate) fn principal_of(token: &str) -> String {
     idem_core::RequestScope::new(["http-payments/principal", token]).to_hex()
 }
 
 /// A principal (bearer token) no other test uses.
-pub fn token(test: &str) -> String {
+pub(crate) fn token(test: &str) -> String {
     unique_name("tok", test)
 }

@@ -1,6 +1,7 @@
 //! The black-box HTTP suite (`idem_testkit::http`) against actix-web: the same checks, over
 //! real TCP, as the tower layer under axum, on SQLite always and on PostgreSQL, MySQL/MariaDB
 //! and Redis through `IDEM_TEST_POSTGRES_URL`, `IDEM_TEST_MYSQL_URL` and `IDEM_TEST_REDIS_URL`.
+//! This is the crate's one integration-test binary.
 
 use std::sync::Arc;
 

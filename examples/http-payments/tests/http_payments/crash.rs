@@ -3,11 +3,9 @@
 //! exactly once and replays — and a server whose request outlives its lease while another
 //! instance takes the key over has its late completion refused and its charge rolled back.
 
-mod util;
-
 use std::time::{Duration, Instant};
 
-use util::{Post, Server, Store, TestDb, client, post, token};
+use crate::util::{Post, Server, Store, TestDb, client, post, token};
 
 const BODY: &str = r#"{"account":"carol","amount_cents":700}"#;
 

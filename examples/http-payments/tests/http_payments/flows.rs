@@ -3,11 +3,9 @@
 //! different body (the original still replays), 400 without a key, 401 without a token,
 //! input validation, `GET /charges/{id}`, and one `charges` row per executed charge.
 
-mod util;
-
 use std::time::{Duration, Instant};
 
-use util::{Post, Server, Store, TestDb, client, get, post, token};
+use crate::util::{Post, Server, Store, TestDb, client, get, post, token};
 
 const BODY: &str = r#"{"account":"alice","amount_cents":1250}"#;
 
@@ -325,7 +323,7 @@ fn bad_urls_are_one_line_errors() {
             "sqlite::memory:",
         ][..],
     ] {
-        let out = std::process::Command::new(util::BIN)
+        let out = std::process::Command::new(crate::util::BIN)
             .args(["--listen", "127.0.0.1:0"])
             .args(args)
             .output()

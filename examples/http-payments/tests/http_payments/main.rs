@@ -1,0 +1,11 @@
+//! The http-payments example's integration tests as one binary (one link, not one per file):
+//! the README's session on every store (`flows`) and crashes and takeovers (`crash`), each
+//! against the real binary as a child process, over the helpers in `util`.
+//!
+//! The tests share this process: each has a database (or key prefix) of its own from
+//! `idem_testkit::unique_name`, distinct within a process, and its own server on a free
+//! loopback port, killed when the test ends; none sets anything process-wide.
+
+mod crash;
+mod flows;
+mod util;
