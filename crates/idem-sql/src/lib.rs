@@ -51,6 +51,30 @@
 //! # std::fs::remove_dir_all(&dir)?;
 //! # Ok(()) }
 //! ```
+//!
+//! # Stores
+//!
+//! | store | feature | claim statement | concurrent duplicate | batch claim |
+//! |---|---|---|---|---|
+//! | SQLite (embedded default) | `sqlite` | `INSERT … ON CONFLICT DO NOTHING` | `BEGIN IMMEDIATE` serialises writers; the second sees the committed claim (busy timeout 10 s, WAL) | multi-row `INSERT … RETURNING` |
+//! | PostgreSQL | `postgres` | `INSERT … ON CONFLICT (consumer, message_id) DO NOTHING` | waits on the first transaction's uncommitted row | `INSERT … SELECT FROM unnest(…) … RETURNING` |
+//! | MySQL / MariaDB (InnoDB) | `mysql` | `INSERT … ON DUPLICATE KEY UPDATE duplicates = duplicates + 1` (not `INSERT IGNORE`) | waits on the record lock | multi-row `INSERT … ON DUPLICATE KEY UPDATE` |
+//! | PostgreSQL on tokio-postgres (crate `idem-postgres`) | `deadpool` (default; plain clients without it) | the same `INSERT … ON CONFLICT … DO NOTHING`, prepared, **sent with `BEGIN` in one flight** | waits on the first transaction's uncommitted row | the same `unnest` statement, pipelined with `BEGIN` |
+//! | either PostgreSQL store, partitioned | `.partitioned(Partitioning::uuid_v7())` | the same, with the ID's time as partition key | the same, inside the ID's day partition | the same, with the keys |
+//!
+//! The last two rows are `idem-postgres`'s store and the opt-in partitioned layout
+//! (`PostgresStore::partitioned`); the README's *Stores* section tells how partitioning keeps
+//! deduplication exact.
+//!
+//! # Pruning
+//!
+//! How claims are pruned depends on the table's shape, and `idem prune` reads the shape from the
+//! catalog:
+//!
+//! | table | `processor.prune()`, `prune_periodically` | `idem prune` |
+//! |---|---|---|
+//! | plain (every engine) | deletes rows whose `processed_at` is older than the prune age, in batches | the same, with `--older-than` |
+//! | PostgreSQL, partitioned by the ID's time | a store configured `.partitioned(..)`: creates the days ahead, drops the days wholly past the **table's** retention (younger claims in them moved out first), then deletes rows of the default and undated partitions older than the prune age; a store not configured for it refuses (`Misconfigured`) | configures itself as the table's record says and does the same: days by the recorded retention, rows of the default and undated partitions by `--older-than`; refused when the recorded retention is inside the redelivery window plus clock margin, or when the table has no record yet (migrate it once with its store) |
 
 mod any;
 mod common;
