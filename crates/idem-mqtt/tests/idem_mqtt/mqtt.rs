@@ -58,6 +58,69 @@ async fn round_trip_reads_the_id_property_and_acks() {
     common::purge_sessions(&url, &[id]).await;
 }
 
+/// Acks written just before the DISCONNECT of `close` all count. Mosquitto answers each PUBACK
+/// with the next queued message; a client that closed its socket as soon as the DISCONNECT was
+/// written reset the connection with those answers unread, and the reset discarded the PUBACKs
+/// the broker had not read yet: 19 of 20 acknowledged messages came back.
+#[tokio::test]
+async fn acks_just_before_close_are_kept_while_the_broker_sends_more() {
+    let Some(url) = common::url("acks_just_before_close_are_kept_while_the_broker_sends_more")
+    else {
+        return;
+    };
+    let topic = unique_name("mqtt", "acks_before_close");
+    let id = format!("{topic}-c");
+    // Creates the session, so what is published now queues in it.
+    common::builder(&id, &topic)
+        .connect(&url)
+        .await
+        .unwrap()
+        .close()
+        .await
+        .unwrap();
+    let producer = MqttProducer::connect(&url, format!("{topic}-p"))
+        .await
+        .unwrap();
+    // More than Mosquitto sends before the first acks (its default in-flight window is 20).
+    let total = 60;
+    for i in 0..total {
+        producer
+            .publish(&topic, Some(&format!("m-{i}")), b"{}")
+            .await
+            .unwrap();
+    }
+    let mut source = common::builder(&id, &topic).connect(&url).await.unwrap();
+    let got = common::take(&mut source, 20, WAIT).await;
+    assert_eq!(got.len(), 20);
+    let acked: std::collections::BTreeSet<String> = got
+        .iter()
+        .map(|d| String::from_utf8_lossy(&d.header("message-id").unwrap()).into_owned())
+        .collect();
+    common::ack_all(got).await;
+    source.close().await.unwrap();
+
+    let mut again = common::builder(&id, &topic).connect(&url).await.unwrap();
+    let mut rest = common::take(&mut again, total - acked.len(), WAIT).await;
+    rest.extend(common::take(&mut again, total, QUIET).await);
+    let back: Vec<String> = rest
+        .iter()
+        .map(|d| String::from_utf8_lossy(&d.header("message-id").unwrap()).into_owned())
+        .filter(|id| acked.contains(id))
+        .collect();
+    assert!(
+        back.is_empty(),
+        "acknowledged before close, yet redelivered: {back:?}"
+    );
+    assert_eq!(
+        rest.len(),
+        total - acked.len(),
+        "every other message arrives"
+    );
+    common::ack_all(rest).await;
+    again.close().await.unwrap();
+    common::purge_sessions(&url, &[id]).await;
+}
+
 #[tokio::test]
 async fn unacked_message_is_redelivered_when_the_session_reconnects() {
     let Some(url) = common::url("unacked_message_is_redelivered_when_the_session_reconnects")
