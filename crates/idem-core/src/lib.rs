@@ -60,6 +60,8 @@
 //!     src/request/        idempotent-request vocabulary: keys, scopes, records, the store's errors
 //!     src/retention.rs    Retention, duration parsing
 //!     src/derived.rs      DerivedKey for external side effects
+//!     src/outbox.rs       Outgoing messages enqueued in the handler's transaction, the Emitter of
+//!                         their derived IDs, OutboxStore (enqueue) and RelayStore (lease, mark sent)
 //!     src/clock.rs        injected Clock, Timestamp
 //!     src/table.rs        TableName: the claims and requests tables' names, validated once
 //!     src/hex.rs          the one lowercase hex encoder
@@ -195,6 +197,7 @@ mod handler;
 pub mod hex;
 mod id;
 mod message;
+pub mod outbox;
 mod outcome;
 mod processor;
 mod request;
