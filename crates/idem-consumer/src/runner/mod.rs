@@ -80,6 +80,23 @@ pub struct Consumer<S, Src, C = StoreClock, M = PerMessage> {
     retry: RetryPolicy,
     id_source: Option<IdSource>,
     instruments: Instruments,
+    after_commit: Option<AfterCommit>,
+}
+
+/// A hook run after each commit that processed a message (see [`Consumer::after_commit`]).
+#[derive(Clone)]
+pub(crate) struct AfterCommit(Arc<dyn Fn() + Send + Sync>);
+
+impl AfterCommit {
+    pub(crate) fn call(&self) {
+        (self.0)();
+    }
+}
+
+impl std::fmt::Debug for AfterCommit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AfterCommit(..)")
+    }
 }
 
 /// [`Consumer`]'s default mode: one message per transaction.
@@ -118,6 +135,7 @@ where
             mode: PerMessage,
             retry: RetryPolicy::default(),
             id_source: None,
+            after_commit: None,
         }
     }
 
@@ -216,6 +234,7 @@ where
             retry: self.retry,
             id_source: self.id_source,
             instruments: self.instruments,
+            after_commit: self.after_commit,
         }
     }
 
@@ -233,6 +252,20 @@ where
     /// Where to read the message ID instead of the adapter's default.
     pub fn id_source(mut self, source: IdSource) -> Self {
         self.id_source = Some(source);
+        self
+    }
+
+    /// Runs `hook` after every commit that processed at least one message (not after
+    /// duplicates), before the acknowledgement: the place to wake an outbox relay in the same
+    /// process, so rows a handler enqueued are published without waiting for its next poll.
+    /// Keep it cheap and non-blocking (a `Notify`); it runs on the consumer's tasks.
+    ///
+    /// ```ignore
+    /// let waker = relay.waker();
+    /// consumer.after_commit(move || waker.wake())
+    /// ```
+    pub fn after_commit(mut self, hook: impl Fn() + Send + Sync + 'static) -> Self {
+        self.after_commit = Some(AfterCommit(Arc::new(hook)));
         self
     }
 
@@ -255,6 +288,7 @@ where
             retry,
             id_source,
             instruments,
+            after_commit,
             ..
         } = self;
         let broker = source.broker();
@@ -271,6 +305,7 @@ where
             retry,
             stop: stop.clone(),
             fatal: Mutex::new(None),
+            after_commit,
         });
         tracing::info!(consumer = %ctx.consumer, broker, concurrency, batch_size, id_source = %ctx.id_source, "consumer started");
 

@@ -36,6 +36,7 @@ pub(crate) struct Ctx<S, C, D, W> {
     /// Cancelled on shutdown or after a fatal error: no new fetches, no further retries.
     pub(crate) stop: CancellationToken,
     pub(crate) fatal: Mutex<Option<Error>>,
+    pub(crate) after_commit: Option<super::AfterCommit>,
 }
 
 /// How many bytes of a message ID logs and dead-letter details show.
@@ -366,6 +367,9 @@ where
             Outcome::Processed(_) => {
                 self.instruments.processed();
                 tracing::debug!(outcome = "processed", "committed");
+                if let Some(hook) = &self.after_commit {
+                    hook.call();
+                }
                 self.ack(delivery).await;
             }
             Outcome::Duplicate => {

@@ -358,6 +358,7 @@ fn context(store: Store, effect: Arc<Effect>) -> Arc<TestCtx> {
         instruments: Instruments::new("schedules", "shuttle"),
         stop: CancellationToken::new(),
         fatal: std::sync::Mutex::new(None),
+        after_commit: None,
     })
 }
 

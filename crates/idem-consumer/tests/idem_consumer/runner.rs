@@ -448,3 +448,60 @@ async fn a_message_that_never_ran_waits_out_an_outage_past_its_limit() {
     );
     assert_eq!(broker.pending(), 1);
 }
+
+/// The hook runs once per processed message, after its commit (the row is visible from another
+/// connection by then) and never for a duplicate: what wakes an in-process outbox relay.
+#[tokio::test]
+async fn after_commit_runs_once_per_processed_message_after_the_commit() {
+    for batch in [1, 4] {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let store = store(&dir).await;
+        let processor = Arc::new(
+            Processor::builder(store.clone(), "hook")
+                .build()
+                .expect("p"),
+        );
+        let broker = InMemoryBroker::new();
+        broker.publish(&[("message-id", b"m-1")], br#"{"n":1}"#.to_vec());
+        broker.publish(&[("message-id", b"m-2")], br#"{"n":2}"#.to_vec());
+        broker.publish(&[("message-id", b"m-1")], br#"{"n":1}"#.to_vec());
+        broker.close();
+        let calls = Arc::new(AtomicU64::new(0));
+        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let hook = {
+            let (calls, seen, pool) = (calls.clone(), seen.clone(), store.pool().clone());
+            move || {
+                calls.fetch_add(1, Ordering::SeqCst);
+                // Committed already: another connection counts the rows from inside the hook.
+                let pool = pool.clone();
+                let seen = seen.clone();
+                tokio::spawn(async move {
+                    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM pings")
+                        .fetch_one(&pool)
+                        .await
+                        .expect("count");
+                    seen.lock().unwrap_or_else(|p| p.into_inner()).push(n);
+                });
+            }
+        };
+        let consumer = Consumer::new(processor, broker.source()).after_commit(hook);
+        let stats = if batch > 1 {
+            consumer
+                .batch(batch)
+                .run(Json::<Ping>::new(), PanicsOnBoom, CancellationToken::new())
+                .await
+        } else {
+            consumer
+                .run(Json::<Ping>::new(), PanicsOnBoom, CancellationToken::new())
+                .await
+        }
+        .expect("run");
+        assert_eq!(stats.processed, 2, "batch {batch}: {stats:?}");
+        assert_eq!(stats.duplicates, 1, "batch {batch}: {stats:?}");
+        assert_eq!(calls.load(Ordering::SeqCst), 2, "batch {batch}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let seen = seen.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        assert_eq!(seen.len(), 2, "batch {batch}");
+        assert!(seen.iter().all(|&n| n >= 1), "batch {batch}: {seen:?}");
+    }
+}
