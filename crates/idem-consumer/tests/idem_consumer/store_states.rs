@@ -83,14 +83,6 @@ async fn sqlite_store(path: &std::path::Path) -> SqliteStore {
     store
 }
 
-async fn wait_for(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !done() {
-        assert!(start.elapsed() < limit, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 #[tokio::test]
 async fn a_read_only_database_waits_in_place_then_processes_everything_once() {
     recorder();
@@ -252,12 +244,18 @@ async fn a_postgres_failover_loses_nothing_and_dead_letters_nothing() {
     ] {
         sqlx::query(&sql).execute(&admin).await.expect("promote");
     }
-    wait_for(
-        "every message after the failover",
-        Duration::from_secs(30),
-        || observer.snapshot().processed == 20,
-    )
-    .await;
+    // Seen once in CI, right after the chaos runs, under load: not every message within 30 s.
+    // The counts say where they were.
+    let promoted = Instant::now();
+    while observer.snapshot().processed < 20 {
+        assert!(
+            promoted.elapsed() < Duration::from_secs(30),
+            "timed out waiting for every message after the failover: {:?}, {} pending on the broker",
+            observer.snapshot(),
+            broker.pending()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     stop.cancel();
     let stats = run.await.expect("task").expect("run");
     assert_eq!((stats.processed, stats.dead_lettered), (20, 0), "{stats:?}");
