@@ -100,6 +100,20 @@ impl IdemRequest {
         DerivedKey::for_request(&self.key, call)
     }
 
+    /// The [`Emitter`](idem_core::outbox::Emitter) of this execution's outbox messages: their
+    /// IDs derive from the request's scoped key (principal, method, path, client key) and their
+    /// position, so a retry or a takeover that runs the handler again enqueues the same IDs,
+    /// and tenants sending the same key get different ones. Make one per handler run and
+    /// enqueue in a fixed order, through the store's
+    /// [`OutboxStore::enqueue`](idem_core::outbox::OutboxStore::enqueue) on the request's
+    /// transaction.
+    ///
+    /// Marks the execution started, as [`derive_key`](Self::derive_key) does.
+    pub fn emitter(&self) -> idem_core::outbox::Emitter {
+        self.mark_started();
+        idem_core::outbox::Emitter::for_request(&self.key)
+    }
+
     /// Says the handler started executing, so its response is stored even when it is a 4xx
     /// (see the [module docs](crate::execution)). Using the transaction or deriving a key does
     /// this already.
