@@ -31,6 +31,11 @@ use std::collections::HashMap;
 use idem_core::outbox::{MAX_DESTINATION_LEN, OutboxRow, Outgoing};
 use idem_core::{Error, ErrorKind, MessageId, TableName, Timestamp};
 
+use crate::statements::{OutboxParam, OutboxStatement};
+
+/// The longest message ID any engine's outbox column holds (SQLite's bound).
+const MAX_STORED_ID_LEN: usize = crate::sqlite::MAX_MESSAGE_ID_LEN;
+
 /// The longest relay name, in bytes (the `leased_by` column).
 pub const MAX_RELAY_LEN: usize = 255;
 
@@ -122,6 +127,82 @@ pub fn check_tables(claims: &TableName, requests: &TableName, outbox: &TableName
     Ok(())
 }
 
+/// A value a store binds, whatever its driver: each store maps these onto its own parameter
+/// type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Value<'a> {
+    /// Bytes.
+    Bytes(&'a [u8]),
+    /// Text.
+    Text(&'a str),
+    /// Text or NULL.
+    OptText(Option<&'a str>),
+    /// An integer.
+    Int(i64),
+    /// An integer or NULL.
+    OptInt(Option<i64>),
+}
+
+/// Everything an outbox statement may bind; [`bind`](Self::bind) picks what a statement
+/// takes, in its order.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Values<'a> {
+    /// The message ID.
+    pub id: &'a [u8],
+    /// The destination.
+    pub destination: &'a str,
+    /// The ordering key.
+    pub key: Option<&'a str>,
+    /// The payload.
+    pub payload: &'a [u8],
+    /// The encoded headers.
+    pub headers: &'a str,
+    /// The relay's name.
+    pub relay: &'a str,
+    /// A row count.
+    pub limit: i64,
+    /// A lease, in microseconds.
+    pub lease: i64,
+    /// A retry delay, in microseconds.
+    pub retry_in: i64,
+    /// A failed publish's error, bounded.
+    pub error: &'a str,
+    /// A dead letter's reason, bounded.
+    pub reason: &'a str,
+    /// One sequence number.
+    pub seq: i64,
+    /// A list of sequence numbers.
+    pub seqs: &'a [i64],
+    /// This host's clock, where the engine binds one (SQLite); `None` on a server.
+    pub now: Option<i64>,
+}
+
+impl<'a> Values<'a> {
+    /// What `statement` binds, in order.
+    pub fn bind(&self, statement: &OutboxStatement) -> Vec<Value<'a>> {
+        let mut out = Vec::with_capacity(statement.binds.len() + self.seqs.len());
+        for p in &statement.binds {
+            match p {
+                OutboxParam::MessageId => out.push(Value::Bytes(self.id)),
+                OutboxParam::Destination => out.push(Value::Text(self.destination)),
+                OutboxParam::OrderingKey => out.push(Value::OptText(self.key)),
+                OutboxParam::Payload => out.push(Value::Bytes(self.payload)),
+                OutboxParam::Headers => out.push(Value::Text(self.headers)),
+                OutboxParam::Relay => out.push(Value::Text(self.relay)),
+                OutboxParam::Limit => out.push(Value::Int(self.limit)),
+                OutboxParam::Lease => out.push(Value::Int(self.lease)),
+                OutboxParam::RetryIn => out.push(Value::Int(self.retry_in)),
+                OutboxParam::Error => out.push(Value::Text(self.error)),
+                OutboxParam::Reason => out.push(Value::Text(self.reason)),
+                OutboxParam::Seq => out.push(Value::Int(self.seq)),
+                OutboxParam::Seqs => out.extend(self.seqs.iter().map(|s| Value::Int(*s))),
+                OutboxParam::Now => out.push(Value::OptInt(self.now)),
+            }
+        }
+        out
+    }
+}
+
 /// One row as a lease statement selects it, before it is checked.
 #[derive(Debug, Clone)]
 pub struct Candidate {
@@ -196,7 +277,8 @@ pub fn admit(candidates: Vec<Candidate>) -> Admitted {
 }
 
 fn rebuild(c: Candidate) -> Result<OutboxRow, Error> {
-    let id = MessageId::new(c.message_id)?;
+    // Any length a store's message_id column holds: the store checked it on enqueue.
+    let id = MessageId::with_limit(c.message_id, MAX_STORED_ID_LEN)?;
     if c.destination.len() > MAX_DESTINATION_LEN {
         // Outgoing::from_parts says so too; named here for the reason's sake.
         return Err(Error::new(ErrorKind::Store, "destination too long"));

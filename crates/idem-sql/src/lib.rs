@@ -83,6 +83,7 @@ mod errors;
 mod held;
 #[cfg(feature = "mysql")]
 mod mysql;
+mod outbox;
 #[cfg(feature = "postgres")]
 mod partitioned;
 #[cfg(feature = "postgres")]
@@ -95,7 +96,7 @@ mod tx;
 
 pub use any::{AnyStore, SCHEMES, StoreVisitor};
 /// Table names are idem-core's, shared by every SQL store.
-pub use idem_core::{DEFAULT_REQUESTS_TABLE, DEFAULT_TABLE, TableName};
+pub use idem_core::{DEFAULT_OUTBOX_TABLE, DEFAULT_REQUESTS_TABLE, DEFAULT_TABLE, TableName};
 /// PostgreSQL claims partitioned by the ID's time (`PostgresStore::partitioned`):
 /// `Partitioning`, the extractors, days and the maintenance reports, from `idem_dialect`,
 /// which `idem-postgres` shares. Pure data, so present without the `postgres` feature too
