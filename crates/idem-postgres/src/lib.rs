@@ -90,6 +90,7 @@
 
 mod conn;
 mod errors;
+mod outbox;
 mod partitioned;
 mod requests;
 mod store;
@@ -97,7 +98,7 @@ mod store;
 mod tx;
 
 /// Table names are idem-core's, shared with idem-sql.
-pub use idem_core::{DEFAULT_REQUESTS_TABLE, DEFAULT_TABLE, TableName};
+pub use idem_core::{DEFAULT_OUTBOX_TABLE, DEFAULT_REQUESTS_TABLE, DEFAULT_TABLE, TableName};
 /// Claims partitioned by the ID's time ([`PgStore::partitioned`]): `Partitioning`, the
 /// extractors, days and the maintenance reports, shared with `idem-sql` through
 /// `idem_dialect`.
