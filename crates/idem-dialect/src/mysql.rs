@@ -19,7 +19,7 @@
 use idem_core::request_record::MAX_REQUEST_KEY_LEN;
 use idem_core::{ErrorKind, TableName};
 
-use crate::outbox::{COLUMNS, SELECTED, dead_letter_table};
+use crate::outbox::{COLUMNS, dead_letter_table};
 use crate::statements::{OutboxParam as P, OutboxStatement, Placeholder};
 use crate::{ClaimStatements, OutboxStatements, RequestStatements};
 
@@ -150,6 +150,12 @@ pub fn migration(t: &TableName, r: &TableName) -> Vec<String> {
 /// value used twice is bound twice (see each statement's `binds`).
 pub fn outbox_statements(o: &TableName) -> OutboxStatements {
     let now = SERVER_NOW;
+    // The text columns converted to a collation without the binary flag, which `utf8mb4_bin`
+    // carries on the wire and drivers (sqlx) then refuse to read as text; the values are
+    // unchanged.
+    let selected = "o.seq, o.message_id, CONVERT(o.destination USING utf8mb4), \
+                    CONVERT(o.ordering_key USING utf8mb4), o.payload, \
+                    CONVERT(o.headers USING utf8mb4), o.attempts, o.created_at";
     let dl = dead_letter_table(o);
     let same_key = "e.destination = o.destination AND e.ordering_key = o.ordering_key \
                     AND e.sent_at IS NULL AND e.seq < o.seq";
@@ -167,7 +173,7 @@ pub fn outbox_statements(o: &TableName) -> OutboxStatements {
         ),
         lease_select: OutboxStatement::new(
             format!(
-                "SELECT {SELECTED}, CAST((SELECT count(*) FROM {o} e WHERE {same_key}) AS SIGNED) \
+                "SELECT {selected}, CAST((SELECT count(*) FROM {o} e WHERE {same_key}) AS SIGNED) \
                  FROM {o} o WHERE o.sent_at IS NULL AND o.available_at <= {now} \
                  AND (o.leased_until IS NULL OR o.leased_until <= {now} OR o.leased_by = ?) \
                  AND (o.ordering_key IS NULL OR NOT EXISTS (SELECT 1 FROM {o} e WHERE {same_key} \
