@@ -73,6 +73,7 @@ macro_rules! outbox_conformance_tests {
             enqueue_of_committed_ids_adds_no_row,
             lease_order_is_seq_order,
             concurrent_relays_never_lease_the_same_row,
+            concurrent_relays_publish_each_key_in_order,
             a_lapsed_lease_is_taken_over_and_the_late_mark_marks_nothing,
             one_relay_at_a_time_per_ordering_key,
             release_delays_and_counts_attempts,
