@@ -169,7 +169,13 @@ pub fn outbox_statements(o: &TableName) -> OutboxStatements {
                  created_at, available_at) VALUES (?, ?, ?, ?, ?, {now}, {now}) \
                  ON DUPLICATE KEY UPDATE message_id = message_id"
             ),
-            &[P::MessageId, P::Destination, P::OrderingKey, P::Payload, P::Headers],
+            &[
+                P::MessageId,
+                P::Destination,
+                P::OrderingKey,
+                P::Payload,
+                P::Headers,
+            ],
         ),
         lease_select: OutboxStatement::new(
             format!(
@@ -373,7 +379,14 @@ mod tests {
         assert_eq!(marks(&s.lease_select.sql), s.lease_select.binds.len());
         assert_eq!(marks(&s.release.sql), s.release.binds.len());
         assert!(s.mark_sent.text(2).ends_with("seq IN (?, ?)"));
-        assert!(s.enqueue.sql.ends_with("ON DUPLICATE KEY UPDATE message_id = message_id"));
-        assert_eq!(outbox_migration(&TableName::new("outbox").expect("table")).len(), 2);
+        assert!(
+            s.enqueue
+                .sql
+                .ends_with("ON DUPLICATE KEY UPDATE message_id = message_id")
+        );
+        assert_eq!(
+            outbox_migration(&TableName::new("outbox").expect("table")).len(),
+            2
+        );
     }
 }

@@ -115,7 +115,11 @@ pub fn bounded(text: &str) -> &str {
 ///
 /// # Errors
 /// [`ErrorKind::InvalidConfig`].
-pub fn check_tables(claims: &TableName, requests: &TableName, outbox: &TableName) -> Result<(), Error> {
+pub fn check_tables(
+    claims: &TableName,
+    requests: &TableName,
+    outbox: &TableName,
+) -> Result<(), Error> {
     for (other, what) in [(claims, "claims"), (requests, "requests")] {
         if other == outbox {
             return Err(Error::new(
@@ -270,7 +274,9 @@ pub fn admit(candidates: Vec<Candidate>) -> Admitted {
         let seq = c.seq;
         match rebuild(c) {
             Ok(row) => out.rows.push(row),
-            Err(e) => out.undecodable.push((seq, format!("undecodable outbox row: {e}"))),
+            Err(e) => out
+                .undecodable
+                .push((seq, format!("undecodable outbox row: {e}"))),
         }
     }
     out
@@ -318,7 +324,10 @@ mod tests {
     #[test]
     fn headers_round_trip_in_order_with_any_value() {
         let h = vec![
-            ("b".to_owned(), "line\nbreak \"quoted\" \u{1F600}".to_owned()),
+            (
+                "b".to_owned(),
+                "line\nbreak \"quoted\" \u{1F600}".to_owned(),
+            ),
             ("a".to_owned(), String::new()),
         ];
         let text = encode_headers(&h);
@@ -341,7 +350,10 @@ mod tests {
             row(6, Some("a"), 3),
         ]);
         assert_eq!(seqs(&got), vec![1, 3, 4]);
-        assert_eq!(got.rows[0].message.headers(), &[("kind".into(), "X".into())]);
+        assert_eq!(
+            got.rows[0].message.headers(),
+            &[("kind".into(), "X".into())]
+        );
     }
 
     #[test]
@@ -351,7 +363,11 @@ mod tests {
         let got = admit(vec![bad, row(2, Some("a"), 1)]);
         assert_eq!(seqs(&got), vec![2]);
         assert_eq!(got.undecodable.len(), 1);
-        assert!(got.undecodable[0].1.contains("JSON"), "{:?}", got.undecodable);
+        assert!(
+            got.undecodable[0].1.contains("JSON"),
+            "{:?}",
+            got.undecodable
+        );
         assert_eq!(got.seqs(), vec![2, 1]);
     }
 
@@ -359,7 +375,10 @@ mod tests {
     fn names_and_bounds() {
         assert!(check_relay("relay-1").is_ok());
         for bad in ["", "a\nb", &"r".repeat(256)] {
-            assert_eq!(check_relay(bad).unwrap_err().kind(), ErrorKind::InvalidConfig);
+            assert_eq!(
+                check_relay(bad).unwrap_err().kind(),
+                ErrorKind::InvalidConfig
+            );
         }
         let long = "é".repeat(MAX_ERROR_LEN);
         let cut = bounded(&long);

@@ -139,7 +139,14 @@ pub fn outbox_statements(o: &TableName) -> OutboxStatements {
                  created_at, available_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?6) \
                  ON CONFLICT (message_id) DO NOTHING"
             ),
-            &[P::MessageId, P::Destination, P::OrderingKey, P::Payload, P::Headers, P::Now],
+            &[
+                P::MessageId,
+                P::Destination,
+                P::OrderingKey,
+                P::Payload,
+                P::Headers,
+                P::Now,
+            ],
         ),
         lease_select: OutboxStatement::new(
             format!(

@@ -62,7 +62,11 @@ fn count(n: usize) -> i64 {
 }
 
 /// Runs `sql` with `bound` on `client`; rows affected.
-async fn execute(client: &Client, sql: &str, bound: &Bound<'_>) -> Result<u64, tokio_postgres::Error> {
+async fn execute(
+    client: &Client,
+    sql: &str,
+    bound: &Bound<'_>,
+) -> Result<u64, tokio_postgres::Error> {
     client.execute_typed(sql, &bound.typed()).await
 }
 
@@ -117,7 +121,13 @@ impl PgStore {
         }
         for (seq, reason) in &admitted.undecodable {
             let moved = self.move_to_dead_letters(&tx, relay, *seq, reason).await?;
-            tracing::debug!(relay, seq, moved, reason, "outbox row dead-lettered at lease");
+            tracing::debug!(
+                relay,
+                seq,
+                moved,
+                reason,
+                "outbox row dead-lettered at lease"
+            );
         }
         tx.commit().await.map_err(commit_error)?;
         Ok(admitted.rows)
@@ -194,7 +204,8 @@ impl OutboxStore for PgStore {
                 ..Values::default()
             };
             let bound = Bound::new(insert, &v);
-            let params: Vec<&(dyn ToSql + Sync)> = bound.typed().into_iter().map(|(p, _)| p).collect();
+            let params: Vec<&(dyn ToSql + Sync)> =
+                bound.typed().into_iter().map(|(p, _)| p).collect();
             let done = tx.execute(&statement, &params).await;
             tx.saw(&done);
             done.map_err(|e| store_error(what, e))?;
@@ -273,10 +284,18 @@ impl RelayStore for PgStore {
             ..Values::default()
         };
         let released = self
-            .execute_relay("releasing an outbox row", &release.sql, &Bound::new(release, &v))
+            .execute_relay(
+                "releasing an outbox row",
+                &release.sql,
+                &Bound::new(release, &v),
+            )
             .await?;
         if released == 0 {
-            tracing::debug!(relay, seq, "outbox row not released: no longer leased to this relay");
+            tracing::debug!(
+                relay,
+                seq,
+                "outbox row not released: no longer leased to this relay"
+            );
         }
         Ok(())
     }
@@ -287,7 +306,11 @@ impl RelayStore for PgStore {
         if self.move_to_dead_letters(&tx, relay, seq, reason).await? {
             tx.commit().await.map_err(commit_error)
         } else {
-            tracing::debug!(relay, seq, "outbox row not dead-lettered: no longer leased to this relay");
+            tracing::debug!(
+                relay,
+                seq,
+                "outbox row not dead-lettered: no longer leased to this relay"
+            );
             tx.rollback().await.map_err(|e| store_error("rollback", e))
         }
     }
@@ -301,8 +324,12 @@ impl RelayStore for PgStore {
             limit: count(limit),
             ..Values::default()
         };
-        self.execute_relay("purging sent outbox rows", &purge.sql, &Bound::new(purge, &v))
-            .await
+        self.execute_relay(
+            "purging sent outbox rows",
+            &purge.sql,
+            &Bound::new(purge, &v),
+        )
+        .await
     }
 
     async fn backlog(&self) -> Result<Backlog, Error> {
@@ -314,7 +341,9 @@ impl RelayStore for PgStore {
             .query_typed_opt(&read.sql, &[])
             .await
             .map_err(err)?
-            .ok_or_else(|| Error::new(ErrorKind::Store, "the outbox backlog read returned no row"))?;
+            .ok_or_else(|| {
+                Error::new(ErrorKind::Store, "the outbox backlog read returned no row")
+            })?;
         let (unsent, oldest, sent, dead, now): (i64, Option<i64>, i64, i64, i64) = (
             row.try_get(0).map_err(err)?,
             row.try_get(1).map_err(err)?,

@@ -29,8 +29,8 @@ use sqlx::error::DatabaseError;
 
 use crate::requests::RecordRow;
 use crate::tx::Tx;
-pub use idem_dialect::{ClaimStatements, OutboxStatements, RequestStatements};
 use idem_dialect::outbox::Candidate;
+pub use idem_dialect::{ClaimStatements, OutboxStatements, RequestStatements};
 
 /// An SQL engine idem stores claims on: implemented for `sqlx::Sqlite`, `sqlx::Postgres` and
 /// `sqlx::MySql` (each behind the cargo feature of the same name). Sealed: a new engine is

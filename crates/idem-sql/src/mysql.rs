@@ -30,7 +30,7 @@ use sqlx::error::DatabaseError;
 use sqlx::mysql::MySql;
 
 use crate::common::{server_stamp, stored_fingerprint};
-use crate::engine::{ClaimStatements, OutboxStatements, Engine, RequestStatements};
+use crate::engine::{ClaimStatements, Engine, OutboxStatements, RequestStatements};
 use crate::errors::store_error;
 use crate::store::SqlStore;
 use crate::tx::Tx;

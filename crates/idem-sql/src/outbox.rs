@@ -13,9 +13,9 @@ use std::time::Duration;
 
 use idem_core::outbox::{Backlog, OutboxRow, OutboxStore, Outgoing, RelayStore};
 use idem_core::{Error, ErrorKind, Stamp};
+use idem_dialect::OutboxStatement;
 use idem_dialect::micros;
 use idem_dialect::outbox::{Values, admit, bounded, check_relay, encode_headers};
-use idem_dialect::OutboxStatement;
 
 use crate::engine::{Engine, Param};
 use crate::errors::{commit_error, store_error};
@@ -30,7 +30,11 @@ const CHUNK: usize = 500;
 const LEASE_ATTEMPTS: usize = 3;
 
 fn params<'a>(statement: &OutboxStatement, values: &Values<'a>) -> Vec<Param<'a>> {
-    values.bind(statement).into_iter().map(Param::from).collect()
+    values
+        .bind(statement)
+        .into_iter()
+        .map(Param::from)
+        .collect()
 }
 
 /// A row count as the statements bind it.
@@ -76,8 +80,16 @@ impl<E: Engine> SqlStore<E> {
                 .map_err(err)?;
         }
         for (seq, reason) in &admitted.undecodable {
-            let moved = self.move_to_dead_letters(&mut tx, relay, *seq, reason).await?;
-            tracing::debug!(relay, seq, moved, reason, "outbox row dead-lettered at lease");
+            let moved = self
+                .move_to_dead_letters(&mut tx, relay, *seq, reason)
+                .await?;
+            tracing::debug!(
+                relay,
+                seq,
+                moved,
+                reason,
+                "outbox row dead-lettered at lease"
+            );
         }
         tx.commit().await.map_err(commit_error::<E>)?;
         Ok(admitted.rows)
@@ -219,7 +231,11 @@ impl<E: Engine> RelayStore for SqlStore<E> {
             .await
             .map_err(|e| store_error::<E>("releasing an outbox row", e))?;
         if released == 0 {
-            tracing::debug!(relay, seq, "outbox row not released: no longer leased to this relay");
+            tracing::debug!(
+                relay,
+                seq,
+                "outbox row not released: no longer leased to this relay"
+            );
         }
         Ok(())
     }
@@ -227,10 +243,17 @@ impl<E: Engine> RelayStore for SqlStore<E> {
     async fn dead_letter(&self, relay: &str, seq: i64, reason: &str) -> Result<(), Error> {
         check_relay(relay)?;
         let mut tx = self.begin_relay().await?;
-        if self.move_to_dead_letters(&mut tx, relay, seq, reason).await? {
+        if self
+            .move_to_dead_letters(&mut tx, relay, seq, reason)
+            .await?
+        {
             tx.commit().await.map_err(commit_error::<E>)
         } else {
-            tracing::debug!(relay, seq, "outbox row not dead-lettered: no longer leased to this relay");
+            tracing::debug!(
+                relay,
+                seq,
+                "outbox row not dead-lettered: no longer leased to this relay"
+            );
             tx.rollback()
                 .await
                 .map_err(|e| store_error::<E>("rollback", e))

@@ -55,7 +55,7 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, S
 use sqlx::{QueryBuilder, Sqlite};
 
 use crate::common::{host_stamp, stored_fingerprint};
-use crate::engine::{ClaimStatements, OutboxStatements, Driver, Engine, Param, RequestStatements};
+use crate::engine::{ClaimStatements, Driver, Engine, OutboxStatements, Param, RequestStatements};
 use crate::errors::store_error;
 use crate::store::SqlStore;
 use crate::tx::Tx;

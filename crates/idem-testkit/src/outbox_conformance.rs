@@ -77,13 +77,23 @@ pub async fn committed_enqueue_is_leased_back_byte_exact<F: OutboxFixture>(test:
         .and_then(|m| m.header("empty", ""))
         .and_then(|m| m.ordering_key("account-42"))
         .expect("message");
-    let plain = e.message("receipts/émis", Vec::<u8>::new()).expect("message");
+    let plain = e
+        .message("receipts/émis", Vec::<u8>::new())
+        .expect("message");
     enqueue(&s, &[keyed.clone(), plain.clone()]).await;
     let rows = lease(&s, "relay-a", 10, LONG).await;
     assert_eq!(rows.len(), 2, "{rows:?}");
-    assert!(rows[0].message == keyed, "keyed message differs: {:?}", rows[0].message);
+    assert!(
+        rows[0].message == keyed,
+        "keyed message differs: {:?}",
+        rows[0].message
+    );
     assert_eq!(rows[0].message.payload(), &payload[..]);
-    assert!(rows[1].message == plain, "plain message differs: {:?}", rows[1].message);
+    assert!(
+        rows[1].message == plain,
+        "plain message differs: {:?}",
+        rows[1].message
+    );
     assert_eq!(rows[1].message.key(), None);
     assert!(rows[0].seq < rows[1].seq);
     assert_eq!(rows[0].attempts, 0);
@@ -123,7 +133,11 @@ pub async fn enqueue_of_committed_ids_adds_no_row<F: OutboxFixture>(test: &str) 
     assert_eq!(s.backlog().await.expect("backlog").unsent, 3);
     let rows = lease(&s, "relay-a", 10, LONG).await;
     assert_eq!(ids(&rows), msg_ids(&again));
-    assert_eq!(rows[0].message.payload(), first[0].payload(), "first run's row kept");
+    assert_eq!(
+        rows[0].message.payload(),
+        first[0].payload(),
+        "first run's row kept"
+    );
     fx.teardown().await;
 }
 
@@ -145,7 +159,10 @@ pub async fn lease_order_is_seq_order<F: OutboxFixture>(test: &str) {
     let order: Vec<i64> = seqs(&a).into_iter().chain(seqs(&b)).collect();
     assert!(order.windows(2).all(|w| w[0] < w[1]), "{order:?}");
     // A relay's own rows come back to it (renewed), still oldest first.
-    assert_eq!(ids(&lease(&s, "relay-a", 2, LONG).await), msg_ids(&all[..2]));
+    assert_eq!(
+        ids(&lease(&s, "relay-a", 2, LONG).await),
+        msg_ids(&all[..2])
+    );
     fx.teardown().await;
 }
 
@@ -155,7 +172,11 @@ pub async fn concurrent_relays_never_lease_the_same_row<F: OutboxFixture>(test: 
     let s = fx.store();
     const ROWS: usize = 160;
     for tx in 0..8 {
-        enqueue(&s, &messages(&format!("burst-{tx}"), ROWS / 8, "orders", None)).await;
+        enqueue(
+            &s,
+            &messages(&format!("burst-{tx}"), ROWS / 8, "orders", None),
+        )
+        .await;
     }
     let mut relays = Vec::new();
     for r in 0..8 {
@@ -203,7 +224,8 @@ pub async fn concurrent_relays_publish_each_key_in_order<F: OutboxFixture>(test:
     const PER_KEY: usize = 24;
     let consumer = ConsumerName::new("outbox-suite").expect("consumer");
     for round in 0..PER_KEY / 4 {
-        let mut e = Emitter::for_message(&consumer, &MessageId::new(format!("r{round}")).expect("id"));
+        let mut e =
+            Emitter::for_message(&consumer, &MessageId::new(format!("r{round}")).expect("id"));
         let mut msgs = Vec::new();
         for i in 0..4 {
             for k in 0..KEYS {
@@ -246,7 +268,10 @@ pub async fn concurrent_relays_publish_each_key_in_order<F: OutboxFixture>(test:
     let log = published.lock().expect("log").clone();
     assert_eq!(log.len(), KEYS * PER_KEY, "published {} rows", log.len());
     for k in 0..KEYS {
-        let of_key: Vec<&String> = log.iter().filter(|b| b.starts_with(&format!("{k}:"))).collect();
+        let of_key: Vec<&String> = log
+            .iter()
+            .filter(|b| b.starts_with(&format!("{k}:")))
+            .collect();
         let mut sorted = of_key.clone();
         sorted.sort();
         assert_eq!(of_key, sorted, "key {k} published out of order");
@@ -266,18 +291,30 @@ pub async fn a_lapsed_lease_is_taken_over_and_the_late_mark_marks_nothing<F: Out
     let short = Duration::from_millis(400);
     let a = lease(&s, "relay-a", 10, short).await;
     assert_eq!(a.len(), 1);
-    assert!(lease(&s, "relay-b", 10, LONG).await.is_empty(), "taken while leased");
+    assert!(
+        lease(&s, "relay-b", 10, LONG).await.is_empty(),
+        "taken while leased"
+    );
     assert_eq!(seqs(&lease(&s, "relay-a", 10, short).await), seqs(&a));
     tokio::time::sleep(Duration::from_millis(900)).await;
     let b = lease(&s, "relay-b", 10, LONG).await;
     assert_eq!(seqs(&b), seqs(&a), "the lapsed row is not taken over");
-    s.mark_sent("relay-a", &seqs(&a)).await.expect("a late mark is no error");
+    s.mark_sent("relay-a", &seqs(&a))
+        .await
+        .expect("a late mark is no error");
     let backlog = s.backlog().await.expect("backlog");
-    assert_eq!((backlog.unsent, backlog.sent), (1, 0), "the stale relay marked the row");
+    assert_eq!(
+        (backlog.unsent, backlog.sent),
+        (1, 0),
+        "the stale relay marked the row"
+    );
     s.mark_sent("relay-b", &seqs(&b)).await.expect("mark");
     let backlog = s.backlog().await.expect("backlog");
     assert_eq!((backlog.unsent, backlog.sent), (0, 1));
-    assert!(lease(&s, "relay-b", 10, LONG).await.is_empty(), "a sent row leased again");
+    assert!(
+        lease(&s, "relay-b", 10, LONG).await.is_empty(),
+        "a sent row leased again"
+    );
     fx.teardown().await;
 }
 
@@ -301,9 +338,17 @@ pub async fn one_relay_at_a_time_per_ordering_key<F: OutboxFixture>(test: &str) 
         .iter()
         .map(|m| m.id().clone())
         .collect();
-    assert_eq!(ids(&b), expected, "relay B took key K's later rows or missed free ones");
+    assert_eq!(
+        ids(&b),
+        expected,
+        "relay B took key K's later rows or missed free ones"
+    );
     let a = lease(&s, "relay-a", 10, LONG).await;
-    assert_eq!(ids(&a), msg_ids(&k), "relay A gets K's rows after its head, in order");
+    assert_eq!(
+        ids(&a),
+        msg_ids(&k),
+        "relay A gets K's rows after its head, in order"
+    );
     fx.teardown().await;
 }
 
@@ -320,10 +365,18 @@ pub async fn release_delays_and_counts_attempts<F: OutboxFixture>(test: &str) {
     s.release("relay-b", a[0].seq, "not mine", Duration::ZERO)
         .await
         .expect("a release by another relay is no error");
-    assert!(lease(&s, "relay-b", 10, LONG).await.is_empty(), "released by a non-holder");
-    s.release("relay-a", a[0].seq, &"broker said no ".repeat(1000), Duration::from_secs(1))
-        .await
-        .expect("release");
+    assert!(
+        lease(&s, "relay-b", 10, LONG).await.is_empty(),
+        "released by a non-holder"
+    );
+    s.release(
+        "relay-a",
+        a[0].seq,
+        &"broker said no ".repeat(1000),
+        Duration::from_secs(1),
+    )
+    .await
+    .expect("release");
     for relay in ["relay-a", "relay-b"] {
         assert!(
             lease(&s, relay, 10, LONG).await.is_empty(),
@@ -346,15 +399,23 @@ pub async fn dead_letter_moves_the_row_with_its_reason<F: OutboxFixture>(test: &
     let rows = lease(&s, "relay-a", 10, LONG).await;
     assert_eq!(rows.len(), 2);
     let reason = "rejected: message too large for the destination";
-    s.dead_letter("relay-a", rows[0].seq, reason).await.expect("dead letter");
+    s.dead_letter("relay-a", rows[0].seq, reason)
+        .await
+        .expect("dead letter");
     s.dead_letter("relay-b", rows[1].seq, "not mine")
         .await
         .expect("a dead letter by another relay is no error");
     let backlog = s.backlog().await.expect("backlog");
     assert_eq!((backlog.unsent, backlog.dead_lettered), (1, 1));
-    assert_eq!(fx.dead_letter_reason(rows[0].seq).await.as_deref(), Some(reason));
+    assert_eq!(
+        fx.dead_letter_reason(rows[0].seq).await.as_deref(),
+        Some(reason)
+    );
     assert_eq!(fx.dead_letter_reason(rows[1].seq).await, None);
-    assert_eq!(seqs(&lease(&s, "relay-a", 10, LONG).await), vec![rows[1].seq]);
+    assert_eq!(
+        seqs(&lease(&s, "relay-a", 10, LONG).await),
+        vec![rows[1].seq]
+    );
     fx.teardown().await;
 }
 
@@ -420,19 +481,37 @@ pub async fn a_missing_outbox_table_is_misconfigured<F: OutboxFixture>(test: &st
     let enqueued = s.enqueue(&mut tx, &messages("m", 1, "orders", None)).await;
     assert_eq!(kind(enqueued), ErrorKind::Misconfigured);
     let _ = s.rollback(tx).await;
-    assert_eq!(kind(s.lease("relay-a", 10, LONG).await.map(drop)), ErrorKind::Misconfigured);
-    assert_eq!(kind(s.mark_sent("relay-a", &[1]).await), ErrorKind::Misconfigured);
+    assert_eq!(
+        kind(s.lease("relay-a", 10, LONG).await.map(drop)),
+        ErrorKind::Misconfigured
+    );
+    assert_eq!(
+        kind(s.mark_sent("relay-a", &[1]).await),
+        ErrorKind::Misconfigured
+    );
     assert_eq!(
         kind(s.release("relay-a", 1, "e", Duration::ZERO).await),
         ErrorKind::Misconfigured
     );
-    assert_eq!(kind(s.dead_letter("relay-a", 1, "r").await), ErrorKind::Misconfigured);
-    assert_eq!(kind(s.purge_sent(10).await.map(drop)), ErrorKind::Misconfigured);
+    assert_eq!(
+        kind(s.dead_letter("relay-a", 1, "r").await),
+        ErrorKind::Misconfigured
+    );
+    assert_eq!(
+        kind(s.purge_sent(10).await.map(drop)),
+        ErrorKind::Misconfigured
+    );
     assert_eq!(kind(s.backlog().await.map(drop)), ErrorKind::Misconfigured);
     let good = fx.store();
     for bad in ["", "relay\n1"] {
-        assert_eq!(kind(good.lease(bad, 1, LONG).await.map(drop)), ErrorKind::InvalidConfig);
-        assert_eq!(kind(good.mark_sent(bad, &[1]).await), ErrorKind::InvalidConfig);
+        assert_eq!(
+            kind(good.lease(bad, 1, LONG).await.map(drop)),
+            ErrorKind::InvalidConfig
+        );
+        assert_eq!(
+            kind(good.mark_sent(bad, &[1]).await),
+            ErrorKind::InvalidConfig
+        );
     }
     fx.teardown().await;
 }

@@ -30,7 +30,13 @@ pub fn outbox_statements(o: &TableName) -> OutboxStatements {
                  VALUES ($1, $2, $3, $4, $5, {SERVER_NOW}, {SERVER_NOW}) \
                  ON CONFLICT (message_id) DO NOTHING"
             ),
-            &[P::MessageId, P::Destination, P::OrderingKey, P::Payload, P::Headers],
+            &[
+                P::MessageId,
+                P::Destination,
+                P::OrderingKey,
+                P::Payload,
+                P::Headers,
+            ],
         ),
         lease_select: OutboxStatement::new(
             format!(
@@ -44,9 +50,7 @@ pub fn outbox_statements(o: &TableName) -> OutboxStatements {
             &[P::Relay, P::Limit],
         ),
         lease_update: list(
-            format!(
-                "UPDATE {o} SET leased_by = $1, leased_until = {now} + $2 WHERE seq IN ("
-            ),
+            format!("UPDATE {o} SET leased_by = $1, leased_until = {now} + $2 WHERE seq IN ("),
             &[P::Relay, P::Lease, P::Seqs],
             3,
         ),
@@ -174,7 +178,9 @@ mod tests {
         let s = outbox_statements(&TableName::new("app.outbox").expect("table"));
         assert_eq!(s.lease_update.binds, vec![P::Relay, P::Lease, P::Seqs]);
         assert!(
-            s.lease_update.text(3).ends_with("WHERE seq IN ($3, $4, $5)"),
+            s.lease_update
+                .text(3)
+                .ends_with("WHERE seq IN ($3, $4, $5)"),
             "{}",
             s.lease_update.text(3)
         );

@@ -282,7 +282,10 @@ async fn stores_share_the_outbox(test: &str, sqlx_migrates: bool) {
         .expect("outbox table");
     if sqlx_migrates {
         sqlx_store.migrate().await.expect("idem-sql migrates");
-        pg_store.migrate().await.expect("idem-postgres migrates again");
+        pg_store
+            .migrate()
+            .await
+            .expect("idem-postgres migrates again");
     } else {
         pg_store.migrate().await.expect("idem-postgres migrates");
         sqlx_store.migrate().await.expect("idem-sql migrates again");
@@ -299,7 +302,10 @@ async fn stores_share_the_outbox(test: &str, sqlx_migrates: bool) {
         .and_then(|m| m.ordering_key("account-1"))
         .expect("message");
     let mut tx = sqlx_store.begin().await.expect("tx");
-    sqlx_store.enqueue(&mut tx, &[by_sqlx.clone()]).await.expect("enqueue");
+    sqlx_store
+        .enqueue(&mut tx, std::slice::from_ref(&by_sqlx))
+        .await
+        .expect("enqueue");
     sqlx_store.commit(tx).await.expect("commit");
     let mut tx = pg_store.begin().await.expect("tx");
     // The first message again (a re-run) adds nothing beside the second.
@@ -314,7 +320,13 @@ async fn stores_share_the_outbox(test: &str, sqlx_migrates: bool) {
     assert_eq!(leased.len(), 1);
     assert!(leased[0].message == by_sqlx, "{:?}", leased[0].message);
     // The key's next row is not another relay's while relay-1 holds its head, on either store.
-    assert!(sqlx_store.lease("relay-2", 10, long).await.expect("lease").is_empty());
+    assert!(
+        sqlx_store
+            .lease("relay-2", 10, long)
+            .await
+            .expect("lease")
+            .is_empty()
+    );
     let both = sqlx_store.lease("relay-1", 10, long).await.expect("lease");
     assert_eq!(both.len(), 2);
     assert!(both[1].message == by_pg, "{:?}", both[1].message);

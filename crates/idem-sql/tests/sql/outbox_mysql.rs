@@ -34,11 +34,13 @@ impl OutboxFixture for MySqlFixture {
     }
 
     async fn dead_letter_reason(&self, seq: i64) -> Option<String> {
-        sqlx::query_scalar("SELECT CONVERT(reason USING utf8mb4) FROM idem_outbox_dead_letters WHERE seq = ?")
-            .bind(seq)
-            .fetch_optional(self.store.pool())
-            .await
-            .expect("read dead letter")
+        sqlx::query_scalar(
+            "SELECT CONVERT(reason USING utf8mb4) FROM idem_outbox_dead_letters WHERE seq = ?",
+        )
+        .bind(seq)
+        .fetch_optional(self.store.pool())
+        .await
+        .expect("read dead letter")
     }
 
     async fn teardown(self) {
