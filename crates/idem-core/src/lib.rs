@@ -224,4 +224,4 @@ pub use store::{
     BatchClaimStore, ClaimRequest, ClaimStore, ConsumerStats, Migrate, Prune, Savepoints, Stats,
     TransactionalStore,
 };
-pub use table::{DEFAULT_REQUESTS_TABLE, DEFAULT_TABLE, TableName};
+pub use table::{DEFAULT_OUTBOX_TABLE, DEFAULT_REQUESTS_TABLE, DEFAULT_TABLE, TableName};

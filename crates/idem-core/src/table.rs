@@ -13,6 +13,10 @@ pub const DEFAULT_TABLE: &str = "idem_processed";
 /// The default table name of idempotent-request records.
 pub const DEFAULT_REQUESTS_TABLE: &str = "idem_requests";
 
+/// The default table name of the transactional outbox (outgoing messages); its dead letters
+/// go to `<outbox>_dead_letters`.
+pub const DEFAULT_OUTBOX_TABLE: &str = "idem_outbox";
+
 /// A validated table name, optionally schema-qualified (`billing.idem_processed`).
 ///
 /// Table names end up inside SQL text (they cannot be bind parameters), so only plain
@@ -57,6 +61,14 @@ impl TableName {
         Self {
             schema: None,
             table: DEFAULT_REQUESTS_TABLE.into(),
+        }
+    }
+
+    /// The default outbox table, [`DEFAULT_OUTBOX_TABLE`].
+    pub fn default_outbox() -> Self {
+        Self {
+            schema: None,
+            table: DEFAULT_OUTBOX_TABLE.into(),
         }
     }
 

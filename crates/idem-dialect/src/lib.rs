@@ -7,7 +7,10 @@
 //!
 //! - the claim statements ([`ClaimStatements`]) and the idempotent-request statements
 //!   ([`RequestStatements`]) for a table, with the order their parameters are bound in;
-//! - the migration: the statements that create both tables, their indexes and comments;
+//! - the outbox statements ([`OutboxStatements`]), each with what it binds in which order, and
+//!   the outbox's shared rules ([`outbox`]: header encoding, the per-key lease rule);
+//! - the migration: the statements that create the tables, their indexes and comments (the
+//!   outbox's: `outbox_migration`);
 //! - how the driver's error codes map onto [`idem_core::ErrorKind`]s (PostgreSQL's SQLSTATEs,
 //!   MySQL's error numbers, SQLite's result codes);
 //! - for PostgreSQL, claims partitioned by the ID's time ([`postgres::partition`]) and their
@@ -28,11 +31,14 @@
 //! ```
 
 pub mod mysql;
+pub mod outbox;
 pub mod postgres;
 pub mod sqlite;
 mod statements;
 
-pub use statements::{ClaimStatements, RequestStatements};
+pub use statements::{
+    ClaimStatements, OutboxParam, OutboxStatement, OutboxStatements, RequestStatements,
+};
 
 /// A duration in microseconds, saturating, as prune statements and partition cut-offs bind it.
 pub fn micros(d: std::time::Duration) -> i64 {

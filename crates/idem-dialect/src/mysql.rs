@@ -19,7 +19,9 @@
 use idem_core::request_record::MAX_REQUEST_KEY_LEN;
 use idem_core::{ErrorKind, TableName};
 
-use crate::{ClaimStatements, RequestStatements};
+use crate::outbox::{COLUMNS, dead_letter_table};
+use crate::statements::{OutboxParam as P, OutboxStatement, Placeholder};
+use crate::{ClaimStatements, OutboxStatements, RequestStatements};
 
 /// The server's clock in `processed_at` units: microseconds since the Unix epoch, computed on
 /// UTC so the session's time zone (and its daylight-saving jumps) cannot shift it.
@@ -141,6 +143,152 @@ pub fn migration(t: &TableName, r: &TableName) -> Vec<String> {
     ]
 }
 
+/// The outbox statements of table `o`, on the server's clock. A lease selects `FOR UPDATE SKIP
+/// LOCKED` (MySQL 8, MariaDB 10.6) in a short transaction and leases there; enqueue is
+/// `INSERT … ON DUPLICATE KEY UPDATE message_id = message_id`, a no-op on an ID already there
+/// that — unlike `INSERT IGNORE` — turns no other error into a warning. Positional `?`: a
+/// value used twice is bound twice (see each statement's `binds`).
+pub fn outbox_statements(o: &TableName) -> OutboxStatements {
+    let now = SERVER_NOW;
+    // The text columns converted to a collation without the binary flag, which `utf8mb4_bin`
+    // carries on the wire and drivers (sqlx) then refuse to read as text; the values are
+    // unchanged.
+    let selected = "o.seq, o.message_id, CONVERT(o.destination USING utf8mb4), \
+                    CONVERT(o.ordering_key USING utf8mb4), o.payload, \
+                    CONVERT(o.headers USING utf8mb4), o.attempts, o.created_at";
+    let dl = dead_letter_table(o);
+    let same_key = "e.destination = o.destination AND e.ordering_key = o.ordering_key \
+                    AND e.sent_at IS NULL AND e.seq < o.seq";
+    let list = |sql: String, binds: &[P]| {
+        OutboxStatement::with_list(sql, binds, Placeholder::Positional, 0, ")")
+    };
+    OutboxStatements {
+        enqueue: OutboxStatement::new(
+            format!(
+                "INSERT INTO {o} (message_id, destination, ordering_key, payload, headers, \
+                 created_at, available_at) VALUES (?, ?, ?, ?, ?, {now}, {now}) \
+                 ON DUPLICATE KEY UPDATE message_id = message_id"
+            ),
+            &[
+                P::MessageId,
+                P::Destination,
+                P::OrderingKey,
+                P::Payload,
+                P::Headers,
+            ],
+        ),
+        lease_select: OutboxStatement::new(
+            format!(
+                "SELECT {selected}, CAST((SELECT count(*) FROM {o} e WHERE {same_key}) AS SIGNED) \
+                 FROM {o} o WHERE o.sent_at IS NULL AND o.available_at <= {now} \
+                 AND (o.leased_until IS NULL OR o.leased_until <= {now} OR o.leased_by = ?) \
+                 AND (o.ordering_key IS NULL OR NOT EXISTS (SELECT 1 FROM {o} e WHERE {same_key} \
+                 AND (e.available_at > {now} OR (e.leased_until > {now} AND e.leased_by <> ?)))) \
+                 ORDER BY o.seq LIMIT ? FOR UPDATE SKIP LOCKED"
+            ),
+            &[P::Relay, P::Relay, P::Limit],
+        ),
+        lease_update: list(
+            format!("UPDATE {o} SET leased_by = ?, leased_until = {now} + ? WHERE seq IN ("),
+            &[P::Relay, P::Lease, P::Seqs],
+        ),
+        mark_sent: list(
+            format!(
+                "UPDATE {o} SET sent_at = {now} WHERE leased_by = ? AND sent_at IS NULL \
+                 AND seq IN ("
+            ),
+            &[P::Relay, P::Seqs],
+        ),
+        release: OutboxStatement::new(
+            format!(
+                "UPDATE {o} SET attempts = attempts + 1, last_error = ?, \
+                 available_at = {now} + ?, leased_by = NULL, leased_until = NULL \
+                 WHERE seq = ? AND leased_by = ? AND sent_at IS NULL"
+            ),
+            &[P::Error, P::RetryIn, P::Seq, P::Relay],
+        ),
+        dead_letter_copy: OutboxStatement::new(
+            format!(
+                "INSERT INTO {dl} ({COLUMNS}, reason, dead_lettered_at) \
+                 SELECT {COLUMNS}, ?, {now} FROM {o} \
+                 WHERE seq = ? AND leased_by = ? AND sent_at IS NULL"
+            ),
+            &[P::Reason, P::Seq, P::Relay],
+        ),
+        dead_letter_delete: OutboxStatement::new(
+            format!("DELETE FROM {o} WHERE seq = ? AND leased_by = ? AND sent_at IS NULL"),
+            &[P::Seq, P::Relay],
+        ),
+        // No ORDER BY: the (sent_at, seq) index finds sent rows; which ones go first does
+        // not matter.
+        purge_sent: OutboxStatement::new(
+            format!("DELETE FROM {o} WHERE sent_at IS NOT NULL LIMIT ?"),
+            &[P::Limit],
+        ),
+        backlog: OutboxStatement::new(
+            format!(
+                "SELECT CAST((SELECT count(*) FROM {o} WHERE sent_at IS NULL) AS SIGNED), \
+                 (SELECT min(created_at) FROM {o} WHERE sent_at IS NULL), \
+                 CAST((SELECT count(*) FROM {o} WHERE sent_at IS NOT NULL) AS SIGNED), \
+                 CAST((SELECT count(*) FROM {dl}) AS SIGNED), {now}"
+            ),
+            &[],
+        ),
+    }
+}
+
+/// The outbox table and its dead-letter table, each statement atomic on its own (as
+/// [`migration`]). Text columns are `utf8mb4_bin`: every string a message carries, compared
+/// byte for byte; the message ID is the claims table's `VARBINARY`.
+pub fn outbox_migration(o: &TableName) -> Vec<String> {
+    let (name, dl) = (o.table(), dead_letter_table(o));
+    let text = "CHARACTER SET utf8mb4 COLLATE utf8mb4_bin";
+    let micros = "COMMENT 'microseconds since the Unix epoch'";
+    vec![
+        format!(
+            "CREATE TABLE IF NOT EXISTS {o} (
+            seq          BIGINT NOT NULL AUTO_INCREMENT,
+            message_id   VARBINARY({MAX_MESSAGE_ID_LEN}) NOT NULL,
+            destination  VARCHAR(255) {text} NOT NULL,
+            ordering_key VARCHAR(255) {text} NULL,
+            payload      LONGBLOB NOT NULL,
+            headers      LONGTEXT {text} NOT NULL COMMENT 'JSON array of [name, value] pairs',
+            created_at   BIGINT NOT NULL {micros},
+            attempts     BIGINT NOT NULL DEFAULT 0,
+            last_error   TEXT {text} NULL,
+            available_at BIGINT NOT NULL {micros},
+            leased_by    VARCHAR(255) {text} NULL,
+            leased_until BIGINT NULL {micros},
+            sent_at      BIGINT NULL {micros},
+            PRIMARY KEY (seq),
+            UNIQUE KEY {name}_message_id (message_id),
+            KEY {name}_sent_seq (sent_at, seq),
+            KEY {name}_key (destination, ordering_key, seq)
+        ) ENGINE = InnoDB COMMENT = 'idem outbox: one row per outgoing message'"
+        ),
+        format!(
+            "CREATE TABLE IF NOT EXISTS {dl} (
+            seq              BIGINT NOT NULL,
+            message_id       VARBINARY({MAX_MESSAGE_ID_LEN}) NOT NULL,
+            destination      VARCHAR(255) {text} NOT NULL,
+            ordering_key     VARCHAR(255) {text} NULL,
+            payload          LONGBLOB NOT NULL,
+            headers          LONGTEXT {text} NOT NULL,
+            created_at       BIGINT NOT NULL {micros},
+            attempts         BIGINT NOT NULL,
+            last_error       TEXT {text} NULL,
+            available_at     BIGINT NOT NULL,
+            leased_by        VARCHAR(255) {text} NULL,
+            leased_until     BIGINT NULL,
+            sent_at          BIGINT NULL,
+            reason           TEXT {text} NOT NULL,
+            dead_lettered_at BIGINT NOT NULL {micros},
+            PRIMARY KEY (seq)
+        ) ENGINE = InnoDB COMMENT = 'idem outbox dead letters'"
+        ),
+    ]
+}
+
 /// What a MySQL / MariaDB server error number means for a consumer.
 pub fn kind(number: u16) -> ErrorKind {
     match number {
@@ -222,5 +370,23 @@ mod tests {
         );
         assert!(sql.claim.ends_with(&sql.claim_many_tail), "{}", sql.claim);
         assert_eq!(migration(&t, &TableName::default_requests()).len(), 2);
+    }
+
+    #[test]
+    fn outbox_statements_bind_a_repeated_value_twice() {
+        let s = outbox_statements(&TableName::new("outbox").expect("table"));
+        let marks = |sql: &str| sql.matches('?').count();
+        assert_eq!(marks(&s.lease_select.sql), s.lease_select.binds.len());
+        assert_eq!(marks(&s.release.sql), s.release.binds.len());
+        assert!(s.mark_sent.text(2).ends_with("seq IN (?, ?)"));
+        assert!(
+            s.enqueue
+                .sql
+                .ends_with("ON DUPLICATE KEY UPDATE message_id = message_id")
+        );
+        assert_eq!(
+            outbox_migration(&TableName::new("outbox").expect("table")).len(),
+            2
+        );
     }
 }

@@ -4,7 +4,9 @@
 
 use idem_core::{ErrorKind, TableName};
 
-use crate::{ClaimStatements, RequestStatements};
+use crate::outbox::{COLUMNS, SELECTED, dead_letter_table};
+use crate::statements::{OutboxParam as P, OutboxStatement, Placeholder};
+use crate::{ClaimStatements, OutboxStatements, RequestStatements};
 
 /// SQLite has no practical limit; this bound keeps rows and the index reasonable.
 pub const MAX_MESSAGE_ID_LEN: usize = 4096;
@@ -120,6 +122,146 @@ pub fn migration(t: &TableName, r: &TableName) -> Vec<String> {
     ]
 }
 
+/// The outbox statements of table `o`, numbered (`?1`…) with this host's clock (`now`) bound
+/// once where a statement uses it. The lease runs under `BEGIN IMMEDIATE`, one writer at a
+/// time, so it needs no row locks.
+pub fn outbox_statements(o: &TableName) -> OutboxStatements {
+    let dl = dead_letter_table(o);
+    let same_key = "e.destination = o.destination AND e.ordering_key = o.ordering_key \
+                    AND e.sent_at IS NULL AND e.seq < o.seq";
+    let list = |sql: String, binds: &[P], first| {
+        OutboxStatement::with_list(sql, binds, Placeholder::Numbered, first, ")")
+    };
+    OutboxStatements {
+        enqueue: OutboxStatement::new(
+            format!(
+                "INSERT INTO {o} (message_id, destination, ordering_key, payload, headers, \
+                 created_at, available_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?6) \
+                 ON CONFLICT (message_id) DO NOTHING"
+            ),
+            &[
+                P::MessageId,
+                P::Destination,
+                P::OrderingKey,
+                P::Payload,
+                P::Headers,
+                P::Now,
+            ],
+        ),
+        lease_select: OutboxStatement::new(
+            format!(
+                "SELECT {SELECTED}, (SELECT count(*) FROM {o} e WHERE {same_key}) \
+                 FROM {o} o WHERE o.sent_at IS NULL AND o.available_at <= ?3 \
+                 AND (o.leased_until IS NULL OR o.leased_until <= ?3 OR o.leased_by = ?1) \
+                 AND (o.ordering_key IS NULL OR NOT EXISTS (SELECT 1 FROM {o} e WHERE {same_key} \
+                 AND (e.available_at > ?3 OR (e.leased_until > ?3 AND e.leased_by <> ?1)))) \
+                 ORDER BY o.seq LIMIT ?2"
+            ),
+            &[P::Relay, P::Limit, P::Now],
+        ),
+        lease_update: list(
+            format!("UPDATE {o} SET leased_by = ?1, leased_until = ?3 + ?2 WHERE seq IN ("),
+            &[P::Relay, P::Lease, P::Now, P::Seqs],
+            4,
+        ),
+        mark_sent: list(
+            format!(
+                "UPDATE {o} SET sent_at = ?2 WHERE leased_by = ?1 AND sent_at IS NULL \
+                 AND seq IN ("
+            ),
+            &[P::Relay, P::Now, P::Seqs],
+            3,
+        ),
+        release: OutboxStatement::new(
+            format!(
+                "UPDATE {o} SET attempts = attempts + 1, last_error = ?1, \
+                 available_at = ?5 + ?2, leased_by = NULL, leased_until = NULL \
+                 WHERE seq = ?3 AND leased_by = ?4 AND sent_at IS NULL"
+            ),
+            &[P::Error, P::RetryIn, P::Seq, P::Relay, P::Now],
+        ),
+        dead_letter_copy: OutboxStatement::new(
+            format!(
+                "INSERT INTO {dl} ({COLUMNS}, reason, dead_lettered_at) \
+                 SELECT {COLUMNS}, ?1, ?4 FROM {o} \
+                 WHERE seq = ?2 AND leased_by = ?3 AND sent_at IS NULL"
+            ),
+            &[P::Reason, P::Seq, P::Relay, P::Now],
+        ),
+        dead_letter_delete: OutboxStatement::new(
+            format!("DELETE FROM {o} WHERE seq = ?1 AND leased_by = ?2 AND sent_at IS NULL"),
+            &[P::Seq, P::Relay],
+        ),
+        purge_sent: OutboxStatement::new(
+            format!(
+                "DELETE FROM {o} WHERE seq IN \
+                 (SELECT seq FROM {o} WHERE sent_at IS NOT NULL ORDER BY seq LIMIT ?1)"
+            ),
+            &[P::Limit],
+        ),
+        backlog: OutboxStatement::new(
+            format!(
+                "SELECT (SELECT count(*) FROM {o} WHERE sent_at IS NULL), \
+                 (SELECT min(created_at) FROM {o} WHERE sent_at IS NULL), \
+                 (SELECT count(*) FROM {o} WHERE sent_at IS NOT NULL), \
+                 (SELECT count(*) FROM {dl}), ?1"
+            ),
+            &[P::Now],
+        ),
+    }
+}
+
+/// The outbox table (`seq` an `AUTOINCREMENT` key, never reused after a purge, so a stale
+/// relay's seq can never name a newer row) and its dead-letter table, with the partial
+/// indexes the lease, the per-key check and the purge use.
+pub fn outbox_migration(o: &TableName) -> Vec<String> {
+    let (name, dl) = (o.table(), dead_letter_table(o));
+    vec![
+        format!(
+            "CREATE TABLE IF NOT EXISTS {o} (
+                seq          INTEGER PRIMARY KEY AUTOINCREMENT,
+                message_id   BLOB    NOT NULL UNIQUE,
+                destination  TEXT    NOT NULL,
+                ordering_key TEXT,
+                payload      BLOB    NOT NULL,
+                headers      TEXT    NOT NULL,
+                created_at   INTEGER NOT NULL,
+                attempts     INTEGER NOT NULL DEFAULT 0,
+                last_error   TEXT,
+                available_at INTEGER NOT NULL,
+                leased_by    TEXT,
+                leased_until INTEGER,
+                sent_at      INTEGER
+            )"
+        ),
+        format!("CREATE INDEX IF NOT EXISTS {name}_unsent ON {o} (seq) WHERE sent_at IS NULL"),
+        format!(
+            "CREATE INDEX IF NOT EXISTS {name}_key ON {o} (destination, ordering_key, seq) \
+             WHERE sent_at IS NULL AND ordering_key IS NOT NULL"
+        ),
+        format!("CREATE INDEX IF NOT EXISTS {name}_sent ON {o} (seq) WHERE sent_at IS NOT NULL"),
+        format!(
+            "CREATE TABLE IF NOT EXISTS {dl} (
+                seq              INTEGER PRIMARY KEY,
+                message_id       BLOB    NOT NULL,
+                destination      TEXT    NOT NULL,
+                ordering_key     TEXT,
+                payload          BLOB    NOT NULL,
+                headers          TEXT    NOT NULL,
+                created_at       INTEGER NOT NULL,
+                attempts         INTEGER NOT NULL,
+                last_error       TEXT,
+                available_at     INTEGER NOT NULL,
+                leased_by        TEXT,
+                leased_until     INTEGER,
+                sent_at          INTEGER,
+                reason           TEXT    NOT NULL,
+                dead_lettered_at INTEGER NOT NULL
+            )"
+        ),
+    ]
+}
+
 /// What an SQLite result code means for a consumer (extended codes carry the primary code in
 /// their low byte); `message` only where SQLite has no code of its own.
 pub fn kind(code: u32, message: &str) -> ErrorKind {
@@ -160,6 +302,14 @@ mod tests {
             ErrorKind::Store,
             "a unique violation is no outage"
         );
+    }
+
+    #[test]
+    fn outbox_lists_follow_the_numbered_parameters() {
+        let s = outbox_statements(&TableName::new("outbox").expect("table"));
+        assert!(s.lease_update.text(2).ends_with("seq IN (?4, ?5)"));
+        assert!(s.mark_sent.text(1).ends_with("seq IN (?3)"));
+        assert!(!s.lease_select.sql.contains("FOR UPDATE"));
     }
 
     #[test]

@@ -60,3 +60,150 @@ pub struct RequestStatements {
     /// limit.
     pub reap: String,
 }
+
+/// What an outbox statement binds at one of its parameters: the store supplies the value.
+/// Listing them per statement (rather than documenting one order) lets an engine with
+/// positional `?` parameters (MySQL) bind a value twice and one with numbered parameters
+/// (SQLite) bind the host's clock once for several uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum OutboxParam {
+    /// The outgoing message's ID (bytes).
+    MessageId,
+    /// Its destination (text).
+    Destination,
+    /// Its ordering key (text, or NULL).
+    OrderingKey,
+    /// Its payload (bytes).
+    Payload,
+    /// Its headers, encoded by [`crate::outbox::encode_headers`] (text).
+    Headers,
+    /// The relay's name (text).
+    Relay,
+    /// A row count (integer).
+    Limit,
+    /// How long a lease lasts, in microseconds (integer).
+    Lease,
+    /// How long a released row waits, in microseconds (integer).
+    RetryIn,
+    /// A failed publish's error (text, bounded by [`crate::outbox::bounded`]).
+    Error,
+    /// A dead letter's reason (text, bounded by [`crate::outbox::bounded`]).
+    Reason,
+    /// One row's sequence number (integer).
+    Seq,
+    /// Every sequence number of the list the statement takes, one parameter each, in the
+    /// placeholders [`OutboxStatement::text`] wrote for them: always the last.
+    Seqs,
+    /// This host's clock in microseconds since the Unix epoch (integer): only on an engine
+    /// that stamps on the host (SQLite); a server's statements read the server's clock.
+    Now,
+}
+
+/// How an engine writes its parameters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Placeholder {
+    /// PostgreSQL: `$1`, `$2`, …
+    Dollar,
+    /// SQLite: `?1`, `?2`, …
+    Numbered,
+    /// MySQL: `?` each, bound in order of appearance.
+    Positional,
+}
+
+/// One outbox statement: its text and what it binds, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutboxStatement {
+    /// The text; for a statement over a list of sequence numbers, the part before the list.
+    pub sql: String,
+    /// What is bound, in order ([`OutboxParam::Seqs`] stands for the whole list).
+    pub binds: Vec<OutboxParam>,
+    /// After the list, for a statement that takes one.
+    tail: Option<String>,
+    /// How the list's placeholders are written, and the first one's number.
+    list: Option<(Placeholder, usize)>,
+}
+
+impl OutboxStatement {
+    pub(crate) fn new(sql: String, binds: &[OutboxParam]) -> Self {
+        Self {
+            sql,
+            binds: binds.to_vec(),
+            tail: None,
+            list: None,
+        }
+    }
+
+    /// A statement whose text continues with a list of sequence numbers (`IN (…)`), then
+    /// `tail`; the list's first placeholder is number `first`.
+    pub(crate) fn with_list(
+        sql: String,
+        binds: &[OutboxParam],
+        style: Placeholder,
+        first: usize,
+        tail: &str,
+    ) -> Self {
+        Self {
+            sql,
+            binds: binds.to_vec(),
+            tail: Some(tail.to_owned()),
+            list: Some((style, first)),
+        }
+    }
+
+    /// The text to send with a list of `seqs` sequence numbers (ignored by a statement that
+    /// takes no list). A list of n rows is a text of its own; a relay's batches are mostly
+    /// full, so few distinct texts are prepared.
+    pub fn text(&self, seqs: usize) -> std::borrow::Cow<'_, str> {
+        let Some((style, first)) = self.list else {
+            return self.sql.as_str().into();
+        };
+        let mut sql = String::with_capacity(self.sql.len() + seqs * 5 + 8);
+        sql.push_str(&self.sql);
+        for i in 0..seqs {
+            if i > 0 {
+                sql.push_str(", ");
+            }
+            match style {
+                Placeholder::Dollar => sql.push_str(&format!("${}", first + i)),
+                Placeholder::Numbered => sql.push_str(&format!("?{}", first + i)),
+                Placeholder::Positional => sql.push('?'),
+            }
+        }
+        sql.push_str(self.tail.as_deref().unwrap_or(""));
+        sql.into()
+    }
+}
+
+/// The outbox statements of one outbox table (and its dead-letter table,
+/// `<outbox>_dead_letters`). Times are microseconds since the Unix epoch on the store's clock.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct OutboxStatements {
+    /// Inserts one message, in the caller's transaction; a message ID already in the table
+    /// inserts nothing (and is no error).
+    pub enqueue: OutboxStatement,
+    /// Inside the relay's lease transaction: the rows a relay may lease, oldest first, locked
+    /// (skipping rows another transaction holds) — columns seq, message_id, destination,
+    /// ordering_key, payload, headers, attempts, created_at, and the number of unsent rows
+    /// of the same destination and ordering key before it (0 without a key), which
+    /// [`crate::outbox::admit`] checks.
+    pub lease_select: OutboxStatement,
+    /// In the same transaction: leases the listed rows to the relay.
+    pub lease_update: OutboxStatement,
+    /// Marks the listed rows sent, only those still leased to the relay.
+    pub mark_sent: OutboxStatement,
+    /// Gives a row leased to the relay back: attempts + 1, the error kept, available again
+    /// after the delay, the lease cleared.
+    pub release: OutboxStatement,
+    /// In the dead-letter transaction: copies a row leased to the relay (and unsent) into the
+    /// dead-letter table with the reason.
+    pub dead_letter_copy: OutboxStatement,
+    /// Then deletes it, with the same guard; the store commits only if both touched one row.
+    pub dead_letter_delete: OutboxStatement,
+    /// Deletes up to a limit of sent rows.
+    pub purge_sent: OutboxStatement,
+    /// One row: unsent rows, the oldest unsent `created_at` (NULL without any), sent rows,
+    /// dead letters, the clock.
+    pub backlog: OutboxStatement,
+}

@@ -22,15 +22,17 @@
 //!   statements, and [`PgTx::savepoint`] for a nested unit of work (`Client::transaction`
 //!   needs `&mut Client`, which a transaction does not hand out). A transaction dropped while
 //!   open never leaves its connection inside it.
-//! - **Same tables as `idem-sql`:** `idem_processed` and `idem_requests`, the same columns,
+//! - **Same tables as `idem-sql`:** `idem_processed`, `idem_requests` and `idem_outbox`, the same columns,
 //!   statements, migration (under the same advisory lock) and server-clock stamps — the text
 //!   is `idem_dialect::postgres`'s, which both stores execute — so the two stores can share a
 //!   database and take over from each other.
 //! - **Capabilities:** every one `idem-sql`'s PostgreSQL store has — transactions, the claim,
 //!   the batch claim (one `unnest` statement), savepoints, pruning, statistics, migration, and
 //!   idempotent-request records ([`RequestStore`](idem_core::store::RequestStore),
-//!   [`ReapRequests`](idem_core::store::ReapRequests)); it passes the same conformance
-//!   suites.
+//!   [`ReapRequests`](idem_core::store::ReapRequests)), and the transactional outbox
+//!   ([`OutboxStore`](idem_core::outbox::OutboxStore) in the handler's transaction,
+//!   [`RelayStore`](idem_core::outbox::RelayStore) for a relay; [`PgStore::with_outbox_table`]);
+//!   it passes the same conformance suites.
 //! - **Partitioned claims** (opt-in, [`PgStore::partitioned`]): the claims table partitioned
 //!   by the time inside each message ID, one partition per UTC day, so that retention drops
 //!   whole days instead of deleting rows — the same schema, statements and maintenance as
@@ -90,6 +92,7 @@
 
 mod conn;
 mod errors;
+mod outbox;
 mod partitioned;
 mod requests;
 mod store;
@@ -97,7 +100,7 @@ mod store;
 mod tx;
 
 /// Table names are idem-core's, shared with idem-sql.
-pub use idem_core::{DEFAULT_REQUESTS_TABLE, DEFAULT_TABLE, TableName};
+pub use idem_core::{DEFAULT_OUTBOX_TABLE, DEFAULT_REQUESTS_TABLE, DEFAULT_TABLE, TableName};
 /// Claims partitioned by the ID's time ([`PgStore::partitioned`]): `Partitioning`, the
 /// extractors, days and the maintenance reports, shared with `idem-sql` through
 /// `idem_dialect`.

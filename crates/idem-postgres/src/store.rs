@@ -43,7 +43,7 @@ use crate::tx::PgTx;
 use idem_core::TableName;
 use idem_dialect::postgres as sql;
 use idem_dialect::postgres::partition::{Partitioning, check_table_name};
-use idem_dialect::{ClaimStatements, RequestStatements, micros};
+use idem_dialect::{ClaimStatements, OutboxStatements, RequestStatements, micros};
 
 /// Longest message ID the schema holds (the same limit as `idem-sql`'s PostgreSQL store): well
 /// inside the btree tuple limit.
@@ -68,6 +68,8 @@ pub struct PgStore {
     pub(crate) sql: Arc<ClaimStatements>,
     requests: TableName,
     pub(crate) rsql: Arc<RequestStatements>,
+    outbox: TableName,
+    pub(crate) osql: Arc<OutboxStatements>,
     /// Set by [`partitioned`](Self::partitioned): claims carry the ID's time as partition key.
     pub(crate) partitioning: Option<Partitioning>,
 }
@@ -79,6 +81,7 @@ impl std::fmt::Debug for PgStore {
             .field("limits", &self.limits)
             .field("table", &self.table)
             .field("requests", &self.requests)
+            .field("outbox", &self.outbox)
             .field("partitioning", &self.partitioning)
             .finish()
     }
@@ -87,11 +90,14 @@ impl std::fmt::Debug for PgStore {
 impl PgStore {
     fn new(source: Source, wait: Duration) -> Self {
         let (table, requests) = (TableName::default(), TableName::default_requests());
+        let outbox = TableName::default_outbox();
         Self {
             source,
             limits: Arc::new(Limits::new(wait)),
             sql: Arc::new(sql::claim_statements(&table, false)),
             rsql: Arc::new(sql::request_statements(&requests)),
+            osql: Arc::new(sql::outbox_statements(&outbox)),
+            outbox,
             table,
             requests,
             partitioning: None,
@@ -211,6 +217,15 @@ impl PgStore {
         Ok(self)
     }
 
+    /// Writes outgoing messages to `table` instead of `idem_outbox`, and its dead letters to
+    /// `<table>_dead_letters` (spelled in lower case, as [`with_table`](Self::with_table)).
+    pub fn with_outbox_table(mut self, table: TableName) -> Result<Self, Error> {
+        let table = table.folded();
+        self.osql = Arc::new(sql::outbox_statements(&table));
+        self.outbox = table;
+        Ok(self)
+    }
+
     /// How long a pooled connection is used after it was opened (`None`: for ever); default
     /// 30 minutes, sqlx's. Checked before each lease, on the pool's idle connections.
     pub fn max_lifetime(mut self, lifetime: Option<Duration>) -> Self {
@@ -260,6 +275,11 @@ impl PgStore {
     /// The idempotent-request records table.
     pub fn requests_table(&self) -> &TableName {
         &self.requests
+    }
+
+    /// The outbox table.
+    pub fn outbox_table(&self) -> &TableName {
+        &self.outbox
     }
 
     /// Begins a transaction, for a caller that claims inside its own unit of work (with
@@ -840,7 +860,8 @@ impl Stats for PgStore {
 }
 
 impl Migrate for PgStore {
-    /// Both tables in one transaction, serialised across replicas (and against `idem-sql`'s
+    /// The tables (claims, requests, the outbox and its dead letters) in one transaction,
+    /// serialised across replicas (and against `idem-sql`'s
     /// migration of the same tables) by an advisory lock. A claims table of the other shape
     /// (partitioned for a plain store, or the reverse) is refused as
     /// [`ErrorKind::Misconfigured`]; a partitioned store then creates today's partition and
@@ -849,6 +870,7 @@ impl Migrate for PgStore {
     /// another replica's maintenance nor fail behind a long transaction.
     async fn migrate(&self) -> Result<(), Error> {
         TableName::check_distinct(&self.table, &self.requests)?;
+        idem_dialect::outbox::check_tables(&self.table, &self.requests, &self.outbox)?;
         let tx = self.begin_tx().await?;
         tx.batch_execute(sql::MIGRATE_LOCK)
             .await
@@ -856,7 +878,11 @@ impl Migrate for PgStore {
         let partitioned = self.partitioning.is_some();
         let partitioning = self.partitioning.as_ref();
         crate::partitioned::check_shape(&tx, &self.table, partitioning).await?;
-        for statement in sql::migration(&self.table, &self.requests, partitioning) {
+        let outbox = sql::outbox_migration(&self.outbox);
+        for statement in sql::migration(&self.table, &self.requests, partitioning)
+            .into_iter()
+            .chain(outbox)
+        {
             tx.batch_execute(&statement)
                 .await
                 .map_err(|e| store_error("migrate", e))?;

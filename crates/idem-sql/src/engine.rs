@@ -29,7 +29,8 @@ use sqlx::error::DatabaseError;
 
 use crate::requests::RecordRow;
 use crate::tx::Tx;
-pub use idem_dialect::{ClaimStatements, RequestStatements};
+use idem_dialect::outbox::Candidate;
+pub use idem_dialect::{ClaimStatements, OutboxStatements, RequestStatements};
 
 /// An SQL engine idem stores claims on: implemented for `sqlx::Sqlite`, `sqlx::Postgres` and
 /// `sqlx::MySql` (each behind the cargo feature of the same name). Sealed: a new engine is
@@ -85,6 +86,13 @@ pub trait Engine: Driver + sealed::Sealed {
     /// requests table, their indexes and comments, each idempotent, in order; run in one
     /// transaction where [`TRANSACTIONAL_DDL`](Self::TRANSACTIONAL_DDL).
     fn migration(claims: &TableName, requests: &TableName, layout: &Self::Layout) -> Vec<String>;
+
+    /// The outbox statements for `table` (see [`OutboxStatements`]).
+    fn outbox_statements(table: &TableName) -> OutboxStatements;
+
+    /// The statements that create the outbox table `table` and its dead-letter table, each
+    /// idempotent; `migrate` runs them after [`migration`](Self::migration)'s, the same way.
+    fn outbox_migration(table: &TableName) -> Vec<String>;
 
     /// Refuses a table name this engine cannot use (SQLite: a schema-qualified one; a
     /// partitioned PostgreSQL table: one too long for its partitions' names).
@@ -198,7 +206,26 @@ pub enum Param<'a> {
     Int(i64),
     /// A stamp: `None` reads the server's clock.
     OptInt(Option<i64>),
+    /// An outgoing message's ordering key, or NULL.
+    OptText(Option<&'a str>),
 }
+
+impl<'a> From<idem_dialect::outbox::Value<'a>> for Param<'a> {
+    fn from(v: idem_dialect::outbox::Value<'a>) -> Self {
+        use idem_dialect::outbox::Value;
+        match v {
+            Value::Bytes(b) => Param::Bytes(b),
+            Value::Text(t) => Param::Text(t),
+            Value::OptText(t) => Param::OptText(t),
+            Value::Int(i) => Param::Int(i),
+            Value::OptInt(i) => Param::OptInt(i),
+        }
+    }
+}
+
+/// An outbox backlog as its statement reads it: unsent rows, the oldest unsent `created_at`,
+/// sent rows, dead letters, the clock.
+pub(crate) type BacklogRow = (i64, Option<i64>, i64, i64, i64);
 
 /// Rows affected, which sqlx reports through each driver's own result type.
 #[allow(unreachable_pub)] // sealed: named only through Driver's bounds
@@ -267,6 +294,20 @@ pub trait Driver: sqlx::Database {
         params: &'e [Param<'e>],
     ) -> impl Future<Output = Result<RecordRow, sqlx::Error>> + Send + 'e;
 
+    /// The outbox rows a lease statement selects.
+    fn fetch_candidates<'e>(
+        conn: &'e mut Self::Connection,
+        sql: &'e str,
+        params: &'e [Param<'e>],
+    ) -> impl Future<Output = Result<Vec<Candidate>, sqlx::Error>> + Send + 'e;
+
+    /// The one row of an outbox backlog statement.
+    fn fetch_backlog<'e>(
+        pool: &'e sqlx::Pool<Self>,
+        sql: &'e str,
+        params: &'e [Param<'e>],
+    ) -> impl Future<Output = Result<BacklogRow, sqlx::Error>> + Send + 'e;
+
     /// `(consumer, count, oldest, newest)` rows.
     fn fetch_stats<'e>(
         pool: &'e sqlx::Pool<Self>,
@@ -286,6 +327,7 @@ where
     for<'q> &'q [u8]: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
     i64: for<'q> sqlx::Encode<'q, DB> + for<'r> sqlx::Decode<'r, DB> + sqlx::Type<DB>,
     Option<i64>: for<'q> sqlx::Encode<'q, DB>,
+    for<'q> Option<&'q str>: sqlx::Encode<'q, DB>,
     i16: for<'r> sqlx::Decode<'r, DB> + sqlx::Type<DB>,
     Vec<u8>: for<'r> sqlx::Decode<'r, DB> + sqlx::Type<DB>,
     String: for<'r> sqlx::Decode<'r, DB> + sqlx::Type<DB>,
@@ -348,6 +390,46 @@ where
         ))
     }
 
+    async fn fetch_candidates<'e>(
+        conn: &'e mut Self::Connection,
+        sql: &'e str,
+        params: &'e [Param<'e>],
+    ) -> Result<Vec<Candidate>, sqlx::Error> {
+        use sqlx::Row;
+        let rows = bind(sqlx::query::<DB>(sql), params).fetch_all(conn).await?;
+        rows.iter()
+            .map(|r| {
+                Ok(Candidate {
+                    seq: r.try_get(0)?,
+                    message_id: r.try_get(1)?,
+                    destination: r.try_get(2)?,
+                    ordering_key: r.try_get(3)?,
+                    payload: r.try_get(4)?,
+                    headers: r.try_get(5)?,
+                    attempts: r.try_get(6)?,
+                    created_at: r.try_get(7)?,
+                    earlier: r.try_get(8)?,
+                })
+            })
+            .collect()
+    }
+
+    async fn fetch_backlog<'e>(
+        pool: &'e sqlx::Pool<Self>,
+        sql: &'e str,
+        params: &'e [Param<'e>],
+    ) -> Result<BacklogRow, sqlx::Error> {
+        use sqlx::Row;
+        let r = bind(sqlx::query::<DB>(sql), params).fetch_one(pool).await?;
+        Ok((
+            r.try_get(0)?,
+            r.try_get(1)?,
+            r.try_get(2)?,
+            r.try_get(3)?,
+            r.try_get(4)?,
+        ))
+    }
+
     async fn fetch_stats<'e>(
         pool: &'e sqlx::Pool<Self>,
         sql: &'e str,
@@ -364,6 +446,7 @@ where
     &'q [u8]: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
     i64: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
     Option<i64>: sqlx::Encode<'q, DB>,
+    Option<&'q str>: sqlx::Encode<'q, DB>,
 {
     for p in params {
         q = match *p {
@@ -371,6 +454,7 @@ where
             Param::Bytes(b) => q.bind(b),
             Param::Int(i) => q.bind(i),
             Param::OptInt(i) => q.bind(i),
+            Param::OptText(t) => q.bind(t),
         };
     }
     q

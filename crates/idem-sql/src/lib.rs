@@ -14,6 +14,14 @@
 //! the transaction carrying the operation's writes. Leases and expiry run on the database
 //! server's clock (SQLite: this host's); a lookup never waits for a running operation.
 //!
+//! And the transactional outbox ([`OutboxStore`], [`RelayStore`]): a handler enqueues its
+//! outgoing messages in the transaction of its claim (table `idem_outbox`, see
+//! `with_outbox_table`), and a relay leases, publishes and marks them; `migrate` creates it
+//! and its dead-letter table.
+//!
+//! [`OutboxStore`]: idem_core::outbox::OutboxStore
+//! [`RelayStore`]: idem_core::outbox::RelayStore
+//!
 //! [`RequestStore`]: idem_core::store::RequestStore
 //! [`ReapRequests`]: idem_core::store::ReapRequests
 //!
@@ -61,10 +69,12 @@
 //! | MySQL / MariaDB (InnoDB) | `mysql` | `INSERT … ON DUPLICATE KEY UPDATE duplicates = duplicates + 1` (not `INSERT IGNORE`) | waits on the record lock | multi-row `INSERT … ON DUPLICATE KEY UPDATE` |
 //! | PostgreSQL on tokio-postgres (crate `idem-postgres`) | `deadpool` (default; plain clients without it) | the same `INSERT … ON CONFLICT … DO NOTHING`, prepared, **sent with `BEGIN` in one flight** | waits on the first transaction's uncommitted row | the same `unnest` statement, pipelined with `BEGIN` |
 //! | either PostgreSQL store, partitioned | `.partitioned(Partitioning::uuid_v7())` | the same, with the ID's time as partition key | the same, inside the ID's day partition | the same, with the keys |
+//! | the outbox (every store above: `OutboxStore`, `RelayStore`) | — (table `idem_outbox`, `with_outbox_table`) | enqueue in the handler's transaction: `INSERT … ON CONFLICT (message_id) DO NOTHING` (MySQL: `ON DUPLICATE KEY UPDATE message_id = message_id`) | a relay's lease: `SELECT … FOR UPDATE SKIP LOCKED` then `UPDATE` in a short transaction (SQLite: under `BEGIN IMMEDIATE`); one relay at a time per ordering key | one insert per message |
 //!
-//! The last two rows are `idem-postgres`'s store and the opt-in partitioned layout
-//! (`PostgresStore::partitioned`); the README's *Stores* section tells how partitioning keeps
-//! deduplication exact.
+//! The rows after the engines are `idem-postgres`'s store, the opt-in partitioned layout
+//! (`PostgresStore::partitioned`) and the transactional outbox; the README's *Stores* section
+//! tells how partitioning keeps deduplication exact, and `idem_dialect::outbox` the outbox
+//! table, its header encoding and the lease rule.
 //!
 //! # Pruning
 //!
@@ -83,6 +93,7 @@ mod errors;
 mod held;
 #[cfg(feature = "mysql")]
 mod mysql;
+mod outbox;
 #[cfg(feature = "postgres")]
 mod partitioned;
 #[cfg(feature = "postgres")]
@@ -95,7 +106,7 @@ mod tx;
 
 pub use any::{AnyStore, SCHEMES, StoreVisitor};
 /// Table names are idem-core's, shared by every SQL store.
-pub use idem_core::{DEFAULT_REQUESTS_TABLE, DEFAULT_TABLE, TableName};
+pub use idem_core::{DEFAULT_OUTBOX_TABLE, DEFAULT_REQUESTS_TABLE, DEFAULT_TABLE, TableName};
 /// PostgreSQL claims partitioned by the ID's time (`PostgresStore::partitioned`):
 /// `Partitioning`, the extractors, days and the maintenance reports, from `idem_dialect`,
 /// which `idem-postgres` shares. Pure data, so present without the `postgres` feature too

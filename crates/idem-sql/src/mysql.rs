@@ -30,7 +30,7 @@ use sqlx::error::DatabaseError;
 use sqlx::mysql::MySql;
 
 use crate::common::{server_stamp, stored_fingerprint};
-use crate::engine::{ClaimStatements, Engine, RequestStatements};
+use crate::engine::{ClaimStatements, Engine, OutboxStatements, RequestStatements};
 use crate::errors::store_error;
 use crate::store::SqlStore;
 use crate::tx::Tx;
@@ -65,6 +65,14 @@ impl Engine for MySql {
 
     fn migration(claims: &TableName, requests: &TableName, _: &()) -> Vec<String> {
         dialect::migration(claims, requests)
+    }
+
+    fn outbox_statements(t: &TableName) -> OutboxStatements {
+        dialect::outbox_statements(t)
+    }
+
+    fn outbox_migration(t: &TableName) -> Vec<String> {
+        dialect::outbox_migration(t)
     }
 
     fn stamp(stamp: Stamp) -> Option<i64> {

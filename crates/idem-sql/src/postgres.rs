@@ -23,7 +23,9 @@ use sqlx::Postgres;
 use sqlx::error::DatabaseError;
 
 use crate::common::{server_stamp, stored_fingerprint};
-use crate::engine::{CheckedCommit, ClaimStatements, Driver, Engine, RequestStatements};
+use crate::engine::{
+    CheckedCommit, ClaimStatements, Driver, Engine, OutboxStatements, RequestStatements,
+};
 use crate::errors::{commit_error, store_error};
 use crate::store::SqlStore;
 use crate::tx::Tx;
@@ -65,6 +67,15 @@ impl Engine for Postgres {
         partitioning: &Option<Partitioning>,
     ) -> Vec<String> {
         dialect::migration(claims, requests, partitioning.as_ref())
+    }
+
+    /// The statements `idem-postgres` runs too.
+    fn outbox_statements(t: &TableName) -> OutboxStatements {
+        dialect::outbox_statements(t)
+    }
+
+    fn outbox_migration(t: &TableName) -> Vec<String> {
+        dialect::outbox_migration(t)
     }
 
     /// A partitioned table's name must leave room for its partitions' suffixes.
@@ -164,11 +175,17 @@ impl Prune for PostgresStore {
 }
 
 impl Migrate for PostgresStore {
-    /// Both tables in one transaction, serialised across replicas (and against
+    /// The tables (claims, requests, the outbox and its dead letters) in one transaction,
+    /// serialised across replicas (and against
     /// `idem-postgres`'s migration of the same tables) by an advisory lock; a claims table of
     /// the other shape is refused. A partitioned store then runs a round of maintenance.
     async fn migrate(&self) -> Result<(), Error> {
         TableName::check_distinct(self.table(), self.requests_table())?;
+        idem_dialect::outbox::check_tables(
+            self.table(),
+            self.requests_table(),
+            self.outbox_table(),
+        )?;
         let mut tx = Tx::begin(self.pool())
             .await
             .map_err(|e| store_error::<Postgres>("migrate", e))?;
@@ -176,7 +193,11 @@ impl Migrate for PostgresStore {
             .await
             .map_err(|e| store_error::<Postgres>("migrate lock", e))?;
         crate::partitioned::check_shape(&mut tx, self.table(), self.partitioning()).await?;
-        for sql in Postgres::migration(self.table(), self.requests_table(), &self.layout) {
+        let outbox = Postgres::outbox_migration(self.outbox_table());
+        for sql in Postgres::migration(self.table(), self.requests_table(), &self.layout)
+            .into_iter()
+            .chain(outbox)
+        {
             Postgres::execute_simple(&mut tx, &sql)
                 .await
                 .map_err(|e| store_error::<Postgres>("migrate", e))?;

@@ -55,7 +55,7 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, S
 use sqlx::{QueryBuilder, Sqlite};
 
 use crate::common::{host_stamp, stored_fingerprint};
-use crate::engine::{ClaimStatements, Driver, Engine, Param, RequestStatements};
+use crate::engine::{ClaimStatements, Driver, Engine, OutboxStatements, Param, RequestStatements};
 use crate::errors::store_error;
 use crate::store::SqlStore;
 use crate::tx::Tx;
@@ -91,6 +91,14 @@ impl Engine for Sqlite {
 
     fn migration(claims: &TableName, requests: &TableName, _: &()) -> Vec<String> {
         dialect::migration(claims, requests)
+    }
+
+    fn outbox_statements(t: &TableName) -> OutboxStatements {
+        dialect::outbox_statements(t)
+    }
+
+    fn outbox_migration(t: &TableName) -> Vec<String> {
+        dialect::outbox_migration(t)
     }
 
     fn check_table(table: &TableName, _: &()) -> Result<(), Error> {

@@ -18,7 +18,7 @@ use idem_core::{
 use idem_dialect::micros;
 
 use crate::common::stored_fingerprint;
-use crate::engine::{ClaimStatements, Engine, Param, RequestStatements};
+use crate::engine::{ClaimStatements, Engine, OutboxStatements, Param, RequestStatements};
 use crate::errors::{commit_error, store_error};
 use crate::held::{HeldConnections, PoolStrikes, Recycling};
 use crate::tx::Tx;
@@ -41,6 +41,8 @@ pub struct SqlStore<E: Engine> {
     pub(crate) sql: ClaimStatements,
     requests: TableName,
     pub(crate) rsql: RequestStatements,
+    outbox: TableName,
+    pub(crate) osql: OutboxStatements,
     /// The claims table's layout beyond its name: `()` but on PostgreSQL, where
     /// `PostgresStore::partitioned` sets its partitioning.
     pub(crate) layout: E::Layout,
@@ -57,6 +59,8 @@ impl<E: Engine> Clone for SqlStore<E> {
             sql: self.sql.clone(),
             requests: self.requests.clone(),
             rsql: self.rsql.clone(),
+            outbox: self.outbox.clone(),
+            osql: self.osql.clone(),
             layout: self.layout.clone(),
         }
     }
@@ -68,6 +72,7 @@ impl<E: Engine> std::fmt::Debug for SqlStore<E> {
             .field("engine", &<E as sqlx::Database>::NAME)
             .field("table", &self.table)
             .field("requests", &self.requests)
+            .field("outbox", &self.outbox)
             .field("held", &self.held)
             .field("recycling", &self.recycling)
             .field("layout", &self.layout)
@@ -76,17 +81,21 @@ impl<E: Engine> std::fmt::Debug for SqlStore<E> {
 }
 
 impl<E: Engine> SqlStore<E> {
-    /// Uses an existing pool, with the default tables (`idem_processed`, `idem_requests`):
+    /// Uses an existing pool, with the default tables (`idem_processed`, `idem_requests`,
+    /// `idem_outbox`):
     /// claims then share connections with the application's own queries. On SQLite the pool
     /// should use WAL and a busy timeout, as [`SqliteStore::open`](crate::SqliteStore::open)
     /// configures.
     pub fn from_pool(pool: sqlx::Pool<E>) -> Self {
         let (table, requests) = (TableName::default(), TableName::default_requests());
+        let outbox = TableName::default_outbox();
         let recycling = Recycling::of_pool(&pool);
         let layout = E::Layout::default();
         Self {
             sql: E::claim_statements(&table, &layout),
             rsql: E::request_statements(&requests),
+            osql: E::outbox_statements(&outbox),
+            outbox,
             pool,
             held: None,
             recycling,
@@ -124,6 +133,16 @@ impl<E: Engine> SqlStore<E> {
         E::check_table(&table, &E::Layout::default())?;
         self.rsql = E::request_statements(&table);
         self.requests = table;
+        Ok(self)
+    }
+
+    /// Writes outgoing messages to `table` instead of `idem_outbox`, and its dead letters to
+    /// `<table>_dead_letters` (see [`OutboxStore`](idem_core::outbox::OutboxStore)).
+    pub fn with_outbox_table(mut self, table: TableName) -> Result<Self, Error> {
+        let table = E::resolved_table(table);
+        E::check_table(&table, &E::Layout::default())?;
+        self.osql = E::outbox_statements(&table);
+        self.outbox = table;
         Ok(self)
     }
 
@@ -215,6 +234,11 @@ impl<E: Engine> SqlStore<E> {
         &self.requests
     }
 
+    /// The outbox table.
+    pub fn outbox_table(&self) -> &TableName {
+        &self.outbox
+    }
+
     /// Begins a transaction (SQLite: `BEGIN IMMEDIATE`, holding the write lock) for a caller
     /// that claims with [`claim_on`](Self::claim_on) inside its own unit of work.
     pub async fn begin_tx(&self) -> Result<Tx<E>, Error> {
@@ -275,7 +299,9 @@ impl<E: Engine> SqlStore<E> {
     #[cfg_attr(not(any(feature = "sqlite", feature = "mysql")), allow(dead_code))]
     pub(crate) async fn migrate_tables(&self) -> Result<(), Error> {
         TableName::check_distinct(&self.table, &self.requests)?;
-        let statements = E::migration(&self.table, &self.requests, &self.layout);
+        idem_dialect::outbox::check_tables(&self.table, &self.requests, &self.outbox)?;
+        let mut statements = E::migration(&self.table, &self.requests, &self.layout);
+        statements.extend(E::outbox_migration(&self.outbox));
         if !E::TRANSACTIONAL_DDL {
             for sql in &statements {
                 E::execute_pool(&self.pool, sql, &[])
@@ -291,6 +317,14 @@ impl<E: Engine> SqlStore<E> {
                 .map_err(|e| store_error::<E>("migrate", e))?;
         }
         tx.commit().await.map_err(commit_error::<E>)
+    }
+
+    /// A transaction of the relay's own (a lease, a dead letter) on the pool, with the
+    /// store's `BEGIN` timeout: never on the held connections, which are the consumer's.
+    pub(crate) async fn begin_relay(&self) -> Result<Tx<E>, Error> {
+        Tx::begin_pooled(&self.pool, E::BEGIN, self.recycling.begin_timeout, None)
+            .await
+            .map_err(|e| store_error::<E>(E::BEGIN, e))
     }
 
     /// Runs a fixed statement inside `tx`.

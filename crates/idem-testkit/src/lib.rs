@@ -18,12 +18,15 @@ mod fixture;
 #[cfg(feature = "http")]
 pub mod http;
 pub mod isolated;
+pub mod outbox_conformance;
+mod outbox_fixture;
 pub mod request_conformance;
 mod request_fixture;
 pub mod services;
 
 pub use broker_fixture::{BrokerFixture, DeadLettered};
 pub use fixture::{StoreFixture, TxOf};
+pub use outbox_fixture::OutboxFixture;
 pub use request_fixture::{RequestFixture, RequestTxOf};
 
 /// Expands to one `#[tokio::test]` per idempotent-request conformance check for a
@@ -57,6 +60,39 @@ macro_rules! request_conformance_tests {
     };
 }
 pub use services::{service_url, unique_name};
+
+/// Expands to one `#[tokio::test]` per outbox conformance check for an [`OutboxFixture`] (the
+/// [`OutboxStore`](idem_core::outbox::OutboxStore) and
+/// [`RelayStore`](idem_core::outbox::RelayStore) capabilities), each on a fresh fixture.
+#[macro_export]
+macro_rules! outbox_conformance_tests {
+    ($fixture:ty) => {
+        $crate::outbox_conformance_tests!(@tests $fixture;
+            committed_enqueue_is_leased_back_byte_exact,
+            rolled_back_enqueue_never_appears,
+            enqueue_of_committed_ids_adds_no_row,
+            lease_order_is_seq_order,
+            concurrent_relays_never_lease_the_same_row,
+            concurrent_relays_publish_each_key_in_order,
+            a_lapsed_lease_is_taken_over_and_the_late_mark_marks_nothing,
+            one_relay_at_a_time_per_ordering_key,
+            release_delays_and_counts_attempts,
+            dead_letter_moves_the_row_with_its_reason,
+            purge_sent_deletes_at_most_limit,
+            backlog_counts_and_oldest_age,
+            migrate_twice_keeps_the_outbox,
+            a_missing_outbox_table_is_misconfigured,
+        );
+    };
+    (@tests $fixture:ty; $($name:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $name() {
+                $crate::outbox_conformance::$name::<$fixture>(stringify!($name)).await;
+            }
+        )*
+    };
+}
 
 /// Expands to one `#[tokio::test]` per broker conformance check and consumer mode for a
 /// [`BrokerFixture`], each on its own destination and effects database: the checks run in the

@@ -17,12 +17,14 @@
 //! index is a btree, as completion moves a row's expiry.
 
 pub mod maintenance;
+mod outbox;
 pub mod partition;
 pub mod sqlstate;
 
 use idem_core::TableName;
 
 use crate::{ClaimStatements, RequestStatements};
+pub use outbox::{outbox_migration, outbox_statements};
 use partition::Partitioning;
 
 /// The server's clock in `processed_at` units: the transaction's start, in microseconds since

@@ -260,3 +260,111 @@ async fn request_records_are_shared() {
     sqlx_store.pool().close().await;
     schema.drop().await;
 }
+
+/// Each store's relay leases what the other's handlers enqueued, byte for byte, and marks,
+/// releases and dead-letters rows the other leased to the same relay name — and not rows
+/// leased to another relay. Tables migrated by one store, migrated again by the other.
+async fn stores_share_the_outbox(test: &str, sqlx_migrates: bool) {
+    use idem_core::outbox::{Emitter, OutboxStore, RelayStore};
+    use idem_core::{ConsumerName, TableName};
+
+    let Some(schema) = PgSchema::create("idem_interop", test).await else {
+        return;
+    };
+    // A table name of its own, spelled in capitals: both stores fold it alike.
+    let outbox = TableName::new("Shared_Outbox").expect("name");
+    let sqlx_store = PostgresStore::from_pool(schema.pool(4).await)
+        .with_outbox_table(outbox.clone())
+        .expect("outbox table");
+    let pg_store = common::store(&common::config(&schema), Conns::Pool(4))
+        .await
+        .with_outbox_table(outbox)
+        .expect("outbox table");
+    if sqlx_migrates {
+        sqlx_store.migrate().await.expect("idem-sql migrates");
+        pg_store
+            .migrate()
+            .await
+            .expect("idem-postgres migrates again");
+    } else {
+        pg_store.migrate().await.expect("idem-postgres migrates");
+        sqlx_store.migrate().await.expect("idem-sql migrates again");
+    }
+    let consumer = ConsumerName::new("billing").expect("consumer");
+    let mut e = Emitter::for_message(&consumer, &MessageId::new("payment-1").expect("id"));
+    let by_sqlx = e
+        .message("payments.charged", vec![0u8, 255, 10, 13])
+        .and_then(|m| m.header("kind", "Charged \"x\"\n"))
+        .and_then(|m| m.ordering_key("account-1"))
+        .expect("message");
+    let by_pg = e
+        .message("payments.charged", b"second".to_vec())
+        .and_then(|m| m.ordering_key("account-1"))
+        .expect("message");
+    let mut tx = sqlx_store.begin().await.expect("tx");
+    sqlx_store
+        .enqueue(&mut tx, std::slice::from_ref(&by_sqlx))
+        .await
+        .expect("enqueue");
+    sqlx_store.commit(tx).await.expect("commit");
+    let mut tx = pg_store.begin().await.expect("tx");
+    // The first message again (a re-run) adds nothing beside the second.
+    pg_store
+        .enqueue(&mut tx, &[by_sqlx.clone(), by_pg.clone()])
+        .await
+        .expect("enqueue");
+    pg_store.commit(tx).await.expect("commit");
+
+    let long = Duration::from_secs(30);
+    let leased = pg_store.lease("relay-1", 1, long).await.expect("lease");
+    assert_eq!(leased.len(), 1);
+    assert!(leased[0].message == by_sqlx, "{:?}", leased[0].message);
+    // The key's next row is not another relay's while relay-1 holds its head, on either store.
+    assert!(
+        sqlx_store
+            .lease("relay-2", 10, long)
+            .await
+            .expect("lease")
+            .is_empty()
+    );
+    let both = sqlx_store.lease("relay-1", 10, long).await.expect("lease");
+    assert_eq!(both.len(), 2);
+    assert!(both[1].message == by_pg, "{:?}", both[1].message);
+    sqlx_store
+        .mark_sent("relay-2", &[both[0].seq])
+        .await
+        .expect("no error");
+    sqlx_store
+        .mark_sent("relay-1", &[both[0].seq])
+        .await
+        .expect("mark");
+    pg_store
+        .dead_letter("relay-1", both[1].seq, "refused")
+        .await
+        .expect("dead letter");
+    for backlog in [
+        sqlx_store.backlog().await.expect("backlog"),
+        pg_store.backlog().await.expect("backlog"),
+    ] {
+        assert_eq!(
+            (backlog.unsent, backlog.sent, backlog.dead_lettered),
+            (0, 1, 1),
+            "{backlog:?}"
+        );
+    }
+    assert_eq!(pg_store.purge_sent(10).await.expect("purge"), 1);
+    assert_eq!(sqlx_store.backlog().await.expect("backlog").sent, 0);
+    drop(pg_store);
+    sqlx_store.pool().close().await;
+    schema.drop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outbox_migrated_by_idem_sql_serves_idem_postgres() {
+    stores_share_the_outbox("an_outbox_migrated_by_idem_sql_serves_idem_postgres", true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outbox_migrated_by_idem_postgres_serves_idem_sql() {
+    stores_share_the_outbox("an_outbox_migrated_by_idem_postgres_serves_idem_sql", false).await;
+}

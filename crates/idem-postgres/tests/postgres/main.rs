@@ -14,6 +14,7 @@ mod request_extras;
 
 mod conformance;
 mod interop;
+mod outbox;
 mod partitions;
 mod pipelining;
 mod requests;

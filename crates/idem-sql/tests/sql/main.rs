@@ -17,6 +17,8 @@ mod states;
 #[cfg(feature = "sqlite")]
 mod conformance_sqlite;
 #[cfg(feature = "sqlite")]
+mod outbox_sqlite;
+#[cfg(feature = "sqlite")]
 mod requests_sqlite;
 #[cfg(feature = "sqlite")]
 mod spawn;
@@ -26,6 +28,8 @@ mod states_sqlite;
 #[cfg(feature = "postgres")]
 mod conformance_postgres;
 #[cfg(feature = "postgres")]
+mod outbox_postgres;
+#[cfg(feature = "postgres")]
 mod partitions_postgres;
 #[cfg(feature = "postgres")]
 mod requests_postgres;
@@ -34,6 +38,8 @@ mod states_postgres;
 
 #[cfg(feature = "mysql")]
 mod conformance_mysql;
+#[cfg(feature = "mysql")]
+mod outbox_mysql;
 #[cfg(feature = "mysql")]
 mod requests_mysql;
 #[cfg(feature = "mysql")]

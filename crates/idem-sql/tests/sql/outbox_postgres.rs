@@ -1,0 +1,104 @@
+//! The outbox conformance suite against the real PostgreSQL server in
+//! `IDEM_TEST_POSTGRES_URL`. Each test gets its own schema (first on the pool's
+//! `search_path`), so tests run in parallel.
+
+use idem_core::Migrate;
+use idem_sql::{PostgresStore, TableName};
+use idem_testkit::OutboxFixture;
+use idem_testkit::isolated::PgSchema;
+
+#[derive(Debug)]
+struct PgFixture {
+    store: PostgresStore,
+    schema: PgSchema,
+}
+
+impl OutboxFixture for PgFixture {
+    type Store = PostgresStore;
+
+    async fn setup(test: &str) -> Option<Self> {
+        let schema = PgSchema::create("idem_outbox", test).await?;
+        let store = PostgresStore::from_pool(schema.pool(20).await);
+        store.migrate().await.expect("migrate");
+        Some(Self { store, schema })
+    }
+
+    fn store(&self) -> PostgresStore {
+        self.store.clone()
+    }
+
+    fn unmigrated(&self) -> PostgresStore {
+        self.store
+            .clone()
+            .with_outbox_table(TableName::new("never_migrated").expect("name"))
+            .expect("name")
+    }
+
+    async fn dead_letter_reason(&self, seq: i64) -> Option<String> {
+        sqlx::query_scalar("SELECT reason FROM idem_outbox_dead_letters WHERE seq = $1")
+            .bind(seq)
+            .fetch_optional(self.store.pool())
+            .await
+            .expect("read dead letter")
+    }
+
+    async fn teardown(self) {
+        self.store.pool().close().await;
+        self.schema.drop().await;
+    }
+}
+
+idem_testkit::outbox_conformance_tests!(PgFixture);
+
+/// A database refusing writes (a failover onto a standby: SQLSTATE 25006) refuses the outbox
+/// as an outage — enqueue, lease, mark — never as a message's fault; the backlog still reads.
+#[tokio::test]
+async fn a_read_only_database_is_an_outage_for_the_outbox() {
+    use std::time::Duration;
+
+    use idem_core::outbox::{Emitter, OutboxStore, RelayStore};
+    use idem_core::{ConsumerName, ErrorKind, MessageId, TransactionalStore};
+
+    let Some(fx) = PgFixture::setup("a_read_only_database_is_an_outage_for_the_outbox").await
+    else {
+        return;
+    };
+    let mut e = Emitter::for_message(
+        &ConsumerName::new("c").expect("consumer"),
+        &MessageId::new("m").expect("id"),
+    );
+    let first = e.message("orders", b"x".to_vec()).expect("message");
+    let mut tx = fx.store.begin().await.expect("tx");
+    fx.store.enqueue(&mut tx, &[first]).await.expect("enqueue");
+    fx.store.commit(tx).await.expect("commit");
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(
+            fx.schema
+                .options()
+                .options([("default_transaction_read_only", "on")]),
+        )
+        .await
+        .expect("connect");
+    let ro = PostgresStore::from_pool(pool);
+    let mut tx = ro.begin().await.expect("tx");
+    let refused = ro
+        .enqueue(
+            &mut tx,
+            &[e.message("orders", b"y".to_vec()).expect("message")],
+        )
+        .await
+        .expect_err("enqueued on a read-only database");
+    assert_eq!(refused.kind(), ErrorKind::Unavailable, "{refused}");
+    drop(tx);
+    let refused = ro
+        .lease("relay", 10, Duration::from_secs(30))
+        .await
+        .expect_err("leased on a read-only database");
+    assert_eq!(refused.kind(), ErrorKind::Unavailable, "{refused}");
+    let refused = ro.mark_sent("relay", &[1]).await.expect_err("marked");
+    assert_eq!(refused.kind(), ErrorKind::Unavailable, "{refused}");
+    assert_eq!(ro.backlog().await.expect("backlog reads").unsent, 1);
+    ro.pool().close().await;
+    fx.teardown().await;
+}
