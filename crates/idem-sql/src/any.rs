@@ -3,11 +3,14 @@
 //! `--database` URL ([`AnyStore::visit`] hands the typed [`SqlStore`](crate::SqlStore) a
 //! `Processor` needs to a [`StoreVisitor`], one method per engine, without a `match`).
 //!
-//! The enum forwards only the administrative capabilities; processing code names its engine.
+//! The enum forwards the administrative capabilities and the relay's ([`RelayStore`], for
+//! `idem relay`); processing code names its engine.
 
 use idem_core::{ConsumerName, ConsumerStats, Error, ErrorKind, Migrate, Retention, Stamp, Stats};
 
 use idem_core::TableName;
+use idem_core::outbox::{Backlog, OutboxRow, RelayStore};
+use std::time::Duration;
 
 /// One of the compiled-in SQL stores.
 #[derive(Debug, Clone)]
@@ -158,6 +161,19 @@ impl AnyStore {
         })
     }
 
+    /// Keeps the outbox in `table` (and its dead letters in `<table>_dead_letters`) instead of
+    /// `idem_outbox`.
+    pub fn with_outbox_table(self, table: TableName) -> Result<Self, Error> {
+        Ok(match self {
+            #[cfg(feature = "sqlite")]
+            Self::Sqlite(s) => Self::Sqlite(s.with_outbox_table(table)?),
+            #[cfg(feature = "postgres")]
+            Self::Postgres(s) => Self::Postgres(s.with_outbox_table(table)?),
+            #[cfg(feature = "mysql")]
+            Self::MySql(s) => Self::MySql(s.with_outbox_table(table)?),
+        })
+    }
+
     /// The engine's name (`SQLite`, `PostgreSQL`, `MySQL`).
     pub fn engine(&self) -> &'static str {
         use sqlx::Database;
@@ -267,5 +283,57 @@ impl AnyStore {
             #[cfg(feature = "mysql")]
             Self::MySql(s) => s.stats().await,
         }
+    }
+}
+
+/// Calls `$method` on the typed store, whichever engine it is.
+macro_rules! each_engine {
+    ($self:ident, $s:ident => $call:expr) => {
+        match $self {
+            #[cfg(feature = "sqlite")]
+            AnyStore::Sqlite($s) => $call,
+            #[cfg(feature = "postgres")]
+            AnyStore::Postgres($s) => $call,
+            #[cfg(feature = "mysql")]
+            AnyStore::MySql($s) => $call,
+        }
+    };
+}
+
+/// For `idem relay --database URL`: the relay needs only these, whatever the engine.
+impl RelayStore for AnyStore {
+    async fn lease(
+        &self,
+        relay: &str,
+        limit: usize,
+        lease: Duration,
+    ) -> Result<Vec<OutboxRow>, Error> {
+        each_engine!(self, s => s.lease(relay, limit, lease).await)
+    }
+
+    async fn mark_sent(&self, relay: &str, seqs: &[i64]) -> Result<(), Error> {
+        each_engine!(self, s => s.mark_sent(relay, seqs).await)
+    }
+
+    async fn release(
+        &self,
+        relay: &str,
+        seq: i64,
+        error: &str,
+        retry_in: Duration,
+    ) -> Result<(), Error> {
+        each_engine!(self, s => s.release(relay, seq, error, retry_in).await)
+    }
+
+    async fn dead_letter(&self, relay: &str, seq: i64, reason: &str) -> Result<(), Error> {
+        each_engine!(self, s => s.dead_letter(relay, seq, reason).await)
+    }
+
+    async fn purge_sent(&self, limit: usize) -> Result<u64, Error> {
+        each_engine!(self, s => s.purge_sent(limit).await)
+    }
+
+    async fn backlog(&self) -> Result<Backlog, Error> {
+        each_engine!(self, s => s.backlog().await)
     }
 }
