@@ -122,8 +122,8 @@ where
     S: BatchClaimStore + Send + Sync + 'static,
     S::Tx: Send,
     Src: Source,
-    Charge: Handler<S::Tx, PaymentRequested>,
-    ChargeBatch: SetHandler<S::Tx, PaymentRequested>,
+    Charge<S>: Handler<S::Tx, PaymentRequested>,
+    ChargeBatch<S>: SetHandler<S::Tx, PaymentRequested>,
 {
     let processor = Arc::new(Processor::builder(store, settings.consumer.as_str()).build()?);
     let consumer = Consumer::new(processor, src).concurrency(settings.concurrency);
@@ -132,6 +132,7 @@ where
     let started = Instant::now();
     let run = tokio::spawn(crate::run_consumer(
         consumer,
+        crate::database::Handlers::<S>::plain(),
         settings.batch,
         settings.set,
         stop.clone(),
@@ -277,8 +278,8 @@ async fn bare_leg<S>(
 where
     S: TransactionalStore + Clone + 'static,
     S::Tx: Send,
-    Charge: Handler<S::Tx, PaymentRequested, Output = ()>,
-    ChargeBatch: SetHandler<S::Tx, PaymentRequested, Output = ()>,
+    Charge<S>: Handler<S::Tx, PaymentRequested, Output = ()>,
+    ChargeBatch<S>: SetHandler<S::Tx, PaymentRequested, Output = ()>,
 {
     let msgs = Arc::new(msgs);
     let next = Arc::new(AtomicUsize::new(0));
@@ -298,11 +299,11 @@ where
                     let mut tx = store.begin().await?;
                     let done = if set {
                         let refs: Vec<&Message<PaymentRequested>> = chunk.iter().collect();
-                        ChargeBatch.handle_set(&mut tx, &refs).await
+                        ChargeBatch::<S>::plain().handle_set(&mut tx, &refs).await
                     } else {
                         let mut r = Ok(());
                         for m in chunk {
-                            r = Charge.handle(&mut tx, m).await;
+                            r = Charge::<S>::plain().handle(&mut tx, m).await;
                             if r.is_err() {
                                 break;
                             }

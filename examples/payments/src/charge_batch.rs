@@ -6,14 +6,24 @@ use std::collections::BTreeMap;
 
 use idem_consumer::SetHandler;
 use idem_core::{BoxError, Identified, Message};
-use idem_sql::{PostgresTx, Tx};
+use idem_sql::{MySqlStore, PostgresStore, PostgresTx, SqliteStore, Tx};
 use sqlx::{MySql, QueryBuilder, Sqlite};
 
-use crate::ledger::PaymentRequested;
+use crate::ledger::{Emit, PaymentRequested};
 
-/// Charges a batch of accounts at once.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct ChargeBatch;
+/// Charges a batch of accounts at once; with `--emit`, one `PaymentCharged` per message in the
+/// outbox, in one insert per message.
+#[derive(Debug, Clone)]
+pub(crate) struct ChargeBatch<S> {
+    pub(crate) emit: Option<Emit<S>>,
+}
+
+impl<S> ChargeBatch<S> {
+    /// Charges only.
+    pub(crate) fn plain() -> Self {
+        Self { emit: None }
+    }
+}
 
 /// Validates every payment (one invalid message fails the set; the runner then handles the
 /// batch message by message, which dead-letters just that one) and sums the amounts per
@@ -34,7 +44,7 @@ fn balances<'a>(
     Ok(sums)
 }
 
-impl SetHandler<Tx<Sqlite>, PaymentRequested> for ChargeBatch {
+impl SetHandler<Tx<Sqlite>, PaymentRequested> for ChargeBatch<SqliteStore> {
     type Output = ();
 
     async fn handle_set(
@@ -60,11 +70,11 @@ impl SetHandler<Tx<Sqlite>, PaymentRequested> for ChargeBatch {
             " ON CONFLICT (account) DO UPDATE SET balance_cents = balance_cents + excluded.balance_cents",
         );
         accounts.build().execute(&mut **tx).await?;
-        Ok(())
+        crate::ledger::emit_all(&self.emit, tx, msgs).await
     }
 }
 
-impl SetHandler<PostgresTx, PaymentRequested> for ChargeBatch {
+impl SetHandler<PostgresTx, PaymentRequested> for ChargeBatch<PostgresStore> {
     type Output = ();
 
     /// Arrays bound once each (`unnest`): the statement text is the same for every batch size,
@@ -97,11 +107,11 @@ impl SetHandler<PostgresTx, PaymentRequested> for ChargeBatch {
         .bind(&totals)
         .execute(&mut **tx)
         .await?;
-        Ok(())
+        crate::ledger::emit_all(&self.emit, tx, msgs).await
     }
 }
 
-impl SetHandler<Tx<MySql>, PaymentRequested> for ChargeBatch {
+impl SetHandler<Tx<MySql>, PaymentRequested> for ChargeBatch<MySqlStore> {
     type Output = ();
 
     async fn handle_set(
@@ -127,6 +137,6 @@ impl SetHandler<Tx<MySql>, PaymentRequested> for ChargeBatch {
         accounts
             .push(" ON DUPLICATE KEY UPDATE balance_cents = balance_cents + VALUES(balance_cents)");
         accounts.build().execute(&mut **tx).await?;
-        Ok(())
+        crate::ledger::emit_all(&self.emit, tx, msgs).await
     }
 }

@@ -116,6 +116,17 @@ pub(crate) struct ServeArgs {
     /// and MQTT redeliver as soon as the connection drops. Unset: the broker's default.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub(crate) redeliver_after: Option<std::time::Duration>,
+    /// With each charge, write a `PaymentCharged` event (`payment_id`, `account`,
+    /// `amount_cents`) into the outbox, in the charge's transaction, and relay it to the
+    /// destination NAME on the same broker (a NATS subject in a stream of that name, a RabbitMQ
+    /// queue, a Kafka topic, a Redis stream, an MQTT topic).
+    #[arg(long, value_name = "NAME", conflicts_with = "receipts")]
+    pub(crate) emit: Option<String>,
+    /// Be the second hop instead: consume the `PaymentCharged` events a `--emit` service
+    /// relays (name their destination with --source) and record one row per event in a
+    /// `receipts` table, exactly once. Give it its own --consumer name.
+    #[arg(long)]
+    pub(crate) receipts: bool,
 }
 
 #[derive(Debug, Args)]

@@ -5,12 +5,14 @@ use std::sync::Arc;
 
 use anyhow::Result;
 use idem_consumer::{CancellationToken, Consumer, Handler, Json, RunStats, SetHandler, Source};
-use idem_core::{BatchClaimStore, ErrorKind, Processor, TransactionalStore};
+use idem_core::outbox::OutboxStore;
+use idem_core::{BatchClaimStore, ConsumerName, ErrorKind, Processor, TransactionalStore};
 use idem_sql::{AnyStore, MySqlStore, PostgresStore, SqliteStore, StoreVisitor, TableName};
 
 use crate::Settings;
 use crate::charge_batch::ChargeBatch;
-use crate::ledger::{self, Charge, PaymentRequested};
+use crate::ledger::{self, Charge, Emit, PaymentRequested};
+use crate::receipts::{PaymentCharged, Receipt};
 
 /// How often the service prunes claims older than the retention.
 const PRUNE_EVERY: std::time::Duration = std::time::Duration::from_secs(3600);
@@ -135,12 +137,24 @@ impl StoreVisitor for CreateLedger {
 
 async fn consume<S, Src>(store: S, source: Src, settings: &Settings) -> Result<RunStats>
 where
-    S: BatchClaimStore + idem_core::Prune + Send + Sync + 'static,
+    S: BatchClaimStore + OutboxStore + idem_core::Prune + Clone + Send + Sync + 'static,
     S::Tx: Send,
     Src: Source,
-    Charge: Handler<S::Tx, PaymentRequested>,
-    ChargeBatch: SetHandler<S::Tx, PaymentRequested>,
+    Charge<S>: Handler<S::Tx, PaymentRequested>,
+    ChargeBatch<S>: SetHandler<S::Tx, PaymentRequested>,
+    Receipt: Handler<S::Tx, PaymentCharged>,
 {
+    if settings.receipts {
+        return receipts(store, source, settings).await;
+    }
+    let emit = match &settings.emit {
+        Some(destination) => Some(Emit {
+            store: store.clone(),
+            consumer: ConsumerName::new(settings.consumer.as_str())?,
+            destination: destination.clone(),
+        }),
+        None => None,
+    };
     let processor = Processor::builder(store, settings.consumer.as_str())
         .retention(settings.retention)
         .build()?;
@@ -153,6 +167,10 @@ where
     let consumer = Consumer::new(processor, source).concurrency(settings.concurrency);
     let stats = run_consumer(
         consumer,
+        Handlers {
+            one: Charge { emit: emit.clone() },
+            set: ChargeBatch { emit },
+        },
         settings.batch,
         settings.set,
         settings.shutdown.clone(),
@@ -160,6 +178,51 @@ where
     .await;
     pruner.abort();
     Ok(stats?)
+}
+
+/// `--receipts`: one receipt per `PaymentCharged` event, one event per transaction.
+async fn receipts<S, Src>(store: S, source: Src, settings: &Settings) -> Result<RunStats>
+where
+    S: BatchClaimStore + idem_core::Prune + Send + Sync + 'static,
+    S::Tx: Send,
+    Src: Source,
+    Receipt: Handler<S::Tx, PaymentCharged>,
+{
+    let processor = Processor::builder(store, settings.consumer.as_str())
+        .retention(settings.retention)
+        .build()?;
+    let processor = Arc::new(processor);
+    let pruner = tokio::spawn(idem_consumer::prune_periodically(
+        processor.clone(),
+        PRUNE_EVERY,
+        settings.shutdown.clone(),
+    ));
+    let stats = Consumer::new(processor, source)
+        .concurrency(settings.concurrency)
+        .run(
+            Json::<PaymentCharged>::new(),
+            Receipt,
+            settings.shutdown.clone(),
+        )
+        .await;
+    pruner.abort();
+    Ok(stats?)
+}
+
+/// The handlers a run uses: per message (and per message in batches) and per set.
+pub(crate) struct Handlers<S> {
+    pub(crate) one: Charge<S>,
+    pub(crate) set: ChargeBatch<S>,
+}
+
+impl<S> Handlers<S> {
+    /// Charges only, no events.
+    pub(crate) fn plain() -> Self {
+        Self {
+            one: Charge::plain(),
+            set: ChargeBatch::plain(),
+        }
+    }
 }
 
 /// Connections a PostgreSQL consumer holds for its transactions (`hold_connections`): one
@@ -170,8 +233,9 @@ pub(crate) fn workers(settings: &Settings) -> u32 {
 
 /// Runs `consumer` in the mode `--batch` and `--set` choose: per message, batches with
 /// `Charge` per message, or batches with `ChargeBatch` per batch.
-pub(crate) async fn run_consumer<S, Src>(
+pub(crate) async fn run_consumer<S, Src, H: Send + Sync + 'static>(
     consumer: Consumer<S, Src>,
+    handlers: Handlers<H>,
     batch: usize,
     set: bool,
     shutdown: CancellationToken,
@@ -180,18 +244,21 @@ where
     S: BatchClaimStore + Send + Sync + 'static,
     S::Tx: Send,
     Src: Source,
-    Charge: Handler<S::Tx, PaymentRequested>,
-    ChargeBatch: SetHandler<S::Tx, PaymentRequested>,
+    Charge<H>: Handler<S::Tx, PaymentRequested>,
+    ChargeBatch<H>: SetHandler<S::Tx, PaymentRequested>,
 {
     let json = Json::<PaymentRequested>::new();
     if set {
         consumer
             .batch(batch)
-            .run_set(json, ChargeBatch, shutdown)
+            .run_set(json, handlers.set, shutdown)
             .await
     } else if batch > 1 {
-        consumer.batch(batch).run(json, Charge, shutdown).await
+        consumer
+            .batch(batch)
+            .run(json, handlers.one, shutdown)
+            .await
     } else {
-        consumer.run(json, Charge, shutdown).await
+        consumer.run(json, handlers.one, shutdown).await
     }
 }

@@ -2,8 +2,9 @@
 //! through the transaction that also records the message's claim.
 
 use idem_consumer::Handler;
-use idem_core::{BoxError, Error, Identified, Message};
-use idem_sql::{PostgresTx, Tx};
+use idem_core::outbox::{Emitter, OutboxStore, Outgoing};
+use idem_core::{BoxError, ConsumerName, Error, Identified, Message};
+use idem_sql::{MySqlStore, PostgresStore, PostgresTx, SqliteStore, Tx};
 use serde::Deserialize;
 use sqlx::{MySql, Sqlite};
 
@@ -83,7 +84,7 @@ const MYSQL_SCHEMA: &[&str] = &[
 
 /// Creates the service's tables if missing.
 pub(crate) async fn create_sqlite(pool: &sqlx::SqlitePool) -> Result<(), sqlx::Error> {
-    for ddl in SQLITE_SCHEMA {
+    for ddl in SQLITE_SCHEMA.iter().chain(crate::receipts::SQLITE_SCHEMA) {
         sqlx::query(ddl).execute(pool).await?;
     }
     Ok(())
@@ -99,7 +100,10 @@ pub(crate) async fn create_postgres(pool: &sqlx::PgPool) -> Result<(), sqlx::Err
     sqlx::query("SELECT pg_advisory_xact_lock(hashtext('payments-migrate'))")
         .execute(&mut *tx)
         .await?;
-    for ddl in POSTGRES_SCHEMA {
+    for ddl in POSTGRES_SCHEMA
+        .iter()
+        .chain(crate::receipts::POSTGRES_SCHEMA)
+    {
         sqlx::query(ddl).execute(&mut *tx).await?;
     }
     tx.commit().await
@@ -107,17 +111,84 @@ pub(crate) async fn create_postgres(pool: &sqlx::PgPool) -> Result<(), sqlx::Err
 
 /// Creates the service's tables if missing.
 pub(crate) async fn create_mysql(pool: &sqlx::MySqlPool) -> Result<(), sqlx::Error> {
-    for ddl in MYSQL_SCHEMA {
+    for ddl in MYSQL_SCHEMA.iter().chain(crate::receipts::MYSQL_SCHEMA) {
         sqlx::query(ddl).execute(pool).await?;
     }
     Ok(())
 }
 
-/// Charges the account: one `charges` row and the balance, in the claim's transaction.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Charge;
+/// `--emit NAME`: each charge also enqueues a `PaymentCharged` event for destination `NAME` in
+/// the outbox, in the claim's transaction, for the relay to publish.
+#[derive(Debug, Clone)]
+pub(crate) struct Emit<S> {
+    /// The store whose outbox the events go to (the one whose transaction the handler has).
+    pub(crate) store: S,
+    /// The consumer the events' IDs derive from, with the incoming ID and the position.
+    pub(crate) consumer: ConsumerName,
+    pub(crate) destination: String,
+}
 
-impl Handler<Tx<Sqlite>, PaymentRequested> for Charge {
+/// The event `--emit` publishes: the incoming message's ID is the payment's ID, so a
+/// downstream service can tie the event to the request; the event's own message ID is derived
+/// from it (see [`Emitter`]).
+pub(crate) fn payment_charged(msg: &Message<PaymentRequested>) -> Vec<u8> {
+    serde_json::json!({
+        "payment_id": msg.message_id().to_string(),
+        "account": msg.payload().account,
+        "amount_cents": msg.payload().amount_cents,
+    })
+    .to_string()
+    .into_bytes()
+}
+
+impl<S: OutboxStore> Emit<S> {
+    /// Enqueues one `PaymentCharged` per message in `tx`.
+    pub(crate) async fn charged(
+        &self,
+        tx: &mut S::Tx,
+        msgs: &[&Message<PaymentRequested>],
+    ) -> Result<(), BoxError> {
+        let events = msgs
+            .iter()
+            .map(|m| {
+                // A new emitter per message and run: a re-run derives the same IDs.
+                Emitter::for_message(&self.consumer, m.message_id())
+                    .message(self.destination.as_str(), payment_charged(m))?
+                    .header("type", "PaymentCharged")
+            })
+            .collect::<Result<Vec<Outgoing>, Error>>()?;
+        self.store.enqueue(tx, &events).await?;
+        Ok(())
+    }
+}
+
+/// Enqueues `msgs`' events when `--emit` is on.
+pub(crate) async fn emit_all<S: OutboxStore>(
+    emit: &Option<Emit<S>>,
+    tx: &mut S::Tx,
+    msgs: &[&Message<PaymentRequested>],
+) -> Result<(), BoxError> {
+    match emit {
+        Some(e) => e.charged(tx, msgs).await,
+        None => Ok(()),
+    }
+}
+
+/// Charges the account: one `charges` row and the balance, in the claim's transaction; with
+/// `--emit`, a `PaymentCharged` event in the outbox too.
+#[derive(Debug, Clone)]
+pub(crate) struct Charge<S> {
+    pub(crate) emit: Option<Emit<S>>,
+}
+
+impl<S> Charge<S> {
+    /// Charges only.
+    pub(crate) fn plain() -> Self {
+        Self { emit: None }
+    }
+}
+
+impl Handler<Tx<Sqlite>, PaymentRequested> for Charge<SqliteStore> {
     type Output = ();
     async fn handle(
         &self,
@@ -140,11 +211,11 @@ impl Handler<Tx<Sqlite>, PaymentRequested> for Charge {
         .bind(p.amount_cents)
         .execute(&mut **tx)
         .await?;
-        Ok(())
+        emit_all(&self.emit, tx, &[msg]).await
     }
 }
 
-impl Handler<PostgresTx, PaymentRequested> for Charge {
+impl Handler<PostgresTx, PaymentRequested> for Charge<PostgresStore> {
     type Output = ();
     async fn handle(
         &self,
@@ -167,11 +238,11 @@ impl Handler<PostgresTx, PaymentRequested> for Charge {
         .bind(p.amount_cents)
         .execute(&mut **tx)
         .await?;
-        Ok(())
+        emit_all(&self.emit, tx, &[msg]).await
     }
 }
 
-impl Handler<Tx<MySql>, PaymentRequested> for Charge {
+impl Handler<Tx<MySql>, PaymentRequested> for Charge<MySqlStore> {
     type Output = ();
     async fn handle(
         &self,
@@ -195,7 +266,7 @@ impl Handler<Tx<MySql>, PaymentRequested> for Charge {
         .bind(p.amount_cents)
         .execute(&mut **tx)
         .await?;
-        Ok(())
+        emit_all(&self.emit, tx, &[msg]).await
     }
 }
 
@@ -252,6 +323,8 @@ mod tests {
                 set,
                 retention: idem_core::Retention::default(),
                 redeliver_after: None,
+                emit: None,
+                receipts: false,
                 shutdown: CancellationToken::new(),
             };
             let stats = db

@@ -17,6 +17,7 @@ mod charge_batch;
 mod cli;
 mod database;
 mod ledger;
+mod receipts;
 
 use anyhow::Result;
 use clap::Parser;
@@ -39,6 +40,10 @@ pub(crate) struct Settings {
     pub(crate) retention: idem_core::Retention,
     /// `--redeliver-after`.
     pub(crate) redeliver_after: Option<std::time::Duration>,
+    /// `--emit`: the destination each charge's `PaymentCharged` event goes to.
+    pub(crate) emit: Option<String>,
+    /// `--receipts`: record `PaymentCharged` events instead of charging.
+    pub(crate) receipts: bool,
     pub(crate) shutdown: CancellationToken,
 }
 
@@ -113,6 +118,8 @@ async fn run(cli: Cli) -> Result<()> {
                 set: false,
                 retention: idem_core::Retention::default(),
                 redeliver_after: None,
+                emit: None,
+                receipts: false,
                 shutdown: CancellationToken::new(),
             };
             brokers::teardown(&broker, &settings).await
@@ -128,6 +135,8 @@ async fn run(cli: Cli) -> Result<()> {
                 set: b.set,
                 retention: idem_core::Retention::default(),
                 redeliver_after: None,
+                emit: None,
+                receipts: false,
                 shutdown: CancellationToken::new(),
             };
             let r = bench::run(&broker, &settings, &b.database, b.messages).await?;
@@ -190,6 +199,8 @@ async fn serve(args: ServeArgs) -> Result<()> {
         set: args.set,
         retention: idem_core::Retention::new(args.keep_claims_for, args.redelivery_window)?,
         redeliver_after: args.redeliver_after,
+        emit: args.emit,
+        receipts: args.receipts,
         shutdown: idem_consumer::shutdown::on_signal(),
     };
     let Some(db) = Database::open_when_up(&args.database, &settings.shutdown).await? else {
