@@ -173,6 +173,8 @@ where
         let s = &self.settings;
         let mut next_purge = Instant::now() + s.purge_interval;
         let mut next_backlog = Instant::now();
+        // Kept apart from the housekeeping wake-ups, which must not push the next poll back.
+        let mut next_poll = Instant::now();
         // The first round runs at once: rows committed while no relay ran are waiting.
         let mut ready = true;
         loop {
@@ -200,11 +202,13 @@ where
                             *wake_stream = None;
                         }
                     }
-                    () = tokio::time::sleep(s.poll_interval) => {}
+                    () = tokio::time::sleep_until(next_poll) => {}
                     () = tokio::time::sleep_until(housekeeping) => continue,
                 }
             }
-            match self.round(state, shutdown).await {
+            let round = self.round(state, shutdown).await;
+            next_poll = Instant::now() + s.poll_interval;
+            match round {
                 Ok(round) => {
                     if state.store_down {
                         tracing::info!(relay = %s.name, "outbox store answers again; relay resumed");
