@@ -14,7 +14,9 @@ fn refuse(family: &str, why: String) -> Error {
 /// NATS headers; `Nats-Msg-Id` is the ID's (header names are case-insensitive on the wire's
 /// readers, so any casing is refused).
 #[cfg(feature = "nats")]
-pub(crate) fn nats(headers: &[(String, String)]) -> Result<idem_nats::async_nats::HeaderMap, Error> {
+pub(crate) fn nats(
+    headers: &[(String, String)],
+) -> Result<idem_nats::async_nats::HeaderMap, Error> {
     use idem_nats::async_nats::{HeaderMap, HeaderName, HeaderValue};
     let mut map = HeaderMap::new();
     for (name, value) in headers {
@@ -53,13 +55,12 @@ pub(crate) fn amqp(
     }
     let mut table = FieldTable::default();
     for (name, value) in headers {
-        let key = ShortString::try_new(name.as_str()).map_err(|_| {
-            refuse(
-                "AMQP",
-                format!("header name {name:?} is over 255 bytes"),
-            )
-        })?;
-        table.insert(key, AMQPValue::LongString(LongString::from(value.as_bytes())));
+        let key = ShortString::try_new(name.as_str())
+            .map_err(|_| refuse("AMQP", format!("header name {name:?} is over 255 bytes")))?;
+        table.insert(
+            key,
+            AMQPValue::LongString(LongString::from(value.as_bytes())),
+        );
     }
     Ok(properties.with_headers(table))
 }

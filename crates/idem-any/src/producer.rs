@@ -4,7 +4,6 @@ use idem_core::Error;
 
 use crate::{Broker, BrokerUrl};
 
-
 /// A producer of whichever family a [`BrokerUrl`] names: every publish carries the message ID
 /// in the family's ID slot (`Nats-Msg-Id`, AMQP `message_id`, the Kafka `message-id` header, the
 /// Redis Streams `message_id` field, the MQTT 5 `message-id` user property) and waits for the

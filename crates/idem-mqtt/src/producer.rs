@@ -341,7 +341,9 @@ mod tests {
             (Protocol::V5, &[(MESSAGE_ID_PROPERTY, "other")][..]),
             (Protocol::V5, &[("kind", "a\0b")][..]),
         ] {
-            let e = check_user_properties(protocol, true, props).err().map(|e| e.kind());
+            let e = check_user_properties(protocol, true, props)
+                .err()
+                .map(|e| e.kind());
             assert_eq!(e, Some(ErrorKind::InvalidConfig), "{protocol:?} {props:?}");
         }
     }

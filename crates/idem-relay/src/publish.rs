@@ -4,8 +4,8 @@
 use std::future::Future;
 
 use idem_any::AnyProducer;
-use idem_core::{Error, ErrorKind};
 use idem_core::outbox::Outgoing;
+use idem_core::{Error, ErrorKind};
 
 /// A broker the relay publishes outbox rows to.
 ///
@@ -50,13 +50,8 @@ impl Publish for AnyProducer {
                 "an outgoing message ID must be UTF-8 for a broker header to carry it",
             )
         })?;
-        self.publish_with_headers(
-            msg.destination(),
-            id,
-            msg.headers(),
-            msg.payload(),
-        )
-        .await?;
+        self.publish_with_headers(msg.destination(), id, msg.headers(), msg.payload())
+            .await?;
         Ok(())
     }
 

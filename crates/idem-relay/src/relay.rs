@@ -15,12 +15,12 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use crate::Publish;
 use crate::metrics::{Instruments, RelayStats};
 use crate::round::{self, UnitOutcome};
 use crate::settings::{RelayBuilder, RelaySettings};
 use crate::verdict::{RETRIES_EXHAUSTED, Verdict, stops_the_relay};
 use crate::waker::{RelayWaker, WakeStream, next_wake};
-use crate::Publish;
 
 /// Most purge statements per housekeeping turn, so a large purge does not hold up publishing.
 const MAX_PURGES_PER_TURN: usize = 10;
@@ -79,8 +79,7 @@ where
 {
     /// The relay over `store` and `publisher` with checked `settings`.
     pub fn new(store: S, publisher: P, settings: RelaySettings) -> Self {
-        let backoff =
-            RetryPolicy::exponential(u32::MAX, settings.retry_base, settings.retry_max);
+        let backoff = RetryPolicy::exponential(u32::MAX, settings.retry_base, settings.retry_max);
         Self {
             inner: Inner {
                 instruments: Instruments::new(&settings.name),
@@ -131,8 +130,12 @@ where
         tracing::info!(relay = %inner.settings.name, "relay started");
         let result = inner.run(&mut state, &mut wake_stream, &shutdown).await;
         match &result {
-            Ok(()) => tracing::info!(relay = %inner.settings.name, published = state.stats.published, "relay stopped"),
-            Err(e) => tracing::info!(relay = %inner.settings.name, error = %e, "relay stopped on a store error it cannot wait out"),
+            Ok(()) => {
+                tracing::info!(relay = %inner.settings.name, published = state.stats.published, "relay stopped")
+            }
+            Err(e) => {
+                tracing::info!(relay = %inner.settings.name, error = %e, "relay stopped on a store error it cannot wait out")
+            }
         }
         result.map(|()| state.stats)
     }
@@ -334,7 +337,10 @@ where
         round: &mut Round,
     ) -> Result<(), Error> {
         let name = &self.settings.name;
-        let sent: Vec<i64> = outcomes.iter().flat_map(|o| o.sent.iter().copied()).collect();
+        let sent: Vec<i64> = outcomes
+            .iter()
+            .flat_map(|o| o.sent.iter().copied())
+            .collect();
         round.reached += sent.len();
         if !sent.is_empty() {
             self.store.mark_sent(name, &sent).await?;
@@ -383,7 +389,12 @@ where
         }
         for row in unstarted {
             self.store
-                .release(name, row.seq, "the relay stopped before publishing it", Duration::ZERO)
+                .release(
+                    name,
+                    row.seq,
+                    "the relay stopped before publishing it",
+                    Duration::ZERO,
+                )
                 .await?;
             state.stats.released_unpublished += 1;
         }
@@ -409,7 +420,9 @@ where
         match self.store.backlog().await {
             Ok(b) => self.instruments.backlog(&mut state.stats, &b),
             // The lease reports outages; a gauge a little stale says nothing new.
-            Err(e) => tracing::debug!(relay = %self.settings.name, error = %e, "reading the outbox backlog failed"),
+            Err(e) => {
+                tracing::debug!(relay = %self.settings.name, error = %e, "reading the outbox backlog failed")
+            }
         }
     }
 

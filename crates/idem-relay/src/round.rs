@@ -102,8 +102,12 @@ mod tests {
     use super::*;
 
     fn row(seq: i64, dest: &str, key: Option<&str>) -> OutboxRow {
-        let mut m = Outgoing::new(MessageId::new(format!("m{seq}")).unwrap(), dest, b"x".to_vec())
-            .unwrap();
+        let mut m = Outgoing::new(
+            MessageId::new(format!("m{seq}")).unwrap(),
+            dest,
+            b"x".to_vec(),
+        )
+        .unwrap();
         if let Some(k) = key {
             m = m.ordering_key(k).unwrap();
         }

@@ -163,10 +163,7 @@ impl RelayBuilder {
             ));
         }
         if s.batch == 0 || s.batch > MAX_BATCH {
-            return bad(format!(
-                "relay batch {} must be 1 to {MAX_BATCH}",
-                s.batch
-            ));
+            return bad(format!("relay batch {} must be 1 to {MAX_BATCH}", s.batch));
         }
         for (what, d) in [
             ("lease", s.lease),

@@ -79,7 +79,12 @@ impl Publish for FakePublisher {
 }
 
 fn msg(id: &str, key: Option<&str>) -> Outgoing {
-    let m = Outgoing::new(MessageId::new(id).unwrap(), "orders", id.as_bytes().to_vec()).unwrap();
+    let m = Outgoing::new(
+        MessageId::new(id).unwrap(),
+        "orders",
+        id.as_bytes().to_vec(),
+    )
+    .unwrap();
     match key {
         Some(k) => m.ordering_key(k).unwrap(),
         None => m,
@@ -110,12 +115,10 @@ async fn run_until(
 }
 
 fn all_settled(store: &FakeRelayStore) -> bool {
-    store.rows().iter().all(|r| {
-        matches!(
-            r.state,
-            FakeRowState::Sent | FakeRowState::DeadLettered(_)
-        )
-    })
+    store
+        .rows()
+        .iter()
+        .all(|r| matches!(r.state, FakeRowState::Sent | FakeRowState::DeadLettered(_)))
 }
 
 #[tokio::test(start_paused = true)]
@@ -153,7 +156,10 @@ async fn transient_failures_release_with_growing_backoff_and_nothing_is_lost() {
     assert!(waits[1] >= Duration::from_secs(1) && waits[1] <= Duration::from_secs(2));
     assert!(waits[2] >= Duration::from_secs(2) && waits[2] <= Duration::from_secs(4));
     assert!(store.releases()[0].1.contains("fake broker refuses flaky"));
-    assert_eq!((stats.failed, stats.published, stats.dead_lettered), (3, 1, 0));
+    assert_eq!(
+        (stats.failed, stats.published, stats.dead_lettered),
+        (3, 1, 0)
+    );
     assert_eq!(publisher.log().len(), 4);
 }
 
@@ -171,7 +177,11 @@ async fn permanent_refusals_are_dead_lettered_with_their_reason() {
         Some(FakeRowState::DeadLettered(r)) => r,
         other => panic!("seq {seq}: {other:?}"),
     };
-    assert!(reason(seqs[0]).starts_with("rejected: "), "{}", reason(seqs[0]));
+    assert!(
+        reason(seqs[0]).starts_with("rejected: "),
+        "{}",
+        reason(seqs[0])
+    );
     assert!(reason(seqs[0]).contains("fake broker refuses too-big"));
     assert!(reason(seqs[1]).starts_with("invalid-id: "));
     assert_eq!(store.state_of(seqs[2]), Some(FakeRowState::Sent));
@@ -230,10 +240,18 @@ async fn a_failing_middle_row_keeps_its_key_in_order() {
         ]
     );
     // The other key was not held up by account-7's failure.
-    assert_eq!(publisher.log()[..3].iter().filter(|(id, _)| id == "other").count(), 1);
+    assert_eq!(
+        publisher.log()[..3]
+            .iter()
+            .filter(|(id, _)| id == "other")
+            .count(),
+        1
+    );
     let releases = store.releases();
     assert!(
-        releases.iter().any(|(_, why, _)| why.contains("held behind")),
+        releases
+            .iter()
+            .any(|(_, why, _)| why.contains("held behind")),
         "{releases:?}"
     );
     // The held row waits at least as long as the failed one.
@@ -302,9 +320,11 @@ async fn a_wake_stream_wakes_it_too_and_polling_goes_on_after_it_ends() {
     let store = FakeRelayStore::new();
     let publisher = FakePublisher::default();
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<()>();
-    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|()| ((), rx))
-    });
+    let stream =
+        futures_util::stream::unfold(
+            rx,
+            |mut rx| async move { rx.recv().await.map(|()| ((), rx)) },
+        );
     let relay = builder()
         .poll_interval(Duration::from_secs(60))
         .build(store.clone(), publisher.clone())
@@ -347,7 +367,10 @@ async fn a_store_outage_pauses_the_relay_and_loses_nothing() {
     tokio::time::sleep(Duration::from_secs(30)).await;
     let calls_while_down = store.calls();
     // Backed off: a 100 ms poll would have made ~300 calls in 30 s.
-    assert!(calls_while_down < 40, "{calls_while_down} store calls in 30 s");
+    assert!(
+        calls_while_down < 40,
+        "{calls_while_down} store calls in 30 s"
+    );
     assert!(publisher.log().is_empty());
     store.set_down(None);
     while !all_settled(&store) {

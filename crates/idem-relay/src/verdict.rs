@@ -45,7 +45,10 @@ mod tests {
     #[test]
     fn permanent_refusals_dead_letter_and_everything_else_retries() {
         let e = |k| Error::new(k, "x");
-        assert_eq!(Verdict::of(&e(ErrorKind::Rejected)), Verdict::DeadLetter("rejected"));
+        assert_eq!(
+            Verdict::of(&e(ErrorKind::Rejected)),
+            Verdict::DeadLetter("rejected")
+        );
         assert_eq!(
             Verdict::of(&e(ErrorKind::InvalidMessageId)),
             Verdict::DeadLetter("invalid-id")

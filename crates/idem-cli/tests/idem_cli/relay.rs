@@ -51,7 +51,10 @@ fn an_unreachable_broker_is_named_without_its_password() {
         "--poll",
         "200ms",
     ]);
-    assert!(err.contains("connecting to the broker amqp://guest:***@127.0.0.1:1"), "{err}");
+    assert!(
+        err.contains("connecting to the broker amqp://guest:***@127.0.0.1:1"),
+        "{err}"
+    );
     assert!(!err.contains("hunter2"), "{err}");
 }
 
@@ -65,5 +68,8 @@ fn a_bad_outbox_table_name_is_refused() {
         "--outbox-table",
         "outbox; drop table x",
     ]);
-    assert!(err.contains("invalid table name \"outbox; drop table x\""), "{err}");
+    assert!(
+        err.contains("invalid table name \"outbox; drop table x\""),
+        "{err}"
+    );
 }

@@ -64,31 +64,31 @@ impl WithSource for Relayed {
 
 /// Three messages of one key and one unkeyed, with headers, their IDs derived as a handler's.
 fn messages(destination: &str) -> Vec<Outgoing> {
-    let consumer = ConsumerName::new("orders-service").unwrap();
-    let incoming = MessageId::new("incoming-42").unwrap();
+    let consumer = ConsumerName::new("orders-service").expect("test setup");
+    let incoming = MessageId::new("incoming-42").expect("test setup");
     let mut emitter = Emitter::for_message(&consumer, &incoming);
     let mut out = Vec::new();
     for i in 0..3 {
         out.push(
             emitter
                 .message(destination, format!(r#"{{"step":{i}}}"#).into_bytes())
-                .unwrap()
+                .expect("test setup")
                 .header("kind", "Created")
-                .unwrap()
+                .expect("test setup")
                 .header("tenant", "acme")
-                .unwrap()
+                .expect("test setup")
                 .ordering_key("account-7")
-                .unwrap(),
+                .expect("test setup"),
         );
     }
     out.push(
         emitter
             .message(destination, br#"{"step":"unkeyed"}"#.to_vec())
-            .unwrap()
+            .expect("test setup")
             .header("kind", "Created")
-            .unwrap()
+            .expect("test setup")
             .header("tenant", "acme")
-            .unwrap(),
+            .expect("test setup"),
     );
     out
 }
@@ -97,7 +97,7 @@ async fn relays_with_ids_and_headers(var: &str, test: &str) {
     let Some(url) = idem_testkit::service_url(var, test) else {
         return;
     };
-    let url = BrokerUrl::parse(&url).unwrap();
+    let url = BrokerUrl::parse(&url).expect("test setup");
     let name = idem_testkit::unique_name("relay", test);
     let spec = SourceSpec::new(&name, format!("{name}_c"), format!("{name}_i"));
     let store = FakeRelayStore::new();
@@ -105,11 +105,11 @@ async fn relays_with_ids_and_headers(var: &str, test: &str) {
     let seqs = store.enqueue(sent.clone());
     let producer = AnyProducer::connect(&url, &format!("{name}_relay"))
         .await
-        .unwrap();
+        .expect("test setup");
     let relay = Relay::builder(format!("{name}_relay"))
         .poll_interval(Duration::from_millis(50))
         .build(store.clone(), producer)
-        .unwrap();
+        .expect("test setup");
     let (got, stats) = url
         .with_source(
             &spec,
@@ -119,8 +119,8 @@ async fn relays_with_ids_and_headers(var: &str, test: &str) {
             },
         )
         .await
-        .unwrap();
-    url.teardown(&spec).await.unwrap();
+        .expect("test setup");
+    url.teardown(&spec).await.expect("test setup");
 
     assert_eq!(got.len(), sent.len(), "{got:?}");
     let expected = |m: &Outgoing| Read {
@@ -130,7 +130,10 @@ async fn relays_with_ids_and_headers(var: &str, test: &str) {
         tenant: Some(b"acme".to_vec()),
     };
     for m in &sent {
-        assert!(got.contains(&expected(m)), "{m:?} not read back as sent: {got:?}");
+        assert!(
+            got.contains(&expected(m)),
+            "{m:?} not read back as sent: {got:?}"
+        );
     }
     // One key's messages arrive in their sequence order.
     let keyed: Vec<&Read> = got
@@ -139,7 +142,11 @@ async fn relays_with_ids_and_headers(var: &str, test: &str) {
         .collect();
     let order: Vec<&Read> = sent[..3]
         .iter()
-        .map(|m| got.iter().find(|r| r.id == m.id().as_bytes()).unwrap())
+        .map(|m| {
+            got.iter()
+                .find(|r| r.id == m.id().as_bytes())
+                .expect("test setup")
+        })
         .collect();
     assert_eq!(keyed, order);
     for seq in seqs {
@@ -178,30 +185,34 @@ async fn nats_subject_without_a_stream_is_dead_lettered() {
     let Some(url) = idem_testkit::service_url("IDEM_TEST_NATS_URL", test) else {
         return;
     };
-    let url = BrokerUrl::parse(&url).unwrap();
+    let url = BrokerUrl::parse(&url).expect("test setup");
     let subject = format!("nowhere.{}", idem_testkit::unique_name("relay", "nostream"));
     let store = FakeRelayStore::new();
     let seq = store.enqueue([Outgoing::new(
-        MessageId::new("lost-1").unwrap(),
+        MessageId::new("lost-1").expect("test setup"),
         subject,
         b"{}".to_vec(),
     )
-    .unwrap()])[0];
-    let producer = AnyProducer::connect(&url, "relay").await.unwrap();
+    .expect("test setup")])[0];
+    let producer = AnyProducer::connect(&url, "relay")
+        .await
+        .expect("test setup");
     let relay = Relay::builder("nostream-relay")
         .poll_interval(Duration::from_millis(50))
         .build(store.clone(), producer)
-        .unwrap();
+        .expect("test setup");
     let stop = CancellationToken::new();
     let task = tokio::spawn(relay.run(stop.clone()));
     let deadline = Instant::now() + Duration::from_secs(10);
-    while matches!(store.state_of(seq), Some(FakeRowState::Leased { .. } | FakeRowState::Unsent { .. }))
-        && Instant::now() < deadline
+    while matches!(
+        store.state_of(seq),
+        Some(FakeRowState::Leased { .. } | FakeRowState::Unsent { .. })
+    ) && Instant::now() < deadline
     {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     stop.cancel();
-    let stats = task.await.unwrap().unwrap();
+    let stats = task.await.expect("test setup").expect("test setup");
     match store.state_of(seq) {
         Some(FakeRowState::DeadLettered(reason)) => {
             assert!(reason.starts_with("invalid-destination: "), "{reason}");
