@@ -19,25 +19,48 @@
 //! Outages are logged at `info` once when they begin and once when they end; per-row lines are
 //! `debug`.
 //!
-//! ```no_run
-//! # async fn demo<S: idem_core::outbox::RelayStore + 'static>(store: S) -> Result<(), idem_core::Error> {
+//! ```
 //! use std::time::Duration;
-//! use idem_any::{AnyProducer, BrokerUrl};
-//! use idem_relay::Relay;
+//! use idem_core::outbox::{Emitter, Outgoing};
+//! use idem_core::{ConsumerName, Error, MessageId};
+//! use idem_relay::testing::{FakeRelayStore, FakeRowState};
+//! use idem_relay::{CancellationToken, Publish, Relay};
 //!
-//! let broker = BrokerUrl::parse("amqp://guest:guest@127.0.0.1:5672/%2f")?;
-//! let producer = AnyProducer::connect(&broker, "orders-relay").await?;
-//! let relay = Relay::builder("orders-relay")
-//!     .poll_interval(Duration::from_millis(500))
-//!     .max_attempts(50)
-//!     .build(store, producer)?;
+//! /// A broker that prints what it is given; a service uses `idem_any::AnyProducer`.
+//! struct Print;
+//! impl Publish for Print {
+//!     async fn publish(&self, msg: &Outgoing) -> Result<(), Error> {
+//!         println!("{} <- {:?}", msg.destination(), msg.id());
+//!         Ok(())
+//!     }
+//! }
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Error> {
+//! // What a handler's transaction enqueued: an in-memory fake outbox here, a SQL store's
+//! // outbox table in a service.
+//! let store = FakeRelayStore::new();
+//! let billing = ConsumerName::new("billing")?;
+//! let mut emitter = Emitter::for_message(&billing, &MessageId::new("payment-42")?);
+//! let charged = emitter
+//!     .message("payments.charged", br#"{"cents":500}"#.to_vec())?
+//!     .ordering_key("account-7")?;
+//! let seq = store.enqueue([charged])[0];
+//!
+//! let relay = Relay::builder("billing-relay")
+//!     .poll_interval(Duration::from_millis(200))
+//!     .build(store.clone(), Print)?;
 //! let waker = relay.waker();
-//! let shutdown = idem_consumer::shutdown::on_signal();
-//! let task = tokio::spawn(relay.run(shutdown));
-//! // ... in a handler, after the commit that enqueued messages:
-//! waker.wake();
-//! let stats = task.await.map_err(|e| idem_core::Error::new(idem_core::ErrorKind::Unavailable, e.to_string()))??;
-//! # let _ = stats; Ok(()) }
+//! let stop = CancellationToken::new();
+//! let running = tokio::spawn(relay.run(stop.clone()));
+//! waker.wake(); // after the commit
+//! while store.state_of(seq) != Some(FakeRowState::Sent) {
+//!     tokio::time::sleep(Duration::from_millis(5)).await;
+//! }
+//! stop.cancel();
+//! let stats = running.await.expect("the relay task")?;
+//! assert_eq!(stats.published, 1);
+//! # Ok(()) }
 //! ```
 //!
 //! # Wake-ups
