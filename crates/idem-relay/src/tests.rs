@@ -421,3 +421,47 @@ async fn a_full_batch_is_followed_by_the_next_at_once_and_sent_rows_are_purged()
     assert!(store.rows().is_empty());
     assert_eq!(stats.backlog.map(|b| b.unsent), Some(0));
 }
+
+#[tokio::test(start_paused = true)]
+async fn metrics_count_published_failed_dead_lettered_and_the_backlog() {
+    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    // The test's runtime runs every task on this thread, so the local recorder sees them all.
+    let _guard = metrics::set_default_local_recorder(&recorder);
+    let store = FakeRelayStore::new();
+    store.enqueue([msg("ok", None), msg("flaky", None), msg("refused", None)]);
+    let publisher = FakePublisher::default();
+    publisher.script("flaky", [Step::Fail(ErrorKind::Unavailable)]);
+    publisher.script("refused", [Step::Fail(ErrorKind::Rejected)]);
+    let relay = builder()
+        .backlog_interval(Duration::from_secs(1))
+        .build(store.clone(), publisher)
+        .unwrap();
+    let check = store.clone();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(relay.run(stop.clone()));
+    while !all_settled(&check) {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // One more backlog read after the last row settled.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop.cancel();
+    let stats = task.await.unwrap().unwrap();
+    let text = handle.render();
+    for line in [
+        r#"idem_relay_published_total{relay="test-relay"} 2"#,
+        r#"idem_relay_failed_total{relay="test-relay"} 1"#,
+        r#"idem_relay_dead_lettered_total{relay="test-relay",reason="rejected"} 1"#,
+        r#"idem_outbox_unsent{relay="test-relay"} 0"#,
+        r#"idem_outbox_oldest_unsent_seconds{relay="test-relay"} 0"#,
+    ] {
+        assert!(
+            text.lines().any(|l| l == line),
+            "{line} missing from:\n{text}"
+        );
+    }
+    assert_eq!(
+        stats.backlog.map(|b| (b.unsent, b.dead_lettered)),
+        Some((0, 1))
+    );
+}
