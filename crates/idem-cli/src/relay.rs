@@ -4,9 +4,9 @@
 use std::time::Duration;
 
 use anyhow::Context;
-use idem_any::{AnyProducer, BrokerUrl};
+use idem_any::BrokerUrl;
 use idem_core::TableName;
-use idem_relay::{Relay, RelayStore};
+use idem_relay::{BrokerPublisher, Relay, RelayStore};
 
 /// The outbox table's default name.
 // TODO(issue 21, merge): take the SQL stores' own default outbox table constant once idem-sql
@@ -67,20 +67,23 @@ pub(crate) async fn relay(args: RelayArgs) -> anyhow::Result<()> {
         outbox = %outbox,
         "connecting"
     );
-    let producer = AnyProducer::connect(&broker, settings.name())
+    let shown = broker.redacted();
+    let publisher = BrokerPublisher::new(broker, settings.name());
+    publisher
+        .connect()
         .await
-        .with_context(|| format!("connecting to the broker {}", broker.redacted()))?;
+        .with_context(|| format!("connecting to the broker {shown}"))?;
     let store = open_store(&args.database, &outbox).await?;
-    run(store, producer, settings).await
+    run(store, publisher, settings).await
 }
 
 /// Runs the relay over any store until a signal, then prints what it did.
 async fn run<S: RelayStore + 'static>(
     store: S,
-    producer: AnyProducer,
+    publisher: BrokerPublisher,
     settings: idem_relay::RelaySettings,
 ) -> anyhow::Result<()> {
-    let stats = Relay::new(store, producer, settings)
+    let stats = Relay::new(store, publisher, settings)
         .run(idem_consumer::shutdown::on_signal())
         .await?;
     println!(

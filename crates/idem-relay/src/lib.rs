@@ -4,8 +4,8 @@
 //!
 //! A [`Relay`] runs as a task beside the service (or alone: `idem relay --database URL
 //! --broker URL`). Each round it leases a batch of committed rows from a [`RelayStore`],
-//! publishes them through a [`Publish`]er ([`idem_any::AnyProducer`] for any broker a URL
-//! names), and settles every row:
+//! publishes them through a [`Publish`]er ([`BrokerPublisher`] for any broker a URL names,
+//! reconnecting; or an [`idem_any::AnyProducer`] of your own), and settles every row:
 //!
 //! | what the publish returned | what happens to the row |
 //! |---|---|
@@ -115,6 +115,7 @@
 //! as [`RelayStats`]. Sent rows are deleted every [`purge_interval`](RelayBuilder::purge_interval)
 //! in statements of [`purge_batch`](RelayBuilder::purge_batch) rows.
 
+mod broker;
 pub mod metrics;
 mod publish;
 mod relay;
@@ -127,6 +128,7 @@ mod tests;
 mod verdict;
 mod waker;
 
+pub use broker::BrokerPublisher;
 pub use idem_core::outbox::RelayStore;
 pub use metrics::{BacklogSnapshot, RelayStats};
 pub use publish::Publish;

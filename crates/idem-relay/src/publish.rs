@@ -41,6 +41,12 @@ pub trait Publish: Send + Sync + 'static {
 /// and MQTT. On MQTT a message that no session subscribes to is dropped by the broker unless
 /// the producer [requires a subscriber](AnyProducer::require_subscriber), in which case the
 /// publish fails as `Unavailable` and the row waits for one.
+///
+/// An `AnyProducer` is one connection: on AMQP a channel the broker closed (a restart, or a
+/// queue declaration it refused because the queue exists with other arguments) stays closed
+/// and every later publish fails. A relay that runs for long should publish through
+/// [`BrokerPublisher`](crate::BrokerPublisher), which reconnects and declares on a connection
+/// of its own.
 impl Publish for AnyProducer {
     async fn publish(&self, msg: &Outgoing) -> Result<(), Error> {
         // Every family carries the ID as text; derived IDs always are.

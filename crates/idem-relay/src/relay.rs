@@ -1,7 +1,7 @@
 //! The relay's loop: wait for a wake-up, a poll or housekeeping; lease a batch; publish it;
 //! settle every row (mark sent, release, dead-letter); wait out store and broker outages.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -24,6 +24,10 @@ use crate::waker::{RelayWaker, WakeStream, next_wake};
 
 /// Most purge statements per housekeeping turn, so a large purge does not hold up publishing.
 const MAX_PURGES_PER_TURN: usize = 10;
+
+/// How long after a failed attempt to create a destination the relay tries again (publishing
+/// to it meanwhile).
+const ENSURE_RETRY: Duration = Duration::from_secs(60);
 
 /// Publishes the outbox rows of a [`RelayStore`] through a [`Publish`]er until cancelled.
 ///
@@ -146,6 +150,8 @@ where
 struct RunState {
     stats: RelayStats,
     ensured: HashSet<String>,
+    /// Destinations whose creation failed, and when.
+    ensure_failed: HashMap<String, Instant>,
     store_down: bool,
     broker_down: bool,
     store_backoff: ReconnectBackoff,
@@ -303,26 +309,36 @@ where
     }
 
     /// Creates each destination not yet created in this run. A failure is not the rows'
-    /// fault: the publish goes ahead and its own result decides.
+    /// fault: the publish goes ahead and its own result decides (the broker is down: it fails
+    /// too and the row waits; the destination exists in another shape, or the operator made
+    /// it: it succeeds). A failed creation is tried again after [`ENSURE_RETRY`].
     async fn ensure_destinations(&self, state: &mut RunState, rows: &[OutboxRow]) {
         for row in rows {
             let dest = row.message.destination();
-            if state.ensured.contains(dest) {
+            if state.ensured.contains(dest)
+                || state
+                    .ensure_failed
+                    .get(dest)
+                    .is_some_and(|at| at.elapsed() < ENSURE_RETRY)
+            {
                 continue;
             }
             match self.publisher.ensure_destination(dest).await {
                 Ok(()) => {
+                    state.ensure_failed.remove(dest);
                     state.ensured.insert(dest.to_owned());
                 }
-                Err(e) => match Verdict::of(&e) {
-                    Verdict::Retry => {
-                        tracing::debug!(destination = dest, error = %e, "could not create the destination yet");
+                Err(e) => {
+                    let first = state
+                        .ensure_failed
+                        .insert(dest.to_owned(), Instant::now())
+                        .is_none();
+                    if first {
+                        tracing::warn!(relay = %self.settings.name, destination = dest, error = %e, "could not create the destination; publishing to it anyway");
+                    } else {
+                        tracing::debug!(relay = %self.settings.name, destination = dest, error = %e, "could not create the destination yet");
                     }
-                    Verdict::DeadLetter(_) => {
-                        tracing::warn!(destination = dest, error = %e, "the broker refuses to create this destination; publishing to it anyway");
-                        state.ensured.insert(dest.to_owned());
-                    }
-                },
+                }
             }
         }
     }

@@ -11,7 +11,7 @@ use idem_consumer::{Delivery, Source};
 use idem_core::outbox::{Emitter, Outgoing};
 use idem_core::{ConsumerName, MessageId};
 use idem_relay::testing::{FakeRelayStore, FakeRowState};
-use idem_relay::{CancellationToken, Relay};
+use idem_relay::{BrokerPublisher, CancellationToken, Relay};
 use tokio::time::Instant;
 
 /// What a consumer read of one message.
@@ -220,4 +220,70 @@ async fn nats_subject_without_a_stream_is_dead_lettered() {
         other => panic!("{other:?}"),
     }
     assert_eq!(stats.dead_lettered, 1);
+}
+
+/// A queue that exists with other arguments than idem declares (no dead-letter exchange):
+/// RabbitMQ refuses the relay's declaration and closes that channel. Through a
+/// `BrokerPublisher` the refusal happens on a connection of its own, so the rows still
+/// publish to the queue as it is.
+#[tokio::test]
+async fn rabbitmq_queue_declared_otherwise_still_receives() {
+    use idem_amqp::lapin::options::QueueDeclareOptions;
+    use idem_amqp::lapin::types::FieldTable;
+
+    let test = "rabbitmq_queue_declared_otherwise_still_receives";
+    let Some(raw) = idem_testkit::service_url("IDEM_TEST_AMQP_URL", test) else {
+        return;
+    };
+    let name = idem_testkit::unique_name("relay", "amqp_other");
+    let admin = idem_amqp::AmqpProducer::connect(&raw)
+        .await
+        .expect("connect");
+    let plain = QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    };
+    admin
+        .channel()
+        .queue_declare(name.as_str().into(), plain, FieldTable::default())
+        .await
+        .expect("declare the plain queue");
+
+    let store = FakeRelayStore::new();
+    let seqs = store.enqueue(messages(&name));
+    let url = BrokerUrl::parse(&raw).expect("test setup");
+    let publisher = BrokerPublisher::new(url, format!("{name}_relay"));
+    let relay = Relay::builder(format!("{name}_relay"))
+        .poll_interval(Duration::from_millis(50))
+        .build(store.clone(), publisher)
+        .expect("test setup");
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(relay.run(stop.clone()));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !seqs
+        .iter()
+        .all(|s| store.state_of(*s) == Some(FakeRowState::Sent))
+        && Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.cancel();
+    let stats = task.await.expect("relay task").expect("relay run");
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    let queued = admin
+        .channel()
+        .queue_declare(name.as_str().into(), passive, FieldTable::default())
+        .await
+        .expect("the queue is still there")
+        .message_count();
+    let _ = admin
+        .channel()
+        .queue_delete(name.as_str().into(), Default::default())
+        .await;
+    let _ = admin.close().await;
+    assert_eq!(stats.published, 4, "{stats:?}");
+    assert_eq!(queued, 4);
 }
