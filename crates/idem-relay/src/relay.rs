@@ -33,12 +33,13 @@ const ENSURE_RETRY: Duration = Duration::from_secs(60);
 ///
 /// ```no_run
 /// # async fn demo<S: idem_core::outbox::RelayStore + 'static>(store: S) -> Result<(), idem_core::Error> {
-/// use idem_any::{AnyProducer, BrokerUrl};
-/// use idem_relay::Relay;
+/// use idem_any::BrokerUrl;
+/// use idem_relay::{BrokerPublisher, Relay};
 ///
 /// let broker = BrokerUrl::parse("nats://127.0.0.1:4222")?;
-/// let producer = AnyProducer::connect(&broker, "orders-relay").await?;
-/// let relay = Relay::builder("orders-relay").batch(200).build(store, producer)?;
+/// let publisher = BrokerPublisher::new(broker, "orders-relay");
+/// publisher.connect().await?;
+/// let relay = Relay::builder("orders-relay").batch(200).build(store, publisher)?;
 /// let waker = relay.waker(); // the application calls `waker.wake()` after each commit
 /// let stats = relay.run(idem_consumer::shutdown::on_signal()).await?;
 /// println!("{} published, {} dead-lettered", stats.published, stats.dead_lettered);
