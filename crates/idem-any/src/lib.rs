@@ -9,7 +9,8 @@
 //! - [`BrokerUrl::with_source`] creates what a consumer needs on the broker and hands the
 //!   family's [`Source`](idem_consumer::Source) to a [`WithSource`] job (`Source` is generic, so
 //!   the job is called back rather than returned a boxed source).
-//! - [`AnyProducer`] publishes with the message ID where that family's consumers read it.
+//! - [`AnyProducer`] publishes with the message ID where that family's consumers read it,
+//!   and headers where they read headers ([`AnyProducer::publish_with_headers`]).
 //! - [`dead_letters`] names where a source's dead letters go, for the tools that read them.
 //!
 //! One cargo feature per adapter (`nats`, `amqp`, `kafka`, `redis-streams`, `mqtt`; all on by
@@ -35,6 +36,7 @@
 //! # }
 //! ```
 
+mod headers;
 mod names;
 #[cfg(feature = "nats")]
 mod nats;

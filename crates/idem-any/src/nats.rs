@@ -41,8 +41,13 @@ pub async fn connect(urls: &str) -> Result<Context, Error> {
 /// The JetStream streams: `NAME` captures subject `NAME`; `NAME-dead-letter` keeps dead letters.
 pub(crate) async fn topology(urls: &str, source: &str) -> Result<Context, Error> {
     let js = connect(urls).await?;
-    idem_nats::ensure_stream(&js, source, &[source]).await?;
-    let dead = names::dead_letters(Broker::Nats, source);
-    idem_nats::ensure_stream(&js, &names::nats_dead_letter_stream(source), &[&dead]).await?;
+    ensure_topology(&js, source).await?;
     Ok(js)
+}
+
+/// [`topology`] on a connection already open (a producer's).
+pub(crate) async fn ensure_topology(js: &Context, source: &str) -> Result<(), Error> {
+    idem_nats::ensure_stream(js, source, &[source]).await?;
+    let dead = names::dead_letters(Broker::Nats, source);
+    idem_nats::ensure_stream(js, &names::nats_dead_letter_stream(source), &[&dead]).await
 }

@@ -114,30 +114,100 @@ impl AnyProducer {
         id: &str,
         payload: &[u8],
     ) -> Result<Published, Error> {
+        self.publish_with_headers(destination, id, &[], payload)
+            .await
+    }
+
+    /// [`publish`](Self::publish) with `headers`, each where that family's consumers read
+    /// headers ([`Delivery::header`](idem_consumer::Delivery::header)): NATS headers, AMQP
+    /// header-table entries (long strings), Kafka record headers, Redis Streams fields, MQTT 5
+    /// user properties. The message ID stays in its own slot.
+    ///
+    /// # Errors
+    /// As [`publish`](Self::publish), and [`ErrorKind::InvalidConfig`](idem_core::ErrorKind)
+    /// for a header the family cannot carry: one named like the family's ID slot
+    /// (`Nats-Msg-Id`, Kafka's `message-id`, the Redis `message_id` and `payload` fields, the
+    /// MQTT `message-id` property), a NATS name outside printable ASCII or with `:`, a NATS
+    /// value with a line break, an AMQP name over 255 bytes, any header on MQTT 3.1.1.
+    pub async fn publish_with_headers(
+        &self,
+        destination: &str,
+        id: &str,
+        headers: &[(String, String)],
+        payload: &[u8],
+    ) -> Result<Published, Error> {
         let mut published = Published::default();
         match self {
             #[cfg(feature = "nats")]
             Self::Nats(p) => {
+                let map = crate::headers::nats(headers)?;
                 let ack = p
-                    .publish(destination.to_owned(), id, payload.to_vec())
+                    .publish_with_headers(destination.to_owned(), id, map, payload.to_vec())
                     .await?;
                 published.duplicate = ack.duplicate;
             }
             #[cfg(feature = "amqp")]
-            Self::Amqp(p) => p.publish("", destination, id, payload).await?,
+            Self::Amqp(p) => {
+                let properties = crate::headers::amqp(headers)?;
+                p.publish_with("", destination, Some(id.as_bytes()), payload, properties)
+                    .await?;
+            }
             #[cfg(feature = "kafka")]
             Self::Kafka(p) => {
-                p.publish(destination, Some(id.as_bytes()), id, payload)
+                let extra: Vec<(&str, &[u8])> = headers
+                    .iter()
+                    .map(|(k, v)| (k.as_str(), v.as_bytes()))
+                    .collect();
+                p.publish_with_headers(destination, Some(id.as_bytes()), id, &extra, payload)
                     .await?;
             }
             #[cfg(feature = "redis-streams")]
             Self::RedisStreams(p) => {
-                p.publish(destination, id, payload).await?;
+                let fields = crate::headers::redis(headers)?;
+                p.publish_with_fields(destination, id, payload, &fields)
+                    .await?;
             }
             #[cfg(feature = "mqtt")]
-            Self::Mqtt(p) => p.publish(destination, Some(id), payload).await?,
+            Self::Mqtt(p) => {
+                let props: Vec<(&str, &str)> = headers
+                    .iter()
+                    .map(|(k, v)| (k.as_str(), v.as_str()))
+                    .collect();
+                p.publish_with_properties(destination, Some(id), &props, payload)
+                    .await?;
+            }
         }
         Ok(published)
+    }
+
+    /// Creates what publishing to `name` needs, if missing, as
+    /// [`BrokerUrl::ensure_destination`] does for a consumer (the same declarations, so a
+    /// consumer's own declaration later agrees with it), over this producer's connection: the
+    /// JetStream stream `name` capturing subject `name` and its dead-letter stream; the AMQP
+    /// queue with its dead-letter exchange and queue; the Kafka topic and its dead-letter
+    /// topic. Redis Streams and MQTT need nothing (an MQTT broker drops a message no session
+    /// subscribes to: see [`require_subscriber`](Self::require_subscriber)).
+    ///
+    /// # Errors
+    /// As [`BrokerUrl::ensure_destination`]; a NATS stream name cannot hold `.`, so a dotted
+    /// subject needs a stream the operator made.
+    pub async fn ensure_destination(&self, name: &str) -> Result<(), Error> {
+        match self {
+            #[cfg(feature = "nats")]
+            Self::Nats(p) => crate::nats::ensure_topology(p.context(), name).await,
+            #[cfg(feature = "amqp")]
+            Self::Amqp(p) => idem_amqp::ensure_queue(p.channel(), name).await,
+            #[cfg(feature = "kafka")]
+            Self::Kafka(p) => {
+                let dead = crate::names::dead_letters(Broker::Kafka, name);
+                p.ensure_topics(&[name, &dead], 1, 1).await
+            }
+            #[allow(unreachable_patterns)]
+            _ => {
+                let _ = name;
+                Ok(())
+            }
+        }
     }
 
     /// Publishes every `(id, payload)` to `destination`, up to `concurrency` in flight (one at

@@ -114,7 +114,7 @@ pub(crate) struct StatsArgs {
     json: bool,
 }
 
-fn parse_arg_duration(s: &str) -> Result<Duration, String> {
+pub(crate) fn parse_arg_duration(s: &str) -> Result<Duration, String> {
     parse_duration(s).map_err(|e| e.to_string())
 }
 

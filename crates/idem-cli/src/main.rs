@@ -2,11 +2,12 @@
 //!
 //! `idem demo` runs the payments scenario on the embedded SQLite store; `migrate`, `prune` and
 //! `stats` administer a claims table on any SQL store, `reap-requests` removes expired
-//! idempotent-request records.
+//! idempotent-request records, `relay` publishes a store's outbox through a broker.
 
 mod admin;
 mod demo;
 mod format;
+mod relay;
 
 use std::process::ExitCode;
 
@@ -32,6 +33,8 @@ enum Command {
     Stats(admin::StatsArgs),
     /// Delete expired idempotent-request records, in bounded batches.
     ReapRequests(admin::ReapRequestsArgs),
+    /// Publish a store's outbox through a broker until SIGINT/SIGTERM (at least once, FIFO per ordering key).
+    Relay(relay::RelayArgs),
 }
 
 fn main() -> ExitCode {
@@ -53,6 +56,7 @@ fn main() -> ExitCode {
             Command::Prune(args) => admin::prune(args).await,
             Command::Stats(args) => admin::stats(args).await,
             Command::ReapRequests(args) => admin::reap_requests(args).await,
+            Command::Relay(args) => relay::relay(args).await,
         }
     });
     match result {

@@ -116,7 +116,13 @@
 //!   idem-any/       a broker chosen at run time from a URL (as idem-sql's AnyStore is for stores):
 //!                   url.rs the one scheme → adapter table (BrokerUrl), source.rs the source for a
 //!                   SourceSpec handed to a WithSource job, producer.rs AnyProducer, names.rs where dead
-//!                   letters go, nats.rs NATS URL lists; a cargo feature per adapter
+//!                   letters go, nats.rs NATS URL lists, headers.rs outgoing headers in each family's
+//!                   header slot; a cargo feature per adapter
+//!   idem-relay/     the outbox relay: relay.rs the loop (wake-ups, poll, outages, housekeeping, settling
+//!                   each row), round.rs one round's units (FIFO per destination and ordering key),
+//!                   verdict.rs publish error → retry or dead letter, publish.rs Publish (+ AnyProducer),
+//!                   settings.rs RelayBuilder, waker.rs RelayWaker and wake streams, metrics.rs RelayStats,
+//!                   testing.rs FakeRelayStore (feature `test-util`, a fake); tests/idem_relay/ real brokers
 //!   idem-redact/    redact_url (redact.rs) and redact_setting (setting.rs): the one place that decides
 //!                   what in a URL or a client setting is secret, for every log line, error and Debug output
 //!   idem-postgres/  the PostgreSQL store on tokio-postgres (deadpool or plain clients): BEGIN and the claim
@@ -148,7 +154,7 @@
 //!     src/middleware.rs extract.rs body.rs (actix bodies <-> http_body) convert.rs (http 0.2 <-> 1)
 //!     tests/idem_actix/main.rs  the black-box suite on actix-web
 //!   idem-cli/       the `idem` binary: demo/, admin.rs (migrate, prune, stats, reap-requests),
-//!                   format.rs (numbers for people)
+//!                   relay.rs (`idem relay`), format.rs (numbers for people)
 //!   idem-bench/     (publish = false) `idem-bench`: P1/P2/P3, the claim's cost next to the bare handler
 //!   idem-chaos/     (publish = false) the fault-injection harness: run.rs (one run), fleet.rs (consumer
 //!                   processes), broker.rs (publish, backlog, dead letters), ledger.rs (the check),

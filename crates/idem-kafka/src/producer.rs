@@ -33,6 +33,8 @@ pub struct Published {
 #[derive(Clone)]
 pub struct KafkaProducer {
     producer: FutureProducer,
+    // Known when `connect` made the producer: what `ensure_topics` needs for its admin client.
+    brokers: Option<String>,
 }
 
 impl fmt::Debug for KafkaProducer {
@@ -53,13 +55,41 @@ impl KafkaProducer {
             .set("bootstrap.servers", brokers)
             .create()
             .map_err(|e| error::invalid_config("creating the producer", e))?;
-        Ok(Self::new(producer))
+        Ok(Self {
+            producer,
+            brokers: Some(brokers.to_owned()),
+        })
     }
 
     /// Publishes through a producer the caller configured (security, `linger.ms`,
     /// compression).
     pub fn new(producer: FutureProducer) -> Self {
-        Self { producer }
+        Self {
+            producer,
+            brokers: None,
+        }
+    }
+
+    /// Creates each of `topics` that does not exist, as [`ensure_topics`](crate::ensure_topics)
+    /// does, on the cluster this producer [connected](Self::connect) to.
+    ///
+    /// # Errors
+    /// As [`ensure_topics`](crate::ensure_topics); [`ErrorKind::InvalidConfig`] for a producer
+    /// made with [`new`](Self::new), whose cluster address it does not know (call
+    /// `ensure_topics` with the caller's own configuration).
+    pub async fn ensure_topics(
+        &self,
+        topics: &[&str],
+        partitions: i32,
+        replication: i32,
+    ) -> Result<(), Error> {
+        let Some(brokers) = &self.brokers else {
+            return Err(Error::new(
+                ErrorKind::InvalidConfig,
+                "this Kafka producer was made from a caller's rdkafka producer, so it does not know the cluster's address to create topics",
+            ));
+        };
+        crate::ensure_topics(brokers, topics, partitions, replication).await
     }
 
     /// The underlying rdkafka producer (to flush it, or to send records without an ID).
@@ -84,17 +114,25 @@ impl KafkaProducer {
         id: impl AsRef<[u8]>,
         payload: &[u8],
     ) -> Result<Published, Error> {
-        let id = id.as_ref();
-        if id.is_empty() {
-            return Err(Error::new(
-                ErrorKind::InvalidMessageId,
-                "message ID is empty; the producer must set a stable ID",
-            ));
-        }
-        let headers = OwnedHeaders::new_with_capacity(1).insert(Header {
-            key: MESSAGE_ID_HEADER,
-            value: Some(id),
-        });
+        self.publish_with_headers(topic, key, id, &[], payload)
+            .await
+    }
+
+    /// [`publish`](Self::publish) with extra record headers, after the `message-id` header.
+    ///
+    /// # Errors
+    /// As [`publish`](Self::publish); [`ErrorKind::InvalidConfig`] when `headers` holds a
+    /// `message-id` header of its own (consumers read the first, so it would hide or shadow
+    /// the ID).
+    pub async fn publish_with_headers(
+        &self,
+        topic: &str,
+        key: Option<&[u8]>,
+        id: impl AsRef<[u8]>,
+        headers: &[(&str, &[u8])],
+        payload: &[u8],
+    ) -> Result<Published, Error> {
+        let headers = record_headers(id.as_ref(), headers)?;
         let mut record = FutureRecord::<[u8], [u8]>::to(topic)
             .payload(payload)
             .headers(headers);
@@ -108,5 +146,62 @@ impl KafkaProducer {
             }),
             Err((e, _)) => Err(error::produce(format_args!("publishing to {topic}"), e)),
         }
+    }
+}
+
+/// The record's headers: the ID first, where [`KafkaSource`](crate::KafkaSource) reads it,
+/// then the caller's.
+fn record_headers(id: &[u8], extra: &[(&str, &[u8])]) -> Result<OwnedHeaders, Error> {
+    if id.is_empty() {
+        return Err(Error::new(
+            ErrorKind::InvalidMessageId,
+            "message ID is empty; the producer must set a stable ID",
+        ));
+    }
+    let mut headers = OwnedHeaders::new_with_capacity(1 + extra.len()).insert(Header {
+        key: MESSAGE_ID_HEADER,
+        value: Some(id),
+    });
+    for (name, value) in extra {
+        if *name == MESSAGE_ID_HEADER {
+            return Err(Error::new(
+                ErrorKind::InvalidConfig,
+                format!("a header named {MESSAGE_ID_HEADER:?} would shadow the message ID"),
+            ));
+        }
+        headers = headers.insert(Header {
+            key: name,
+            value: Some(*value),
+        });
+    }
+    Ok(headers)
+}
+
+#[cfg(test)]
+mod tests {
+    use rdkafka::message::Headers;
+
+    use super::*;
+
+    #[test]
+    fn the_id_header_comes_first_then_the_callers() {
+        let h = record_headers(b"order-42", &[("kind", b"Created"), ("tenant", b"acme")]).unwrap();
+        let got: Vec<_> = h.iter().map(|h| (h.key, h.value)).collect();
+        assert_eq!(
+            got,
+            [
+                (MESSAGE_ID_HEADER, Some(&b"order-42"[..])),
+                ("kind", Some(&b"Created"[..])),
+                ("tenant", Some(&b"acme"[..])),
+            ]
+        );
+    }
+
+    #[test]
+    fn an_empty_id_or_a_second_id_header_is_refused() {
+        let e = record_headers(b"", &[]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidMessageId);
+        let e = record_headers(b"x", &[(MESSAGE_ID_HEADER, b"y")]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidConfig);
     }
 }

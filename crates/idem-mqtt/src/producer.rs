@@ -215,6 +215,24 @@ impl MqttProducer {
         id: Option<&str>,
         payload: &[u8],
     ) -> Result<(), Error> {
+        self.publish_with_properties(topic, id, &[], payload).await
+    }
+
+    /// [`publish`](Self::publish) with extra MQTT 5 user properties, after the `message-id`
+    /// one (where [`MqttSource`](crate::MqttSource) reads headers).
+    ///
+    /// # Errors
+    /// As [`publish`](Self::publish); [`ErrorKind::InvalidConfig`] for user properties on MQTT
+    /// 3.1.1 (which has none), a property named `message-id` next to an ID (it would shadow
+    /// it), or a name or value holding NUL.
+    pub async fn publish_with_properties(
+        &self,
+        topic: &str,
+        id: Option<&str>,
+        user_properties: &[(&str, &str)],
+        payload: &[u8],
+    ) -> Result<(), Error> {
+        check_user_properties(self.publisher.protocol(), id.is_some(), user_properties)?;
         if !rumqttc::valid_topic(topic) || topic.is_empty() {
             return Err(invalid(format!(
                 "{topic:?} is not a valid MQTT topic to publish to"
@@ -251,8 +269,47 @@ impl MqttProducer {
                 Bytes::from(value.to_string().into_bytes())
             }
         };
+        properties.user_properties.extend(
+            user_properties
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned())),
+        );
         self.publisher.publish(topic, payload, properties).await
     }
+}
+
+/// User properties travel only on v5, as MQTT strings, and none may pose as the ID.
+fn check_user_properties(
+    protocol: Protocol,
+    with_id: bool,
+    user_properties: &[(&str, &str)],
+) -> Result<(), Error> {
+    if user_properties.is_empty() {
+        return Ok(());
+    }
+    if protocol == Protocol::V311 {
+        return Err(invalid(
+            "MQTT 3.1.1 has no user properties, so this message's headers cannot travel; publish with MQTT 5",
+        ));
+    }
+    for (name, value) in user_properties {
+        if with_id && *name == MESSAGE_ID_PROPERTY {
+            return Err(invalid(format!(
+                "a user property named {MESSAGE_ID_PROPERTY:?} would shadow the message ID"
+            )));
+        }
+        if name.contains('\0') || value.contains('\0') {
+            return Err(invalid(format!(
+                "user property {name:?} holds NUL, which an MQTT string cannot carry"
+            )));
+        }
+        if name.len() > usize::from(u16::MAX) || value.len() > usize::from(u16::MAX) {
+            return Err(invalid(format!(
+                "user property {name:?} is longer than an MQTT string's 65535 bytes"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Checks that `id` survives as an MQTT UTF-8 string: rumqttc writes a longer one with a
@@ -274,6 +331,22 @@ fn mqtt_string(id: &str) -> Result<(), Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn user_properties_that_cannot_travel_are_refused() {
+        assert!(check_user_properties(Protocol::V5, true, &[("kind", "Created")]).is_ok());
+        assert!(check_user_properties(Protocol::V311, true, &[]).is_ok());
+        for (protocol, props) in [
+            (Protocol::V311, &[("kind", "Created")][..]),
+            (Protocol::V5, &[(MESSAGE_ID_PROPERTY, "other")][..]),
+            (Protocol::V5, &[("kind", "a\0b")][..]),
+        ] {
+            let e = check_user_properties(protocol, true, props)
+                .err()
+                .map(|e| e.kind());
+            assert_eq!(e, Some(ErrorKind::InvalidConfig), "{protocol:?} {props:?}");
+        }
+    }
 
     #[test]
     fn ids_that_are_not_mqtt_strings_are_refused() {

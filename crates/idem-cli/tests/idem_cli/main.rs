@@ -1,7 +1,8 @@
 //! The `idem` binary's integration tests as one binary (one link, not one per file): the admin
 //! commands on every SQL store (`admin`), the demo (`demo`) and URLs in its errors
-//! (`redaction`).
+//! (`redaction`), `idem relay` (`relay`).
 
 mod admin;
 mod demo;
 mod redaction;
+mod relay;

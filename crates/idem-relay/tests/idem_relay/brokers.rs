@@ -1,0 +1,289 @@
+//! The relay against real brokers: rows from the in-memory `FakeRelayStore` (a fake of the
+//! outbox table; the SQL stores' own tests cover the real one) published through
+//! `AnyProducer` and read back with the matching idem source, which must find each message's
+//! derived ID in its ID slot, the headers where it reads headers, and one key's rows in order.
+//! Each test uses its own stream, queue or topic, and removes it.
+
+use std::time::Duration;
+
+use idem_any::{AnyProducer, BrokerUrl, SourceSpec, WithSource};
+use idem_consumer::{Delivery, Source};
+use idem_core::outbox::{Emitter, Outgoing};
+use idem_core::{ConsumerName, MessageId};
+use idem_relay::testing::{FakeRelayStore, FakeRowState};
+use idem_relay::{BrokerPublisher, CancellationToken, Relay};
+use tokio::time::Instant;
+
+/// What a consumer read of one message.
+#[derive(Debug, PartialEq, Eq)]
+struct Read {
+    id: Vec<u8>,
+    payload: Vec<u8>,
+    kind: Option<Vec<u8>>,
+    tenant: Option<Vec<u8>>,
+}
+
+/// Runs the relay while reading `expect` messages from the source, then stops both.
+struct Relayed {
+    relay: Relay<FakeRelayStore, AnyProducer>,
+    expect: usize,
+}
+
+impl WithSource for Relayed {
+    type Output = (Vec<Read>, idem_relay::RelayStats);
+
+    async fn run<S: Source>(self, mut source: S) -> Self::Output {
+        let stop = CancellationToken::new();
+        let relay = tokio::spawn(self.relay.run(stop.clone()));
+        let ids = source.default_id_source();
+        let mut got = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while got.len() < self.expect && Instant::now() < deadline {
+            let batch = match tokio::time::timeout_at(deadline, source.next(16)).await {
+                Ok(Ok(batch)) => batch,
+                Ok(Err(e)) => panic!("reading back: {e}"),
+                Err(_) => break,
+            };
+            for d in batch {
+                let id = ids.extract(&d).map(|c| c.into_owned());
+                got.push(Read {
+                    id: id.unwrap_or_else(|dl| panic!("no ID where the consumer reads it: {dl:?}")),
+                    payload: d.payload().to_vec(),
+                    kind: d.header("kind").map(|c| c.into_owned()),
+                    tenant: d.header("tenant").map(|c| c.into_owned()),
+                });
+                d.ack().await.expect("ack");
+            }
+        }
+        stop.cancel();
+        let stats = relay.await.expect("relay task").expect("relay run");
+        let _ = source.close().await;
+        (got, stats)
+    }
+}
+
+/// Three messages of one key and one unkeyed, with headers, their IDs derived as a handler's.
+fn messages(destination: &str) -> Vec<Outgoing> {
+    let consumer = ConsumerName::new("orders-service").expect("test setup");
+    let incoming = MessageId::new("incoming-42").expect("test setup");
+    let mut emitter = Emitter::for_message(&consumer, &incoming);
+    let mut out = Vec::new();
+    for i in 0..3 {
+        out.push(
+            emitter
+                .message(destination, format!(r#"{{"step":{i}}}"#).into_bytes())
+                .expect("test setup")
+                .header("kind", "Created")
+                .expect("test setup")
+                .header("tenant", "acme")
+                .expect("test setup")
+                .ordering_key("account-7")
+                .expect("test setup"),
+        );
+    }
+    out.push(
+        emitter
+            .message(destination, br#"{"step":"unkeyed"}"#.to_vec())
+            .expect("test setup")
+            .header("kind", "Created")
+            .expect("test setup")
+            .header("tenant", "acme")
+            .expect("test setup"),
+    );
+    out
+}
+
+async fn relays_with_ids_and_headers(var: &str, test: &str) {
+    let Some(url) = idem_testkit::service_url(var, test) else {
+        return;
+    };
+    let url = BrokerUrl::parse(&url).expect("test setup");
+    let name = idem_testkit::unique_name("relay", test);
+    let spec = SourceSpec::new(&name, format!("{name}_c"), format!("{name}_i"));
+    let store = FakeRelayStore::new();
+    let sent = messages(&name);
+    let seqs = store.enqueue(sent.clone());
+    let producer = AnyProducer::connect(&url, &format!("{name}_relay"))
+        .await
+        .expect("test setup");
+    let relay = Relay::builder(format!("{name}_relay"))
+        .poll_interval(Duration::from_millis(50))
+        .build(store.clone(), producer)
+        .expect("test setup");
+    let (got, stats) = url
+        .with_source(
+            &spec,
+            Relayed {
+                relay,
+                expect: sent.len(),
+            },
+        )
+        .await
+        .expect("test setup");
+    url.teardown(&spec).await.expect("test setup");
+
+    assert_eq!(got.len(), sent.len(), "{got:?}");
+    let expected = |m: &Outgoing| Read {
+        id: m.id().as_bytes().to_vec(),
+        payload: m.payload().to_vec(),
+        kind: Some(b"Created".to_vec()),
+        tenant: Some(b"acme".to_vec()),
+    };
+    for m in &sent {
+        assert!(
+            got.contains(&expected(m)),
+            "{m:?} not read back as sent: {got:?}"
+        );
+    }
+    // One key's messages arrive in their sequence order.
+    let keyed: Vec<&Read> = got
+        .iter()
+        .filter(|r| sent[..3].iter().any(|m| m.id().as_bytes() == r.id))
+        .collect();
+    let order: Vec<&Read> = sent[..3]
+        .iter()
+        .map(|m| {
+            got.iter()
+                .find(|r| r.id == m.id().as_bytes())
+                .expect("test setup")
+        })
+        .collect();
+    assert_eq!(keyed, order);
+    for seq in seqs {
+        assert_eq!(store.state_of(seq), Some(FakeRowState::Sent));
+    }
+    assert_eq!(stats.published, 4);
+    assert_eq!(stats.dead_lettered, 0);
+}
+
+#[tokio::test]
+async fn nats_jetstream() {
+    relays_with_ids_and_headers("IDEM_TEST_NATS_URL", "nats_jetstream").await;
+}
+
+#[tokio::test]
+async fn rabbitmq() {
+    relays_with_ids_and_headers("IDEM_TEST_AMQP_URL", "rabbitmq").await;
+}
+
+#[tokio::test]
+async fn redis_streams() {
+    relays_with_ids_and_headers("IDEM_TEST_REDIS_URL", "redis_streams").await;
+}
+
+#[tokio::test]
+async fn mqtt() {
+    relays_with_ids_and_headers("IDEM_TEST_MQTT_URL", "mqtt").await;
+}
+
+/// A subject no stream captures (dotted, so the relay cannot create a stream named like it):
+/// JetStream refuses the publish for good, and the row is dead-lettered with the reason
+/// instead of retried forever.
+#[tokio::test]
+async fn nats_subject_without_a_stream_is_dead_lettered() {
+    let test = "nats_subject_without_a_stream_is_dead_lettered";
+    let Some(url) = idem_testkit::service_url("IDEM_TEST_NATS_URL", test) else {
+        return;
+    };
+    let url = BrokerUrl::parse(&url).expect("test setup");
+    let subject = format!("nowhere.{}", idem_testkit::unique_name("relay", "nostream"));
+    let store = FakeRelayStore::new();
+    let seq = store.enqueue([Outgoing::new(
+        MessageId::new("lost-1").expect("test setup"),
+        subject,
+        b"{}".to_vec(),
+    )
+    .expect("test setup")])[0];
+    let producer = AnyProducer::connect(&url, "relay")
+        .await
+        .expect("test setup");
+    let relay = Relay::builder("nostream-relay")
+        .poll_interval(Duration::from_millis(50))
+        .build(store.clone(), producer)
+        .expect("test setup");
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(relay.run(stop.clone()));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while matches!(
+        store.state_of(seq),
+        Some(FakeRowState::Leased { .. } | FakeRowState::Unsent { .. })
+    ) && Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.cancel();
+    let stats = task.await.expect("test setup").expect("test setup");
+    match store.state_of(seq) {
+        Some(FakeRowState::DeadLettered(reason)) => {
+            assert!(reason.starts_with("invalid-destination: "), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(stats.dead_lettered, 1);
+}
+
+/// A queue that exists with other arguments than idem declares (no dead-letter exchange):
+/// RabbitMQ refuses the relay's declaration and closes that channel. Through a
+/// `BrokerPublisher` the refusal happens on a connection of its own, so the rows still
+/// publish to the queue as it is.
+#[tokio::test]
+async fn rabbitmq_queue_declared_otherwise_still_receives() {
+    use idem_amqp::lapin::options::QueueDeclareOptions;
+    use idem_amqp::lapin::types::FieldTable;
+
+    let test = "rabbitmq_queue_declared_otherwise_still_receives";
+    let Some(raw) = idem_testkit::service_url("IDEM_TEST_AMQP_URL", test) else {
+        return;
+    };
+    let name = idem_testkit::unique_name("relay", "amqp_other");
+    let admin = idem_amqp::AmqpProducer::connect(&raw)
+        .await
+        .expect("connect");
+    let plain = QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    };
+    admin
+        .channel()
+        .queue_declare(name.as_str().into(), plain, FieldTable::default())
+        .await
+        .expect("declare the plain queue");
+
+    let store = FakeRelayStore::new();
+    let seqs = store.enqueue(messages(&name));
+    let url = BrokerUrl::parse(&raw).expect("test setup");
+    let publisher = BrokerPublisher::new(url, format!("{name}_relay"));
+    let relay = Relay::builder(format!("{name}_relay"))
+        .poll_interval(Duration::from_millis(50))
+        .build(store.clone(), publisher)
+        .expect("test setup");
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(relay.run(stop.clone()));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !seqs
+        .iter()
+        .all(|s| store.state_of(*s) == Some(FakeRowState::Sent))
+        && Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.cancel();
+    let stats = task.await.expect("relay task").expect("relay run");
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    let queued = admin
+        .channel()
+        .queue_declare(name.as_str().into(), passive, FieldTable::default())
+        .await
+        .expect("the queue is still there")
+        .message_count();
+    let _ = admin
+        .channel()
+        .queue_delete(name.as_str().into(), Default::default())
+        .await;
+    let _ = admin.close().await;
+    assert_eq!(stats.published, 4, "{stats:?}");
+    assert_eq!(queued, 4);
+}

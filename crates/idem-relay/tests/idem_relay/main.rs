@@ -1,0 +1,4 @@
+//! idem-relay's one test binary: the relay publishing through `AnyProducer` to real brokers,
+//! read back by idem's own sources.
+
+mod brokers;
