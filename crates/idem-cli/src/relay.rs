@@ -8,10 +8,7 @@ use idem_any::BrokerUrl;
 use idem_core::TableName;
 use idem_relay::{BrokerPublisher, Relay, RelayStore};
 
-/// The outbox table's default name.
-// TODO(issue 21, merge): take the SQL stores' own default outbox table constant once idem-sql
-// exports one.
-const DEFAULT_OUTBOX_TABLE: &str = "idem_outbox";
+use idem_core::DEFAULT_OUTBOX_TABLE;
 
 /// Options of `idem relay`.
 #[derive(clap::Args)]
@@ -93,45 +90,19 @@ async fn run<S: RelayStore + 'static>(
     Ok(())
 }
 
-/// The store holding the outbox at `url`.
-// TODO(issue 21, merge): `AnyStore` (idem-sql) implements `RelayStore` on the SQL outbox
-// branch: open it here with the outbox table (`AnyStore::connect(url, …)`) and delete
-// `UnwiredStore`.
-async fn open_store(url: &str, outbox: &TableName) -> anyhow::Result<UnwiredStore> {
-    anyhow::bail!(
-        "the SQL stores of this build cannot relay an outbox yet (no RelayStore for {}, table {outbox})",
-        idem_redact::redact_url(url)
-    )
-}
-
-/// Stands in for the SQL store until it implements [`RelayStore`]: it has no values, so
-/// nothing ever runs on it, and `run` is checked against the trait meanwhile.
-enum UnwiredStore {}
-
-impl RelayStore for UnwiredStore {
-    async fn lease(
-        &self,
-        _: &str,
-        _: usize,
-        _: Duration,
-    ) -> Result<Vec<idem_core::outbox::OutboxRow>, idem_core::Error> {
-        match *self {}
-    }
-    async fn mark_sent(&self, _: &str, _: &[i64]) -> Result<(), idem_core::Error> {
-        match *self {}
-    }
-    async fn release(&self, _: &str, _: i64, _: &str, _: Duration) -> Result<(), idem_core::Error> {
-        match *self {}
-    }
-    async fn dead_letter(&self, _: &str, _: i64, _: &str) -> Result<(), idem_core::Error> {
-        match *self {}
-    }
-    async fn purge_sent(&self, _: usize) -> Result<u64, idem_core::Error> {
-        match *self {}
-    }
-    async fn backlog(&self) -> Result<idem_core::outbox::Backlog, idem_core::Error> {
-        match *self {}
-    }
+/// The store holding the outbox at `url`, reading the outbox in `outbox`. The claims table's
+/// name does not matter to a relay.
+async fn open_store(url: &str, outbox: &TableName) -> anyhow::Result<idem_sql::AnyStore> {
+    let store = idem_sql::AnyStore::connect(url, TableName::default())
+        .await
+        .with_context(|| {
+            format!(
+                "connecting to the database {}",
+                idem_redact::redact_url(url)
+            )
+        })?
+        .with_outbox_table(outbox.clone())?;
+    Ok(store)
 }
 
 /// `info` and above on stderr unless `RUST_LOG` says otherwise: the relay reports its outages

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use anyhow::Result;
 use idem_consumer::{CancellationToken, Consumer, Handler, Json, RunStats, SetHandler, Source};
-use idem_core::outbox::OutboxStore;
+use idem_core::outbox::{OutboxStore, RelayStore};
 use idem_core::{BatchClaimStore, ConsumerName, ErrorKind, Processor, TransactionalStore};
 use idem_sql::{AnyStore, MySqlStore, PostgresStore, SqliteStore, StoreVisitor, TableName};
 
@@ -137,7 +137,14 @@ impl StoreVisitor for CreateLedger {
 
 async fn consume<S, Src>(store: S, source: Src, settings: &Settings) -> Result<RunStats>
 where
-    S: BatchClaimStore + OutboxStore + idem_core::Prune + Clone + Send + Sync + 'static,
+    S: BatchClaimStore
+        + OutboxStore
+        + RelayStore
+        + idem_core::Prune
+        + Clone
+        + Send
+        + Sync
+        + 'static,
     S::Tx: Send,
     Src: Source,
     Charge<S>: Handler<S::Tx, PaymentRequested>,
@@ -148,11 +155,26 @@ where
         return receipts(store, source, settings).await;
     }
     let emit = match &settings.emit {
-        Some(destination) => Some(Emit {
+        Some(to) => Some(Emit {
             store: store.clone(),
             consumer: ConsumerName::new(settings.consumer.as_str())?,
-            destination: destination.clone(),
+            destination: to.destination.clone(),
         }),
+        None => None,
+    };
+    // `--emit`: the relay runs in this process, woken after each commit, and stops after the
+    // consumer (rows committed before the stop are published first; any left wait in the
+    // outbox for the next start or another replica's relay).
+    let relay_stop = CancellationToken::new();
+    let relay = match &settings.emit {
+        Some(to) => {
+            let name = format!("{}-relay-{}", settings.consumer, settings.instance);
+            let publisher = idem_relay::BrokerPublisher::new(to.broker.clone(), name.as_str());
+            let relay = idem_relay::Relay::builder(name).build(store.clone(), publisher)?;
+            let waker = relay.waker();
+            tracing::info!(destination = %to.destination, "relaying PaymentCharged events");
+            Some((waker, tokio::spawn(relay.run(relay_stop.clone()))))
+        }
         None => None,
     };
     let processor = Processor::builder(store, settings.consumer.as_str())
@@ -164,7 +186,11 @@ where
         PRUNE_EVERY,
         settings.shutdown.clone(),
     ));
-    let consumer = Consumer::new(processor, source).concurrency(settings.concurrency);
+    let mut consumer = Consumer::new(processor, source).concurrency(settings.concurrency);
+    if let Some((waker, _)) = &relay {
+        let waker = waker.clone();
+        consumer = consumer.after_commit(move || waker.wake());
+    }
     let stats = run_consumer(
         consumer,
         Handlers {
@@ -177,6 +203,14 @@ where
     )
     .await;
     pruner.abort();
+    if let Some((_, task)) = relay {
+        relay_stop.cancel();
+        match task.await {
+            Ok(Ok(_)) => {} // the relay logs its own stop, with its counts
+            Ok(Err(e)) => tracing::error!(error = %e, "the relay stopped on an error"),
+            Err(e) => tracing::error!(error = %e, "the relay task failed"),
+        }
+    }
     Ok(stats?)
 }
 

@@ -26,6 +26,13 @@ use idem_consumer::CancellationToken;
 use crate::cli::{Cli, Command, ServeArgs, host_name};
 pub(crate) use crate::database::{Database, run_consumer, workers};
 
+/// `--emit NAME`: the destination, on the broker the service consumes from.
+#[derive(Debug, Clone)]
+pub(crate) struct Emitting {
+    pub(crate) destination: String,
+    pub(crate) broker: idem_any::BrokerUrl,
+}
+
 /// What a serve run needs besides the broker and the store.
 #[derive(Debug, Clone)]
 pub(crate) struct Settings {
@@ -40,8 +47,8 @@ pub(crate) struct Settings {
     pub(crate) retention: idem_core::Retention,
     /// `--redeliver-after`.
     pub(crate) redeliver_after: Option<std::time::Duration>,
-    /// `--emit`: the destination each charge's `PaymentCharged` event goes to.
-    pub(crate) emit: Option<String>,
+    /// `--emit`: where each charge's `PaymentCharged` event goes.
+    pub(crate) emit: Option<Emitting>,
     /// `--receipts`: record `PaymentCharged` events instead of charging.
     pub(crate) receipts: bool,
     pub(crate) shutdown: CancellationToken,
@@ -199,7 +206,10 @@ async fn serve(args: ServeArgs) -> Result<()> {
         set: args.set,
         retention: idem_core::Retention::new(args.keep_claims_for, args.redelivery_window)?,
         redeliver_after: args.redeliver_after,
-        emit: args.emit,
+        emit: args.emit.map(|destination| Emitting {
+            destination,
+            broker: broker.clone(),
+        }),
         receipts: args.receipts,
         shutdown: idem_consumer::shutdown::on_signal(),
     };

@@ -220,6 +220,138 @@ fn charges_exactly_once(test: &str, var: &str, to_url: impl Fn(String) -> String
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Two hops, as the README runs them: `payments --emit` charges and relays a `PaymentCharged`
+/// event per charge from its outbox; `payments --receipts` records each event once. A repeated
+/// payment makes no second event, and each receipt carries the payment's ID and an event ID
+/// derived from it (the same on every resend).
+fn two_hops_exactly_once(test: &str, var: &str, to_url: impl Fn(String) -> String) {
+    let Some(url) = service_url(var, test) else {
+        return;
+    };
+    let broker = to_url(url);
+    let source = unique_name("hop", test).replace('_', "-");
+    let charged = format!("{source}-charged");
+    let dir = std::env::temp_dir().join(&source);
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let (first_db, second_db) = (dir.join("payments.db"), dir.join("receipts.db"));
+    let first_url = format!("sqlite:{}", first_db.display());
+    let second_url = format!("sqlite:{}", second_db.display());
+
+    // The second hop first: its source exists before the relay publishes (an MQTT broker drops
+    // a message nobody subscribes to).
+    let mut receipts = Service::start(&[
+        "--receipts",
+        "--broker",
+        &broker,
+        "--source",
+        &charged,
+        "--database",
+        &second_url,
+        "--consumer",
+        "receipts",
+        "--instance",
+        &format!("{source}-r"),
+    ]);
+    assert!(
+        receipts.wait_for("consumer started", 1, Duration::from_secs(30)),
+        "receipts start: {:?}",
+        receipts.log
+    );
+    let mut payments = Service::start(&[
+        "--emit",
+        &charged,
+        "--broker",
+        &broker,
+        "--source",
+        &source,
+        "--database",
+        &first_url,
+        "--instance",
+        &format!("{source}-p"),
+    ]);
+    assert!(
+        payments.wait_for("consumer started", 1, Duration::from_secs(30)),
+        "payments start: {:?}",
+        payments.log
+    );
+    publish(
+        &broker,
+        &source,
+        "pay-1",
+        r#"{"account":"alice","amount_cents":1250}"#,
+    );
+    publish(
+        &broker,
+        &source,
+        "pay-2",
+        r#"{"account":"bob","amount_cents":300}"#,
+    );
+    publish(
+        &broker,
+        &source,
+        "pay-1",
+        r#"{"account":"alice","amount_cents":1250}"#,
+    );
+    let recorded = receipts.wait_for(r#"outcome="processed""#, 2, Duration::from_secs(60));
+    let (p_status, p_log) = payments.terminate();
+    let (r_status, r_log) = receipts.terminate();
+    assert!(recorded, "two receipts: {r_log:#?}\n{p_log:#?}");
+    assert!(
+        p_status.success() && r_status.success(),
+        "{p_log:#?}\n{r_log:#?}"
+    );
+    assert_eq!(
+        query(
+            &second_db,
+            "SELECT payment_id, amount_cents FROM receipts ORDER BY payment_id"
+        ),
+        "pay-1|1250\npay-2|300",
+        "{r_log:#?}"
+    );
+    // The event IDs: derived, distinct, and what the outbox holds (each row marked sent).
+    let events = query(
+        &second_db,
+        "SELECT event_id, count(*) FROM receipts GROUP BY event_id ORDER BY event_id",
+    );
+    let outbox = query(
+        &first_db,
+        "SELECT CAST(message_id AS TEXT), count(sent_at) FROM idem_outbox GROUP BY 1 ORDER BY 1",
+    );
+    assert_eq!(events.lines().count(), 2, "{events}");
+    assert_eq!(
+        events, outbox,
+        "receipts' event IDs are the outbox's, each sent once"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn two_hops_nats_jetstream() {
+    two_hops_exactly_once("two_hops_nats_jetstream", services::NATS, |u| u);
+}
+
+#[test]
+fn two_hops_rabbitmq() {
+    two_hops_exactly_once("two_hops_rabbitmq", services::AMQP, |u| u);
+}
+
+#[test]
+fn two_hops_kafka() {
+    two_hops_exactly_once("two_hops_kafka", services::KAFKA, |hosts| {
+        format!("kafka://{hosts}")
+    });
+}
+
+#[test]
+fn two_hops_redis_streams() {
+    two_hops_exactly_once("two_hops_redis_streams", services::REDIS, |u| u);
+}
+
+#[test]
+fn two_hops_mqtt() {
+    two_hops_exactly_once("two_hops_mqtt", services::MQTT, |u| u);
+}
+
 #[test]
 fn nats_jetstream() {
     charges_exactly_once("nats_jetstream", services::NATS, |u| u);
