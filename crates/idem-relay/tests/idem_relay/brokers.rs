@@ -1,17 +1,18 @@
-//! The relay against real brokers: rows from the in-memory `FakeRelayStore` (a fake of the
-//! outbox table; the SQL stores' own tests cover the real one) published through
-//! `AnyProducer` and read back with the matching idem source, which must find each message's
-//! derived ID in its ID slot, the headers where it reads headers, and one key's rows in order.
-//! Each test uses its own stream, queue or topic, and removes it.
+//! The relay against real brokers and a real outbox: rows committed to a SQLite file's outbox
+//! table, published through `AnyProducer` and read back with the matching idem source, which
+//! must find each message's derived ID in its ID slot, the headers where it reads headers, and
+//! one key's rows in order. Each test uses its own stream, queue or topic, and removes it.
 
 use std::time::Duration;
 
 use idem_any::{AnyProducer, BrokerUrl, SourceSpec, WithSource};
 use idem_consumer::{Delivery, Source};
 use idem_core::outbox::{Emitter, Outgoing};
+use idem_core::outbox::{OutboxStore, RelayStore};
 use idem_core::{ConsumerName, MessageId};
-use idem_relay::testing::{FakeRelayStore, FakeRowState};
+use idem_core::{Migrate, TransactionalStore};
 use idem_relay::{BrokerPublisher, CancellationToken, Relay};
+use idem_sql::{SqliteOptions, SqliteStore};
 use tokio::time::Instant;
 
 /// What a consumer read of one message.
@@ -25,7 +26,7 @@ struct Read {
 
 /// Runs the relay while reading `expect` messages from the source, then stops both.
 struct Relayed {
-    relay: Relay<FakeRelayStore, AnyProducer>,
+    relay: Relay<SqliteStore, AnyProducer>,
     expect: usize,
 }
 
@@ -59,6 +60,52 @@ impl WithSource for Relayed {
         let stats = relay.await.expect("relay task").expect("relay run");
         let _ = source.close().await;
         (got, stats)
+    }
+}
+
+/// A real outbox: a SQLite file in its own directory, migrated.
+struct Outbox {
+    store: SqliteStore,
+    dir: std::path::PathBuf,
+}
+
+impl Outbox {
+    async fn new(test: &str) -> Self {
+        let dir = std::env::temp_dir().join(idem_testkit::unique_name("idem_relay", test));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let store = SqliteStore::open(dir.join("outbox.db"), SqliteOptions::default())
+            .await
+            .expect("open sqlite");
+        store.migrate().await.expect("migrate");
+        Self { store, dir }
+    }
+
+    /// Commits `messages` to the outbox in one transaction, as a handler would.
+    async fn enqueue(&self, messages: &[Outgoing]) {
+        let mut tx = self.store.begin().await.expect("begin");
+        self.store
+            .enqueue(&mut tx, messages)
+            .await
+            .expect("enqueue");
+        self.store.commit(tx).await.expect("commit");
+    }
+
+    async fn backlog(&self) -> idem_core::outbox::Backlog {
+        self.store.backlog().await.expect("backlog")
+    }
+
+    /// The reason `id`'s row was dead-lettered with, if it was.
+    async fn dead_letter_reason(&self, id: &MessageId) -> Option<String> {
+        sqlx::query_scalar("SELECT reason FROM idem_outbox_dead_letters WHERE message_id = ?")
+            .bind(id.as_bytes())
+            .fetch_optional(self.store.pool())
+            .await
+            .expect("read the dead letters")
+    }
+
+    async fn remove(self) {
+        self.store.pool().close().await;
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
@@ -100,15 +147,15 @@ async fn relays_with_ids_and_headers(var: &str, test: &str) {
     let url = BrokerUrl::parse(&url).expect("test setup");
     let name = idem_testkit::unique_name("relay", test);
     let spec = SourceSpec::new(&name, format!("{name}_c"), format!("{name}_i"));
-    let store = FakeRelayStore::new();
+    let outbox = Outbox::new(test).await;
     let sent = messages(&name);
-    let seqs = store.enqueue(sent.clone());
+    outbox.enqueue(&sent).await;
     let producer = AnyProducer::connect(&url, &format!("{name}_relay"))
         .await
         .expect("test setup");
     let relay = Relay::builder(format!("{name}_relay"))
         .poll_interval(Duration::from_millis(50))
-        .build(store.clone(), producer)
+        .build(outbox.store.clone(), producer)
         .expect("test setup");
     let (got, stats) = url
         .with_source(
@@ -149,11 +196,11 @@ async fn relays_with_ids_and_headers(var: &str, test: &str) {
         })
         .collect();
     assert_eq!(keyed, order);
-    for seq in seqs {
-        assert_eq!(store.state_of(seq), Some(FakeRowState::Sent));
-    }
+    let backlog = outbox.backlog().await;
+    assert_eq!((backlog.unsent, backlog.sent), (0, 4), "{backlog:?}");
     assert_eq!(stats.published, 4);
     assert_eq!(stats.dead_lettered, 0);
+    outbox.remove().await;
 }
 
 #[tokio::test]
@@ -187,39 +234,41 @@ async fn nats_subject_without_a_stream_is_dead_lettered() {
     };
     let url = BrokerUrl::parse(&url).expect("test setup");
     let subject = format!("nowhere.{}", idem_testkit::unique_name("relay", "nostream"));
-    let store = FakeRelayStore::new();
-    let seq = store.enqueue([Outgoing::new(
-        MessageId::new("lost-1").expect("test setup"),
-        subject,
-        b"{}".to_vec(),
-    )
-    .expect("test setup")])[0];
+    let outbox = Outbox::new(test).await;
+    let id = MessageId::new("lost-1").expect("test setup");
+    outbox
+        .enqueue(&[Outgoing::new(id.clone(), subject, b"{}".to_vec()).expect("test setup")])
+        .await;
     let producer = AnyProducer::connect(&url, "relay")
         .await
         .expect("test setup");
     let relay = Relay::builder("nostream-relay")
         .poll_interval(Duration::from_millis(50))
-        .build(store.clone(), producer)
+        .build(outbox.store.clone(), producer)
         .expect("test setup");
     let stop = CancellationToken::new();
     let task = tokio::spawn(relay.run(stop.clone()));
     let deadline = Instant::now() + Duration::from_secs(10);
-    while matches!(
-        store.state_of(seq),
-        Some(FakeRowState::Leased { .. } | FakeRowState::Unsent { .. })
-    ) && Instant::now() < deadline
-    {
+    while outbox.dead_letter_reason(&id).await.is_none() && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     stop.cancel();
     let stats = task.await.expect("test setup").expect("test setup");
-    match store.state_of(seq) {
-        Some(FakeRowState::DeadLettered(reason)) => {
-            assert!(reason.starts_with("invalid-destination: "), "{reason}");
-        }
-        other => panic!("{other:?}"),
-    }
+    let reason = outbox.dead_letter_reason(&id).await;
+    assert!(
+        reason
+            .as_deref()
+            .is_some_and(|r| r.starts_with("invalid-destination: ")),
+        "{reason:?}"
+    );
+    let backlog = outbox.backlog().await;
+    assert_eq!(
+        (backlog.unsent, backlog.dead_lettered),
+        (0, 1),
+        "{backlog:?}"
+    );
     assert_eq!(stats.dead_lettered, 1);
+    outbox.remove().await;
 }
 
 /// A queue that exists with other arguments than idem declares (no dead-letter exchange):
@@ -249,22 +298,18 @@ async fn rabbitmq_queue_declared_otherwise_still_receives() {
         .await
         .expect("declare the plain queue");
 
-    let store = FakeRelayStore::new();
-    let seqs = store.enqueue(messages(&name));
+    let outbox = Outbox::new(test).await;
+    outbox.enqueue(&messages(&name)).await;
     let url = BrokerUrl::parse(&raw).expect("test setup");
     let publisher = BrokerPublisher::new(url, format!("{name}_relay"));
     let relay = Relay::builder(format!("{name}_relay"))
         .poll_interval(Duration::from_millis(50))
-        .build(store.clone(), publisher)
+        .build(outbox.store.clone(), publisher)
         .expect("test setup");
     let stop = CancellationToken::new();
     let task = tokio::spawn(relay.run(stop.clone()));
     let deadline = Instant::now() + Duration::from_secs(10);
-    while !seqs
-        .iter()
-        .all(|s| store.state_of(*s) == Some(FakeRowState::Sent))
-        && Instant::now() < deadline
-    {
+    while outbox.backlog().await.sent < 4 && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     stop.cancel();
@@ -286,4 +331,5 @@ async fn rabbitmq_queue_declared_otherwise_still_receives() {
     let _ = admin.close().await;
     assert_eq!(stats.published, 4, "{stats:?}");
     assert_eq!(queued, 4);
+    outbox.remove().await;
 }
