@@ -73,3 +73,136 @@ fn a_bad_outbox_table_name_is_refused() {
         "{err}"
     );
 }
+
+/// `idem relay --database sqlite:FILE --broker redis://…` publishes what a handler committed to
+/// the file's outbox, with the derived ID where idem's consumers read it, marks the rows sent,
+/// and stops on SIGTERM.
+#[test]
+fn relays_a_sqlite_outbox_to_redis_streams_until_sigterm() {
+    use std::time::{Duration, Instant};
+
+    use idem_any::{BrokerUrl, SourceSpec, WithSource};
+    use idem_consumer::{Delivery, Source};
+    use idem_core::outbox::{Emitter, OutboxStore};
+    use idem_core::{ConsumerName, MessageId, Migrate, TransactionalStore};
+    use idem_sql::{SqliteOptions, SqliteStore};
+
+    let test = "relays_a_sqlite_outbox_to_redis_streams_until_sigterm";
+    let Some(redis) = idem_testkit::service_url(idem_testkit::services::REDIS, test) else {
+        return;
+    };
+    let stream = idem_testkit::unique_name("cli_relay", "stream");
+    let dir = std::env::temp_dir().join(&stream);
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let db = dir.join("outbox.db");
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let sent = rt.block_on(async {
+        let store = SqliteStore::open(&db, SqliteOptions::default())
+            .await
+            .expect("open");
+        store.migrate().await.expect("migrate");
+        let mut emitter = Emitter::for_message(
+            &ConsumerName::new("orders").expect("name"),
+            &MessageId::new("order-7").expect("id"),
+        );
+        let sent = vec![
+            emitter
+                .message(stream.as_str(), b"first".to_vec())
+                .expect("msg"),
+            emitter
+                .message(stream.as_str(), b"second".to_vec())
+                .expect("msg"),
+        ];
+        let mut tx = store.begin().await.expect("begin");
+        store.enqueue(&mut tx, &sent).await.expect("enqueue");
+        store.commit(tx).await.expect("commit");
+        store.pool().close().await;
+        sent
+    });
+
+    let child = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["relay", "--database", &format!("sqlite:{}", db.display())])
+        .args(["--broker", &redis, "--poll", "100ms"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start idem relay");
+
+    /// Reads `n` messages: (ID, payload).
+    struct Read(usize);
+    impl WithSource for Read {
+        type Output = Vec<(Vec<u8>, Vec<u8>)>;
+        async fn run<S: Source>(self, mut source: S) -> Self::Output {
+            let ids = source.default_id_source();
+            let mut got = Vec::new();
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while got.len() < self.0 && Instant::now() < deadline {
+                let Ok(Ok(batch)) =
+                    tokio::time::timeout(Duration::from_secs(1), source.next(8)).await
+                else {
+                    continue;
+                };
+                for d in batch {
+                    let id = ids
+                        .extract(&d)
+                        .expect("an ID where idem reads it")
+                        .into_owned();
+                    got.push((id, d.payload().to_vec()));
+                    d.ack().await.expect("ack");
+                }
+            }
+            let _ = source.close().await;
+            got
+        }
+    }
+    let url = BrokerUrl::parse(&redis).expect("url");
+    let spec = SourceSpec::new(&stream, format!("{stream}_c"), "reader");
+    let got = rt
+        .block_on(url.with_source(&spec, Read(sent.len())))
+        .expect("read back");
+    // Marked sent shortly after the broker confirmed.
+    let marked = rt.block_on(async {
+        let store = SqliteStore::open(&db, SqliteOptions::default())
+            .await
+            .expect("open");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let b = idem_core::outbox::RelayStore::backlog(&store)
+                .await
+                .expect("backlog");
+            if b.unsent == 0 || Instant::now() > deadline {
+                store.pool().close().await;
+                break b;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+    let pid = child.id().to_string();
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .expect("kill")
+            .success()
+    );
+    let out = child.wait_with_output().expect("wait");
+    rt.block_on(url.teardown(&spec)).expect("teardown");
+    let _ = std::fs::remove_dir_all(&dir);
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+
+    let expected: Vec<(Vec<u8>, Vec<u8>)> = sent
+        .iter()
+        .map(|m| (m.id().as_bytes().to_vec(), m.payload().to_vec()))
+        .collect();
+    let mut sorted = got.clone();
+    sorted.sort();
+    let mut want = expected.clone();
+    want.sort();
+    assert_eq!(sorted, want, "{stderr}");
+    assert_eq!(marked.unsent, 0, "{marked:?} {stderr}");
+    assert!(out.status.success(), "exits 0 on SIGTERM: {stderr}");
+    assert!(stdout.contains("2 published"), "{stdout} {stderr}");
+}
