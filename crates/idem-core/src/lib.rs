@@ -38,6 +38,7 @@
 //! | one commit, one claim statement and **one handler call** for N messages | `processor.process_batch_set(&msgs, async \|tx, fresh\| …)`, or a `SetHandler` with `process_batch_set_with` — lock shared rows in key order inside it, or concurrent batches can deadlock |
 //! | naturally idempotent handler ("set status = shipped") | `.naturally_idempotent()` on the builder: same API, no claim row |
 //! | custom fingerprint (selected fields) | `Fingerprint::hasher().field(..).finish()` + `Message::with_fingerprint` |
+//! | publish an event with the effect, exactly once across the hop | enqueue [`outbox::Outgoing`] messages (IDs from an [`outbox::Emitter`]) with [`outbox::OutboxStore::enqueue`] on the handler's transaction; `idem-relay` publishes them after the commit |
 //! | pruning | `processor.prune()` (its consumer); beside a running consumer `tokio::spawn(idem_consumer::prune_periodically(processor.clone(), every, shutdown.clone()))`; or `idem prune --store URL --older-than 14d --redelivery-window 7d`; never inside the window plus a 1 h clock margin; a partitioned PostgreSQL table drops whole days instead (see `idem-sql`'s crate docs, *Pruning*) |
 //!
 //! # Where things are in the workspace
