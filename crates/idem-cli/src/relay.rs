@@ -26,7 +26,9 @@ pub(crate) struct RelayArgs {
     /// Rows leased and published per round.
     #[arg(long, value_name = "N", default_value_t = 100)]
     batch: usize,
-    /// How often to look for rows (no in-process wake-up reaches a separate process).
+    /// How often to look for rows at the latest. On PostgreSQL the relay also wakes on each
+    /// commit that enqueued (LISTEN/NOTIFY); notifications are not durable, so this stays the
+    /// floor.
     #[arg(long, value_name = "DURATION", value_parser = crate::admin::parse_arg_duration, default_value = "1s")]
     poll: Duration,
     /// Outbox table name.
@@ -71,18 +73,23 @@ pub(crate) async fn relay(args: RelayArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("connecting to the broker {shown}"))?;
     let store = open_store(&args.database, &outbox).await?;
-    run(store, publisher, settings).await
+    // PostgreSQL: woken by each commit that enqueued (LISTEN/NOTIFY), polling as the floor.
+    let wakeups = store.outbox_wakeups();
+    run(store, wakeups, publisher, settings).await
 }
 
 /// Runs the relay over any store until a signal, then prints what it did.
 async fn run<S: RelayStore + 'static>(
     store: S,
+    wakeups: Option<futures_util::stream::BoxStream<'static, ()>>,
     publisher: BrokerPublisher,
     settings: idem_relay::RelaySettings,
 ) -> anyhow::Result<()> {
-    let stats = Relay::new(store, publisher, settings)
-        .run(idem_consumer::shutdown::on_signal())
-        .await?;
+    let mut relay = Relay::new(store, publisher, settings);
+    if let Some(wakeups) = wakeups {
+        relay = relay.wake_on(wakeups);
+    }
+    let stats = relay.run(idem_consumer::shutdown::on_signal()).await?;
     println!(
         "{} published, {} dead-lettered, {} failed publishes retried, {} store errors waited out",
         stats.published, stats.dead_lettered, stats.failed, stats.store_errors

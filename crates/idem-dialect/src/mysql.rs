@@ -234,6 +234,7 @@ pub fn outbox_statements(o: &TableName) -> OutboxStatements {
             ),
             &[],
         ),
+        notify: None,
     }
 }
 

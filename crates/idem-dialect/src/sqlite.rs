@@ -208,6 +208,7 @@ pub fn outbox_statements(o: &TableName) -> OutboxStatements {
             ),
             &[P::Now],
         ),
+        notify: None,
     }
 }
 

@@ -206,4 +206,7 @@ pub struct OutboxStatements {
     /// One row: unsent rows, the oldest unsent `created_at` (NULL without any), sent rows,
     /// dead letters, the clock.
     pub backlog: OutboxStatement,
+    /// After an enqueue, in the same transaction: tells listening relays, on commit only, that
+    /// rows are waiting (PostgreSQL's `NOTIFY`; `None` on engines without one). Binds nothing.
+    pub notify: Option<OutboxStatement>,
 }

@@ -210,6 +210,11 @@ impl OutboxStore for PgStore {
             tx.saw(&done);
             done.map_err(|e| store_error(what, e))?;
         }
+        if let Some(notify) = &self.osql.notify {
+            let done = tx.execute(notify.sql.as_str(), &[]).await;
+            tx.saw(&done);
+            done.map_err(|e| store_error("notifying relays of the outbox", e))?;
+        }
         Ok(())
     }
 }

@@ -69,9 +69,10 @@
 //! [`poll_interval`](RelayBuilder::poll_interval) (1 s by default): wake-ups are not durable
 //! (one sent by a process that died is gone), so polling is the floor. Three sources wake it:
 //! a [`RelayWaker`] the application calls after committing (in-process, free); any stream of
-//! notifications plugged in with [`Relay::wake_on`] (a PostgreSQL `LISTEN` on a channel the
-//! enqueuing transaction `NOTIFY`s, delivered on commit only); and a round that leased a full
-//! batch, which is followed by the next at once.
+//! notifications plugged in with [`Relay::wake_on`] — on PostgreSQL, idem-sql's
+//! `PostgresStore::outbox_wakeups()` (or `AnyStore::outbox_wakeups()`), which `LISTEN`s on the
+//! channel every enqueuing transaction notifies, delivered on commit only; and a round that
+//! leased a full batch, which is followed by the next at once.
 //!
 //! # Order: FIFO per (destination, ordering key)
 //!

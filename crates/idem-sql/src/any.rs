@@ -174,6 +174,18 @@ impl AnyStore {
         })
     }
 
+    /// On PostgreSQL, [`PostgresStore::outbox_wakeups`](crate::PostgresStore::outbox_wakeups):
+    /// a stream that yields after each commit that enqueued into the outbox, for a relay's
+    /// `wake_on`. `None` on the other engines, where relays poll.
+    pub fn outbox_wakeups(&self) -> Option<futures_util::stream::BoxStream<'static, ()>> {
+        match self {
+            #[cfg(feature = "postgres")]
+            Self::Postgres(s) => Some(Box::pin(s.outbox_wakeups())),
+            #[allow(unreachable_patterns)]
+            _ => None,
+        }
+    }
+
     /// The engine's name (`SQLite`, `PostgreSQL`, `MySQL`).
     pub fn engine(&self) -> &'static str {
         use sqlx::Database;

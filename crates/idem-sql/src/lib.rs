@@ -91,6 +91,8 @@ mod common;
 pub mod engine;
 mod errors;
 mod held;
+#[cfg(feature = "postgres")]
+mod listen;
 #[cfg(feature = "mysql")]
 mod mysql;
 mod outbox;

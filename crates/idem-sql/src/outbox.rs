@@ -156,6 +156,11 @@ impl<E: Engine> OutboxStore for SqlStore<E> {
                 .await
                 .map_err(|e| store_error::<E>("enqueuing an outgoing message", e))?;
         }
+        if let (Some(notify), false) = (&self.osql.notify, messages.is_empty()) {
+            E::execute(tx, &notify.sql, &[])
+                .await
+                .map_err(|e| store_error::<E>("notifying relays of the outbox", e))?;
+        }
         Ok(())
     }
 }

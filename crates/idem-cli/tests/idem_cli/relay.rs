@@ -206,3 +206,121 @@ fn relays_a_sqlite_outbox_to_redis_streams_until_sigterm() {
     assert!(out.status.success(), "exits 0 on SIGTERM: {stderr}");
     assert!(stdout.contains("2 published"), "{stdout} {stderr}");
 }
+
+/// On PostgreSQL `idem relay` wakes on each commit that enqueued (LISTEN/NOTIFY): with a
+/// 60 s poll, a row committed after the relay started still arrives within seconds.
+#[test]
+fn on_postgres_a_commit_wakes_the_relay_long_before_its_poll() {
+    use std::time::{Duration, Instant};
+
+    use idem_any::{BrokerUrl, SourceSpec, WithSource};
+    use idem_consumer::{Delivery, Source};
+    use idem_core::outbox::{Emitter, OutboxStore};
+    use idem_core::{ConsumerName, MessageId, Migrate, TableName, TransactionalStore};
+    use idem_sql::PostgresStore;
+    use idem_testkit::isolated::PgSchema;
+
+    let test = "on_postgres_a_commit_wakes_the_relay_long_before_its_poll";
+    let Some(redis) = idem_testkit::service_url(idem_testkit::services::REDIS, test) else {
+        return;
+    };
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let Some(schema) = rt.block_on(PgSchema::create("cli_relay", test)) else {
+        return;
+    };
+    let stream = idem_testkit::unique_name("cli_relay", "pg");
+    // Writers and relay spell the table the same way: the channel is its name.
+    let table = format!("{}.idem_outbox", schema.name());
+    let store = rt.block_on(async {
+        let store = PostgresStore::from_pool(schema.pool(2).await)
+            .with_outbox_table(TableName::new(&table).expect("name"))
+            .expect("name");
+        store.migrate().await.expect("migrate");
+        store
+    });
+    let child = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args([
+            "relay",
+            "--database",
+            schema.url(),
+            "--outbox-table",
+            &table,
+        ])
+        .args(["--broker", &redis, "--poll", "60s"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start idem relay");
+    // Past its first (empty) poll, listening.
+    std::thread::sleep(Duration::from_secs(2));
+    let sent = rt.block_on(async {
+        let mut emitter = Emitter::for_message(
+            &ConsumerName::new("orders").expect("name"),
+            &MessageId::new("order-8").expect("id"),
+        );
+        let sent = emitter
+            .message(stream.as_str(), b"woken".to_vec())
+            .expect("msg");
+        let mut tx = store.begin().await.expect("begin");
+        store
+            .enqueue(&mut tx, std::slice::from_ref(&sent))
+            .await
+            .expect("enqueue");
+        store.commit(tx).await.expect("commit");
+        sent
+    });
+    let committed = Instant::now();
+
+    struct First;
+    impl WithSource for First {
+        type Output = Option<(Vec<u8>, Vec<u8>)>;
+        async fn run<S: Source>(self, mut source: S) -> Self::Output {
+            let ids = source.default_id_source();
+            let deadline = Instant::now() + Duration::from_secs(15);
+            while Instant::now() < deadline {
+                let Ok(Ok(batch)) =
+                    tokio::time::timeout(Duration::from_millis(500), source.next(1)).await
+                else {
+                    continue;
+                };
+                if let Some(d) = batch.into_iter().next() {
+                    let id = ids.extract(&d).expect("an ID").into_owned();
+                    let payload = d.payload().to_vec();
+                    d.ack().await.expect("ack");
+                    let _ = source.close().await;
+                    return Some((id, payload));
+                }
+            }
+            None
+        }
+    }
+    let url = BrokerUrl::parse(&redis).expect("url");
+    let spec = SourceSpec::new(&stream, format!("{stream}_c"), "reader");
+    let got = rt
+        .block_on(url.with_source(&spec, First))
+        .expect("read back");
+    let took = committed.elapsed();
+    let pid = child.id().to_string();
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .expect("kill")
+            .success()
+    );
+    let out = child.wait_with_output().expect("wait");
+    rt.block_on(url.teardown(&spec)).expect("teardown");
+    rt.block_on(schema.drop());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+
+    assert_eq!(
+        got,
+        Some((sent.id().as_bytes().to_vec(), b"woken".to_vec())),
+        "{stderr}"
+    );
+    assert!(
+        took < Duration::from_secs(10),
+        "woken, not polled: {took:?} {stderr}"
+    );
+    assert!(out.status.success(), "{stderr}");
+}

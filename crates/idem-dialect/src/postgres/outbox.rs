@@ -8,10 +8,24 @@
 //! enqueuing transaction's start (`now()`), the relay's times the statement's.
 
 use idem_core::TableName;
+use sha2::Digest as _;
 
 use super::{SERVER_NOW, STATEMENT_NOW};
 use crate::outbox::{COLUMNS, SELECTED, dead_letter_table};
 use crate::statements::{OutboxParam as P, OutboxStatement, OutboxStatements, Placeholder};
+
+/// The `LISTEN` channel on which enqueuing transactions notify relays of table `o` at commit:
+/// the table's name as the store spells it, or, past PostgreSQL's 63-byte identifier limit,
+/// `idem_outbox_` and a digest of it. A transaction that enqueues several times notifies once
+/// (PostgreSQL folds identical notifications of one transaction).
+pub fn outbox_channel(o: &TableName) -> String {
+    let name = o.to_string();
+    if name.len() <= 63 {
+        return name;
+    }
+    let digest = sha2::Sha256::digest(name.as_bytes());
+    format!("idem_outbox_{}", &idem_core::hex::encode(&digest)[..32])
+}
 
 /// The outbox statements of table `o` (spelled as the store resolves it: lower case).
 pub fn outbox_statements(o: &TableName) -> OutboxStatements {
@@ -98,6 +112,11 @@ pub fn outbox_statements(o: &TableName) -> OutboxStatements {
             ),
             &[],
         ),
+        // pg_notify rather than NOTIFY: the channel is a string, any table name fits.
+        notify: Some(OutboxStatement::new(
+            format!("SELECT pg_notify('{}', '')", outbox_channel(o)),
+            &[],
+        )),
     }
 }
 

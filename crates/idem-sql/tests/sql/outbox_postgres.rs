@@ -102,3 +102,73 @@ async fn a_read_only_database_is_an_outage_for_the_outbox() {
     ro.pool().close().await;
     fx.teardown().await;
 }
+
+/// `outbox_wakeups` hears a commit that enqueued, from another connection, and nothing of a
+/// transaction still open or rolled back (PostgreSQL delivers `NOTIFY` at commit only).
+#[tokio::test]
+async fn commits_that_enqueue_wake_listeners_and_rollbacks_do_not() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::time::{Duration, Instant};
+
+    use futures_util::StreamExt;
+    use idem_core::outbox::{Emitter, OutboxStore};
+    use idem_core::{ConsumerName, MessageId, TransactionalStore};
+
+    let test = "commits_that_enqueue_wake_listeners_and_rollbacks_do_not";
+    let Some(fx) = PgFixture::setup(test).await else {
+        return;
+    };
+    // Channels are database-wide: a table name of its own keeps other tests' commits out.
+    let table = idem_testkit::unique_name("outbox", "wake");
+    let store = fx
+        .store
+        .clone()
+        .with_outbox_table(TableName::new(&table).expect("name"))
+        .expect("name");
+    store.migrate().await.expect("migrate");
+    let heard = Arc::new(AtomicU64::new(0));
+    let listener = {
+        let (wakeups, heard) = (store.outbox_wakeups(), heard.clone());
+        tokio::spawn(async move {
+            let mut wakeups = std::pin::pin!(wakeups);
+            while wakeups.next().await.is_some() {
+                heard.fetch_add(1, Ordering::SeqCst);
+            }
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await; // listening by now
+    let before = heard.load(Ordering::SeqCst);
+    let mut emitter = Emitter::for_message(
+        &ConsumerName::new("c").expect("consumer"),
+        &MessageId::new("m").expect("id"),
+    );
+
+    let mut tx = store.begin().await.expect("begin");
+    let rolled_back = emitter.message("orders", b"1".to_vec()).expect("message");
+    store
+        .enqueue(&mut tx, &[rolled_back])
+        .await
+        .expect("enqueue");
+    store.rollback(tx).await.expect("rollback");
+    let mut tx = store.begin().await.expect("begin");
+    let kept = emitter.message("orders", b"2".to_vec()).expect("message");
+    store.enqueue(&mut tx, &[kept]).await.expect("enqueue");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        heard.load(Ordering::SeqCst),
+        before,
+        "nothing heard of a rolled-back or still open transaction"
+    );
+    store.commit(tx).await.expect("commit");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while heard.load(Ordering::SeqCst) == before && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        heard.load(Ordering::SeqCst) > before,
+        "the commit was heard"
+    );
+    listener.abort();
+    fx.teardown().await;
+}
