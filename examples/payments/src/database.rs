@@ -6,7 +6,9 @@ use std::sync::Arc;
 use anyhow::Result;
 use idem_consumer::{CancellationToken, Consumer, Handler, Json, RunStats, SetHandler, Source};
 use idem_core::outbox::{OutboxStore, RelayStore};
-use idem_core::{BatchClaimStore, ConsumerName, ErrorKind, Processor, TransactionalStore};
+use idem_core::{
+    BatchClaimStore, ClaimStore, ConsumerName, ErrorKind, Processor, TransactionalStore,
+};
 use idem_sql::{AnyStore, MySqlStore, PostgresStore, SqliteStore, StoreVisitor, TableName};
 
 use crate::Settings;
@@ -177,15 +179,7 @@ where
         }
         None => None,
     };
-    let processor = Processor::builder(store, settings.consumer.as_str())
-        .retention(settings.retention)
-        .build()?;
-    let processor = Arc::new(processor);
-    let pruner = tokio::spawn(idem_consumer::prune_periodically(
-        processor.clone(),
-        PRUNE_EVERY,
-        settings.shutdown.clone(),
-    ));
+    let (processor, pruner) = processor_and_pruner(store, settings)?;
     let mut consumer = Consumer::new(processor, source).concurrency(settings.concurrency);
     if let Some((waker, _)) = &relay {
         let waker = waker.clone();
@@ -214,13 +208,14 @@ where
     Ok(stats?)
 }
 
-/// `--receipts`: one receipt per `PaymentCharged` event, one event per transaction.
-async fn receipts<S, Src>(store: S, source: Src, settings: &Settings) -> Result<RunStats>
+/// The consumer's processor, and the task pruning its claims hourly until shutdown.
+fn processor_and_pruner<S>(
+    store: S,
+    settings: &Settings,
+) -> Result<(Arc<Processor<S>>, tokio::task::JoinHandle<()>)>
 where
-    S: BatchClaimStore + idem_core::Prune + Send + Sync + 'static,
+    S: ClaimStore + idem_core::Prune + Send + Sync + 'static,
     S::Tx: Send,
-    Src: Source,
-    Receipt: Handler<S::Tx, PaymentCharged>,
 {
     let processor = Processor::builder(store, settings.consumer.as_str())
         .retention(settings.retention)
@@ -231,6 +226,18 @@ where
         PRUNE_EVERY,
         settings.shutdown.clone(),
     ));
+    Ok((processor, pruner))
+}
+
+/// `--receipts`: one receipt per `PaymentCharged` event, one event per transaction.
+async fn receipts<S, Src>(store: S, source: Src, settings: &Settings) -> Result<RunStats>
+where
+    S: BatchClaimStore + idem_core::Prune + Send + Sync + 'static,
+    S::Tx: Send,
+    Src: Source,
+    Receipt: Handler<S::Tx, PaymentCharged>,
+{
+    let (processor, pruner) = processor_and_pruner(store, settings)?;
     let stats = Consumer::new(processor, source)
         .concurrency(settings.concurrency)
         .run(
