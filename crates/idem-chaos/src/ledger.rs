@@ -133,6 +133,50 @@ impl RunDatabase {
         Ok(check)
     }
 
+    /// Distinct payments with a receipt so far (`--two-hop`; 0 before the table exists).
+    pub(crate) async fn receipted_ids(&self) -> Result<u64> {
+        let mut conn = self.reader().await?;
+        let exists: bool = sqlx::query_scalar("SELECT to_regclass('receipts') IS NOT NULL")
+            .fetch_one(&mut conn)
+            .await?;
+        if !exists {
+            return Ok(0);
+        }
+        let n: i64 = sqlx::query_scalar("SELECT count(DISTINCT payment_id) FROM receipts")
+            .fetch_one(&mut conn)
+            .await?;
+        Ok(n.max(0) as u64)
+    }
+
+    /// `--two-hop`: the second hop's receipts against what was sent: one per payment.
+    pub(crate) async fn check_receipts(&self, sent: &Sent) -> Result<ReceiptCheck> {
+        let mut conn = self.reader().await?;
+        let rows: Vec<(String, i64)> =
+            sqlx::query_as("SELECT payment_id, count(*) FROM receipts GROUP BY payment_id")
+                .fetch_all(&mut conn)
+                .await
+                .context("reading receipts")?;
+        let counts: HashMap<String, i64> = rows.into_iter().collect();
+        let mut check = ReceiptCheck {
+            receipts: counts.values().map(|n| *n as u64).sum(),
+            ..Default::default()
+        };
+        for (id, _) in &sent.unique {
+            match counts.get(id).copied().unwrap_or(0) {
+                0 => check.lost += 1,
+                1 => {}
+                n => check.duplicated += (n - 1) as u64,
+            }
+        }
+        let known: HashSet<&String> = sent.unique.iter().map(|(id, _)| id).collect();
+        check.unexpected = counts
+            .iter()
+            .filter(|(id, _)| !known.contains(id))
+            .map(|(_, n)| *n as u64)
+            .sum();
+        Ok(check)
+    }
+
     /// Drops the run's database.
     pub(crate) async fn drop_database(self) -> Result<()> {
         self.admin
@@ -149,6 +193,15 @@ pub(crate) struct Sent {
     pub(crate) unique: Vec<(String, i64)>,
     /// Every publish, repeats included, in publishing order.
     pub(crate) publishes: Vec<(String, Vec<u8>)>,
+}
+
+/// The receipts compared with what was sent.
+#[derive(Debug, Default)]
+pub(crate) struct ReceiptCheck {
+    pub(crate) receipts: u64,
+    pub(crate) lost: u64,
+    pub(crate) duplicated: u64,
+    pub(crate) unexpected: u64,
 }
 
 /// The ledger compared with what was sent.

@@ -64,6 +64,7 @@ impl std::fmt::Debug for Args {
             .field("payments", &self.payments)
             .field("work_dir", &self.work_dir)
             .field("keep", &self.keep)
+            .field("two_hop", &self.two_hop)
             .finish()
     }
 }
@@ -165,6 +166,13 @@ pub(crate) struct Args {
     /// Keep the run's database, broker objects and logs.
     #[arg(long)]
     pub(crate) keep: bool,
+    /// Two hops: the consumers charge with `--emit`, writing a `PaymentCharged` event into the
+    /// outbox with each charge and relaying it in process (so every kill also kills a relay,
+    /// anywhere around the outbox commit, the publish and the mark), and a second idem
+    /// consumer (`payments --receipts`, not killed) records each event. The checker then also
+    /// wants exactly one receipt per payment.
+    #[arg(long)]
+    pub(crate) two_hop: bool,
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {

@@ -46,8 +46,16 @@ pub(crate) struct Report {
     /// Kafka: partitions no consumer held while the drain made no progress (a broker fault,
     /// see `Run::unorphan`); each time the group was made to rebalance.
     pub(crate) broker_orphaned_partitions: u64,
-    /// Messages left unacknowledged on the broker at the end.
+    /// Messages left unacknowledged on the broker at the end (both hops).
     pub(crate) backlog: u64,
+    /// `--two-hop`: receipt rows the second consumer recorded.
+    pub(crate) receipts: u64,
+    /// `--two-hop`: payments with no receipt.
+    pub(crate) receipts_lost: u64,
+    /// `--two-hop`: receipts beyond the first for one payment.
+    pub(crate) receipts_duplicated: u64,
+    /// `--two-hop`: receipts for payments never sent.
+    pub(crate) receipts_unexpected: u64,
     pub(crate) balance_matches: bool,
     pub(crate) elapsed_secs: f64,
     pub(crate) anomalies: Vec<String>,
@@ -61,7 +69,7 @@ pub(crate) struct Report {
 impl Report {
     pub(crate) fn summary(&self) -> String {
         format!(
-            "idem-chaos {} seed {}: sent {} unique {} effects {} lost {} duplicated {} unexpected {} dead-lettered {} kills {} ({} at crash points) restarts {} cuts {} db restarts {} failovers {} broker restarts {} in {:.1}s: {}",
+            "idem-chaos {} seed {}: sent {} unique {} effects {} lost {} duplicated {} unexpected {} dead-lettered {}{} kills {} ({} at crash points) restarts {} cuts {} db restarts {} failovers {} broker restarts {} in {:.1}s: {}",
             self.broker,
             self.seed,
             self.sent,
@@ -71,6 +79,17 @@ impl Report {
             self.duplicated,
             self.unexpected,
             self.dead_lettered,
+            if self.receipts > 0 || self.receipts_lost > 0 {
+                format!(
+                    " receipts {} lost {} duplicated {} unexpected {}",
+                    self.receipts,
+                    self.receipts_lost,
+                    self.receipts_duplicated,
+                    self.receipts_unexpected
+                )
+            } else {
+                String::new()
+            },
             self.kills,
             self.crash_point_aborts,
             self.restarts,

@@ -58,6 +58,11 @@ pub(crate) async fn run(args: Args) -> Result<Report> {
         source: tag.clone(),
         consumer: format!("{tag}-group"),
     };
+    // --two-hop: where the relay publishes, and the second consumer's group.
+    let hop = args.two_hop.then(|| Names {
+        source: format!("{tag}-charged"),
+        consumer: format!("{tag}-receipts"),
+    });
     let db = RunDatabase::create(&args.database, &tag).await?;
     let mut sched = Schedule::new(
         args.seed,
@@ -80,26 +85,44 @@ pub(crate) async fn run(args: Args) -> Result<Report> {
     let replicas = if cluster.is_some() { 3 } else { 1 };
     let partitions = args.partitions.unwrap_or(args.consumers.max(1) as i32);
     broker.prepare(&names, partitions, replicas).await?;
+    if let Some(hop) = &hop {
+        broker.prepare(hop, 1, replicas).await?;
+    }
     let sent = sched.messages(&tag, args.messages, args.duplicates);
 
-    let service_args = vec![
-        "--broker".to_owned(),
-        broker.url(),
-        "--source".to_owned(),
-        names.source.clone(),
-        "--database".to_owned(),
-        consumer_db,
-        "--consumer".to_owned(),
-        names.consumer.clone(),
-        "--concurrency".to_owned(),
-        args.concurrency.to_string(),
-        "--batch".to_owned(),
-        args.batch.to_string(),
-        "--redeliver-after".to_owned(),
-        format!("{}ms", args.redeliver_after.as_millis()),
-    ];
+    let common = |names: &Names| {
+        vec![
+            "--broker".to_owned(),
+            broker.url(),
+            "--source".to_owned(),
+            names.source.clone(),
+            "--database".to_owned(),
+            consumer_db.clone(),
+            "--consumer".to_owned(),
+            names.consumer.clone(),
+            "--concurrency".to_owned(),
+            args.concurrency.to_string(),
+            "--redeliver-after".to_owned(),
+            format!("{}ms", args.redeliver_after.as_millis()),
+        ]
+    };
+    let mut service_args = common(&names);
+    service_args.extend(["--batch".to_owned(), args.batch.to_string()]);
+    if let Some(hop) = &hop {
+        service_args.extend(["--emit".to_owned(), hop.source.clone()]);
+    }
     let logs = work.join("logs");
     std::fs::create_dir_all(&logs)?;
+    let receipts = match &hop {
+        Some(hop) => {
+            let receipt_logs = logs.join("receipts");
+            std::fs::create_dir_all(&receipt_logs)?;
+            let mut receipt_args = common(hop);
+            receipt_args.push("--receipts".to_owned());
+            Some(Fleet::new(payments.clone(), receipt_args, &receipt_logs, 1))
+        }
+        None => None,
+    };
     let fleet = Fleet::new(payments, service_args, &logs, args.consumers.max(1));
 
     let mut run = Run {
@@ -111,6 +134,9 @@ pub(crate) async fn run(args: Args) -> Result<Report> {
         cluster,
         sched,
         fleet,
+        hop: hop.as_ref(),
+        receipts,
+        receipted: 0,
         sent: &sent,
         report: Report {
             broker: broker.redacted(),
@@ -132,7 +158,18 @@ pub(crate) async fn run(args: Args) -> Result<Report> {
     if run.read_only_until.is_some() {
         let _ = postgres::make_read_only(&db, false).await;
     }
-    let stops = run.fleet.stop_all(STOP_GRACE).await;
+    let mut stops = run.fleet.stop_all(STOP_GRACE).await;
+    if let Some(receipts) = run.receipts.as_mut() {
+        // Reported as slots after the first hop's.
+        let first = run.fleet.len();
+        stops.extend(
+            receipts
+                .stop_all(STOP_GRACE)
+                .await
+                .into_iter()
+                .map(|(slot, exit)| (first + slot, exit)),
+        );
+    }
     let mut report = match outcome {
         Ok(()) => run.check(stops).await?,
         Err(e) => {
@@ -146,6 +183,9 @@ pub(crate) async fn run(args: Args) -> Result<Report> {
     report.elapsed_secs = started.elapsed().as_secs_f64();
     if report.anomalies.is_empty() && !args.keep {
         let _ = broker.teardown(&names).await;
+        if let Some(hop) = &hop {
+            let _ = broker.teardown(hop).await;
+        }
         drop(run);
         db.drop_database().await?;
         let _ = std::fs::remove_dir_all(&work);
@@ -220,6 +260,12 @@ struct Run<'a> {
     cluster: Option<NatsCluster>,
     sched: Schedule,
     fleet: Fleet,
+    /// `--two-hop`: the relayed events' destination and the second consumer's group.
+    hop: Option<&'a Names>,
+    /// `--two-hop`: the second consumer (never killed).
+    receipts: Option<Fleet>,
+    /// `--two-hop`: distinct payments with a receipt, at the last count.
+    receipted: u64,
     sent: &'a Sent,
     report: Report,
     /// Replicas to start again, and when.
@@ -234,6 +280,10 @@ struct Run<'a> {
 
 impl Run<'_> {
     async fn drive(&mut self) -> Result<()> {
+        // The second hop first, so its source exists before the relays publish.
+        if let Some(receipts) = self.receipts.as_mut() {
+            receipts.start(0, None)?;
+        }
         for slot in 0..self.fleet.len() {
             let armed = self.arm_next();
             self.fleet.start(slot, armed)?;
@@ -343,7 +393,15 @@ impl Run<'_> {
             self.tend(false)?;
             self.kill_all_when_due().await?;
             self.count_charged().await;
-            let backlog = self.broker.backlog(self.names).await.ok().flatten();
+            let mut backlog = self.broker.backlog(self.names).await.ok().flatten();
+            if let Some(hop) = self.hop {
+                let second = self.broker.backlog(hop).await.ok().flatten();
+                backlog = backlog.zip(second).map(|(a, b)| a + b);
+                if let Ok(n) = self.db.receipted_ids().await {
+                    self.receipted = n;
+                }
+            }
+            let receipted = self.hop.is_none() || self.receipted >= self.report.unique;
             if self.charged > progress.0 {
                 progress = (self.charged, Instant::now());
             } else if progress.1.elapsed() >= STALL && backlog.is_some_and(|b| b > 0) {
@@ -351,7 +409,7 @@ impl Run<'_> {
                 progress.1 = Instant::now();
             }
             let all_kills = self.kill_all_done >= self.args.kill_all_at.len();
-            if all_kills && self.charged >= self.report.unique && backlog == Some(0) {
+            if all_kills && self.charged >= self.report.unique && receipted && backlog == Some(0) {
                 return Ok(());
             }
             if drain_started.elapsed() > self.args.drain_timeout {
@@ -359,8 +417,12 @@ impl Run<'_> {
                     Some(e) => format!(" (the last count failed: {e})"),
                     None => String::new(),
                 };
+                let second = match self.hop {
+                    Some(_) => format!(", {} receipted", self.receipted),
+                    None => String::new(),
+                };
                 self.report.anomalies.push(format!(
-                    "not drained {:?} after the faults: {} of {} IDs charged{unread}, backlog {backlog:?}",
+                    "not drained {:?} after the faults: {} of {} IDs charged{second}{unread}, backlog {backlog:?}",
                     self.args.drain_timeout, self.charged, self.report.unique
                 ));
                 return Ok(());
@@ -431,6 +493,20 @@ impl Run<'_> {
     /// Reaps ended replicas, counts how they ended, and restarts them when due.
     fn tend(&mut self, faults: bool) -> Result<()> {
         let now = Instant::now();
+        // The second hop is not killed: an exit is a fault of the run (unless the database
+        // was made to fail); started again at once either way, so the run can finish.
+        let configured = self.faults_configured();
+        if let Some(receipts) = self.receipts.as_mut() {
+            for (slot, exit) in receipts.reap() {
+                self.report.failed_exits += 1;
+                if !configured {
+                    self.report.anomalies.push(format!(
+                        "the receipts consumer exited on its own ({exit:?}) with no database or broker fault in the run"
+                    ));
+                }
+                receipts.start(slot, None)?;
+            }
+        }
         for (slot, exit) in self.fleet.reap() {
             let delay = match exit {
                 Exit::Killed => Duration::from_millis(200),
@@ -521,6 +597,15 @@ impl Run<'_> {
         report.duplicated_ids = ledger.duplicated_ids;
         report.dead_lettered = self.broker.dead_letters(self.names).await?;
         report.backlog = self.broker.backlog(self.names).await?.unwrap_or(0);
+        if let Some(hop) = self.hop {
+            let receipts = self.db.check_receipts(self.sent).await?;
+            report.receipts = receipts.receipts;
+            report.receipts_lost = receipts.lost;
+            report.receipts_duplicated = receipts.duplicated;
+            report.receipts_unexpected = receipts.unexpected;
+            report.dead_lettered += self.broker.dead_letters(hop).await?;
+            report.backlog += self.broker.backlog(hop).await?.unwrap_or(0);
+        }
         if let Some(p) = self.proxy {
             report.cuts_before_commit = p.state.cuts_before.load(Ordering::SeqCst);
             report.cuts_after_commit = p.state.cuts_after.load(Ordering::SeqCst);
@@ -539,6 +624,12 @@ impl Run<'_> {
             ("unexpected", report.unexpected),
             ("dead-lettered", report.dead_lettered),
             ("left on the broker", report.backlog),
+            ("payments without a receipt", report.receipts_lost),
+            ("receipts doubled", report.receipts_duplicated),
+            (
+                "receipts for payments never sent",
+                report.receipts_unexpected,
+            ),
         ] {
             if n > 0 {
                 report.anomalies.push(format!("{n} {what}"));

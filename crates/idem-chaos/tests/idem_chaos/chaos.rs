@@ -8,6 +8,10 @@
 //! points compiled in (idem-chaos enables idem-consumer's `crash-points` feature, which the
 //! workspace build unifies); run them with `cargo test --workspace`.
 //!
+//! Then the two-hop runs (`--two-hop`, over 200 kills in all): the consumers charge and write a
+//! `PaymentCharged` event into the outbox, relayed in process, so each kill also kills a
+//! relay; a second idem consumer records receipts; exactly one receipt per payment.
+//!
 //! The runs are serialised: one restarts the PostgreSQL server every other run uses.
 
 use std::process::Command;
@@ -213,4 +217,71 @@ fn connections_cut_around_commit() {
         assert!(count(&r, "cuts_before_commit") > 0, "{test}: {r:#}");
         assert!(count(&r, "cuts_after_commit") > 0, "{test}: {r:#}");
     }
+}
+
+/// A two-hop run: `chaos` with `--two-hop`, then one receipt per payment and the kills asked.
+fn two_hop(test: &str, broker_var: &str, kills: u64, extra: &[&str]) {
+    let kills_arg = kills.to_string();
+    let mut args = vec![
+        "--two-hop",
+        "--messages",
+        "1000",
+        "--kills",
+        kills_arg.as_str(),
+        "--consumers",
+        "3",
+    ];
+    args.extend_from_slice(extra);
+    if let Some(r) = chaos(test, broker_var, &args) {
+        assert_killed(test, &r, kills);
+        assert_eq!(r["receipts"], r["unique"], "{test}: {r:#}");
+        for zero in [
+            "receipts_lost",
+            "receipts_duplicated",
+            "receipts_unexpected",
+        ] {
+            assert_eq!(r[zero], 0, "{test}: {zero} in {r:#}");
+        }
+    }
+}
+
+#[test]
+fn nats_two_hop_60_kills() {
+    two_hop(
+        "nats_two_hop_60_kills",
+        services::NATS,
+        60,
+        &["--seed", "111"],
+    );
+}
+
+#[test]
+fn rabbitmq_two_hop_60_kills() {
+    two_hop(
+        "rabbitmq_two_hop_60_kills",
+        services::AMQP,
+        60,
+        &["--seed", "112"],
+    );
+}
+
+#[test]
+fn redis_two_hop_60_kills() {
+    two_hop(
+        "redis_two_hop_60_kills",
+        services::REDIS,
+        60,
+        &["--seed", "113"],
+    );
+}
+
+/// Named `kafka_…` so scripts/test runs it in the Kafka lane.
+#[test]
+fn kafka_two_hop_25_kills() {
+    two_hop(
+        "kafka_two_hop_25_kills",
+        services::KAFKA,
+        25,
+        &["--crash-within", "5", "--seed", "114"],
+    );
 }
