@@ -53,9 +53,17 @@ impl WithSource for Read {
         let deadline = Instant::now() + Duration::from_secs(30);
         let mut until = deadline;
         while Instant::now() < until {
-            let Ok(Ok(batch)) = tokio::time::timeout(Duration::from_secs(1), source.next(8)).await
-            else {
-                continue;
+            // A fetch is cancelled only when reading ends: one cancelled midway leaves what it
+            // read pending until the broker redelivers it, long after this test.
+            let wait = tokio::time::timeout_at(until.into(), source.next(8)).await;
+            let batch = match wait {
+                Ok(Ok(batch)) => batch,
+                Ok(Err(e)) => {
+                    eprintln!("reading {e}; again");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    continue;
+                }
+                Err(_) => break,
             };
             for d in batch {
                 let id = ids
@@ -172,6 +180,113 @@ async fn emits_once_per_charge(store: Store, broker_var: &str, test: &str) {
     assert!(status.success(), "exits 0 on SIGTERM");
 }
 
+/// A takeover: instance A (no heartbeat, a 2 s lease) writes its charge and event and sleeps
+/// 5 s in its transaction; instance B takes the key over and executes. A's late completion is
+/// refused and rolls back — its charge and its event with it — so exactly one event is
+/// published: B's charge's, under the ID both executions derive from the request.
+async fn takeover_emits_once(store: Store, test: &str) {
+    let Some(broker) = service_url(services::REDIS, test) else {
+        return;
+    };
+    let Some(db) = TestDb::new(store, test).await else {
+        return;
+    };
+    let destination = unique_name("httpemit", test).replace('_', "-");
+    let emit = ["--emit", destination.as_str(), "--broker", broker.as_str()];
+    let a = Server::start(
+        &db,
+        &[
+            &["--test-hooks", "--lease", "2s", "--heartbeat", "off"][..],
+            &emit,
+            &["--relay-name", "relay-a"],
+        ]
+        .concat(),
+    );
+    let b = Server::start(
+        &db,
+        &[
+            &["--test-hooks", "--lease", "2s"][..],
+            &emit,
+            &["--relay-name", "relay-b"],
+        ]
+        .concat(),
+    );
+    let http = client();
+    let me = token(test);
+    let key = format!("\"{test}\"");
+    let body = r#"{"account":"carol","amount_cents":700}"#;
+
+    let url = BrokerUrl::parse(&broker).expect("broker URL");
+    let spec = SourceSpec::new(&destination, format!("{destination}-reader"), "reader");
+    let (ready, subscribed) = tokio::sync::oneshot::channel();
+    let read = url.with_source(
+        &spec,
+        Read {
+            ready,
+            want: 1,
+            // Past A's refused completion (5 s after it started).
+            linger: Duration::from_secs(4),
+        },
+    );
+    let act = async {
+        subscribed.await.expect("the source opened");
+        let late = {
+            let (http, base, me, key) = (http.clone(), a.base.clone(), me.clone(), key.clone());
+            tokio::spawn(async move {
+                let p = Post {
+                    sleep_ms: Some(5_000),
+                    ..Post::new(&me, &key, body)
+                };
+                post(&http, &base, &p).await
+            })
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !a
+            .log()
+            .iter()
+            .any(|l| l.contains("charge written, sleeping"))
+        {
+            assert!(Instant::now() < deadline, "A never started: {:#?}", a.log());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(2600)).await;
+        let taken = post(&http, &b.base, &Post::new(&me, &key, body))
+            .await
+            .expect("B");
+        let late = late.await.expect("task").expect("A answers");
+        (taken, late)
+    };
+    let (got, (taken, late)) = tokio::join!(read, act);
+    let got = got.expect("read back");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let outbox = loop {
+        let rows = db.outbox().await;
+        if rows.iter().all(|(_, sent)| *sent) || Instant::now() > deadline {
+            break rows;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let logs = (a.log(), b.log());
+    drop((a, b));
+    url.teardown(&spec).await.expect("teardown");
+    db.teardown().await;
+
+    assert_eq!(taken.status, 201, "B executes: {taken:?} {logs:#?}");
+    assert_eq!(late.status, 409, "A's late completion is refused: {late:?}");
+    assert_eq!(late.problem_code(), "lease-lost");
+    let id = event_id(&me, &key).as_bytes().to_vec();
+    let charge = taken.json()["id"].as_str().expect("id").to_owned();
+    assert_eq!(
+        got,
+        vec![(
+            id.clone(),
+            serde_json::json!({"payment_id": charge, "account": "carol", "amount_cents": 700})
+        )],
+        "one event, B's charge's: A's rolled back with its charge {logs:#?}"
+    );
+    assert_eq!(outbox, vec![(id, true)], "one outbox row, marked sent");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_emits_to_nats() {
     emits_once_per_charge(Store::Sqlite, services::NATS, "sqlite_emits_to_nats").await;
@@ -220,6 +335,16 @@ async fn mysql_emits_to_nats() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mysql_emits_to_redis_streams() {
     emits_once_per_charge(Store::MySql, services::REDIS, "mysql_emits_to_redis_streams").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_takeover_emits_once() {
+    takeover_emits_once(Store::Postgres, "postgres_takeover_emits_once").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_takeover_emits_once() {
+    takeover_emits_once(Store::MySql, "mysql_takeover_emits_once").await;
 }
 
 /// With a Redis `--database` the charge commits in the ledger's transaction, not the
