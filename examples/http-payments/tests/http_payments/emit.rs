@@ -71,10 +71,7 @@ impl WithSource for Read {
                     .expect("an ID where idem reads it")
                     .into_owned();
                 let payload = serde_json::from_slice(d.payload()).unwrap_or_else(|e| {
-                    panic!(
-                        "not JSON ({e}): {}",
-                        String::from_utf8_lossy(d.payload())
-                    )
+                    panic!("not JSON ({e}): {}", String::from_utf8_lossy(d.payload()))
                 });
                 got.push((id, payload));
                 d.ack().await.expect("ack");
@@ -334,7 +331,12 @@ async fn mysql_emits_to_nats() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mysql_emits_to_redis_streams() {
-    emits_once_per_charge(Store::MySql, services::REDIS, "mysql_emits_to_redis_streams").await;
+    emits_once_per_charge(
+        Store::MySql,
+        services::REDIS,
+        "mysql_emits_to_redis_streams",
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -360,7 +362,10 @@ fn emit_is_refused_with_a_redis_database() {
             .args(args)
             .output()
             .expect("run http-payments");
-        (o.status.code(), String::from_utf8_lossy(&o.stderr).into_owned())
+        (
+            o.status.code(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        )
     };
     let (code, err) = run(&[
         "--database",
@@ -375,8 +380,7 @@ fn emit_is_refused_with_a_redis_database() {
     assert_eq!(code, Some(2), "{err}");
     assert_eq!(err.lines().count(), 1, "one line: {err}");
     assert!(
-        err.contains("--emit needs a SQL --database")
-            && err.contains("not the request's"),
+        err.contains("--emit needs a SQL --database") && err.contains("not the request's"),
         "{err}"
     );
     assert!(!err.contains("hunter2"), "{err}");
