@@ -17,13 +17,16 @@ use axum::extract::{Extension, State};
 use axum::http::HeaderMap;
 use axum::http::request::Parts;
 use axum::response::{IntoResponse, Response};
-use axum::routing::post;
+use axum::routing::{MethodRouter, post};
+use idem_core::outbox::OutboxStore;
 use idem_core::store::RequestStore;
 use idem_http::{IdemRequest, IdemTx, IdempotencyLayer};
 use idem_redis::RedisRequestStore;
+use idem_relay::RelayWaker;
 use idem_request::Idempotency;
 
 use crate::app::{self, AppState, Principal};
+use crate::emit::Emit;
 use crate::ledger::{Ledger, WriteCharge};
 use crate::{Heartbeat, ServeArgs};
 
@@ -53,10 +56,18 @@ fn layer<S: RequestStore + Clone + 'static>(
     IdempotencyLayer::per_principal(idem, principal_of as PrincipalOf).require_key()
 }
 
-/// The service on a SQL store: the charge is written through the layer's transaction.
-pub(crate) fn sql<S>(store: S, ledger: Ledger, args: &ServeArgs) -> Result<Router>
+/// The service on a SQL store: the charge (and with `--emit` its event, in `emit`'s outbox) is
+/// written through the layer's transaction; `waker`, the relay's, is woken once the layer
+/// has answered, which is after the transaction committed.
+pub(crate) fn sql<S>(
+    store: S,
+    ledger: Ledger,
+    emit: Option<Emit<S>>,
+    waker: Option<RelayWaker>,
+    args: &ServeArgs,
+) -> Result<Router>
 where
-    S: RequestStore + Clone + Send + Sync + 'static,
+    S: RequestStore + OutboxStore + Clone + Send + Sync + 'static,
     S::Tx: WriteCharge + Send + 'static,
 {
     let idem = engine(store, args)?;
@@ -65,10 +76,15 @@ where
         test_hooks: args.test_hooks,
         ttl: args.ttl,
     };
-    Ok(app::router(
-        state,
-        post(post_charge_in_tx::<S>).layer(layer(idem)),
-    ))
+    let route: MethodRouter<AppState> = post(post_charge_in_tx::<S>).layer(layer(idem));
+    let mut route = route.layer(Extension(emit));
+    if let Some(waker) = waker {
+        route = route.layer(axum::middleware::from_fn_with_state(
+            waker,
+            crate::emit::wake_after,
+        ));
+    }
+    Ok(app::router(state, route))
 }
 
 /// The service on Redis, the charges in the SQL ledger.
@@ -88,19 +104,22 @@ pub(crate) async fn redis(url: &str, ledger: Ledger, args: &ServeArgs) -> Result
     ))
 }
 
-/// `POST /charges` on a SQL store: the row commits with the stored response or not at all.
+/// `POST /charges` on a SQL store: the row (and with `--emit` its event) commits with the
+/// stored response or not at all.
 ///
 /// A body that does not validate is answered before the transaction is used, so the layer
 /// does not store the answer (the handler had not started) and the corrected retry runs.
 async fn post_charge_in_tx<S>(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
+    Extension(emit): Extension<Option<Emit<S>>>,
+    request: IdemRequest,
     mut tx: IdemTx<S>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response
 where
-    S: RequestStore + 'static,
+    S: RequestStore + OutboxStore + 'static,
     S::Tx: WriteCharge + 'static,
 {
     let charge = match app::parse_charge(&body) {
@@ -114,6 +133,11 @@ where
     // begins deferred), waiting up to `--busy-timeout` for it.
     if let Err(e) = tx.insert_charge(&principal.0, &charge).await {
         return app::database_error(&state, &e);
+    }
+    if let Some(emit) = &emit
+        && let Err(e) = emit.charged(&mut tx, &request, &charge).await
+    {
+        return crate::emit::outbox_error(&e);
     }
     if let Some(d) = app::test_sleep(&state, &headers) {
         app::sleep_in_transaction(d).await;

@@ -12,9 +12,14 @@
 //! transaction, and stores the response in it: on the SQL stores the `charges` row and the
 //! stored response commit together. With Redis the records live in Redis and the charges in
 //! the SQL database given by `--ledger`. SIGTERM stops gracefully.
+//!
+//! With `--emit NAME --broker URL` (SQL stores only) each charge also writes a
+//! `PaymentCharged` event into the outbox in the same transaction, and a relay in this process
+//! publishes it to `NAME`.
 
 mod app;
 mod bench;
+mod emit;
 mod layer;
 mod ledger;
 mod stores;
@@ -59,6 +64,20 @@ pub(crate) struct ServeArgs {
     /// postgres://…, mysql://…). With a SQL --database the charges live there.
     #[arg(long, value_name = "URL")]
     pub(crate) ledger: Option<String>,
+    /// Write a `PaymentCharged` event per charge into the outbox, in the request's transaction
+    /// (with the charge and the stored response), and relay it in this process to destination
+    /// NAME on --broker. SQL --database only: with redis://… the charges commit in the
+    /// --ledger's transaction, not the request's, so --emit is refused.
+    #[arg(long, value_name = "NAME", requires = "broker")]
+    pub(crate) emit: Option<String>,
+    /// The broker --emit relays to: nats://…, amqp://…, kafka://host:port, redis://… (Streams),
+    /// mqtt://…
+    #[arg(long, value_name = "URL", requires = "emit")]
+    pub(crate) broker: Option<String>,
+    /// The --emit relay's name: the lease owner of the outbox rows it publishes and its MQTT
+    /// client ID (give each replica its own).
+    #[arg(long, value_name = "NAME", default_value = "http-payments-relay")]
+    pub(crate) relay_name: String,
     /// How long a request holds its key without renewing it. After a crash, a retry takes
     /// over once the lease ran out.
     #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = parse_duration)]
@@ -108,6 +127,12 @@ impl std::fmt::Debug for ServeArgs {
                 "ledger",
                 &self.ledger.as_deref().map(idem_redact::redact_url),
             )
+            .field("emit", &self.emit)
+            .field(
+                "broker",
+                &self.broker.as_deref().map(idem_redact::redact_url),
+            )
+            .field("relay_name", &self.relay_name)
             .field("lease", &self.lease)
             .field("heartbeat", &self.heartbeat)
             .field("ttl", &self.ttl)

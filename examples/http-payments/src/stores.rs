@@ -4,11 +4,13 @@
 use anyhow::{Context, Result};
 use axum::Router;
 use axum::routing::post;
+use idem_relay::RelayWaker;
 use idem_sql::{
     AnyStore, MySqlStore, PostgresStore, SqliteOptions, SqliteStore, StoreVisitor, TableName,
 };
 
 use crate::app::{self, AppState};
+use crate::emit::{self, Emit, Relaying};
 use crate::ledger::Ledger;
 use crate::{Mode, ServeArgs};
 
@@ -33,9 +35,10 @@ pub(crate) async fn open_sql(url: &str, args: &ServeArgs) -> Result<AnyStore, id
     AnyStore::connect_or_create(url, TableName::default()).await
 }
 
-/// Opens the stores, binds, serves until SIGTERM or Ctrl-C, then finishes in-flight requests.
+/// Opens the stores, binds, serves until SIGTERM or Ctrl-C, then finishes in-flight requests
+/// (and, with `--emit`, stops the relay after them).
 pub(crate) async fn serve(args: ServeArgs) -> Result<()> {
-    let router = build(&args).await?;
+    let (router, relay) = build(&args).await?;
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
@@ -48,10 +51,15 @@ pub(crate) async fn serve(args: ServeArgs) -> Result<()> {
         mode = ?args.mode,
         "listening"
     );
-    axum::serve(listener, router)
+    let relay = relay.map(Relaying::spawn);
+    let served = axum::serve(listener, router)
         .with_graceful_shutdown(shutdown_signal())
         .await
-        .context("serving")?;
+        .context("serving");
+    if let Some(relay) = relay {
+        relay.stop().await;
+    }
+    served?;
     tracing::info!("stopped");
     Ok(())
 }
@@ -75,8 +83,9 @@ async fn shutdown_signal() {
     tracing::info!("shutting down: finishing in-flight requests");
 }
 
-/// The router for `args`: the store chosen by `--database`, the layer unless a baseline mode.
-pub(crate) async fn build(args: &ServeArgs) -> Result<Router> {
+/// The router for `args`: the store chosen by `--database`, the layer unless a baseline mode;
+/// with `--emit`, the relay over the store's outbox (not yet running).
+pub(crate) async fn build(args: &ServeArgs) -> Result<(Router, Option<Relaying>)> {
     let url = args.database.as_str();
     let shown = idem_redact::redact_url(url);
     let scheme = scheme(url);
@@ -85,6 +94,7 @@ pub(crate) async fn build(args: &ServeArgs) -> Result<Router> {
             "--ledger is for --database redis://…; a SQL --database holds the charges itself"
         );
     }
+    let broker = emit::check(args, &scheme)?;
     if args.mode != Mode::Idempotent {
         let ledger =
             match scheme.as_str() {
@@ -106,7 +116,7 @@ pub(crate) async fn build(args: &ServeArgs) -> Result<Router> {
             Mode::Static => post(app::post_charge_static),
             _ => post(app::post_charge_own_tx),
         };
-        return Ok(app::router(state, post_charges));
+        return Ok((app::router(state, post_charges), None));
     }
     if scheme == "redis" || scheme == "rediss" {
         let ledger_url = args
@@ -114,34 +124,62 @@ pub(crate) async fn build(args: &ServeArgs) -> Result<Router> {
             .as_deref()
             .context("--database redis://… needs --ledger URL: the SQL database for the charges")?;
         let ledger = Ledger::open(ledger_url, args).await?;
-        return crate::layer::redis(url, ledger, args).await;
+        return Ok((crate::layer::redis(url, ledger, args).await?, None));
     }
     // Every SQL scheme: AnyStore maps it to its engine (and refuses an unknown one).
     let store = open_sql(url, args)
         .await
         .with_context(|| format!("opening {shown}"))?;
+    // The outbox table too: `migrate` creates it next to the records.
     store.migrate().await?;
-    store.visit(SqlRouter(args)).await
+    let relay = match broker {
+        Some(broker) => Some(Relaying::new(store.clone(), broker, args)?),
+        None => None,
+    };
+    let router = store
+        .visit(SqlRouter {
+            args,
+            waker: relay.as_ref().map(Relaying::waker),
+        })
+        .await?;
+    Ok((router, relay))
 }
 
-/// The router on a SQL engine: the ledger on the store's own pool, the layer over both.
-struct SqlRouter<'a>(&'a ServeArgs);
+/// The router on a SQL engine: the ledger on the store's own pool, the layer over both; with
+/// `--emit`, the event enqueued through the layer's transaction and the relay woken after it.
+struct SqlRouter<'a> {
+    args: &'a ServeArgs,
+    waker: Option<RelayWaker>,
+}
+
+impl SqlRouter<'_> {
+    /// `--emit`'s outbox on `store`, the one whose transaction the handler writes through.
+    fn emit<S: Clone>(&self, store: &S) -> Option<Emit<S>> {
+        self.args.emit.as_ref().map(|destination| Emit {
+            store: store.clone(),
+            destination: destination.clone(),
+        })
+    }
+}
 
 impl StoreVisitor for SqlRouter<'_> {
     type Output = Result<Router>;
 
     async fn sqlite(self, store: SqliteStore) -> Result<Router> {
         let ledger = Ledger::sqlite(store.pool().clone()).await?;
-        crate::layer::sql(store, ledger, self.0)
+        let emit = self.emit(&store);
+        crate::layer::sql(store, ledger, emit, self.waker, self.args)
     }
 
     async fn postgres(self, store: PostgresStore) -> Result<Router> {
         let ledger = Ledger::postgres(store.pool().clone()).await?;
-        crate::layer::sql(store, ledger, self.0)
+        let emit = self.emit(&store);
+        crate::layer::sql(store, ledger, emit, self.waker, self.args)
     }
 
     async fn mysql(self, store: MySqlStore) -> Result<Router> {
         let ledger = Ledger::mysql(store.pool().clone()).await?;
-        crate::layer::sql(store, ledger, self.0)
+        let emit = self.emit(&store);
+        crate::layer::sql(store, ledger, emit, self.waker, self.args)
     }
 }

@@ -1,5 +1,6 @@
 //! The http-payments example's integration tests as one binary (one link, not one per file):
-//! the README's session on every store (`flows`) and crashes and takeovers (`crash`), each
+//! the README's session on every store (`flows`), crashes and takeovers (`crash`) and
+//! `--emit`'s events through the outbox to a broker (`emit`), each
 //! against the real binary as a child process, over the helpers in `util`.
 //!
 //! The tests share this process: each has a database (or key prefix) of its own from
@@ -7,5 +8,6 @@
 //! loopback port, killed when the test ends; none sets anything process-wide.
 
 mod crash;
+mod emit;
 mod flows;
 mod util;

@@ -155,6 +155,49 @@ impl TestDb {
         }
     }
 
+    /// The outbox's rows, in enqueue order: each row's message ID and whether it is marked
+    /// sent.
+    pub(crate) async fn outbox(&self) -> Vec<(Vec<u8>, bool)> {
+        // Two queries of IDs only: `sent_at`'s type differs between engines.
+        const ALL: &str = "SELECT message_id FROM idem_outbox ORDER BY seq";
+        const SENT: &str = "SELECT message_id FROM idem_outbox WHERE sent_at IS NOT NULL";
+        let (all, sent): (Vec<Vec<u8>>, Vec<Vec<u8>>) = match self.store {
+            Store::Postgres => {
+                let pool = sqlx::PgPool::connect(&self.ledger_url)
+                    .await
+                    .expect("connect");
+                let all = sqlx::query_scalar(ALL).fetch_all(&pool).await.expect(ALL);
+                let sent = sqlx::query_scalar(SENT).fetch_all(&pool).await.expect(SENT);
+                pool.close().await;
+                (all, sent)
+            }
+            Store::MySql => {
+                let pool = sqlx::MySqlPool::connect(&self.ledger_url)
+                    .await
+                    .expect("connect");
+                let all = sqlx::query_scalar(ALL).fetch_all(&pool).await.expect(ALL);
+                let sent = sqlx::query_scalar(SENT).fetch_all(&pool).await.expect(SENT);
+                pool.close().await;
+                (all, sent)
+            }
+            Store::Sqlite | Store::Redis => {
+                let pool = sqlx::SqlitePool::connect(&self.ledger_url)
+                    .await
+                    .expect("connect");
+                let all = sqlx::query_scalar(ALL).fetch_all(&pool).await.expect(ALL);
+                let sent = sqlx::query_scalar(SENT).fetch_all(&pool).await.expect(SENT);
+                pool.close().await;
+                (all, sent)
+            }
+        };
+        all.into_iter()
+            .map(|id| {
+                let marked = sent.contains(&id);
+                (id, marked)
+            })
+            .collect()
+    }
+
     /// Drops the test's schema or database and removes its files.
     pub(crate) async fn teardown(self) {
         if let Some((base, ddl)) = &self.cleanup {
