@@ -29,8 +29,13 @@ impl Service {
         let stderr = child.stderr.take().expect("stderr");
         let (tx, lines) = mpsc::channel();
         std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
+            // Bytes, decoded lossily: one line that is not UTF-8 must not end the reading.
+            let mut reader = BufReader::new(stderr);
+            let mut line = Vec::new();
+            while matches!(reader.read_until(b'\n', &mut line), Ok(n) if n > 0) {
+                let text = String::from_utf8_lossy(&line).trim_end().to_owned();
+                line.clear();
+                if tx.send(text).is_err() {
                     break;
                 }
             }
@@ -92,6 +97,26 @@ fn publish(broker: &str, source: &str, id: &str, payload: &str) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// Removes what the service created on the broker for `source` (streams, queues, topics,
+/// sessions, dead letters), so shared brokers do not fill up run after run.
+fn teardown(broker: &str, source: &str, consumer: &str, instance: &str) {
+    if broker.starts_with("kafka://") {
+        // tansu 0.6.0's sqlite engine deletes every topic on one DeleteTopics call, under the
+        // feet of the tests running beside this one: Kafka topics carry unique names and stay.
+        return;
+    }
+    let out = Command::new(BIN)
+        .args(["teardown", "--broker", broker, "--source", source])
+        .args(["--consumer", consumer, "--instance", instance])
+        .output()
+        .expect("run teardown");
+    assert!(
+        out.status.success(),
+        "teardown failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// Rows of a two-column query as `a|b` lines, read straight from the service's SQLite file.
 fn query(db: &std::path::Path, sql: &str) -> String {
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -126,6 +151,8 @@ fn charges_exactly_once(test: &str, var: &str, to_url: impl Fn(String) -> String
     let database = format!("sqlite:{}", db.display());
     let instance = format!("{source}-1");
 
+    // A consumer (group) of its own: a Kafka group shared with another run's topic would
+    // rebalance under it.
     let mut svc = Service::start(&[
         "--broker",
         &broker,
@@ -133,6 +160,8 @@ fn charges_exactly_once(test: &str, var: &str, to_url: impl Fn(String) -> String
         &source,
         "--database",
         &database,
+        "--consumer",
+        &source,
         "--instance",
         &instance,
     ]);
@@ -217,6 +246,7 @@ fn charges_exactly_once(test: &str, var: &str, to_url: impl Fn(String) -> String
         ),
         "alice|1250\nbob|300"
     );
+    teardown(&broker, &source, &source, &instance);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -248,7 +278,7 @@ fn two_hops_exactly_once(test: &str, var: &str, to_url: impl Fn(String) -> Strin
         "--database",
         &second_url,
         "--consumer",
-        "receipts",
+        &format!("{source}-receipts"),
         "--instance",
         &format!("{source}-r"),
     ]);
@@ -257,6 +287,8 @@ fn two_hops_exactly_once(test: &str, var: &str, to_url: impl Fn(String) -> Strin
         "receipts start: {:?}",
         receipts.log
     );
+    // Consumer names of their own: a Kafka group shared with another test's topic rebalances
+    // under it.
     let mut payments = Service::start(&[
         "--emit",
         &charged,
@@ -266,6 +298,8 @@ fn two_hops_exactly_once(test: &str, var: &str, to_url: impl Fn(String) -> Strin
         &source,
         "--database",
         &first_url,
+        "--consumer",
+        &source,
         "--instance",
         &format!("{source}-p"),
     ]);
@@ -321,6 +355,13 @@ fn two_hops_exactly_once(test: &str, var: &str, to_url: impl Fn(String) -> Strin
     assert_eq!(
         events, outbox,
         "receipts' event IDs are the outbox's, each sent once"
+    );
+    teardown(&broker, &source, &source, &format!("{source}-p"));
+    teardown(
+        &broker,
+        &charged,
+        &format!("{source}-receipts"),
+        &format!("{source}-r"),
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
