@@ -333,3 +333,174 @@ async fn rabbitmq_queue_declared_otherwise_still_receives() {
     assert_eq!(queued, 4);
     outbox.remove().await;
 }
+
+/// Broker de-duplication only saves redeliveries: a relay that publishes the same row again
+/// after JetStream's duplicate window (its confirm was lost, so the row was released and
+/// published again later) puts a second copy on the stream, and the next idem consumer's
+/// claim makes that copy a duplicate — one effect. The window is 1 s here (two minutes by
+/// default); the retry waits 1.5 s.
+#[tokio::test]
+async fn nats_resend_after_the_duplicate_window_is_one_effect_downstream() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use idem_consumer::{Consumer, Raw};
+    use idem_core::{BoxError, Error, ErrorKind, Handler, Identified, Message, Processor};
+    use idem_nats::async_nats::jetstream;
+    use idem_relay::Publish;
+
+    /// Publishes through the broker, then says the first confirm was lost.
+    struct ConfirmLostOnce {
+        inner: AnyProducer,
+        lost: AtomicBool,
+    }
+    impl Publish for ConfirmLostOnce {
+        async fn publish(&self, msg: &Outgoing) -> Result<(), Error> {
+            Publish::publish(&self.inner, msg).await?;
+            if !self.lost.swap(true, Ordering::SeqCst) {
+                return Err(Error::new(ErrorKind::Unavailable, "the confirm was lost"));
+            }
+            Ok(())
+        }
+        async fn ensure_destination(&self, destination: &str) -> Result<(), Error> {
+            Publish::ensure_destination(&self.inner, destination).await
+        }
+    }
+
+    /// The downstream effect: one row per processed message.
+    struct Effect;
+    impl Handler<idem_sql::SqliteTx, Vec<u8>> for Effect {
+        type Output = ();
+        async fn handle(
+            &self,
+            tx: &mut idem_sql::SqliteTx,
+            msg: &Message<Vec<u8>>,
+        ) -> Result<(), BoxError> {
+            sqlx::query("INSERT INTO effects (message_id) VALUES (?)")
+                .bind(msg.message_id().as_bytes())
+                .execute(&mut **tx)
+                .await?;
+            Ok(())
+        }
+    }
+
+    /// Consumes until two deliveries settled, then stops.
+    struct Consume {
+        store: SqliteStore,
+    }
+    impl WithSource for Consume {
+        type Output = idem_consumer::RunStats;
+        async fn run<S: Source>(self, source: S) -> Self::Output {
+            let processor = Arc::new(
+                Processor::builder(self.store, "downstream")
+                    .build()
+                    .expect("processor"),
+            );
+            let consumer = Consumer::new(processor, source);
+            let observer = consumer.observer();
+            let stop = CancellationToken::new();
+            let run = tokio::spawn(consumer.run(Raw, Effect, stop.clone()));
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while Instant::now() < deadline {
+                let s = observer.snapshot();
+                if s.processed + s.duplicates >= 2 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            stop.cancel();
+            run.await.expect("consumer task").expect("consumer run")
+        }
+    }
+
+    let test = "nats_resend_after_the_duplicate_window_is_one_effect_downstream";
+    let Some(raw) = idem_testkit::service_url("IDEM_TEST_NATS_URL", test) else {
+        return;
+    };
+    let name = idem_testkit::unique_name("relay", "window");
+    let js = jetstream::new(
+        idem_nats::async_nats::connect(raw.as_str())
+            .await
+            .expect("connect"),
+    );
+    js.create_stream(jetstream::stream::Config {
+        name: name.clone(),
+        subjects: vec![name.clone()],
+        duplicate_window: Duration::from_secs(1),
+        ..Default::default()
+    })
+    .await
+    .expect("a stream with a 1 s duplicate window");
+
+    let outbox = Outbox::new(test).await;
+    let sent = Emitter::for_message(
+        &ConsumerName::new("orders-service").expect("name"),
+        &MessageId::new("incoming-7").expect("id"),
+    )
+    .message(name.as_str(), b"once".to_vec())
+    .expect("message");
+    outbox.enqueue(std::slice::from_ref(&sent)).await;
+    let url = BrokerUrl::parse(&raw).expect("url");
+    let publisher = ConfirmLostOnce {
+        inner: AnyProducer::connect(&url, "relay").await.expect("producer"),
+        lost: AtomicBool::new(false),
+    };
+    let relay = Relay::builder(format!("{name}_relay"))
+        .poll_interval(Duration::from_millis(50))
+        .retry_backoff(Duration::from_millis(1500), Duration::from_millis(1500))
+        .build(outbox.store.clone(), publisher)
+        .expect("relay");
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(relay.run(stop.clone()));
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while outbox.backlog().await.sent < 1 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.cancel();
+    let relayed = task.await.expect("relay task").expect("relay run");
+    let stored = js
+        .get_stream(name.as_str())
+        .await
+        .expect("stream")
+        .info()
+        .await
+        .expect("stream info")
+        .state
+        .messages;
+
+    // Downstream: an idem consumer with its own claims table.
+    let downstream = Outbox::new(&format!("{test}_downstream")).await;
+    sqlx::query("CREATE TABLE effects (message_id BLOB NOT NULL)")
+        .execute(downstream.store.pool())
+        .await
+        .expect("effects table");
+    let spec = SourceSpec::new(&name, format!("{name}_c"), "reader");
+    let stats = url
+        .with_source(
+            &spec,
+            Consume {
+                store: downstream.store.clone(),
+            },
+        )
+        .await
+        .expect("consume");
+    let effects: i64 = sqlx::query_scalar("SELECT count(*) FROM effects")
+        .fetch_one(downstream.store.pool())
+        .await
+        .expect("count");
+    let _ = url.teardown(&spec).await;
+    outbox.remove().await;
+    downstream.remove().await;
+
+    assert_eq!(relayed.published, 1, "{relayed:?}");
+    assert!(
+        relayed.failed >= 1,
+        "the first confirm was lost: {relayed:?}"
+    );
+    assert_eq!(
+        stored, 2,
+        "past the window JetStream keeps the resend as a second message"
+    );
+    assert_eq!((stats.processed, stats.duplicates), (1, 1), "{stats:?}");
+    assert_eq!(effects, 1, "one effect downstream");
+}
