@@ -191,7 +191,7 @@ impl Variant for Enqueue {
         match self {
             Self::BareSet => "4 per batch + 2 pings",
             Self::IdemSet => "5 per batch + 2 pings",
-            Self::IdemSetOutbox => "5 + N + 1 (notify) per batch + 2 pings",
+            Self::IdemSetOutbox => "5 + 2 (insert, notify) per batch + 2 pings",
         }
     }
 }
@@ -431,8 +431,7 @@ impl Bench {
                 "P2's set handler (one unnest INSERT of the charges, one UPDATE of the \
                  balances); the outbox variant also enqueues one outgoing message per message \
                  (derived ID, ~90-byte JSON payload) with `OutboxStore::enqueue` on the same \
-                 transaction: as of this run one INSERT per message, then one pg_notify per \
-                 transaction",
+                 transaction: one multi-row INSERT per 100 messages, then one pg_notify",
             ))
     }
 
