@@ -168,6 +168,9 @@ enum Enqueue {
     BareSet,
     IdemSet,
     IdemSetOutbox,
+    /// Experimental: the store's enqueue statement run by hand, without the `pg_notify` the
+    /// store adds, to tell the notify's cost from the rows'.
+    IdemSetOutboxQuiet,
 }
 
 impl Variant for Enqueue {
@@ -176,6 +179,7 @@ impl Variant for Enqueue {
             Self::BareSet => "bare-set",
             Self::IdemSet => "idem-set",
             Self::IdemSetOutbox => "idem-set-outbox",
+            Self::IdemSetOutboxQuiet => "idem-set-outbox-quiet",
         }
     }
 
@@ -184,6 +188,7 @@ impl Variant for Enqueue {
             Self::BareSet => "bare set handler (no claim)",
             Self::IdemSet => "idem `process_batch_set`",
             Self::IdemSetOutbox => "idem `process_batch_set` + enqueue 1 per message",
+            Self::IdemSetOutboxQuiet => "the same enqueue INSERT without pg_notify (experimental)",
         }
     }
 
@@ -192,6 +197,7 @@ impl Variant for Enqueue {
             Self::BareSet => "4 per batch + 2 pings",
             Self::IdemSet => "5 per batch + 2 pings",
             Self::IdemSetOutbox => "5 + 2 (insert, notify) per batch + 2 pings",
+            Self::IdemSetOutboxQuiet => "5 + 1 (insert) per batch + 2 pings",
         }
     }
 }
@@ -397,7 +403,10 @@ impl Bench {
 
     /// P2's set batch with and without one enqueue per message.
     async fn enqueue_cost(&self, outbox: &Outbox, workers: usize) -> anyhow::Result<Group> {
-        let variants = [Enqueue::BareSet, Enqueue::IdemSet, Enqueue::IdemSetOutbox];
+        let mut variants = vec![Enqueue::BareSet, Enqueue::IdemSet, Enqueue::IdemSetOutbox];
+        if self.settings.experimental {
+            variants.push(Enqueue::IdemSetOutboxQuiet);
+        }
         let title = format!(
             "Outbox enqueue cost: set batch of {}, PostgreSQL, {}",
             self.settings.batch,
@@ -412,6 +421,7 @@ impl Bench {
             let op = EnqueueOp {
                 pool: ctx.pool.clone(),
                 processor: Processor::builder(store, CONSUMER).build()?,
+                enqueue: idem_dialect::postgres::outbox_statements(&outbox.table).enqueue,
                 consumer: ConsumerName::new(CONSUMER)?,
                 variant: v,
                 ids: self.settings.ids(),
@@ -426,6 +436,7 @@ impl Bench {
             .targets([
                 Target::at_least("idem-set-outbox", "idem-set", 0.85),
                 Target::compare("idem-set", "bare-set"),
+                Target::compare("idem-set-outbox-quiet", "idem-set"),
             ])
             .note(
                 "P2's set handler (one unnest INSERT of the charges, one UPDATE of the \
@@ -671,10 +682,53 @@ impl Publish for Timed {
     }
 }
 
+/// The store's enqueue INSERT (at most [`idem_dialect::EnqueueStatement::MAX_ROWS`] rows, as
+/// a batch of 100 is), bound by hand, without the store's `pg_notify`.
+async fn quiet_enqueue(
+    conn: &mut sqlx::PgConnection,
+    statement: &idem_dialect::EnqueueStatement,
+    msgs: &[Outgoing],
+) -> Result<(), BoxError> {
+    use idem_dialect::outbox::{Value, Values, encode_headers};
+    let headers: Vec<String> = msgs.iter().map(|m| encode_headers(m.headers())).collect();
+    for (chunk, headers) in msgs
+        .chunks(idem_dialect::EnqueueStatement::MAX_ROWS)
+        .zip(headers.chunks(idem_dialect::EnqueueStatement::MAX_ROWS))
+    {
+        let rows: Vec<Values<'_>> = chunk
+            .iter()
+            .zip(headers)
+            .map(|(m, headers)| Values {
+                id: m.id().as_bytes(),
+                destination: m.destination(),
+                key: m.key(),
+                payload: m.payload(),
+                headers,
+                ..Values::default()
+            })
+            .collect();
+        let text = statement.text(chunk.len());
+        let mut q = sqlx::query(&text);
+        for v in statement.bind(&rows) {
+            q = match v {
+                Value::Bytes(b) => q.bind(b),
+                Value::Text(t) => q.bind(t),
+                Value::OptText(t) => q.bind(t),
+                Value::Int(i) => q.bind(i),
+                Value::OptInt(i) => q.bind(i),
+            };
+        }
+        q.execute(&mut *conn).await?;
+    }
+    Ok(())
+}
+
 /// One batch of the enqueue-cost tables.
 struct EnqueueOp {
     pool: PgPool,
     processor: Processor<PostgresStore>,
+    /// The store's enqueue statement, for the experimental variant without the notify.
+    enqueue: idem_dialect::EnqueueStatement,
     consumer: ConsumerName,
     variant: Enqueue,
     ids: Ids,
@@ -697,8 +751,10 @@ impl Op for EnqueueOp {
                 charge_set(&mut tx, &refs).await?;
                 tx.commit().await?;
             }
-            Enqueue::IdemSet | Enqueue::IdemSetOutbox => {
+            Enqueue::IdemSet | Enqueue::IdemSetOutbox | Enqueue::IdemSetOutboxQuiet => {
                 let emit = matches!(self.variant, Enqueue::IdemSetOutbox);
+                let quiet = matches!(self.variant, Enqueue::IdemSetOutboxQuiet);
+                let enqueue = &self.enqueue;
                 let store = self.processor.store();
                 let consumer = &self.consumer;
                 let out = self
@@ -714,6 +770,16 @@ impl Op for EnqueueOp {
                                 })
                                 .collect::<Result<Vec<_>, _>>()?;
                             store.enqueue(tx, &msgs).await?;
+                        }
+                        if quiet {
+                            let msgs = fresh
+                                .iter()
+                                .map(|d| {
+                                    Emitter::for_message(consumer, &d.id)
+                                        .message(DESTINATION, payload(d))
+                                })
+                                .collect::<Result<Vec<_>, _>>()?;
+                            quiet_enqueue(tx, enqueue, &msgs).await?;
                         }
                         Ok::<(), BoxError>(())
                     })
