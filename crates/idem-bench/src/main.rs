@@ -49,6 +49,19 @@ impl std::fmt::Debug for BenchArgs {
             .field("prune_batch", &self.prune_batch)
             .field("prune_cap", &self.prune_cap)
             .field("prune_tables", &self.prune_tables)
+            .field(
+                "outbox_brokers",
+                &self
+                    .outbox_brokers
+                    .iter()
+                    .map(|u| idem_redact::redact_url(u))
+                    .collect::<Vec<_>>(),
+            )
+            .field("outbox_parts", &self.outbox_parts)
+            .field("outbox_rows", &self.outbox_rows)
+            .field("outbox_workers", &self.outbox_workers)
+            .field("outbox_rate", &self.outbox_rate)
+            .field("outbox_latency_seconds", &self.outbox_latency_seconds)
             .finish()
     }
 }
@@ -70,7 +83,9 @@ struct BenchArgs {
     sqlite: Option<PathBuf>,
     /// Scenarios to run: p1 (per message, PostgreSQL), p2 (batched, PostgreSQL), p3 (SQLite);
     /// prune (a large claims table pruned under a running consumer, PostgreSQL; minutes, so
-    /// only when asked for).
+    /// only when asked for); outbox (the transactional outbox on PostgreSQL: relay throughput
+    /// next to the broker's own, enqueue cost in a set batch, commit → confirm latency; needs
+    /// the brokers of --outbox-brokers; only when asked for).
     #[arg(long, value_delimiter = ',', default_value = "p1,p2,p3")]
     only: Vec<Scenario>,
     /// Counted seconds per measurement (a short warm-up runs before each) [default: 3]; for
@@ -117,6 +132,26 @@ struct BenchArgs {
     /// Prune: the tables to prune, in order: plain (row-wise), partitioned (partition drop).
     #[arg(long, value_delimiter = ',', default_value = "plain,partitioned")]
     prune_tables: Vec<postgres::PruneLayout>,
+    /// Outbox: broker URLs relayed to, one throughput table and one latency run each
+    /// [default: $IDEM_TEST_NATS_URL, else nats://127.0.0.1:4222].
+    #[arg(long, value_delimiter = ',', value_name = "URLS")]
+    outbox_brokers: Vec<String>,
+    /// Outbox: the parts to run: drain (relay throughput next to the broker's), enqueue (the
+    /// cost in a set batch), latency (commit → confirm with NOTIFY).
+    #[arg(long, value_delimiter = ',', default_value = "drain,enqueue,latency")]
+    outbox_parts: Vec<postgres::OutboxPart>,
+    /// Outbox: committed rows the relay drains per throughput measurement.
+    #[arg(long, default_value_t = 20_000)]
+    outbox_rows: usize,
+    /// Outbox: concurrent workers for the enqueue-cost tables.
+    #[arg(long, value_delimiter = ',', default_value = "1,4")]
+    outbox_workers: Vec<usize>,
+    /// Outbox: commits per second in the latency run.
+    #[arg(long, default_value_t = 1000)]
+    outbox_rate: u32,
+    /// Outbox: how long the latency run writes.
+    #[arg(long, default_value_t = 10.0, value_name = "SECONDS")]
+    outbox_latency_seconds: f64,
 }
 
 fn main() -> ExitCode {
@@ -147,6 +182,7 @@ enum Scenario {
     P2,
     P3,
     Prune,
+    Outbox,
 }
 
 /// What every scenario needs to know about the run.
@@ -455,13 +491,48 @@ async fn run(args: BenchArgs) -> anyhow::Result<()> {
         None
     };
 
+    let outbox = if wants(Scenario::Outbox) {
+        if args.outbox_rows == 0 || args.outbox_rows > 10_000_000 {
+            bail!("--outbox-rows must be between 1 and 10000000");
+        }
+        if args.outbox_workers.iter().any(|&w| w == 0 || w > 256) {
+            bail!("--outbox-workers: worker counts must be between 1 and 256");
+        }
+        if args.outbox_rate == 0 || args.outbox_rate > 100_000 {
+            bail!("--outbox-rate must be between 1 and 100000 commits per second");
+        }
+        let s = args.outbox_latency_seconds;
+        if !(s.is_finite() && s > 1.0 && s <= 3600.0) {
+            bail!("--outbox-latency-seconds must be more than 1 and at most 3600");
+        }
+        let brokers = if args.outbox_brokers.is_empty() {
+            vec![
+                std::env::var("IDEM_TEST_NATS_URL")
+                    .unwrap_or_else(|_| "nats://127.0.0.1:4222".to_string()),
+            ]
+        } else {
+            args.outbox_brokers.clone()
+        };
+        Some(postgres::OutboxOptions {
+            brokers,
+            parts: args.outbox_parts.clone(),
+            rows: args.outbox_rows,
+            workers: args.outbox_workers.clone(),
+            rate: args.outbox_rate,
+            latency_window: Duration::from_secs_f64(s),
+        })
+    } else {
+        None
+    };
+
     let mut env = Environment::probe();
     let host_before = HostCpu::read();
     let mut groups = Vec::new();
     let mut pruned = None;
+    let mut outboxed = None;
     let mut skipped = Vec::new();
 
-    if wants(Scenario::P1) || wants(Scenario::P2) || prune.is_some() {
+    if wants(Scenario::P1) || wants(Scenario::P2) || prune.is_some() || outbox.is_some() {
         let url = args
             .postgres
             .clone()
@@ -470,13 +541,18 @@ async fn run(args: BenchArgs) -> anyhow::Result<()> {
         match postgres::Bench::connect(&url, &settings).await {
             Ok(pg) => {
                 env.postgres = Some(pg.describe().to_string());
-                if wants(Scenario::P1) || wants(Scenario::P2) {
+                if wants(Scenario::P1) || wants(Scenario::P2) || outbox.is_some() {
                     pg.create_tables().await?;
                     if wants(Scenario::P1) {
                         groups.extend(pg.p1(&args.p1_workers).await?);
                     }
                     if wants(Scenario::P2) {
                         groups.extend(pg.p2(&args.p2_workers).await?);
+                    }
+                    if let Some(options) = &outbox {
+                        let (tables, report) = pg.outbox(options).await?;
+                        groups.extend(tables);
+                        outboxed = Some(report);
                     }
                     pg.cleanup().await;
                 }
@@ -489,7 +565,7 @@ async fn run(args: BenchArgs) -> anyhow::Result<()> {
                     "PostgreSQL scenarios skipped: PostgreSQL at {} is unreachable ({e:#})",
                     idem_redact::redact_url(&url)
                 );
-                if prune.is_some() {
+                if prune.is_some() || outbox.is_some() {
                     // Nothing else would tell the caller that the scenario they asked for
                     // did not run.
                     bail!("{line}");
@@ -520,6 +596,13 @@ async fn run(args: BenchArgs) -> anyhow::Result<()> {
             pruned.markdown()
         } else {
             pruned.plain()
+        });
+    }
+    if let Some(outboxed) = &outboxed {
+        report.push_str(&if args.markdown {
+            outboxed.markdown()
+        } else {
+            outboxed.plain()
         });
     }
     print!("{report}");

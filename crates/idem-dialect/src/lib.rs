@@ -37,7 +37,8 @@ pub mod sqlite;
 mod statements;
 
 pub use statements::{
-    ClaimStatements, OutboxParam, OutboxStatement, OutboxStatements, RequestStatements,
+    ClaimStatements, ENQUEUE_ROW, EnqueueStatement, OutboxParam, OutboxStatement, OutboxStatements,
+    RequestStatements,
 };
 
 /// A duration in microseconds, saturating, as prune statements and partition cut-offs bind it.

@@ -20,7 +20,7 @@ use idem_core::request_record::MAX_REQUEST_KEY_LEN;
 use idem_core::{ErrorKind, TableName};
 
 use crate::outbox::{COLUMNS, dead_letter_table};
-use crate::statements::{OutboxParam as P, OutboxStatement, Placeholder};
+use crate::statements::{EnqueueStatement, OutboxParam as P, OutboxStatement, Placeholder};
 use crate::{ClaimStatements, OutboxStatements, RequestStatements};
 
 /// The server's clock in `processed_at` units: microseconds since the Unix epoch, computed on
@@ -163,19 +163,15 @@ pub fn outbox_statements(o: &TableName) -> OutboxStatements {
         OutboxStatement::with_list(sql, binds, Placeholder::Positional, 0, ")")
     };
     OutboxStatements {
-        enqueue: OutboxStatement::new(
+        enqueue: EnqueueStatement::new(
             format!(
                 "INSERT INTO {o} (message_id, destination, ordering_key, payload, headers, \
-                 created_at, available_at) VALUES (?, ?, ?, ?, ?, {now}, {now}) \
-                 ON DUPLICATE KEY UPDATE message_id = message_id"
+                 created_at, available_at) VALUES "
             ),
-            &[
-                P::MessageId,
-                P::Destination,
-                P::OrderingKey,
-                P::Payload,
-                P::Headers,
-            ],
+            format!(", {now}, {now}"),
+            " ON DUPLICATE KEY UPDATE message_id = message_id".to_owned(),
+            Placeholder::Positional,
+            &[],
         ),
         lease_select: OutboxStatement::new(
             format!(
@@ -343,6 +339,7 @@ pub fn read_only(number: u16) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::statements::ENQUEUE_ROW;
 
     #[test]
     fn lost_sessions_and_read_only_servers_are_outages() {
@@ -382,9 +379,10 @@ mod tests {
         assert!(s.mark_sent.text(2).ends_with("seq IN (?, ?)"));
         assert!(
             s.enqueue
-                .sql
+                .text(2)
                 .ends_with("ON DUPLICATE KEY UPDATE message_id = message_id")
         );
+        assert_eq!(marks(&s.enqueue.text(3)), 3 * ENQUEUE_ROW.len());
         assert_eq!(
             outbox_migration(&TableName::new("outbox").expect("table")).len(),
             2

@@ -184,8 +184,13 @@ pub struct Values<'a> {
 impl<'a> Values<'a> {
     /// What `statement` binds, in order.
     pub fn bind(&self, statement: &OutboxStatement) -> Vec<Value<'a>> {
-        let mut out = Vec::with_capacity(statement.binds.len() + self.seqs.len());
-        for p in &statement.binds {
+        self.bind_params(&statement.binds)
+    }
+
+    /// What `params` bind, in order.
+    pub(crate) fn bind_params(&self, params: &[OutboxParam]) -> Vec<Value<'a>> {
+        let mut out = Vec::with_capacity(params.len() + self.seqs.len());
+        for p in params {
             match p {
                 OutboxParam::MessageId => out.push(Value::Bytes(self.id)),
                 OutboxParam::Destination => out.push(Value::Text(self.destination)),

@@ -5,7 +5,7 @@
 use idem_core::{ErrorKind, TableName};
 
 use crate::outbox::{COLUMNS, SELECTED, dead_letter_table};
-use crate::statements::{OutboxParam as P, OutboxStatement, Placeholder};
+use crate::statements::{EnqueueStatement, OutboxParam as P, OutboxStatement, Placeholder};
 use crate::{ClaimStatements, OutboxStatements, RequestStatements};
 
 /// SQLite has no practical limit; this bound keeps rows and the index reasonable.
@@ -133,20 +133,16 @@ pub fn outbox_statements(o: &TableName) -> OutboxStatements {
         OutboxStatement::with_list(sql, binds, Placeholder::Numbered, first, ")")
     };
     OutboxStatements {
-        enqueue: OutboxStatement::new(
+        // The host's clock is ?1, bound once; the rows' placeholders follow it.
+        enqueue: EnqueueStatement::new(
             format!(
                 "INSERT INTO {o} (message_id, destination, ordering_key, payload, headers, \
-                 created_at, available_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?6) \
-                 ON CONFLICT (message_id) DO NOTHING"
+                 created_at, available_at) VALUES "
             ),
-            &[
-                P::MessageId,
-                P::Destination,
-                P::OrderingKey,
-                P::Payload,
-                P::Headers,
-                P::Now,
-            ],
+            ", ?1, ?1".to_owned(),
+            " ON CONFLICT (message_id) DO NOTHING".to_owned(),
+            Placeholder::Numbered,
+            &[P::Now],
         ),
         lease_select: OutboxStatement::new(
             format!(
@@ -311,6 +307,12 @@ mod tests {
         assert!(s.lease_update.text(2).ends_with("seq IN (?4, ?5)"));
         assert!(s.mark_sent.text(1).ends_with("seq IN (?3)"));
         assert!(!s.lease_select.sql.contains("FOR UPDATE"));
+        // The clock is ?1 for every row; the rows' values follow it.
+        let two = s.enqueue.text(2);
+        assert!(
+            two.contains("VALUES (?2, ?3, ?4, ?5, ?6, ?1, ?1), (?7, ?8, ?9, ?10, ?11, ?1, ?1)"),
+            "{two}"
+        );
     }
 
     #[test]

@@ -175,14 +175,106 @@ impl OutboxStatement {
     }
 }
 
+/// The enqueue: one multi-row `INSERT` for up to [`MAX_ROWS`](Self::MAX_ROWS) messages, so a
+/// handler that emits one message per message of a batch pays one round trip per batch rather
+/// than one per message. Each row binds [`ENQUEUE_ROW`]'s values in order; an engine that
+/// stamps on the host (SQLite) binds its clock once, first, and every row reuses it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EnqueueStatement {
+    /// Up to `VALUES `.
+    head: String,
+    /// Inside each row's parentheses, after its placeholders: the clock, twice.
+    clock: String,
+    /// After the rows: the conflict clause.
+    tail: String,
+    style: Placeholder,
+    /// Bound once, before every row ([`OutboxParam::Now`] on SQLite).
+    leading: Vec<OutboxParam>,
+}
+
+/// What each row of an [`EnqueueStatement`] binds, in order.
+pub const ENQUEUE_ROW: [OutboxParam; 5] = [
+    OutboxParam::MessageId,
+    OutboxParam::Destination,
+    OutboxParam::OrderingKey,
+    OutboxParam::Payload,
+    OutboxParam::Headers,
+];
+
+impl EnqueueStatement {
+    /// The most rows one statement inserts: 5 parameters each stays far below every engine's
+    /// limit (SQLite's oldest, 999), and a handler's batch of 100 is one statement.
+    pub const MAX_ROWS: usize = 100;
+
+    pub(crate) fn new(
+        head: String,
+        clock: String,
+        tail: String,
+        style: Placeholder,
+        leading: &[OutboxParam],
+    ) -> Self {
+        Self {
+            head,
+            clock,
+            tail,
+            style,
+            leading: leading.to_vec(),
+        }
+    }
+
+    /// The text inserting `rows` messages (at least one). Each count is a text of its own;
+    /// a consumer's batches are mostly full, so few distinct texts are prepared.
+    pub fn text(&self, rows: usize) -> String {
+        let rows = rows.max(1);
+        let mut sql = String::with_capacity(self.head.len() + self.tail.len() + rows * 48);
+        sql.push_str(&self.head);
+        let mut n = self.leading.len();
+        for r in 0..rows {
+            if r > 0 {
+                sql.push_str(", ");
+            }
+            sql.push('(');
+            for i in 0..ENQUEUE_ROW.len() {
+                if i > 0 {
+                    sql.push_str(", ");
+                }
+                n += 1;
+                match self.style {
+                    Placeholder::Dollar => sql.push_str(&format!("${n}")),
+                    Placeholder::Numbered => sql.push_str(&format!("?{n}")),
+                    Placeholder::Positional => sql.push('?'),
+                }
+            }
+            sql.push_str(&self.clock);
+            sql.push(')');
+        }
+        sql.push_str(&self.tail);
+        sql
+    }
+
+    /// What [`text`](Self::text)`(rows.len())` binds, in order: the leading values (from the
+    /// first row's [`Values`]), then each row's.
+    pub fn bind<'a>(&self, rows: &[crate::outbox::Values<'a>]) -> Vec<crate::outbox::Value<'a>> {
+        let mut out = Vec::with_capacity(self.leading.len() + rows.len() * ENQUEUE_ROW.len());
+        if let Some(first) = rows.first() {
+            out.extend(first.bind_params(&self.leading));
+        }
+        for row in rows {
+            out.extend(row.bind_params(&ENQUEUE_ROW));
+        }
+        out
+    }
+}
+
 /// The outbox statements of one outbox table (and its dead-letter table,
 /// `<outbox>_dead_letters`). Times are microseconds since the Unix epoch on the store's clock.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct OutboxStatements {
-    /// Inserts one message, in the caller's transaction; a message ID already in the table
+    /// Inserts messages, in the caller's transaction, up to
+    /// [`EnqueueStatement::MAX_ROWS`] in one statement; a message ID already in the table
     /// inserts nothing (and is no error).
-    pub enqueue: OutboxStatement,
+    pub enqueue: EnqueueStatement,
     /// Inside the relay's lease transaction: the rows a relay may lease, oldest first, locked
     /// (skipping rows another transaction holds) — columns seq, message_id, destination,
     /// ordering_key, payload, headers, attempts, created_at, and the number of unsent rows

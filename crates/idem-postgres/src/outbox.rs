@@ -3,7 +3,8 @@
 //! and the same per-key rule, so that one store's relay leases what the other's handlers
 //! enqueued.
 //!
-//! Enqueue is prepared once per connection and runs in the handler's [`PgTx`]. The relay's
+//! Enqueue (one multi-row insert per batch of messages) is prepared once per connection and
+//! row count, and runs in the handler's [`PgTx`]. The relay's
 //! statements go out typed (`query_typed`, one round trip, not prepared): a list of `n`
 //! sequence numbers is a text of its own, and caching one statement per list length on every
 //! connection would grow the caches for nothing. A lease is a short transaction of its own:
@@ -13,9 +14,9 @@ use std::time::Duration;
 
 use idem_core::outbox::{Backlog, OutboxRow, OutboxStore, Outgoing, RelayStore};
 use idem_core::{Error, ErrorKind};
-use idem_dialect::OutboxStatement;
 use idem_dialect::micros;
 use idem_dialect::outbox::{Candidate, Value, Values, admit, bounded, check_relay, encode_headers};
+use idem_dialect::{EnqueueStatement, OutboxStatement};
 use tokio_postgres::Client;
 use tokio_postgres::types::{ToSql, Type};
 
@@ -172,17 +173,13 @@ impl PgStore {
 }
 
 impl OutboxStore for PgStore {
-    /// One prepared insert per message, in `tx`; an ID already in the table inserts nothing.
+    /// One prepared multi-row insert per [`EnqueueStatement::MAX_ROWS`] messages, in `tx`; an
+    /// ID already in the table inserts nothing.
     async fn enqueue(&self, tx: &mut PgTx, messages: &[Outgoing]) -> Result<(), Error> {
-        let what = "enqueuing an outgoing message";
+        let what = "enqueuing outgoing messages";
         if messages.is_empty() {
             return Ok(());
         }
-        let insert = &self.osql.enqueue;
-        let statement = tx
-            .prepare_cached(&insert.sql)
-            .await
-            .map_err(|e| store_error(what, e))?;
         for m in messages {
             if m.id().len() > MAX_MESSAGE_ID_LEN {
                 return Err(Error::new(
@@ -194,16 +191,37 @@ impl OutboxStore for PgStore {
                     ),
                 ));
             }
-            let headers = encode_headers(m.headers());
-            let v = Values {
-                id: m.id().as_bytes(),
-                destination: m.destination(),
-                key: m.key(),
-                payload: m.payload(),
-                headers: &headers,
-                ..Values::default()
+        }
+        let insert = &self.osql.enqueue;
+        let headers: Vec<String> = messages
+            .iter()
+            .map(|m| encode_headers(m.headers()))
+            .collect();
+        for (chunk, headers) in messages
+            .chunks(EnqueueStatement::MAX_ROWS)
+            .zip(headers.chunks(EnqueueStatement::MAX_ROWS))
+        {
+            let rows: Vec<Values<'_>> = chunk
+                .iter()
+                .zip(headers)
+                .map(|(m, headers)| Values {
+                    id: m.id().as_bytes(),
+                    destination: m.destination(),
+                    key: m.key(),
+                    payload: m.payload(),
+                    headers,
+                    ..Values::default()
+                })
+                .collect();
+            // Prepared per row count: a consumer's batches are mostly full, so one or two
+            // texts per connection.
+            let statement = tx
+                .prepare_cached(&insert.text(chunk.len()))
+                .await
+                .map_err(|e| store_error(what, e))?;
+            let bound = Bound {
+                values: insert.bind(&rows),
             };
-            let bound = Bound::new(insert, &v);
             let params: Vec<&(dyn ToSql + Sync)> =
                 bound.typed().into_iter().map(|(p, _)| p).collect();
             let done = tx.execute(&statement, &params).await;

@@ -13,9 +13,9 @@ use std::time::Duration;
 
 use idem_core::outbox::{Backlog, OutboxRow, OutboxStore, Outgoing, RelayStore};
 use idem_core::{Error, ErrorKind, Stamp};
-use idem_dialect::OutboxStatement;
 use idem_dialect::micros;
 use idem_dialect::outbox::{Values, admit, bounded, check_relay, encode_headers};
+use idem_dialect::{EnqueueStatement, OutboxStatement};
 
 use crate::engine::{Engine, Param};
 use crate::errors::{commit_error, store_error};
@@ -127,10 +127,9 @@ impl<E: Engine> SqlStore<E> {
 }
 
 impl<E: Engine> OutboxStore for SqlStore<E> {
-    /// One insert per message, in `tx`; an ID already in the table inserts nothing.
+    /// One multi-row insert per [`EnqueueStatement::MAX_ROWS`] messages, in `tx`; an ID
+    /// already in the table inserts nothing.
     async fn enqueue(&self, tx: &mut Tx<E>, messages: &[Outgoing]) -> Result<(), Error> {
-        let now = Self::outbox_now();
-        let insert = &self.osql.enqueue;
         for m in messages {
             if m.id().len() > E::MAX_MESSAGE_ID_LEN {
                 return Err(Error::new(
@@ -142,19 +141,34 @@ impl<E: Engine> OutboxStore for SqlStore<E> {
                     ),
                 ));
             }
-            let headers = encode_headers(m.headers());
-            let v = Values {
-                id: m.id().as_bytes(),
-                destination: m.destination(),
-                key: m.key(),
-                payload: m.payload(),
-                headers: &headers,
-                now,
-                ..Values::default()
-            };
-            E::execute(tx, &insert.sql, &params(insert, &v))
+        }
+        let now = Self::outbox_now();
+        let insert = &self.osql.enqueue;
+        let headers: Vec<String> = messages
+            .iter()
+            .map(|m| encode_headers(m.headers()))
+            .collect();
+        for (chunk, headers) in messages
+            .chunks(EnqueueStatement::MAX_ROWS)
+            .zip(headers.chunks(EnqueueStatement::MAX_ROWS))
+        {
+            let rows: Vec<Values<'_>> = chunk
+                .iter()
+                .zip(headers)
+                .map(|(m, headers)| Values {
+                    id: m.id().as_bytes(),
+                    destination: m.destination(),
+                    key: m.key(),
+                    payload: m.payload(),
+                    headers,
+                    now,
+                    ..Values::default()
+                })
+                .collect();
+            let bound: Vec<Param<'_>> = insert.bind(&rows).into_iter().map(Param::from).collect();
+            E::execute(tx, &insert.text(chunk.len()), &bound)
                 .await
-                .map_err(|e| store_error::<E>("enqueuing an outgoing message", e))?;
+                .map_err(|e| store_error::<E>("enqueuing outgoing messages", e))?;
         }
         if let (Some(notify), false) = (&self.osql.notify, messages.is_empty()) {
             E::execute(tx, &notify.sql, &[])

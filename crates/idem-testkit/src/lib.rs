@@ -71,6 +71,7 @@ macro_rules! outbox_conformance_tests {
             committed_enqueue_is_leased_back_byte_exact,
             rolled_back_enqueue_never_appears,
             enqueue_of_committed_ids_adds_no_row,
+            a_large_enqueue_keeps_its_order_and_skips_repeats,
             lease_order_is_seq_order,
             concurrent_relays_never_lease_the_same_row,
             concurrent_relays_publish_each_key_in_order,

@@ -141,6 +141,35 @@ pub async fn enqueue_of_committed_ids_adds_no_row<F: OutboxFixture>(test: &str) 
     fx.teardown().await;
 }
 
+/// One enqueue of more messages than one statement inserts (stores insert in chunks) keeps
+/// them in the given order, and an ID repeated within the call, or already committed, adds no
+/// second row: the first one enqueued stays.
+pub async fn a_large_enqueue_keeps_its_order_and_skips_repeats<F: OutboxFixture>(test: &str) {
+    let fx = fixture!(test);
+    let s = fx.store();
+    let all = messages("bulk", 251, "orders", None);
+    enqueue(&s, &all[..1]).await;
+    let mut call = all[1..].to_vec();
+    // The committed one, at the start of a later chunk; one of this call's own, repeated in
+    // the next chunk with another payload.
+    call.insert(120, all[0].clone());
+    call.insert(
+        150,
+        Outgoing::new(all[7].id().clone(), "orders", b"repeat".to_vec()).expect("msg"),
+    );
+    enqueue(&s, &call).await;
+    assert_eq!(s.backlog().await.expect("backlog").unsent, 251);
+    let rows = lease(&s, "relay-a", 1000, LONG).await;
+    assert_eq!(ids(&rows), msg_ids(&all), "order kept, no repeated row");
+    assert_eq!(
+        rows[7].message.payload(),
+        all[7].payload(),
+        "the first one stays"
+    );
+    assert!(seqs(&rows).windows(2).all(|w| w[0] < w[1]));
+    fx.teardown().await;
+}
+
 /// Rows are leased oldest first, in the order they were enqueued, across transactions; rows
 /// leased to one relay are not leased to another.
 pub async fn lease_order_is_seq_order<F: OutboxFixture>(test: &str) {

@@ -1,7 +1,8 @@
 //! P1 (one message per transaction, [`p1`]) and P2 (batches, [`p2`]) on PostgreSQL; this
 //! module owns the tables, the pools and the handler under test. P1 also measures
 //! `idem-postgres` on tokio-postgres ([`tokio_pg`]) beside the sqlx store. [`prune`] runs the
-//! same handler as a consumer while a large claims table is pruned, in a schema of its own.
+//! same handler as a consumer while a large claims table is pruned, in a schema of its own;
+//! [`outbox`] measures the transactional outbox and its relay, in another.
 //!
 //! Every variant goes through `pool.begin()` on a pool of exactly `workers` connections, as
 //! `PostgresStore` does, so the pool's own costs (sqlx pings a connection when it is acquired
@@ -13,11 +14,13 @@
 //! same empty indexes, the same cached accounts and the same distance to the next checkpoint,
 //! and a variant measured late in the run does not pay for a claims index the earlier ones grew.
 
+mod outbox;
 mod p1;
 mod p2;
 mod prune;
 mod tokio_pg;
 
+pub(crate) use outbox::{Options as OutboxOptions, Part as OutboxPart};
 pub(crate) use prune::{Layout as PruneLayout, Options as PruneOptions};
 
 use std::sync::Arc;

@@ -12,7 +12,9 @@ use sha2::Digest as _;
 
 use super::{SERVER_NOW, STATEMENT_NOW};
 use crate::outbox::{COLUMNS, SELECTED, dead_letter_table};
-use crate::statements::{OutboxParam as P, OutboxStatement, OutboxStatements, Placeholder};
+use crate::statements::{
+    EnqueueStatement, OutboxParam as P, OutboxStatement, OutboxStatements, Placeholder,
+};
 
 /// The `LISTEN` channel on which enqueuing transactions notify relays of table `o` at commit:
 /// the table's name as the store spells it, or, past PostgreSQL's 63-byte identifier limit,
@@ -37,20 +39,15 @@ pub fn outbox_statements(o: &TableName) -> OutboxStatements {
         OutboxStatement::with_list(sql, binds, Placeholder::Dollar, first, ")")
     };
     OutboxStatements {
-        enqueue: OutboxStatement::new(
+        enqueue: EnqueueStatement::new(
             format!(
                 "INSERT INTO {o} (message_id, destination, ordering_key, payload, headers, \
-                 created_at, available_at) \
-                 VALUES ($1, $2, $3, $4, $5, {SERVER_NOW}, {SERVER_NOW}) \
-                 ON CONFLICT (message_id) DO NOTHING"
+                 created_at, available_at) VALUES "
             ),
-            &[
-                P::MessageId,
-                P::Destination,
-                P::OrderingKey,
-                P::Payload,
-                P::Headers,
-            ],
+            format!(", {SERVER_NOW}, {SERVER_NOW}"),
+            " ON CONFLICT (message_id) DO NOTHING".to_owned(),
+            Placeholder::Dollar,
+            &[],
         ),
         lease_select: OutboxStatement::new(
             format!(
@@ -206,6 +203,13 @@ mod tests {
         assert!(s.mark_sent.text(1).ends_with("seq IN ($2)"));
         assert!(s.lease_select.sql.contains("FOR UPDATE OF o SKIP LOCKED"));
         assert_eq!(s.release.text(9), s.release.sql, "no list, no change");
+        let two = s.enqueue.text(2);
+        assert!(
+            two.contains("VALUES ($1, $2, $3, $4, $5, ")
+                && two.contains("), ($6, $7, $8, $9, $10, ")
+                && two.ends_with(") ON CONFLICT (message_id) DO NOTHING"),
+            "{two}"
+        );
         let m = outbox_migration(&TableName::new("app.outbox").expect("table"));
         assert_eq!(m[0], "CREATE SCHEMA IF NOT EXISTS app");
         assert!(m.iter().any(|s| s.contains("app.outbox_dead_letters (")));
