@@ -253,7 +253,7 @@ impl EnqueueStatement {
     }
 
     /// What [`text`](Self::text)`(rows.len())` binds, in order: the leading values (from the
-    /// first row's [`Values`]), then each row's.
+    /// first row's [`Values`](crate::outbox::Values)), then each row's.
     pub fn bind<'a>(&self, rows: &[crate::outbox::Values<'a>]) -> Vec<crate::outbox::Value<'a>> {
         let mut out = Vec::with_capacity(self.leading.len() + rows.len() * ENQUEUE_ROW.len());
         if let Some(first) = rows.first() {
