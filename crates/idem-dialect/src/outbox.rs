@@ -78,6 +78,48 @@ pub fn decode_headers(text: &str) -> Result<Vec<(String, String)>, Error> {
     })
 }
 
+/// Sequence numbers per list statement (`IN (…)`): well under every engine's parameter limit.
+pub const SEQ_CHUNK: usize = 500;
+
+/// How often a lease is tried when the database reports a deadlock or a lock timeout (InnoDB
+/// can pick a lease as a deadlock victim against a concurrent enqueue's gap lock).
+pub const LEASE_ATTEMPTS: usize = 3;
+
+/// Runs `once` — one lease transaction — again while it fails with
+/// [`ErrorKind::Transient`], up to [`LEASE_ATTEMPTS`] tries in all: what every store's
+/// `RelayStore::lease` does around its own driver.
+pub async fn lease_with_retries<T, F, Fut>(relay: &str, mut once: F) -> Result<T, Error>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, Error>>,
+{
+    let mut attempt = 1;
+    loop {
+        match once().await {
+            Err(e) if e.kind() == ErrorKind::Transient && attempt < LEASE_ATTEMPTS => {
+                tracing::debug!(relay, attempt, error = %e, "outbox lease retried");
+                attempt += 1;
+            }
+            done => return done,
+        }
+    }
+}
+
+/// Says, at `debug`, that `mark_sent` marked fewer rows than `relay` asked: the rest are no
+/// longer leased to it (taken over after its lease lapsed) or were marked already. Not an
+/// error: the row's new holder publishes it again under the same ID.
+pub fn note_unmarked(relay: &str, asked: usize, marked: u64) {
+    if marked < asked as u64 {
+        tracing::debug!(
+            relay,
+            asked,
+            marked,
+            "outbox rows not marked sent: no longer leased to this relay (taken over after \
+             the lease lapsed) or marked already"
+        );
+    }
+}
+
 /// Refuses a relay name the `leased_by` column cannot hold or a log would mangle: empty,
 /// longer than [`MAX_RELAY_LEN`] bytes, or holding a control character.
 ///

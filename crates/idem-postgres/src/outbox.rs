@@ -15,7 +15,10 @@ use std::time::Duration;
 use idem_core::outbox::{Backlog, OutboxRow, OutboxStore, Outgoing, RelayStore};
 use idem_core::{Error, ErrorKind};
 use idem_dialect::micros;
-use idem_dialect::outbox::{Candidate, Value, Values, admit, bounded, check_relay, encode_headers};
+use idem_dialect::outbox::{
+    Candidate, SEQ_CHUNK, Value, Values, admit, bounded, check_relay, encode_headers,
+    lease_with_retries, note_unmarked,
+};
 use idem_dialect::{EnqueueStatement, OutboxStatement};
 use tokio_postgres::Client;
 use tokio_postgres::types::{ToSql, Type};
@@ -23,12 +26,6 @@ use tokio_postgres::types::{ToSql, Type};
 use crate::errors::{commit_error, store_error};
 use crate::store::{MAX_MESSAGE_ID_LEN, PgStore};
 use crate::tx::PgTx;
-
-/// Sequence numbers per list statement.
-const CHUNK: usize = 500;
-
-/// How often a lease is tried when the server reports a deadlock or a lock timeout.
-const LEASE_ATTEMPTS: usize = 3;
 
 /// What `statement` binds from `values`, with each parameter's type.
 struct Bound<'a> {
@@ -113,7 +110,7 @@ impl PgStore {
             .map_err(err)?;
         let admitted = admit(candidates);
         let seqs = admitted.seqs();
-        for chunk in seqs.chunks(CHUNK) {
+        for chunk in seqs.chunks(SEQ_CHUNK) {
             let update = &self.osql.lease_update;
             let v = Values { seqs: chunk, ..v };
             execute(&tx, &update.text(chunk.len()), &Bound::new(update, &v))
@@ -248,23 +245,14 @@ impl RelayStore for PgStore {
         if limit == 0 {
             return Ok(Vec::new());
         }
-        let mut attempt = 1;
-        loop {
-            match self.lease_once(relay, limit, lease).await {
-                Err(e) if e.kind() == ErrorKind::Transient && attempt < LEASE_ATTEMPTS => {
-                    tracing::debug!(relay, attempt, error = %e, "outbox lease retried");
-                    attempt += 1;
-                }
-                done => return done,
-            }
-        }
+        lease_with_retries(relay, || self.lease_once(relay, limit, lease)).await
     }
 
     async fn mark_sent(&self, relay: &str, seqs: &[i64]) -> Result<(), Error> {
         check_relay(relay)?;
         let mark = &self.osql.mark_sent;
         let mut marked = 0;
-        for chunk in seqs.chunks(CHUNK) {
+        for chunk in seqs.chunks(SEQ_CHUNK) {
             let v = Values {
                 relay,
                 seqs: chunk,
@@ -278,15 +266,7 @@ impl RelayStore for PgStore {
                 )
                 .await?;
         }
-        if marked < seqs.len() as u64 {
-            tracing::debug!(
-                relay,
-                asked = seqs.len(),
-                marked,
-                "outbox rows not marked sent: no longer leased to this relay (taken over after \
-                 the lease lapsed) or marked already"
-            );
-        }
+        note_unmarked(relay, seqs.len(), marked);
         Ok(())
     }
 

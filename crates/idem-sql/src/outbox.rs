@@ -14,20 +14,16 @@ use std::time::Duration;
 use idem_core::outbox::{Backlog, OutboxRow, OutboxStore, Outgoing, RelayStore};
 use idem_core::{Error, ErrorKind, Stamp};
 use idem_dialect::micros;
-use idem_dialect::outbox::{Values, admit, bounded, check_relay, encode_headers};
+use idem_dialect::outbox::{
+    SEQ_CHUNK, Values, admit, bounded, check_relay, encode_headers, lease_with_retries,
+    note_unmarked,
+};
 use idem_dialect::{EnqueueStatement, OutboxStatement};
 
 use crate::engine::{Engine, Param};
 use crate::errors::{commit_error, store_error};
 use crate::store::SqlStore;
 use crate::tx::Tx;
-
-/// Sequence numbers per list statement: well under every engine's parameter limit.
-const CHUNK: usize = 500;
-
-/// How often a lease is tried when the database reports a deadlock or a lock timeout (InnoDB
-/// can pick a lease as a deadlock victim against a concurrent enqueue's gap lock).
-const LEASE_ATTEMPTS: usize = 3;
 
 fn params<'a>(statement: &OutboxStatement, values: &Values<'a>) -> Vec<Param<'a>> {
     values
@@ -72,7 +68,7 @@ impl<E: Engine> SqlStore<E> {
             .map_err(err)?;
         let admitted = admit(candidates);
         let seqs = admitted.seqs();
-        for chunk in seqs.chunks(CHUNK) {
+        for chunk in seqs.chunks(SEQ_CHUNK) {
             let update = &self.osql.lease_update;
             let v = Values { seqs: chunk, ..v };
             E::execute(&mut tx, &update.text(chunk.len()), &params(update, &v))
@@ -190,23 +186,14 @@ impl<E: Engine> RelayStore for SqlStore<E> {
         if limit == 0 {
             return Ok(Vec::new());
         }
-        let mut attempt = 1;
-        loop {
-            match self.lease_once(relay, limit, lease).await {
-                Err(e) if e.kind() == ErrorKind::Transient && attempt < LEASE_ATTEMPTS => {
-                    tracing::debug!(relay, attempt, error = %e, "outbox lease retried");
-                    attempt += 1;
-                }
-                done => return done,
-            }
-        }
+        lease_with_retries(relay, || self.lease_once(relay, limit, lease)).await
     }
 
     async fn mark_sent(&self, relay: &str, seqs: &[i64]) -> Result<(), Error> {
         check_relay(relay)?;
         let mark = &self.osql.mark_sent;
         let mut marked = 0;
-        for chunk in seqs.chunks(CHUNK) {
+        for chunk in seqs.chunks(SEQ_CHUNK) {
             let v = Values {
                 relay,
                 seqs: chunk,
@@ -217,15 +204,7 @@ impl<E: Engine> RelayStore for SqlStore<E> {
                 .await
                 .map_err(|e| store_error::<E>("marking outbox rows sent", e))?;
         }
-        if marked < seqs.len() as u64 {
-            tracing::debug!(
-                relay,
-                asked = seqs.len(),
-                marked,
-                "outbox rows not marked sent: no longer leased to this relay (taken over after \
-                 the lease lapsed) or marked already"
-            );
-        }
+        note_unmarked(relay, seqs.len(), marked);
         Ok(())
     }
 
