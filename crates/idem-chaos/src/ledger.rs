@@ -71,14 +71,21 @@ impl RunDatabase {
 
     /// Distinct message IDs with a charge so far (0 before the service created its tables).
     pub(crate) async fn charged_ids(&self) -> Result<u64> {
+        self.distinct("charges", "message_id").await
+    }
+
+    /// Distinct values of `column` in `table` (the harness's own names), 0 while the table
+    /// does not exist yet.
+    async fn distinct(&self, table: &str, column: &str) -> Result<u64> {
         let mut conn = self.reader().await?;
-        let exists: bool = sqlx::query_scalar("SELECT to_regclass('charges') IS NOT NULL")
+        let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+            .bind(table)
             .fetch_one(&mut conn)
             .await?;
         if !exists {
             return Ok(0);
         }
-        let n: i64 = sqlx::query_scalar("SELECT count(DISTINCT message_id) FROM charges")
+        let n: i64 = sqlx::query_scalar(&format!("SELECT count(DISTINCT {column}) FROM {table}"))
             .fetch_one(&mut conn)
             .await?;
         Ok(n.max(0) as u64)
@@ -135,17 +142,7 @@ impl RunDatabase {
 
     /// Distinct payments with a receipt so far (`--two-hop`; 0 before the table exists).
     pub(crate) async fn receipted_ids(&self) -> Result<u64> {
-        let mut conn = self.reader().await?;
-        let exists: bool = sqlx::query_scalar("SELECT to_regclass('receipts') IS NOT NULL")
-            .fetch_one(&mut conn)
-            .await?;
-        if !exists {
-            return Ok(0);
-        }
-        let n: i64 = sqlx::query_scalar("SELECT count(DISTINCT payment_id) FROM receipts")
-            .fetch_one(&mut conn)
-            .await?;
-        Ok(n.max(0) as u64)
+        self.distinct("receipts", "payment_id").await
     }
 
     /// `--two-hop`: the second hop's receipts against what was sent: one per payment.
