@@ -187,7 +187,8 @@ impl<F: HttpFixture> SuiteApp<F> {
         let mut emitter = request.emitter();
         let messages: Vec<Outgoing> = (0..count)
             .map(|position| {
-                let payload = json!({ "effect": effect, "position": position });
+                // The execution in the payload tells which run's rows committed.
+                let payload = json!({ "effect": effect, "position": position, "execution": n });
                 emitter
                     .message(EMIT_DESTINATION, payload.to_string())
                     .expect("a valid destination")

@@ -27,6 +27,7 @@ mod outbox;
 
 pub use outbox::{
     a_failed_emitting_request_enqueues_nothing_and_its_retry_enqueues_once,
+    a_fenced_out_execution_enqueues_nothing_and_the_takeover_enqueues_once,
     a_store_without_a_shared_transaction_refuses_the_outbox,
     an_emitting_request_enqueues_its_messages_under_derived_ids_once,
     another_body_with_an_emitting_key_is_422_and_enqueues_nothing,

@@ -45,7 +45,8 @@
 //! relay leases them and recomputes every ID through
 //! [`Principal::emitter`](idem_http::Principal::emitter): one request enqueues exactly its
 //! messages under those IDs, a replay or a `422` none more, a 5xx or a panic none (and the
-//! retry that succeeds exactly once), 16 concurrent requests with one key once, and two
+//! retry that succeeds exactly once), 16 concurrent requests with one key once, an execution
+//! fenced out by a takeover none (the takeover's messages are the ones that commit), and two
 //! principals or two paths with one key enqueue under distinct IDs. Redis's store implements
 //! no `OutboxStore` (it shares no transaction with the request): there the suite asserts
 //! that the handler's enqueue is refused, `501 no-outbox`, and nothing is stored.
@@ -118,7 +119,7 @@ impl std::fmt::Debug for Running {
 
 /// Expands to one `#[tokio::test]` per black-box HTTP check ([`checks`]) for a
 /// [`HttpFramework`], in the modules `sqlite`, `postgres`, `mysql` and `redis` (the real-service
-/// stores skip, loudly, when their URL is not set): 23 checks on every store, then the five
+/// stores skip, loudly, when their URL is not set): 23 checks on every store, then the six
 /// outbox checks on the SQL stores and the outbox's refusal on Redis.
 #[macro_export]
 macro_rules! http_suite_tests {
@@ -135,6 +136,7 @@ macro_rules! http_suite_tests {
             another_body_with_an_emitting_key_is_422_and_enqueues_nothing,
             a_failed_emitting_request_enqueues_nothing_and_its_retry_enqueues_once,
             concurrent_emitting_requests_with_one_key_enqueue_once,
+            a_fenced_out_execution_enqueues_nothing_and_the_takeover_enqueues_once,
             two_principals_with_one_key_enqueue_under_distinct_ids,
         );
     };

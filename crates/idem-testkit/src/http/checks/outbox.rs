@@ -6,6 +6,7 @@
 //! and so does a message enqueued outside the request's transaction.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use http::Method;
 use idem_core::outbox::OutboxRow;
@@ -14,7 +15,7 @@ use idem_http::Principal;
 use serde_json::json;
 
 use super::{default_server, done};
-use crate::http::{EMIT_DEFAULT, EMIT_DESTINATION, HttpFixture, HttpFramework, Post, Reply};
+use crate::http::{EMIT_DEFAULT, EMIT_DESTINATION, HttpFixture, HttpFramework, Post, Reply, serve};
 
 /// The IDs of the `n` messages `principal`'s `POST path` with `key` enqueues, recomputed as
 /// anyone outside the request can.
@@ -34,14 +35,20 @@ fn as_strings(ids: &[MessageId]) -> Vec<String> {
         .collect()
 }
 
-/// The rows of `effect`'s messages, as `POST /emit` writes them: for [`EMIT_DESTINATION`], the
-/// payload naming the effect and the position.
-fn assert_messages(rows: &[OutboxRow], effect: &str) {
+/// The rows of `effect`'s messages as execution `execution` of `POST /emit` writes them: for
+/// [`EMIT_DESTINATION`], the payload naming the effect, the position and the execution (so a
+/// row another execution wrote, outside the transaction of the one whose response is stored,
+/// shows).
+fn assert_messages(rows: &[OutboxRow], effect: &str, execution: u64) {
     for (position, row) in rows.iter().enumerate() {
         assert_eq!(row.message.destination(), EMIT_DESTINATION);
         let payload: serde_json::Value =
             serde_json::from_slice(row.message.payload()).expect("a JSON payload");
-        assert_eq!(payload, json!({ "effect": effect, "position": position }));
+        assert_eq!(
+            payload,
+            json!({ "effect": effect, "position": position, "execution": execution }),
+            "the messages of the execution whose response is stored"
+        );
     }
 }
 
@@ -71,7 +78,7 @@ pub async fn an_emitting_request_enqueues_its_messages_under_derived_ids_once<
         want,
         "exactly its messages, the derived IDs in order"
     );
-    assert_messages(&rows, "emitted");
+    assert_messages(&rows, "emitted", first.execution());
     assert_eq!(fx.count_effects("emitted").await, 1);
     for _ in 0..2 {
         let retry = server
@@ -172,7 +179,7 @@ pub async fn a_failed_emitting_request_enqueues_nothing_and_its_retry_enqueues_o
         want,
         "the successful retry enqueues exactly once"
     );
-    assert_messages(&rows, "fails");
+    assert_messages(&rows, "fails", retry.execution());
     let again = server.post(order()).await;
     assert!(again.replayed() && again.body == retry.body, "{again:?}");
     assert_eq!(ids(&fx.outbox().await), want);
@@ -218,11 +225,12 @@ pub async fn concurrent_emitting_requests_with_one_key_enqueue_once<
     for t in tasks {
         replies.push(t.await.expect("request task"));
     }
-    let firsts = replies
+    let firsts: Vec<&Reply> = replies
         .iter()
         .filter(|r| r.status == 201 && !r.replayed())
-        .count();
-    assert_eq!(firsts, 1, "exactly one first execution: {replies:#?}");
+        .collect();
+    assert_eq!(firsts.len(), 1, "exactly one first execution: {replies:#?}");
+    let first = firsts[0].execution();
     for r in &replies {
         assert!(
             r.status == 409 || (r.status == 201 && !r.emitted().is_empty()),
@@ -237,7 +245,54 @@ pub async fn concurrent_emitting_requests_with_one_key_enqueue_once<
         expected("alice", "/emit", "k-race", EMIT_DEFAULT),
         "one execution's messages, once"
     );
-    assert_messages(&rows, "race");
+    assert_messages(&rows, "race", first);
+    done(server, fx).await;
+}
+
+/// A request that outlives its lease (no heartbeat) is taken over by its retry: the takeover's
+/// messages are the ones enqueued, once, and the fenced-out execution's — under the same
+/// derived IDs — roll back with its refused completion. (SQLite: the holder's open transaction
+/// keeps the write lock, so the retry is told `409` and the holder's messages commit.)
+pub async fn a_fenced_out_execution_enqueues_nothing_and_the_takeover_enqueues_once<
+    A: HttpFramework,
+    F: HttpFixture,
+>(
+    test: &str,
+) {
+    let fx = fixture!(test);
+    let server = Arc::new(
+        serve::<A, F>(Arc::clone(&fx), fx.store(), |b| {
+            b.lease(Duration::from_secs(1)).without_heartbeat()
+        })
+        .await,
+    );
+    let order = || Post::new("k-fenced", "fenced").emitting(EMIT_DEFAULT);
+    let slow = {
+        let server = Arc::clone(&server);
+        tokio::spawn(async move { server.post(order().sleep_ms(2500)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let retry = server.post(order()).await;
+    let slow = slow.await.expect("slow request");
+    let server = Arc::try_unwrap(server).expect("no task left");
+    let rows = fx.outbox().await;
+    assert_eq!(
+        ids(&rows),
+        expected("alice", "/emit", "k-fenced", EMIT_DEFAULT),
+        "one execution's messages, once"
+    );
+    let stored = if F::TAKEOVER_WHILE_HOLDER_RUNS {
+        first_execution(&retry);
+        assert_eq!(slow.status, 409, "{slow:?}");
+        assert_eq!(slow.code(), "lease-lost");
+        retry.execution()
+    } else {
+        assert_eq!(retry.status, 409, "{retry:?}");
+        first_execution(&slow);
+        slow.execution()
+    };
+    assert_messages(&rows, "fenced", stored);
+    assert_eq!(fx.count_effects("fenced").await, 1);
     done(server, fx).await;
 }
 
