@@ -108,6 +108,9 @@ impl IdemRequest {
     /// [`OutboxStore::enqueue`](idem_core::outbox::OutboxStore::enqueue) on the request's
     /// transaction.
     ///
+    /// Outside the request, [`Principal::emitter`](crate::Principal::emitter) recomputes the
+    /// same IDs from (principal, method, path, key).
+    ///
     /// Marks the execution started, as [`derive_key`](Self::derive_key) does.
     pub fn emitter(&self) -> idem_core::outbox::Emitter {
         self.mark_started();

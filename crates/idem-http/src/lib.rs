@@ -214,6 +214,12 @@
 //!   it ([`IdemRequest::derive_key`]): distinct per principal and route, the same on every
 //!   retry and takeover. Never pass the client's key on: two tenants may both have chosen
 //!   `order-42`.
+//! - **Outgoing messages**: the handler enqueues them through the store's
+//!   [`OutboxStore`](idem_core::outbox::OutboxStore) on [`IdemTx`], their IDs from
+//!   [`IdemRequest::emitter`] (derived from the scoped key, the same on every retry and
+//!   takeover), so they commit with the stored response or roll back with one that is not
+//!   stored. The SQL stores have an outbox; Redis's store has none (it shares no transaction
+//!   with the request). [`Principal::emitter`] recomputes a request's IDs outside it.
 //! - **Retry**: the stored response byte for byte (status, kept headers, body, trailers), plus
 //!   `Idempotent-Replayed: true` ([`replay_header`](IdempotencyLayer::replay_header)).
 //! - **In flight**: a retry while the first still runs is `409 conflict` at once, with

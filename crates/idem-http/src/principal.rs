@@ -4,7 +4,8 @@
 use std::fmt;
 
 use http::request::Parts;
-use idem_core::RequestScope;
+use idem_core::outbox::Emitter;
+use idem_core::{IdempotencyKey, RequestKey, RequestScope};
 
 /// The principal a request acts for: an account, a tenant, an API client — whatever your
 /// authentication establishes. Only its bytes matter; they are hashed into the record's scope.
@@ -25,8 +26,42 @@ impl Principal {
 
     /// The one principal of [`SharedScope`]; distinct from every [`Principal::new`], the empty
     /// id included.
-    fn shared() -> Self {
+    pub fn shared() -> Self {
         Self(Kind::Shared)
+    }
+
+    /// The key of the record the layer keeps for this principal's `method` request to `path`
+    /// (as the client sent it, without the query: under `Router::nest`, with the prefix) with
+    /// the client's `key` — what [`IdemRequest::request_key`](crate::IdemRequest::request_key)
+    /// holds while such a request executes. From it, outside the request, recompute what its
+    /// handler derived: [`DerivedKey::for_request`](idem_core::DerivedKey::for_request) for an
+    /// external call's key, [`emitter`](Self::emitter) for its outbox message IDs.
+    pub fn request_key(
+        &self,
+        method: &http::Method,
+        path: &str,
+        key: &IdempotencyKey,
+    ) -> RequestKey {
+        RequestKey::new(self.scope(method, path), key.clone())
+    }
+
+    /// The IDs [`IdemRequest::emitter`](crate::IdemRequest::emitter) hands the handler of this
+    /// principal's `method` request to `path` with `key`, recomputed outside the request: a
+    /// test asserting which outbox rows a request enqueued, an operator looking for the
+    /// messages of a client's request.
+    ///
+    /// ```
+    /// use idem_http::{IdempotencyKey, Principal};
+    ///
+    /// let key = IdempotencyKey::new("order-42")?;
+    /// let alice = Principal::new("alice").emitter(&http::Method::POST, "/charges", &key).next_id();
+    /// let bob = Principal::new("bob").emitter(&http::Method::POST, "/charges", &key).next_id();
+    /// // Two tenants that chose one key emit under different IDs.
+    /// assert_ne!(alice, bob);
+    /// # Ok::<(), idem_core::Error>(())
+    /// ```
+    pub fn emitter(&self, method: &http::Method, path: &str, key: &IdempotencyKey) -> Emitter {
+        Emitter::for_request(&self.request_key(method, path, key))
     }
 
     /// The scope of this principal's records for `method` on `path`.

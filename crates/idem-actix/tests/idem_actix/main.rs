@@ -78,6 +78,16 @@ async fn derive<F: HttpFixture>(app: Data<F>, idem: IdemRequest, req: HttpReques
     respond(app.derive(&idem, &headers(&req)))
 }
 
+async fn emit<F: HttpFixture>(
+    app: Data<F>,
+    idem: IdemRequest,
+    mut tx: IdemTx<F::Store>,
+    req: HttpRequest,
+    body: web::Bytes,
+) -> HttpResponse {
+    respond(app.emit(&mut tx, &idem, &headers(&req), &body).await)
+}
+
 async fn list<F: HttpFixture>(app: Data<F>) -> HttpResponse {
     respond(app.list())
 }
@@ -112,6 +122,11 @@ impl HttpFramework for Actix {
                         web::resource("/derive")
                             .wrap(mw(layer(idem.clone())))
                             .route(web::post().to(derive::<F>)),
+                    )
+                    .service(
+                        web::resource("/emit")
+                            .wrap(mw(layer(idem.clone())))
+                            .route(web::post().to(emit::<F>)),
                     )
             };
             App::new()
@@ -151,6 +166,11 @@ impl HttpFramework for Actix {
                     web::resource("/derive")
                         .wrap(mw(layer(idem.clone())))
                         .route(web::post().to(derive::<F>)),
+                )
+                .service(
+                    web::resource("/emit")
+                        .wrap(mw(layer(idem.clone())))
+                        .route(web::post().to(emit::<F>)),
                 )
                 .service(versioned("/v1"))
                 .service(versioned("/v2"))

@@ -6,6 +6,10 @@
 //! part of the fingerprint, so a retry may ask for another outcome), after sleeping
 //! `x-sleep-ms` with the transaction open, or panics on `x-panic`. The body names the
 //! execution, so a replay is told apart from a second execution.
+//!
+//! `emit` is `charge` with messages: before its effect row it enqueues `emit` (3 by default)
+//! messages for [`EMIT_DESTINATION`] through the store's outbox in the same transaction, their
+//! IDs from the request's [`IdemRequest::emitter`], and names those IDs in its body.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -15,11 +19,13 @@ use bytes::Bytes;
 use http::header::{CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue};
 use http::request::Parts;
 use http::{Response, StatusCode};
+use idem_core::outbox::Outgoing;
 use idem_http::{Executed, IdemRequest, IdempotencyLayer, MakePrincipal};
 use idem_request::Idempotency;
 use serde_json::{Value, json};
 
 use super::HttpFixture;
+use super::outbox::Enqueue;
 use crate::RequestTxOf;
 
 /// The request body limit of [`layer`].
@@ -47,6 +53,11 @@ where
     .response_storage_limit(STORAGE_LIMIT)
     .store_header(X_STORED)
 }
+
+/// Where `POST /emit` sends its messages.
+pub const EMIT_DESTINATION: &str = "suite.charged";
+/// How many messages `POST /emit` enqueues when its body does not say (`"emit": n`).
+pub const EMIT_DEFAULT: u64 = 3;
 
 /// The body `POST /json` deserializes through the framework's JSON extractor: `effect` is
 /// required.
@@ -76,6 +87,16 @@ fn status(headers: &HeaderMap) -> StatusCode {
         .and_then(|v| v.parse().ok())
         .and_then(|v| StatusCode::from_u16(v).ok())
         .unwrap_or(StatusCode::CREATED)
+}
+
+/// `x-sleep-ms` with the transaction open, then a panic on `x-panic`.
+async fn hold_or_panic(headers: &HeaderMap) {
+    if let Some(ms) = header(headers, "x-sleep-ms").and_then(|v| v.parse().ok()) {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    if headers.contains_key("x-panic") {
+        panic!("the handler panics on purpose (x-panic)");
+    }
 }
 
 fn json_response(status: StatusCode, body: &Value) -> Response<Bytes> {
@@ -120,12 +141,7 @@ impl<F: HttpFixture> SuiteApp<F> {
                 .record_effect(tx, &effect)
                 .await
                 .expect("effect written");
-            if let Some(ms) = header(headers, "x-sleep-ms").and_then(|v| v.parse().ok()) {
-                tokio::time::sleep(Duration::from_millis(ms)).await;
-            }
-            if headers.contains_key("x-panic") {
-                panic!("the handler panics on purpose (x-panic)");
-            }
+            hold_or_panic(headers).await;
         }
         let body = json!({ "execution": n, "effect": effect, "pad": "x".repeat(pad) });
         let mut response = json_response(status(headers), &body);
@@ -149,6 +165,69 @@ impl<F: HttpFixture> SuiteApp<F> {
                 .insert("idempotent-replayed", HeaderValue::from_static("true"));
         }
         response
+    }
+
+    /// `POST /emit`: enqueues `emit` messages (the body's, [`EMIT_DEFAULT`] without) for
+    /// [`EMIT_DESTINATION`] through the store's outbox in `tx`, the request's transaction,
+    /// their IDs from `request`'s emitter (a new one per run, so a re-run derives the same
+    /// IDs), then writes the effect row, sleeps `x-sleep-ms` or panics on `x-panic`, and
+    /// answers the status in `x-status` with the IDs in its body. A store without an outbox is
+    /// answered `501 no-outbox` (a problem, not stored: the key stays free).
+    pub async fn emit(
+        &self,
+        tx: &mut RequestTxOf<F>,
+        request: &IdemRequest,
+        headers: &HeaderMap,
+        body: &[u8],
+    ) -> Response<Bytes> {
+        let n = self.next();
+        let order: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+        let effect = order["effect"].as_str().unwrap_or("none").to_owned();
+        let count = order["emit"].as_u64().unwrap_or(EMIT_DEFAULT);
+        let mut emitter = request.emitter();
+        let messages: Vec<Outgoing> = (0..count)
+            .map(|position| {
+                // The execution in the payload tells which run's rows committed.
+                let payload = json!({ "effect": effect, "position": position, "execution": n });
+                emitter
+                    .message(EMIT_DESTINATION, payload.to_string())
+                    .expect("a valid destination")
+            })
+            .collect();
+        let ids: Vec<String> = messages
+            .iter()
+            .map(|m| String::from_utf8_lossy(m.id().as_bytes()).into_owned())
+            .collect();
+        if let Err(e) = self.fx.enqueue(tx, &messages).await {
+            let (status, code) = match e {
+                Enqueue::NoOutbox => (StatusCode::NOT_IMPLEMENTED, "no-outbox"),
+                Enqueue::Store(_) => (StatusCode::INTERNAL_SERVER_ERROR, "outbox-error"),
+            };
+            let problem = json!({
+                "type": "about:blank",
+                "title": "The messages could not be enqueued",
+                "status": status.as_u16(),
+                "detail": e.to_string(),
+                "code": code,
+                "execution": n,
+                "ids": ids,
+            });
+            let mut response = json_response(status, &problem);
+            response.headers_mut().insert(
+                CONTENT_TYPE,
+                HeaderValue::from_static("application/problem+json"),
+            );
+            return response;
+        }
+        self.fx
+            .record_effect(tx, &effect)
+            .await
+            .expect("effect written");
+        hold_or_panic(headers).await;
+        json_response(
+            status(headers),
+            &json!({ "execution": n, "effect": effect, "ids": ids }),
+        )
     }
 
     /// `POST /json`, after the framework's JSON extractor accepted `order`.

@@ -1,6 +1,7 @@
 //! The black-box checks, generic over the framework and the store;
 //! [`http_suite_tests!`](crate::http_suite_tests) runs each once per store. Every check talks
-//! to the server over TCP only, and reads the store through the fixture.
+//! to the server over TCP only, and reads the store through the fixture. The outbox checks
+//! (`POST /emit`) are in their own module, re-exported here.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -21,6 +22,18 @@ macro_rules! fixture {
         }
     };
 }
+
+mod outbox;
+
+pub use outbox::{
+    a_failed_emitting_request_enqueues_nothing_and_its_retry_enqueues_once,
+    a_fenced_out_execution_enqueues_nothing_and_the_takeover_enqueues_once,
+    a_store_without_a_shared_transaction_refuses_the_outbox,
+    an_emitting_request_enqueues_its_messages_under_derived_ids_once,
+    another_body_with_an_emitting_key_is_422_and_enqueues_nothing,
+    concurrent_emitting_requests_with_one_key_enqueue_once,
+    two_principals_with_one_key_enqueue_under_distinct_ids,
+};
 
 async fn default_server<A: HttpFramework, F: HttpFixture>(fx: &Arc<F>) -> Server<F> {
     serve::<A, F>(Arc::clone(fx), fx.store(), |b| b).await

@@ -97,6 +97,16 @@ impl Reply {
         v["code"].as_str().unwrap_or_default().to_owned()
     }
 
+    /// The message IDs `POST /emit` named in its body.
+    pub fn emitted(&self) -> Vec<String> {
+        self.json()["ids"]
+            .as_array()
+            .expect("the emitted IDs")
+            .iter()
+            .map(|v| v.as_str().expect("an ID").to_owned())
+            .collect()
+    }
+
     /// The `execution` number of a handler's body.
     pub fn execution(&self) -> u64 {
         self.json()["execution"]
@@ -130,6 +140,16 @@ impl Post {
             body: json!({ "effect": effect }).to_string().into_bytes(),
             headers: Vec::new(),
         }
+    }
+
+    /// `POST /emit` for this effect, enqueueing `n` messages.
+    pub fn emitting(self, n: u64) -> Self {
+        let effect = serde_json::from_slice::<Value>(&self.body).unwrap_or(Value::Null)["effect"]
+            .as_str()
+            .unwrap_or("none")
+            .to_owned();
+        self.path("/emit")
+            .body(json!({ "effect": effect, "emit": n }))
     }
 
     /// Another path.

@@ -1,13 +1,16 @@
 //! One fixture per real store: an isolated, migrated store (its own SQLite file, PostgreSQL
 //! schema, MySQL database or Redis key prefix) with an effects table or counter, plus what the
-//! HTTP tests need beyond the store conformance fixture.
+//! HTTP tests need beyond the store conformance fixture: the outbox too, read as a relay
+//! leases it.
 
 use std::future::Future;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use super::outbox::{Enqueue, NoOutbox as _, StoreOutbox};
 use crate::isolated::{MySqlDatabase, PgSchema};
 use crate::{RequestFixture, RequestTxOf, service_url, services, unique_name};
+use idem_core::outbox::{OutboxRow, Outgoing, RelayStore};
 use idem_core::{BoxError, Migrate};
 use idem_redis::{RedisRequestStore, RedisTx};
 use idem_sql::{MySqlStore, PostgresStore, SqliteOptions, SqliteStore};
@@ -34,6 +37,32 @@ pub trait HttpFixture: RequestFixture {
         &self,
         tx: &mut RequestTxOf<Self>,
     ) -> impl Future<Output = Result<i64, BoxError>> + Send;
+
+    /// Enqueues `messages` in `tx` through the store's outbox ([`StoreOutbox`]): the SQL
+    /// stores' `OutboxStore`; [`Enqueue::NoOutbox`] where the store's type has none (Redis).
+    fn enqueue(
+        &self,
+        tx: &mut RequestTxOf<Self>,
+        messages: &[Outgoing],
+    ) -> impl Future<Output = Result<(), Enqueue>> + Send;
+
+    /// The committed, unsent outbox rows in commit order, read as a relay reads them (the
+    /// store's [`RelayStore::lease`], by one reader that leases them again on every read);
+    /// none where the store has no outbox.
+    fn outbox(&self) -> impl Future<Output = Vec<OutboxRow>> + Send;
+}
+
+/// The relay name the suite reads the outbox as.
+const OUTBOX_READER: &str = "http-suite-reader";
+
+async fn lease_all<S: RelayStore>(store: &S) -> Vec<OutboxRow> {
+    let rows = store
+        .lease(OUTBOX_READER, 10_000, Duration::from_secs(600))
+        .await
+        .expect("lease the outbox rows");
+    // Leased in commit order, as a relay publishes them.
+    assert!(rows.windows(2).all(|w| w[0].seq < w[1].seq), "{rows:?}");
+    rows
 }
 
 // ---------------------------------------------------------------------------------------- SQLite
@@ -116,6 +145,18 @@ impl HttpFixture for SqliteFx {
             .await?)
     }
 
+    async fn enqueue(
+        &self,
+        tx: &mut RequestTxOf<Self>,
+        messages: &[Outgoing],
+    ) -> Result<(), Enqueue> {
+        StoreOutbox(&self.store).enqueue(tx, messages).await
+    }
+
+    async fn outbox(&self) -> Vec<OutboxRow> {
+        lease_all(&self.store).await
+    }
+
     async fn count_records(&self) -> i64 {
         sqlx::query_scalar("SELECT count(*) FROM idem_requests")
             .fetch_one(self.store.pool())
@@ -188,6 +229,18 @@ impl HttpFixture for PgFx {
         Ok(sqlx::query_scalar("SELECT count(*) FROM effects")
             .fetch_one(&mut **tx)
             .await?)
+    }
+
+    async fn enqueue(
+        &self,
+        tx: &mut RequestTxOf<Self>,
+        messages: &[Outgoing],
+    ) -> Result<(), Enqueue> {
+        StoreOutbox(&self.store).enqueue(tx, messages).await
+    }
+
+    async fn outbox(&self) -> Vec<OutboxRow> {
+        lease_all(&self.store).await
     }
 
     async fn count_records(&self) -> i64 {
@@ -263,6 +316,18 @@ impl HttpFixture for MySqlFx {
         Ok(sqlx::query_scalar("SELECT count(*) FROM effects")
             .fetch_one(&mut **tx)
             .await?)
+    }
+
+    async fn enqueue(
+        &self,
+        tx: &mut RequestTxOf<Self>,
+        messages: &[Outgoing],
+    ) -> Result<(), Enqueue> {
+        StoreOutbox(&self.store).enqueue(tx, messages).await
+    }
+
+    async fn outbox(&self) -> Vec<OutboxRow> {
+        lease_all(&self.store).await
     }
 
     async fn count_records(&self) -> i64 {
@@ -386,6 +451,15 @@ impl RequestFixture for RedisFx {
 impl HttpFixture for RedisFx {
     async fn read_through(&self, _tx: &mut RedisTx) -> Result<i64, BoxError> {
         Ok(0)
+    }
+
+    /// `RedisRequestStore` implements no `OutboxStore`: refused (see [`StoreOutbox`]).
+    async fn enqueue(&self, tx: &mut RedisTx, messages: &[Outgoing]) -> Result<(), Enqueue> {
+        StoreOutbox(&self.store).enqueue(tx, messages).await
+    }
+
+    async fn outbox(&self) -> Vec<OutboxRow> {
+        Vec::new()
     }
 
     async fn count_records(&self) -> i64 {

@@ -28,22 +28,40 @@
 //! | `POST /json` | [`SuiteApp::json_charge`], the body through the framework's JSON extractor | required |
 //! | `POST /plain` | [`SuiteApp::plain`], no idem extractor at all | required |
 //! | `POST /derive` | [`SuiteApp::derive`] with the execution's [`IdemRequest`](idem_http::IdemRequest) | required |
-//! | `POST /v1/charges`, `/v1/derive`, `/v2/charges`, `/v2/derive` | the same, nested under a prefix (`Router::nest`, `web::scope`) | required |
+//! | `POST /emit` | [`SuiteApp::emit`] with the execution's `IdemRequest` and transaction (not `Option`) | required |
+//! | `POST /v1/charges`, `/v1/derive`, `/v1/emit`, `/v2/…` the same | the same, nested under a prefix (`Router::nest`, `web::scope`) | required |
 //!
 //! The JSON extractor must reject before the handler runs: `415` for a body that is not
 //! `application/json`, `422` for JSON without the `effect` field, `400` for a body that is not
 //! JSON (axum's `Json` does so; other frameworks map their rejections to these statuses).
 //! A response the handler marked [`Executed`](idem_http::Executed) carries the marker to the
 //! middleware (an extension of the framework's response).
+//!
+//! # The outbox
+//!
+//! `POST /emit` enqueues messages through the request's
+//! [`emitter`](idem_http::IdemRequest::emitter) in the request's transaction, through the
+//! store's own `OutboxStore` ([`outbox`]). On the SQL stores the suite reads them back as a
+//! relay leases them and recomputes every ID through
+//! [`Principal::emitter`](idem_http::Principal::emitter): one request enqueues exactly its
+//! messages under those IDs, a replay or a `422` none more, a 5xx or a panic none (and the
+//! retry that succeeds exactly once), 16 concurrent requests with one key once, an execution
+//! fenced out by a takeover none (the takeover's messages are the ones that commit), and two
+//! principals or two paths with one key enqueue under distinct IDs. Redis's store implements
+//! no `OutboxStore` (it shares no transaction with the request): there the suite asserts
+//! that the handler's enqueue is refused, `501 no-outbox`, and nothing is stored.
 
 mod app;
 pub mod checks;
 mod client;
 pub mod fixtures;
+pub mod outbox;
 
 use std::future::Future;
 
-pub use app::{Order, REQUEST_LIMIT, STORAGE_LIMIT, SuiteApp, X_STORED, layer};
+pub use app::{
+    EMIT_DEFAULT, EMIT_DESTINATION, Order, REQUEST_LIMIT, STORAGE_LIMIT, SuiteApp, X_STORED, layer,
+};
 pub use client::{Post, Reply, Server, raw_http, serve};
 pub use fixtures::HttpFixture;
 
@@ -101,16 +119,34 @@ impl std::fmt::Debug for Running {
 
 /// Expands to one `#[tokio::test]` per black-box HTTP check ([`checks`]) for a
 /// [`HttpFramework`], in the modules `sqlite`, `postgres`, `mysql` and `redis` (the real-service
-/// stores skip, loudly, when their URL is not set).
+/// stores skip, loudly, when their URL is not set): 23 checks on every store, then the six
+/// outbox checks on the SQL stores and the outbox's refusal on Redis.
 #[macro_export]
 macro_rules! http_suite_tests {
     ($framework:ty) => {
-        $crate::http_suite_tests!(@store sqlite, $framework, $crate::http::fixtures::SqliteFx);
-        $crate::http_suite_tests!(@store postgres, $framework, $crate::http::fixtures::PgFx);
-        $crate::http_suite_tests!(@store mysql, $framework, $crate::http::fixtures::MySqlFx);
-        $crate::http_suite_tests!(@store redis, $framework, $crate::http::fixtures::RedisFx);
+        $crate::http_suite_tests!(@store sqlite, $framework, $crate::http::fixtures::SqliteFx; outbox);
+        $crate::http_suite_tests!(@store postgres, $framework, $crate::http::fixtures::PgFx; outbox);
+        $crate::http_suite_tests!(@store mysql, $framework, $crate::http::fixtures::MySqlFx; outbox);
+        $crate::http_suite_tests!(@store redis, $framework, $crate::http::fixtures::RedisFx; no_outbox);
     };
-    (@store $module:ident, $framework:ty, $fixture:ty) => {
+    // The stores whose transaction is the request's: the outbox contract.
+    (@outbox $framework:ty, $fixture:ty) => {
+        $crate::http_suite_tests!(@tests $framework, $fixture;
+            an_emitting_request_enqueues_its_messages_under_derived_ids_once,
+            another_body_with_an_emitting_key_is_422_and_enqueues_nothing,
+            a_failed_emitting_request_enqueues_nothing_and_its_retry_enqueues_once,
+            concurrent_emitting_requests_with_one_key_enqueue_once,
+            a_fenced_out_execution_enqueues_nothing_and_the_takeover_enqueues_once,
+            two_principals_with_one_key_enqueue_under_distinct_ids,
+        );
+    };
+    // Redis: no outbox, refused.
+    (@no_outbox $framework:ty, $fixture:ty) => {
+        $crate::http_suite_tests!(@tests $framework, $fixture;
+            a_store_without_a_shared_transaction_refuses_the_outbox,
+        );
+    };
+    (@store $module:ident, $framework:ty, $fixture:ty; $outbox:ident) => {
         mod $module {
             #[allow(unused_imports)]
             use super::*;
@@ -140,6 +176,7 @@ macro_rules! http_suite_tests {
                 an_extractor_rejection_is_not_stored_and_the_corrected_retry_runs,
                 nested_routes_keep_their_prefix_in_the_scope,
             );
+            $crate::http_suite_tests!(@$outbox $framework, $fixture);
         }
     };
     (@tests $framework:ty, $fixture:ty; $($name:ident),* $(,)?) => {

@@ -1,35 +1,30 @@
 //! `--emit NAME --broker URL`: each charge's `PaymentCharged` event goes through the outbox, in
 //! the request's transaction, to the broker, read back with idem's own source: one event per
-//! executed charge (a replay makes none), its message ID the one `Emitter::for_request` derives
-//! from the request's scoped key, its payload the charge; the outbox rows marked sent. And
-//! `--emit` refused where the charge's transaction is not the request's (Redis).
+//! executed charge (a replay makes none), its message ID the one the request's emitter derives
+//! from its scoped key (recomputed with `idem_http::Principal::emitter`), its payload the
+//! charge; the outbox rows marked sent. And `--emit` refused where the charge's transaction is
+//! not the request's (Redis).
 
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use idem_any::{BrokerUrl, SourceSpec, WithSource};
 use idem_consumer::{Delivery, Source};
-use idem_core::outbox::Emitter;
-use idem_core::{MessageId, RequestKey, RequestScope};
+use idem_core::MessageId;
 use idem_testkit::{service_url, services, unique_name};
 
 use crate::util::{BIN, Post, Server, Store, TestDb, client, post, principal_of, token};
 
 /// The ID of the first event of the request `POST /charges` with `Idempotency-Key: key_header`
-/// and bearer `token`, computed as the layer scopes the request (idem-http's
-/// `Principal::scope`: the principal's bytes, method and path) and as
-/// [`idem_http::IdemRequest::emitter`] derives from it.
+/// and bearer `token`, recomputed outside the request through idem-http's own
+/// [`Principal::emitter`](idem_http::Principal::emitter): what
+/// [`idem_http::IdemRequest::emitter`] hands the handler for that principal, method, path and
+/// key.
 fn event_id(token: &str, key_header: &str) -> MessageId {
-    let principal = principal_of(token);
-    let scope = RequestScope::new([
-        b"idem-http".as_slice(),
-        b"principal",
-        principal.as_bytes(),
-        b"POST",
-        b"/charges",
-    ]);
     let key = idem_http::parse_key(key_header.as_bytes(), 255).expect("a valid key");
-    Emitter::for_request(&RequestKey::new(scope, key)).next_id()
+    idem_http::Principal::new(principal_of(token))
+        .emitter(&axum::http::Method::POST, "/charges", &key)
+        .next_id()
 }
 
 /// One event as read: its message ID where idem's consumers read it, and its JSON payload.

@@ -53,6 +53,18 @@ async fn derive<F: HttpFixture>(
     app.derive(&req, &headers).map(axum::body::Body::from)
 }
 
+async fn emit<F: HttpFixture>(
+    State(app): App<F>,
+    req: IdemRequest,
+    mut tx: IdemTx<F::Store>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    app.emit(&mut tx, &req, &headers, &body)
+        .await
+        .map(axum::body::Body::from)
+}
+
 async fn list<F: HttpFixture>(State(app): App<F>) -> Response {
     app.list().map(axum::body::Body::from).into_response()
 }
@@ -61,6 +73,7 @@ fn versioned<F: HttpFixture>(idem: &Idempotency<F::Store>) -> Router<Arc<SuiteAp
     Router::new()
         .route("/charges", post(charge::<F>).layer(layer(idem.clone())))
         .route("/derive", post(derive::<F>).layer(layer(idem.clone())))
+        .route("/emit", post(emit::<F>).layer(layer(idem.clone())))
 }
 
 /// The suite's routes on axum, one layer per route, configured per route (the whole-router
@@ -82,6 +95,7 @@ pub(crate) fn router<F: HttpFixture>(app: Arc<SuiteApp<F>>, idem: Idempotency<F:
         .route("/json", post(json_charge::<F>).layer(layer(idem.clone())))
         .route("/plain", post(plain::<F>).layer(layer(idem.clone())))
         .route("/derive", post(derive::<F>).layer(layer(idem.clone())))
+        .route("/emit", post(emit::<F>).layer(layer(idem.clone())))
         // The same routes under two prefixes: the layer sits inside the nested router, where
         // the request's URI has lost its prefix.
         .nest("/v1", versioned::<F>(&idem))
