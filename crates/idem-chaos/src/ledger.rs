@@ -189,6 +189,11 @@ impl RunDatabase {
         self.distinct("charges", "message_id").await
     }
 
+    /// Whether the services have created `table` yet.
+    pub(crate) async fn has_table(&self, table: &str) -> Result<bool> {
+        self.reader().await?.table_exists(table).await
+    }
+
     /// Distinct values of `column` in `table` (the harness's own names), 0 while the table
     /// does not exist yet.
     async fn distinct(&self, table: &str, column: &str) -> Result<u64> {

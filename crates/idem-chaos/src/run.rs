@@ -16,6 +16,8 @@ use crate::ledger::{RunDatabase, Sent};
 use crate::report::Report;
 use crate::schedule::{Reach, Schedule};
 
+/// The outbox the consumers write and the relays read (idem's default name).
+const OUTBOX_TABLE: &str = idem_core::DEFAULT_OUTBOX_TABLE;
 /// How often the run looks at its consumers and the ledger.
 const TICK: Duration = Duration::from_millis(100);
 /// How long a drain may make no progress, with messages left, before the harness checks
@@ -417,6 +419,9 @@ impl Run<'_> {
         // after the consumers, which create the outbox table.
         for role in [Role::Receipts, Role::Charge, Role::Relay] {
             let n = self.fleet(role).map_or(0, Fleet::len);
+            if role == Role::Relay && n > 0 {
+                self.wait_for_outbox().await?;
+            }
             for slot in 0..n {
                 let armed = self.arm_next(role);
                 if let Some(fleet) = self.fleet_mut(role) {
@@ -621,6 +626,22 @@ impl Run<'_> {
                 }
                 self.charged_unread = Some(e);
             }
+        }
+    }
+
+    /// Waits until the consumers have created the outbox table: a relay deployed beside a
+    /// service starts after its migration (a relay finding no outbox stops: a
+    /// misconfiguration, not an outage).
+    async fn wait_for_outbox(&self) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if self.db.has_table(OUTBOX_TABLE).await.unwrap_or(false) {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("the consumers created no {OUTBOX_TABLE} table within 60 s");
+            }
+            tokio::time::sleep(TICK).await;
         }
     }
 
