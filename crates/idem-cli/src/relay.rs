@@ -58,7 +58,12 @@ pub(crate) async fn relay(args: RelayArgs) -> anyhow::Result<()> {
         .settings()?;
     let broker = BrokerUrl::parse(&args.broker)?;
     let outbox = TableName::new(&args.outbox_table)?;
+    // A fault-injection run arms a relay crash point; a typo must not go unnoticed.
+    let crash_at = idem_consumer::crash::from_env().map_err(anyhow::Error::msg)?;
     init_logs();
+    if let Some(at) = crash_at {
+        tracing::info!(crash_at = %at, "crash point armed: this process aborts there");
+    }
     tracing::info!(
         relay = settings.name(),
         database = %idem_redact::redact_url(&args.database),

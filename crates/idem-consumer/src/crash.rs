@@ -13,6 +13,13 @@
 //! | `after-handler` | the handler returned, its transaction is not committed yet |
 //! | `after-commit` | the transaction committed, the delivery is not acknowledged yet |
 //! | `in-batch` | inside a batch transaction, after the first message's handler and before the next one |
+//! | `relay-after-lease` | the outbox relay leased a batch of rows, nothing of it published yet |
+//! | `relay-after-publish` | the broker confirmed one row's publish, the row is not marked sent yet |
+//! | `relay-after-mark` | a mark-sent transaction committed (a chunk of confirmed rows) |
+//!
+//! The first four are a consumer's ([`CrashPoint::ALL`]); the `relay-*` points are the relay's
+//! ([`CrashPoint::RELAY`], in `idem-relay`), reached only in a process that runs a relay (the
+//! `idem relay` command, `payments --emit`).
 
 use std::fmt;
 use std::str::FromStr;
@@ -35,16 +42,35 @@ pub enum CrashPoint {
     AfterCommit,
     /// Inside a batch transaction, between two handler calls.
     InBatch,
+    /// The relay leased rows and published none of them yet.
+    RelayAfterLease,
+    /// The broker confirmed a row's publish; the row is not marked sent yet.
+    RelayAfterPublish,
+    /// A mark-sent transaction committed.
+    RelayAfterMark,
 }
 
 impl CrashPoint {
-    /// Every crash point, in processing order.
+    /// Every crash point of a consumer's processing path, in processing order (what a
+    /// consumer process can be armed with; the relay's are [`RELAY`](Self::RELAY)).
     pub const ALL: [CrashPoint; 4] = [
         CrashPoint::BeforeClaim,
         CrashPoint::AfterHandler,
         CrashPoint::AfterCommit,
         CrashPoint::InBatch,
     ];
+
+    /// The outbox relay's crash points, in the order a row meets them.
+    pub const RELAY: [CrashPoint; 3] = [
+        CrashPoint::RelayAfterLease,
+        CrashPoint::RelayAfterPublish,
+        CrashPoint::RelayAfterMark,
+    ];
+
+    /// Every point, the consumer's and the relay's.
+    fn every() -> impl Iterator<Item = CrashPoint> {
+        CrashPoint::ALL.into_iter().chain(CrashPoint::RELAY)
+    }
 
     /// The name used in [`CRASH_AT_ENV`].
     pub fn name(self) -> &'static str {
@@ -53,6 +79,9 @@ impl CrashPoint {
             CrashPoint::AfterHandler => "after-handler",
             CrashPoint::AfterCommit => "after-commit",
             CrashPoint::InBatch => "in-batch",
+            CrashPoint::RelayAfterLease => "relay-after-lease",
+            CrashPoint::RelayAfterPublish => "relay-after-publish",
+            CrashPoint::RelayAfterMark => "relay-after-mark",
         }
     }
 }
@@ -66,16 +95,13 @@ impl fmt::Display for CrashPoint {
 impl FromStr for CrashPoint {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        CrashPoint::ALL
-            .into_iter()
-            .find(|p| p.name() == s)
-            .ok_or_else(|| {
-                let names: Vec<_> = CrashPoint::ALL.iter().map(|p| p.name()).collect();
-                format!(
-                    "unknown crash point {s:?}: expected one of {}",
-                    names.join(", ")
-                )
-            })
+        CrashPoint::every().find(|p| p.name() == s).ok_or_else(|| {
+            let names: Vec<_> = CrashPoint::every().map(|p| p.name()).collect();
+            format!(
+                "unknown crash point {s:?}: expected one of {}",
+                names.join(", ")
+            )
+        })
     }
 }
 
@@ -132,9 +158,10 @@ pub fn from_env() -> Result<Option<CrashAt>, String> {
 }
 
 /// Marks that the processing path reached `point`; aborts the process if it is armed there
-/// and this is the armed visit.
+/// and this is the armed visit. Public for the crates whose paths have points of their own
+/// (`idem-relay`); without the `crash-points` feature it does nothing.
 #[inline(always)]
-pub(crate) fn reached(point: CrashPoint) {
+pub fn reached(point: CrashPoint) {
     #[cfg(feature = "crash-points")]
     armed::reached(point);
     #[cfg(not(feature = "crash-points"))]
@@ -182,7 +209,7 @@ mod tests {
             }
         );
         assert_eq!(at.to_string(), "after-commit:25");
-        for p in CrashPoint::ALL {
+        for p in CrashPoint::every() {
             assert_eq!(p.name().parse::<CrashPoint>().unwrap(), p);
         }
     }

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::Stream;
+use idem_consumer::crash::{self, CrashPoint};
 use idem_consumer::{ReconnectBackoff, RetryPolicy};
 use idem_core::Error;
 use idem_core::outbox::{OutboxRow, RelayStore};
@@ -283,6 +284,7 @@ where
         }
         state.stats.rounds += 1;
         tracing::debug!(relay = %s.name, rows = rows.len(), "leased");
+        crash::reached(CrashPoint::RelayAfterLease);
         if s.create_destinations {
             self.ensure_destinations(state, &rows).await;
         }
@@ -361,6 +363,7 @@ where
         round.reached += sent.len();
         if !sent.is_empty() {
             self.store.mark_sent(name, &sent).await?;
+            crash::reached(CrashPoint::RelayAfterMark);
             self.instruments.published(&mut state.stats, sent.len());
         }
         let mut unstarted = Vec::new();

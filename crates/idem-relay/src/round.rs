@@ -5,6 +5,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use idem_consumer::crash::{self, CrashPoint};
 use idem_core::Error;
 use idem_core::outbox::OutboxRow;
 use tokio::sync::Semaphore;
@@ -81,6 +82,7 @@ pub(crate) async fn publish_unit<P: Publish>(
         match publisher.publish(&row.message).await {
             Ok(()) => {
                 tracing::debug!(seq = row.seq, id = ?row.message.id(), destination = row.message.destination(), "published");
+                crash::reached(CrashPoint::RelayAfterPublish);
                 out.sent.push(row.seq);
             }
             Err(e) => {

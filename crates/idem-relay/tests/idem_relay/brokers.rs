@@ -8,12 +8,12 @@ use std::time::Duration;
 use idem_any::{AnyProducer, BrokerUrl, SourceSpec, WithSource};
 use idem_consumer::{Delivery, Source};
 use idem_core::outbox::{Emitter, Outgoing};
-use idem_core::outbox::{OutboxStore, RelayStore};
 use idem_core::{ConsumerName, MessageId};
-use idem_core::{Migrate, TransactionalStore};
 use idem_relay::{BrokerPublisher, CancellationToken, Relay};
-use idem_sql::{SqliteOptions, SqliteStore};
+use idem_sql::SqliteStore;
 use tokio::time::Instant;
+
+use crate::outbox::Outbox;
 
 /// What a consumer read of one message.
 #[derive(Debug, PartialEq, Eq)]
@@ -60,52 +60,6 @@ impl WithSource for Relayed {
         let stats = relay.await.expect("relay task").expect("relay run");
         let _ = source.close().await;
         (got, stats)
-    }
-}
-
-/// A real outbox: a SQLite file in its own directory, migrated.
-struct Outbox {
-    store: SqliteStore,
-    dir: std::path::PathBuf,
-}
-
-impl Outbox {
-    async fn new(test: &str) -> Self {
-        let dir = std::env::temp_dir().join(idem_testkit::unique_name("idem_relay", test));
-        std::fs::create_dir_all(&dir).expect("temp dir");
-        let store = SqliteStore::open(dir.join("outbox.db"), SqliteOptions::default())
-            .await
-            .expect("open sqlite");
-        store.migrate().await.expect("migrate");
-        Self { store, dir }
-    }
-
-    /// Commits `messages` to the outbox in one transaction, as a handler would.
-    async fn enqueue(&self, messages: &[Outgoing]) {
-        let mut tx = self.store.begin().await.expect("begin");
-        self.store
-            .enqueue(&mut tx, messages)
-            .await
-            .expect("enqueue");
-        self.store.commit(tx).await.expect("commit");
-    }
-
-    async fn backlog(&self) -> idem_core::outbox::Backlog {
-        self.store.backlog().await.expect("backlog")
-    }
-
-    /// The reason `id`'s row was dead-lettered with, if it was.
-    async fn dead_letter_reason(&self, id: &MessageId) -> Option<String> {
-        sqlx::query_scalar("SELECT reason FROM idem_outbox_dead_letters WHERE message_id = ?")
-            .bind(id.as_bytes())
-            .fetch_optional(self.store.pool())
-            .await
-            .expect("read the dead letters")
-    }
-
-    async fn remove(self) {
-        self.store.pool().close().await;
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 

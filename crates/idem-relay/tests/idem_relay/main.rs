@@ -1,4 +1,6 @@
 //! idem-relay's one test binary: the relay publishing through `AnyProducer` to real brokers,
-//! read back by idem's own sources.
+//! read back by idem's own sources; its crash points on a child process.
 
 mod brokers;
+mod crash;
+mod outbox;
