@@ -19,7 +19,7 @@ pub(crate) struct Schedule {
     crash_within: u64,
     /// The consumer's points (`before-claim` … `in-batch`).
     consumer_points: Vec<CrashPoint>,
-    /// The outbox relay's points (`relay-…`), where this build has them.
+    /// The outbox relay's points (`relay-after-lease` … `relay-after-mark`).
     relay_points: Vec<CrashPoint>,
 }
 
@@ -35,11 +35,6 @@ pub(crate) enum Reach {
     Relay,
 }
 
-/// Whether `point` is the relay's rather than the consumer's (by its name's `relay-` prefix).
-pub(crate) fn is_relay_point(point: CrashPoint) -> bool {
-    point.name().starts_with("relay-")
-}
-
 impl Schedule {
     pub(crate) fn new(
         seed: u64,
@@ -49,17 +44,17 @@ impl Schedule {
         batch: usize,
     ) -> Self {
         // In-batch needs a batch to be inside of.
-        let (relay_points, consumer_points) = CrashPoint::ALL
+        let consumer_points = CrashPoint::ALL
             .into_iter()
             .filter(|p| batch > 1 || *p != CrashPoint::InBatch)
-            .partition(|p| is_relay_point(*p));
+            .collect();
         Self {
             rng: ChaCha8Rng::seed_from_u64(seed),
             kill_every,
             crash_share: crash_share.clamp(0.0, 1.0),
             crash_within: crash_within.max(1),
             consumer_points,
-            relay_points,
+            relay_points: CrashPoint::RELAY.to_vec(),
         }
     }
 
