@@ -535,7 +535,7 @@ impl Run<'_> {
 
         // Drain: every replica up and unarmed, until all is committed and acknowledged.
         let drain_started = Instant::now();
-        let mut progress = (self.charged, Instant::now());
+        let mut progress = (self.charged + self.receipted, Instant::now());
         loop {
             tokio::time::sleep(TICK * 5).await;
             self.tend(false)?;
@@ -550,8 +550,10 @@ impl Run<'_> {
                 }
             }
             let receipted = self.hop.is_none() || self.receipted >= self.report.unique;
-            if self.charged > progress.0 {
-                progress = (self.charged, Instant::now());
+            // Progress on either hop.
+            let done = self.charged + self.receipted;
+            if done > progress.0 {
+                progress = (done, Instant::now());
             } else if progress.1.elapsed() >= STALL && backlog.is_some_and(|b| b > 0) {
                 self.unorphan().await;
                 progress.1 = Instant::now();
@@ -578,32 +580,39 @@ impl Run<'_> {
         }
     }
 
-    /// The drain has stalled with messages left: if the running consumers together hold fewer
+    /// The drain has stalled with messages left: if the running consumers of a hop hold fewer
     /// partitions than the topic has (by their own rebalance logs), the broker's group left
     /// some to no member (a tansu fault, RELIABILITY.md): count them and make the group
     /// rebalance. Partitions a consumer holds and does not consume are not touched: that would
     /// be idem's stall, and the drain timeout reports it.
     async fn unorphan(&mut self) {
-        let total = match self.broker.partitions(self.names).await {
-            Ok(Some(n)) => n,
-            Ok(None) => return,
-            Err(e) => {
-                eprintln!("idem-chaos: reading the topic's partitions failed: {e:#}");
-                return;
+        let hops = [(Role::Charge, Some(self.names)), (Role::Receipts, self.hop)];
+        for (role, names) in hops {
+            let (Some(names), Some(fleet)) = (names, self.fleet(role)) else {
+                continue;
+            };
+            let total = match self.broker.partitions(names).await {
+                Ok(Some(n)) => n,
+                Ok(None) => continue,
+                Err(e) => {
+                    eprintln!("idem-chaos: reading the topic's partitions failed: {e:#}");
+                    continue;
+                }
+            };
+            let held = fleet.held_partitions();
+            if held >= total {
+                continue;
             }
-        };
-        let held = self.fleet.held_partitions();
-        if held >= total {
-            return;
-        }
-        eprintln!(
-            "idem-chaos: the consumers hold {held} of {total} partitions: the broker's group \
-             left {} to no member (a broker fault); making the group rebalance",
-            total - held
-        );
-        self.report.broker_orphaned_partitions += (total - held) as u64;
-        if let Err(e) = self.broker.nudge_group(self.names).await {
-            eprintln!("idem-chaos: the rebalance nudge failed: {e:#}");
+            eprintln!(
+                "idem-chaos: the {}s hold {held} of {total} partitions: the broker's group \
+                 left {} to no member (a broker fault); making the group rebalance",
+                role.name(),
+                total - held
+            );
+            self.report.broker_orphaned_partitions += (total - held) as u64;
+            if let Err(e) = self.broker.nudge_group(names).await {
+                eprintln!("idem-chaos: the rebalance nudge failed: {e:#}");
+            }
         }
     }
 
