@@ -8,6 +8,12 @@
 //! cluster. Then it waits until everything is consumed and checks the ledger against what was
 //! sent: one summary line and one JSON object on stdout, exit status 1 on any anomaly.
 //!
+//! `--two-hop` adds a second hop behind a transactional outbox: the consumers also write an
+//! event per charge, relays (in process, or `--relays N` `idem relay` processes) publish it,
+//! and `--receipt-consumers` second-hop consumers record it; every kind of process is killed,
+//! and the checker wants one effect per ID at each hop. The database is PostgreSQL's, MySQL's
+//! or an SQLite file (`--database sqlite:`); the database faults need PostgreSQL.
+//!
 //! ```text
 //! cargo build -p payments -p idem-chaos --features payments/crash-points
 //! target/debug/idem-chaos --broker nats://127.0.0.1:4222 \
