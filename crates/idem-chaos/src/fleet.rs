@@ -1,6 +1,7 @@
-//! The consumer processes: several `payments` services in one consumer group, started,
-//! killed and restarted by slot. A slot is one replica: its instance name (Redis Streams
-//! consumer, as a StatefulSet pod keeps its name) survives its restarts.
+//! The processes of a run: several `payments` services in one consumer group (or several
+//! `idem relay` processes), started, killed and restarted by slot. A slot is one replica: its
+//! instance name (Redis Streams consumer, relay lease owner, as a StatefulSet pod keeps its
+//! name) survives its restarts.
 
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
@@ -35,13 +36,16 @@ struct Slot {
     starts: u64,
 }
 
-/// The consumers of one run.
+/// The replicas of one kind in a run.
 #[derive(Debug)]
 pub(crate) struct Fleet {
     program: PathBuf,
     args: Vec<String>,
     logs: PathBuf,
     slots: Vec<Slot>,
+    /// The flag that names a replica, and the names' and log files' prefix.
+    instance_flag: &'static str,
+    prefix: &'static str,
 }
 
 impl Fleet {
@@ -52,7 +56,21 @@ impl Fleet {
             args,
             logs: logs.to_owned(),
             slots: (0..size).map(|_| Slot::default()).collect(),
+            instance_flag: "--instance",
+            prefix: "consumer",
         }
+    }
+
+    /// Replicas named with `flag` as `chaos-<prefix>-<slot>` (default: `--instance
+    /// chaos-<slot>`), logging to `<prefix>-<slot>.log`.
+    pub(crate) fn named(mut self, flag: &'static str, prefix: &'static str) -> Self {
+        self.instance_flag = flag;
+        self.prefix = prefix;
+        self
+    }
+
+    fn log_path(&self, slot: usize) -> PathBuf {
+        self.logs.join(format!("{}-{slot}.log", self.prefix))
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -61,7 +79,11 @@ impl Fleet {
 
     /// Starts the replica in `slot`, armed to abort at `crash` if given.
     pub(crate) fn start(&mut self, slot: usize, crash: Option<CrashAt>) -> Result<()> {
-        let log_path = self.logs.join(format!("consumer-{slot}.log"));
+        let log_path = self.log_path(slot);
+        let instance = match self.prefix {
+            "consumer" => format!("chaos-{slot}"),
+            prefix => format!("chaos-{prefix}-{slot}"),
+        };
         let mut log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -76,7 +98,7 @@ impl Fleet {
         }
         let mut cmd = Command::new(&self.program);
         cmd.args(&self.args)
-            .args(["--instance", &format!("chaos-{slot}")])
+            .args([self.instance_flag, instance.as_str()])
             .env_remove(CRASH_AT_ENV)
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
@@ -171,8 +193,7 @@ impl Fleet {
             if s.child.is_none() {
                 continue;
             }
-            let path = self.logs.join(format!("consumer-{i}.log"));
-            let text = std::fs::read_to_string(&path).unwrap_or_default();
+            let text = std::fs::read_to_string(self.log_path(i)).unwrap_or_default();
             let this_process = text
                 .rsplit("=== idem-chaos: start")
                 .next()
@@ -200,7 +221,7 @@ impl Fleet {
     pub(crate) fn log_tails(&self, lines: usize) -> String {
         let mut out = String::new();
         for i in 0..self.slots.len() {
-            let path = self.logs.join(format!("consumer-{i}.log"));
+            let path = self.log_path(i);
             let text = std::fs::read_to_string(&path).unwrap_or_default();
             let all: Vec<&str> = text.lines().collect();
             out.push_str(&format!("--- {} (last {lines} lines)\n", path.display()));

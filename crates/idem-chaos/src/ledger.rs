@@ -1,72 +1,187 @@
-//! The database side of a run: a database of its own on the PostgreSQL server, and the check
-//! of what the consumers committed there against what was sent.
+//! The database side of a run: a database of its own (on the PostgreSQL or MySQL server, or
+//! an SQLite file the processes share), and the check of what the consumers committed there
+//! against what was sent.
 
 use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
+use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{ConnectOptions, Executor, PgPool};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode};
+use sqlx::{ConnectOptions, Executor, MySqlPool, PgPool};
 
 /// A database created for one run and dropped after it.
 #[derive(Debug)]
 pub(crate) struct RunDatabase {
-    /// The server, connected to its maintenance database (never the run's own).
-    admin: PgPool,
+    server: Server,
     name: String,
-    options: PgConnectOptions,
+}
+
+/// Where the run's database lives. The PostgreSQL and MySQL admin pools are connected to
+/// the server's maintenance database (never the run's own).
+#[derive(Debug)]
+enum Server {
+    Postgres {
+        admin: PgPool,
+        options: PgConnectOptions,
+    },
+    MySql {
+        admin: MySqlPool,
+        options: MySqlConnectOptions,
+    },
+    Sqlite {
+        path: PathBuf,
+    },
 }
 
 impl RunDatabase {
-    /// Creates database `name` on the server of `url`.
-    pub(crate) async fn create(url: &str, name: &str) -> Result<Self> {
-        let options: PgConnectOptions = url
-            .parse()
-            .with_context(|| format!("--database {}", idem_redact::redact_url(url)))?;
-        let admin = PgPoolOptions::new()
-            .max_connections(2)
-            .connect_with(options.clone().database("postgres"))
-            .await
-            .with_context(|| format!("connecting to {}", idem_redact::redact_url(url)))?;
-        admin
-            .execute(format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)").as_str())
-            .await?;
-        admin
-            .execute(format!("CREATE DATABASE \"{name}\"").as_str())
-            .await
-            .context("creating the run's database")?;
+    /// Creates database `name` on the server of `url` (`postgres://…`, `mysql://…`), or, for
+    /// `sqlite:`, the file `<name>.db` in `dir` (or in the folder the URL names after the
+    /// scheme).
+    pub(crate) async fn create(url: &str, name: &str, dir: &Path) -> Result<Self> {
+        let shown = idem_redact::redact_url(url);
+        let scheme = url
+            .split(':')
+            .next()
+            .unwrap_or_default()
+            .to_ascii_lowercase();
+        let server = match scheme.as_str() {
+            "postgres" | "postgresql" => {
+                let options: PgConnectOptions =
+                    url.parse().with_context(|| format!("--database {shown}"))?;
+                let admin = PgPoolOptions::new()
+                    .max_connections(2)
+                    .connect_with(options.clone().database("postgres"))
+                    .await
+                    .with_context(|| format!("connecting to {shown}"))?;
+                admin
+                    .execute(format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)").as_str())
+                    .await?;
+                admin
+                    .execute(format!("CREATE DATABASE \"{name}\"").as_str())
+                    .await
+                    .context("creating the run's database")?;
+                Server::Postgres {
+                    admin,
+                    options: options.database(name),
+                }
+            }
+            "mysql" | "mariadb" => {
+                let url = url.replacen("mariadb:", "mysql:", 1);
+                let options: MySqlConnectOptions =
+                    url.parse().with_context(|| format!("--database {shown}"))?;
+                let admin = MySqlPoolOptions::new()
+                    .max_connections(2)
+                    .connect_with(options.clone())
+                    .await
+                    .with_context(|| format!("connecting to {shown}"))?;
+                admin
+                    .execute(format!("DROP DATABASE IF EXISTS `{name}`").as_str())
+                    .await?;
+                admin
+                    .execute(format!("CREATE DATABASE `{name}`").as_str())
+                    .await
+                    .context("creating the run's database")?;
+                Server::MySql {
+                    admin,
+                    options: options.database(name),
+                }
+            }
+            "sqlite" => {
+                let folder = url["sqlite:".len()..].trim_start_matches("//");
+                let folder = match folder {
+                    "" => dir.to_owned(),
+                    f => PathBuf::from(f),
+                };
+                std::fs::create_dir_all(&folder)
+                    .with_context(|| format!("creating {}", folder.display()))?;
+                let path = folder.join(format!("{name}.db"));
+                let _ = std::fs::remove_file(&path);
+                // Created here, in WAL mode, so the checker can read it before any service
+                // has opened it, and the services find the journal mode they set anyway.
+                SqliteConnectOptions::new()
+                    .filename(&path)
+                    .create_if_missing(true)
+                    .journal_mode(SqliteJournalMode::Wal)
+                    .connect()
+                    .await
+                    .with_context(|| format!("creating {}", path.display()))?;
+                Server::Sqlite { path }
+            }
+            _ => bail!("--database {shown}: expected postgres://…, mysql://… or sqlite:"),
+        };
         Ok(Self {
-            admin,
+            server,
             name: name.to_owned(),
-            options: options.database(name),
         })
     }
 
-    /// The run database's URL at `host:port` (the server's, or a proxy's in front of it).
-    pub(crate) fn url_via(&self, host: &str, port: u16) -> String {
-        let mut url = self.options.to_url_lossy();
-        let _ = url.set_host(Some(host));
-        let _ = url.set_port(Some(port));
-        // The cut proxy reads the protocol in clear; TLS would hide COMMIT from it.
-        url.query_pairs_mut().append_pair("sslmode", "disable");
-        url.to_string()
+    /// The engine, as a word for the report.
+    pub(crate) fn engine(&self) -> &'static str {
+        match self.server {
+            Server::Postgres { .. } => "postgres",
+            Server::MySql { .. } => "mysql",
+            Server::Sqlite { .. } => "sqlite",
+        }
     }
 
-    pub(crate) fn host_port(&self) -> (String, u16) {
-        (self.options.get_host().to_owned(), self.options.get_port())
+    /// The URL the services connect with: the run database on its server, or through a
+    /// proxy at `127.0.0.1:proxy` (PostgreSQL only, checked by the run).
+    pub(crate) fn service_url(&self, proxy: Option<u16>) -> String {
+        match &self.server {
+            Server::Postgres { options, .. } => {
+                let mut url = options.to_url_lossy();
+                if let Some(port) = proxy {
+                    let _ = url.set_host(Some("127.0.0.1"));
+                    let _ = url.set_port(Some(port));
+                }
+                // The cut proxy reads the protocol in clear; TLS would hide COMMIT from it.
+                url.query_pairs_mut().append_pair("sslmode", "disable");
+                url.to_string()
+            }
+            Server::MySql { options, .. } => options.to_url_lossy().to_string(),
+            Server::Sqlite { path } => format!("sqlite:{}", path.display()),
+        }
+    }
+
+    /// The PostgreSQL server's host and port (for the cut proxy).
+    pub(crate) fn host_port(&self) -> Result<(String, u16)> {
+        match &self.server {
+            Server::Postgres { options, .. } => {
+                Ok((options.get_host().to_owned(), options.get_port()))
+            }
+            _ => bail!("only a PostgreSQL database has connections to cut"),
+        }
     }
 
     pub(crate) fn name(&self) -> &str {
         &self.name
     }
 
-    pub(crate) fn admin(&self) -> &PgPool {
-        &self.admin
+    /// The PostgreSQL server's admin pool, for the database faults (PostgreSQL only).
+    pub(crate) fn admin(&self) -> Result<&PgPool> {
+        match &self.server {
+            Server::Postgres { admin, .. } => Ok(admin),
+            _ => bail!("database faults are PostgreSQL's"),
+        }
     }
 
     /// A short-lived connection to the run's database for reading the ledger; read-only work,
     /// so it works during a read-only failover too.
-    async fn reader(&self) -> Result<sqlx::PgConnection> {
-        Ok(self.options.connect().await?)
+    async fn reader(&self) -> Result<Reader> {
+        Ok(match &self.server {
+            Server::Postgres { options, .. } => Reader::Postgres(options.connect().await?),
+            Server::MySql { options, .. } => Reader::MySql(options.connect().await?),
+            Server::Sqlite { path } => Reader::Sqlite(
+                SqliteConnectOptions::new()
+                    .filename(path)
+                    .busy_timeout(Duration::from_secs(10))
+                    .connect()
+                    .await?,
+            ),
+        })
     }
 
     /// Distinct message IDs with a charge so far (0 before the service created its tables).
@@ -74,36 +189,38 @@ impl RunDatabase {
         self.distinct("charges", "message_id").await
     }
 
+    /// Whether the services have created `table` yet.
+    pub(crate) async fn has_table(&self, table: &str) -> Result<bool> {
+        self.reader().await?.table_exists(table).await
+    }
+
     /// Distinct values of `column` in `table` (the harness's own names), 0 while the table
     /// does not exist yet.
     async fn distinct(&self, table: &str, column: &str) -> Result<u64> {
         let mut conn = self.reader().await?;
-        let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
-            .bind(table)
-            .fetch_one(&mut conn)
-            .await?;
-        if !exists {
+        if !conn.table_exists(table).await? {
             return Ok(0);
         }
-        let n: i64 = sqlx::query_scalar(&format!("SELECT count(DISTINCT {column}) FROM {table}"))
-            .fetch_one(&mut conn)
+        let n = conn
+            .integers(&format!("SELECT count(DISTINCT {column}) FROM {table}"))
             .await?;
-        Ok(n.max(0) as u64)
+        Ok(n.first().copied().unwrap_or(0).max(0) as u64)
     }
 
     /// Compares the ledger with what was sent.
     pub(crate) async fn check(&self, sent: &Sent) -> Result<LedgerCheck> {
         let mut conn = self.reader().await?;
-        let rows: Vec<(String, i64)> =
-            sqlx::query_as("SELECT message_id, count(*) FROM charges GROUP BY message_id")
-                .fetch_all(&mut conn)
-                .await
-                .context("reading charges")?;
-        let balance: i64 =
-            sqlx::query_scalar("SELECT coalesce(sum(balance_cents), 0)::bigint FROM accounts")
-                .fetch_one(&mut conn)
-                .await
-                .context("reading balances")?;
+        let rows = conn
+            .counts("SELECT message_id, count(*) FROM charges GROUP BY message_id")
+            .await
+            .context("reading charges")?;
+        // Summed here: SUM's type differs between engines (MySQL's is DECIMAL).
+        let balance: i64 = conn
+            .integers("SELECT balance_cents FROM accounts")
+            .await
+            .context("reading balances")?
+            .iter()
+            .sum();
         let counts: HashMap<String, i64> = rows.into_iter().collect();
         let mut check = LedgerCheck {
             effects: counts.values().map(|n| *n as u64).sum(),
@@ -148,11 +265,10 @@ impl RunDatabase {
     /// `--two-hop`: the second hop's receipts against what was sent: one per payment.
     pub(crate) async fn check_receipts(&self, sent: &Sent) -> Result<ReceiptCheck> {
         let mut conn = self.reader().await?;
-        let rows: Vec<(String, i64)> =
-            sqlx::query_as("SELECT payment_id, count(*) FROM receipts GROUP BY payment_id")
-                .fetch_all(&mut conn)
-                .await
-                .context("reading receipts")?;
+        let rows = conn
+            .counts("SELECT payment_id, count(*) FROM receipts GROUP BY payment_id")
+            .await
+            .context("reading receipts")?;
         let counts: HashMap<String, i64> = rows.into_iter().collect();
         let mut check = ReceiptCheck {
             receipts: counts.values().map(|n| *n as u64).sum(),
@@ -176,10 +292,85 @@ impl RunDatabase {
 
     /// Drops the run's database.
     pub(crate) async fn drop_database(self) -> Result<()> {
-        self.admin
-            .execute(format!("DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)", self.name).as_str())
-            .await?;
+        match &self.server {
+            Server::Postgres { admin, .. } => {
+                admin
+                    .execute(
+                        format!("DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)", self.name).as_str(),
+                    )
+                    .await?;
+            }
+            Server::MySql { admin, .. } => {
+                admin
+                    .execute(format!("DROP DATABASE IF EXISTS `{}`", self.name).as_str())
+                    .await?;
+            }
+            Server::Sqlite { path } => {
+                for suffix in ["", "-wal", "-shm"] {
+                    let mut file = path.clone().into_os_string();
+                    file.push(suffix);
+                    let _ = std::fs::remove_file(file);
+                }
+            }
+        }
         Ok(())
+    }
+}
+
+/// A connection to the run's database on any of the three engines, with the few reads the
+/// checker makes. MySQL's identifiers are `VARBINARY` (see the payments schema), read as bytes.
+enum Reader {
+    Postgres(sqlx::PgConnection),
+    MySql(sqlx::MySqlConnection),
+    Sqlite(sqlx::SqliteConnection),
+}
+
+impl Reader {
+    async fn table_exists(&mut self, table: &str) -> Result<bool> {
+        let n: i64 = match self {
+            Reader::Postgres(c) => {
+                sqlx::query_scalar("SELECT count(*) FROM pg_tables WHERE tablename = $1 AND schemaname = current_schema()")
+                    .bind(table)
+                    .fetch_one(c)
+                    .await?
+            }
+            Reader::MySql(c) => {
+                sqlx::query_scalar("SELECT count(*) FROM information_schema.tables WHERE table_schema = DATABASE() AND table_name = ?")
+                    .bind(table)
+                    .fetch_one(c)
+                    .await?
+            }
+            Reader::Sqlite(c) => {
+                sqlx::query_scalar("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?")
+                    .bind(table)
+                    .fetch_one(c)
+                    .await?
+            }
+        };
+        Ok(n > 0)
+    }
+
+    /// The first column of every row, an integer.
+    async fn integers(&mut self, sql: &str) -> Result<Vec<i64>> {
+        Ok(match self {
+            Reader::Postgres(c) => sqlx::query_scalar(sql).fetch_all(c).await?,
+            Reader::MySql(c) => sqlx::query_scalar(sql).fetch_all(c).await?,
+            Reader::Sqlite(c) => sqlx::query_scalar(sql).fetch_all(c).await?,
+        })
+    }
+
+    /// Rows of (identifier, count).
+    async fn counts(&mut self, sql: &str) -> Result<Vec<(String, i64)>> {
+        Ok(match self {
+            Reader::Postgres(c) => sqlx::query_as(sql).fetch_all(c).await?,
+            Reader::MySql(c) => {
+                let rows: Vec<(Vec<u8>, i64)> = sqlx::query_as(sql).fetch_all(c).await?;
+                rows.into_iter()
+                    .map(|(id, n)| (String::from_utf8_lossy(&id).into_owned(), n))
+                    .collect()
+            }
+            Reader::Sqlite(c) => sqlx::query_as(sql).fetch_all(c).await?,
+        })
     }
 }
 

@@ -8,6 +8,12 @@
 //! cluster. Then it waits until everything is consumed and checks the ledger against what was
 //! sent: one summary line and one JSON object on stdout, exit status 1 on any anomaly.
 //!
+//! `--two-hop` adds a second hop behind a transactional outbox: the consumers also write an
+//! event per charge, relays (in process, or `--relays N` `idem relay` processes) publish it,
+//! and `--receipt-consumers` second-hop consumers record it; every kind of process is killed,
+//! and the checker wants one effect per ID at each hop. The database is PostgreSQL's, MySQL's
+//! or an SQLite file (`--database sqlite:`); the database faults need PostgreSQL.
+//!
 //! ```text
 //! cargo build -p payments -p idem-chaos --features payments/crash-points
 //! target/debug/idem-chaos --broker nats://127.0.0.1:4222 \
@@ -65,6 +71,9 @@ impl std::fmt::Debug for Args {
             .field("work_dir", &self.work_dir)
             .field("keep", &self.keep)
             .field("two_hop", &self.two_hop)
+            .field("receipt_consumers", &self.receipt_consumers)
+            .field("relays", &self.relays)
+            .field("idem", &self.idem)
             .finish()
     }
 }
@@ -76,7 +85,9 @@ pub(crate) struct Args {
     /// Broker URL: nats://…, amqp://…, kafka://host:port or redis://…
     #[arg(long, value_name = "URL")]
     pub(crate) broker: String,
-    /// PostgreSQL server URL; the run creates (and drops) a database of its own on it.
+    /// Database: a PostgreSQL or MySQL server URL, on which the run creates (and drops) a
+    /// database of its own, or `sqlite:` for a file in the work folder (`sqlite:DIR` for one
+    /// in DIR) that every process shares. The database faults need PostgreSQL.
     #[arg(long, value_name = "URL")]
     pub(crate) database: String,
     /// Distinct messages to publish.
@@ -167,12 +178,24 @@ pub(crate) struct Args {
     #[arg(long)]
     pub(crate) keep: bool,
     /// Two hops: the consumers charge with `--emit`, writing a `PaymentCharged` event into the
-    /// outbox with each charge and relaying it in process (so every kill also kills a relay,
-    /// anywhere around the outbox commit, the publish and the mark), and a second idem
-    /// consumer (`payments --receipts`, not killed) records each event. The checker then also
-    /// wants exactly one receipt per payment.
+    /// outbox with each charge and relaying it (in process, so every kill of a consumer also
+    /// kills a relay anywhere around the outbox commit, the publish and the mark; or in
+    /// `--relays` processes of their own), and `--receipt-consumers` second-hop idem consumers
+    /// (`payments --receipts`), killed like the first, record each event. The checker then
+    /// also wants exactly one receipt per payment.
     #[arg(long)]
     pub(crate) two_hop: bool,
+    /// With --two-hop: the second hop's consumer processes, in one consumer group.
+    #[arg(long, default_value_t = 2)]
+    pub(crate) receipt_consumers: usize,
+    /// With --two-hop: run this many standalone `idem relay` processes over the outbox
+    /// (killed at random and at the relay's crash points too), and the consumers without
+    /// their in-process relay. 0: each consumer relays in process.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) relays: usize,
+    /// The idem binary for --relays, built with crash points (default: next to this one).
+    #[arg(long, value_name = "PATH")]
+    pub(crate) idem: Option<PathBuf>,
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {

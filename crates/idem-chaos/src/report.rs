@@ -1,5 +1,7 @@
 //! What a run found: one summary line and one JSON object.
 
+use std::collections::BTreeMap;
+
 use serde::Serialize;
 
 /// The figures of one run. `anomalies` lists, in words, everything that should not happen;
@@ -7,8 +9,14 @@ use serde::Serialize;
 #[derive(Debug, Default, Serialize)]
 pub(crate) struct Report {
     pub(crate) broker: String,
+    /// postgres, mysql or sqlite.
+    pub(crate) database: String,
     pub(crate) seed: u64,
     pub(crate) consumers: usize,
+    /// `--two-hop`: the second hop's consumers.
+    pub(crate) receipt_consumers: usize,
+    /// `--relays`: standalone relay processes (0: each consumer relays in process).
+    pub(crate) relays: usize,
     /// Publishes, repeats included.
     pub(crate) sent: u64,
     /// Distinct message IDs.
@@ -26,6 +34,15 @@ pub(crate) struct Report {
     pub(crate) kills: u64,
     pub(crate) sigkills: u64,
     pub(crate) crash_point_aborts: u64,
+    /// Kills (SIGKILLs and aborts) of the first hop's consumers (with their in-process relay
+    /// when there are no `--relays`).
+    pub(crate) consumer_kills: u64,
+    /// Kills of the second hop's consumers.
+    pub(crate) receipt_consumer_kills: u64,
+    /// Kills of the standalone relays.
+    pub(crate) relay_kills: u64,
+    /// Crash-point aborts by point.
+    pub(crate) aborts_at: BTreeMap<String, u64>,
     /// Consumer restarts after kills, aborts and failed exits.
     pub(crate) restarts: u64,
     /// Connections cut around COMMIT.
@@ -69,8 +86,9 @@ pub(crate) struct Report {
 impl Report {
     pub(crate) fn summary(&self) -> String {
         format!(
-            "idem-chaos {} seed {}: sent {} unique {} effects {} lost {} duplicated {} unexpected {} dead-lettered {}{} kills {} ({} at crash points) restarts {} cuts {} db restarts {} failovers {} broker restarts {} in {:.1}s: {}",
+            "idem-chaos {} {} seed {}: sent {} unique {} effects {} lost {} duplicated {} unexpected {} dead-lettered {}{} kills {} ({} at crash points; {} consumers, {} receipt consumers, {} relays) restarts {} cuts {} db restarts {} failovers {} broker restarts {} in {:.1}s: {}",
             self.broker,
+            self.database,
             self.seed,
             self.sent,
             self.unique,
@@ -92,6 +110,9 @@ impl Report {
             },
             self.kills,
             self.crash_point_aborts,
+            self.consumer_kills,
+            self.receipt_consumer_kills,
+            self.relay_kills,
             self.restarts,
             self.cuts,
             self.database_restarts,

@@ -14,8 +14,10 @@ use crate::faults::proxy::CutProxy;
 use crate::fleet::{Exit, Fleet};
 use crate::ledger::{RunDatabase, Sent};
 use crate::report::Report;
-use crate::schedule::Schedule;
+use crate::schedule::{Reach, Schedule};
 
+/// The outbox the consumers write and the relays read (idem's default name).
+const OUTBOX_TABLE: &str = idem_core::DEFAULT_OUTBOX_TABLE;
 /// How often the run looks at its consumers and the ledger.
 const TICK: Duration = Duration::from_millis(100);
 /// How long a drain may make no progress, with messages left, before the harness checks
@@ -37,6 +39,20 @@ pub(crate) async fn run(args: Args) -> Result<Report> {
         .unwrap_or_else(|| std::env::temp_dir().join(format!("idem-{tag}")));
     std::fs::create_dir_all(&work).with_context(|| format!("creating {}", work.display()))?;
     let payments = locate_payments(&args)?;
+    let idem = match (args.two_hop, args.relays) {
+        (true, n) if n > 0 => Some(locate_idem(&args)?),
+        (false, n) if n > 0 => bail!("--relays runs the outbox relays of --two-hop; add --two-hop"),
+        _ => None,
+    };
+    let postgres = ["postgres:", "postgresql:"]
+        .iter()
+        .any(|s| args.database.to_ascii_lowercase().starts_with(s));
+    if !postgres && (args.restart_database > 0 || args.failover > 0 || args.cut_connections) {
+        bail!(
+            "--restart-database, --failover and --cut-connections act on a PostgreSQL server; \
+             on SQLite and MySQL a run kills processes only"
+        );
+    }
 
     let mut broker = Broker::parse(&args.broker)?;
     if broker.kind() == idem_any::Broker::Kafka {
@@ -63,7 +79,7 @@ pub(crate) async fn run(args: Args) -> Result<Report> {
         source: format!("{tag}-charged"),
         consumer: format!("{tag}-receipts"),
     });
-    let db = RunDatabase::create(&args.database, &tag).await?;
+    let db = RunDatabase::create(&args.database, &tag, &work).await?;
     let mut sched = Schedule::new(
         args.seed,
         args.kill_every,
@@ -72,21 +88,17 @@ pub(crate) async fn run(args: Args) -> Result<Report> {
         args.batch,
     );
     let proxy = match args.cut_connections {
-        true => Some(CutProxy::start(db.host_port(), args.cut_share, sched.fork()).await?),
+        true => Some(CutProxy::start(db.host_port()?, args.cut_share, sched.fork()).await?),
         false => None,
     };
-    let consumer_db = match &proxy {
-        Some(p) => db.url_via("127.0.0.1", p.port),
-        None => {
-            let (host, port) = db.host_port();
-            db.url_via(&host, port)
-        }
-    };
+    let consumer_db = db.service_url(proxy.as_ref().map(|p| p.port));
     let replicas = if cluster.is_some() { 3 } else { 1 };
     let partitions = args.partitions.unwrap_or(args.consumers.max(1) as i32);
     broker.prepare(&names, partitions, replicas).await?;
     if let Some(hop) = &hop {
-        broker.prepare(hop, 1, replicas).await?;
+        broker
+            .prepare(hop, args.receipt_consumers.max(1) as i32, replicas)
+            .await?;
     }
     let sent = sched.messages(&tag, args.messages, args.duplicates);
 
@@ -110,6 +122,9 @@ pub(crate) async fn run(args: Args) -> Result<Report> {
     service_args.extend(["--batch".to_owned(), args.batch.to_string()]);
     if let Some(hop) = &hop {
         service_args.extend(["--emit".to_owned(), hop.source.clone()]);
+        if idem.is_some() {
+            service_args.push("--no-relay".to_owned());
+        }
     }
     let logs = work.join("logs");
     std::fs::create_dir_all(&logs)?;
@@ -119,7 +134,28 @@ pub(crate) async fn run(args: Args) -> Result<Report> {
             std::fs::create_dir_all(&receipt_logs)?;
             let mut receipt_args = common(hop);
             receipt_args.push("--receipts".to_owned());
-            Some(Fleet::new(payments.clone(), receipt_args, &receipt_logs, 1))
+            Some(Fleet::new(
+                payments.clone(),
+                receipt_args,
+                &receipt_logs,
+                args.receipt_consumers.max(1),
+            ))
+        }
+        None => None,
+    };
+    // `--relays N`: standalone `idem relay` processes over the run's outbox.
+    let relays = match &idem {
+        Some(idem) => {
+            let relay_args = vec![
+                "relay".to_owned(),
+                "--database".to_owned(),
+                consumer_db.clone(),
+                "--broker".to_owned(),
+                broker.url(),
+                "--poll".to_owned(),
+                "200ms".to_owned(),
+            ];
+            Some(Fleet::new(idem.clone(), relay_args, &logs, args.relays).named("--name", "relay"))
         }
         None => None,
     };
@@ -136,12 +172,20 @@ pub(crate) async fn run(args: Args) -> Result<Report> {
         fleet,
         hop: hop.as_ref(),
         receipts,
+        relays,
         receipted: 0,
         sent: &sent,
         report: Report {
             broker: broker.redacted(),
+            database: db.engine().to_owned(),
             seed: args.seed,
             consumers: args.consumers,
+            receipt_consumers: if args.two_hop {
+                args.receipt_consumers.max(1)
+            } else {
+                0
+            },
+            relays: args.relays,
             sent: sent.publishes.len() as u64,
             unique: sent.unique.len() as u64,
             ..Default::default()
@@ -158,22 +202,19 @@ pub(crate) async fn run(args: Args) -> Result<Report> {
     if run.read_only_until.is_some() {
         let _ = postgres::make_read_only(&db, false).await;
     }
-    let mut stops = run.fleet.stop_all(STOP_GRACE).await;
-    if let Some(receipts) = run.receipts.as_mut() {
-        // Reported as slots after the first hop's.
-        let first = run.fleet.len();
-        stops.extend(
-            receipts
-                .stop_all(STOP_GRACE)
-                .await
-                .into_iter()
-                .map(|(slot, exit)| (first + slot, exit)),
-        );
+    // Upstream first: the consumers, then the relays, then the second hop.
+    let mut stops = Vec::new();
+    for role in [Role::Charge, Role::Relay, Role::Receipts] {
+        if let Some(fleet) = run.fleet_mut(role) {
+            for (slot, exit) in fleet.stop_all(STOP_GRACE).await {
+                stops.push((format!("{} {slot}", role.name()), exit));
+            }
+        }
     }
     let mut report = match outcome {
         Ok(()) => run.check(stops).await?,
         Err(e) => {
-            eprintln!("{}", run.fleet.log_tails(20));
+            eprintln!("{}", run.log_tails(20));
             return Err(e.context(format!("run aborted; logs in {}", logs.display())));
         }
     };
@@ -192,7 +233,7 @@ pub(crate) async fn run(args: Args) -> Result<Report> {
     } else {
         report.logs = Some(logs.display().to_string());
         if !report.anomalies.is_empty() {
-            eprintln!("{}", run.fleet.log_tails(15));
+            eprintln!("{}", run.log_tails(15));
         }
     }
     Ok(report)
@@ -213,6 +254,24 @@ fn locate_payments(args: &Args) -> Result<PathBuf> {
     }
     bail!(
         "no payments binary next to {}: build it with `cargo build -p payments --features crash-points` or pass --payments",
+        me.display()
+    )
+}
+
+/// The `idem` binary for `--relays`: `--idem`, else next to this executable.
+fn locate_idem(args: &Args) -> Result<PathBuf> {
+    if let Some(p) = &args.idem {
+        return Ok(p.clone());
+    }
+    let me = std::env::current_exe()?;
+    let dir = me.parent().context("no parent folder")?;
+    for candidate in [dir.join("idem"), dir.join("../idem")] {
+        if candidate.is_file() {
+            return Ok(candidate);
+        }
+    }
+    bail!(
+        "no idem binary next to {}: build it with `cargo build -p idem-cli` or pass --idem",
         me.display()
     )
 }
@@ -251,6 +310,30 @@ async fn check_kafka_broker(hosts: &str) -> Result<()> {
     Ok(())
 }
 
+/// The kinds of process a run starts, kills and restarts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    /// The first hop: `payments` charging (with `--two-hop`, writing the outbox and, without
+    /// `--relays`, relaying it in process).
+    Charge,
+    /// The second hop: `payments --receipts`.
+    Receipts,
+    /// `--relays`: `idem relay`.
+    Relay,
+}
+
+impl Role {
+    const ALL: [Role; 3] = [Role::Charge, Role::Receipts, Role::Relay];
+
+    fn name(self) -> &'static str {
+        match self {
+            Role::Charge => "consumer",
+            Role::Receipts => "receipts consumer",
+            Role::Relay => "relay",
+        }
+    }
+}
+
 struct Run<'a> {
     args: &'a Args,
     broker: &'a Broker,
@@ -262,14 +345,16 @@ struct Run<'a> {
     fleet: Fleet,
     /// `--two-hop`: the relayed events' destination and the second consumer's group.
     hop: Option<&'a Names>,
-    /// `--two-hop`: the second consumer (never killed).
+    /// `--two-hop`: the second hop's consumers.
     receipts: Option<Fleet>,
+    /// `--relays`: the standalone relays.
+    relays: Option<Fleet>,
     /// `--two-hop`: distinct payments with a receipt, at the last count.
     receipted: u64,
     sent: &'a Sent,
     report: Report,
     /// Replicas to start again, and when.
-    restart_due: Vec<(usize, Instant)>,
+    restart_due: Vec<(Role, usize, Instant)>,
     kill_all_done: usize,
     read_only_until: Option<Instant>,
     charged: u64,
@@ -279,14 +364,70 @@ struct Run<'a> {
 }
 
 impl Run<'_> {
-    async fn drive(&mut self) -> Result<()> {
-        // The second hop first, so its source exists before the relays publish.
-        if let Some(receipts) = self.receipts.as_mut() {
-            receipts.start(0, None)?;
+    fn fleet_mut(&mut self, role: Role) -> Option<&mut Fleet> {
+        match role {
+            Role::Charge => Some(&mut self.fleet),
+            Role::Receipts => self.receipts.as_mut(),
+            Role::Relay => self.relays.as_mut(),
         }
-        for slot in 0..self.fleet.len() {
-            let armed = self.arm_next();
-            self.fleet.start(slot, armed)?;
+    }
+
+    fn fleet(&self, role: Role) -> Option<&Fleet> {
+        match role {
+            Role::Charge => Some(&self.fleet),
+            Role::Receipts => self.receipts.as_ref(),
+            Role::Relay => self.relays.as_ref(),
+        }
+    }
+
+    /// Which crash points a replica of `role` can reach.
+    fn reach(&self, role: Role) -> Reach {
+        match role {
+            Role::Charge if self.hop.is_some() && self.relays.is_none() => Reach::ConsumerAndRelay,
+            Role::Charge | Role::Receipts => Reach::Consumer,
+            Role::Relay => Reach::Relay,
+        }
+    }
+
+    fn log_tails(&self, lines: usize) -> String {
+        Role::ALL
+            .iter()
+            .filter_map(|r| self.fleet(*r))
+            .map(|f| f.log_tails(lines))
+            .collect()
+    }
+
+    /// Counts a kill (a SIGKILL, or an abort at `point`) of a replica of `role`.
+    fn count_kill(&mut self, role: Role, point: Option<idem_consumer::crash::CrashPoint>) {
+        self.report.kills += 1;
+        match point {
+            Some(p) => {
+                self.report.crash_point_aborts += 1;
+                *self.report.aborts_at.entry(p.to_string()).or_default() += 1;
+            }
+            None => self.report.sigkills += 1,
+        }
+        *match role {
+            Role::Charge => &mut self.report.consumer_kills,
+            Role::Receipts => &mut self.report.receipt_consumer_kills,
+            Role::Relay => &mut self.report.relay_kills,
+        } += 1;
+    }
+
+    async fn drive(&mut self) -> Result<()> {
+        // The second hop first, so its source exists before the relays publish; the relays
+        // after the consumers, which create the outbox table.
+        for role in [Role::Receipts, Role::Charge, Role::Relay] {
+            let n = self.fleet(role).map_or(0, Fleet::len);
+            if role == Role::Relay && n > 0 {
+                self.wait_for_outbox().await?;
+            }
+            for slot in 0..n {
+                let armed = self.arm_next(role);
+                if let Some(fleet) = self.fleet_mut(role) {
+                    fleet.start(slot, armed)?;
+                }
+            }
         }
         let planned = self
             .args
@@ -327,16 +468,23 @@ impl Run<'_> {
             };
             if self.report.kills < self.args.kills && Instant::now() >= next_kill {
                 let spare = self.args.spare_armed_for;
-                let killable: Vec<usize> = (0..self.fleet.len())
-                    .filter(|&slot| self.fleet.killable(slot, spare))
+                // Every replica of every kind is a candidate: the consumers of both hops and
+                // the relays.
+                let killable: Vec<(Role, usize)> = Role::ALL
+                    .iter()
+                    .filter_map(|r| self.fleet(*r).map(|f| (*r, f)))
+                    .flat_map(|(r, f)| {
+                        (0..f.len())
+                            .filter(move |&slot| f.killable(slot, spare))
+                            .map(move |slot| (r, slot))
+                    })
                     .collect();
                 // With none killable (all armed and young, or restarting) the kill waits for
                 // the next tick rather than being dropped.
                 if !killable.is_empty() {
-                    let victim = killable[self.sched.victim(killable.len())];
-                    if self.fleet.kill(victim) {
-                        self.report.kills += 1;
-                        self.report.sigkills += 1;
+                    let (role, victim) = killable[self.sched.victim(killable.len())];
+                    if self.fleet_mut(role).is_some_and(|f| f.kill(victim)) {
+                        self.count_kill(role, None);
                     }
                     next_kill = Instant::now() + self.sched.next_kill_in();
                 }
@@ -387,7 +535,7 @@ impl Run<'_> {
 
         // Drain: every replica up and unarmed, until all is committed and acknowledged.
         let drain_started = Instant::now();
-        let mut progress = (self.charged, Instant::now());
+        let mut progress = (self.charged + self.receipted, Instant::now());
         loop {
             tokio::time::sleep(TICK * 5).await;
             self.tend(false)?;
@@ -402,8 +550,10 @@ impl Run<'_> {
                 }
             }
             let receipted = self.hop.is_none() || self.receipted >= self.report.unique;
-            if self.charged > progress.0 {
-                progress = (self.charged, Instant::now());
+            // Progress on either hop.
+            let done = self.charged + self.receipted;
+            if done > progress.0 {
+                progress = (done, Instant::now());
             } else if progress.1.elapsed() >= STALL && backlog.is_some_and(|b| b > 0) {
                 self.unorphan().await;
                 progress.1 = Instant::now();
@@ -430,32 +580,39 @@ impl Run<'_> {
         }
     }
 
-    /// The drain has stalled with messages left: if the running consumers together hold fewer
+    /// The drain has stalled with messages left: if the running consumers of a hop hold fewer
     /// partitions than the topic has (by their own rebalance logs), the broker's group left
     /// some to no member (a tansu fault, RELIABILITY.md): count them and make the group
     /// rebalance. Partitions a consumer holds and does not consume are not touched: that would
     /// be idem's stall, and the drain timeout reports it.
     async fn unorphan(&mut self) {
-        let total = match self.broker.partitions(self.names).await {
-            Ok(Some(n)) => n,
-            Ok(None) => return,
-            Err(e) => {
-                eprintln!("idem-chaos: reading the topic's partitions failed: {e:#}");
-                return;
+        let hops = [(Role::Charge, Some(self.names)), (Role::Receipts, self.hop)];
+        for (role, names) in hops {
+            let (Some(names), Some(fleet)) = (names, self.fleet(role)) else {
+                continue;
+            };
+            let total = match self.broker.partitions(names).await {
+                Ok(Some(n)) => n,
+                Ok(None) => continue,
+                Err(e) => {
+                    eprintln!("idem-chaos: reading the topic's partitions failed: {e:#}");
+                    continue;
+                }
+            };
+            let held = fleet.held_partitions();
+            if held >= total {
+                continue;
             }
-        };
-        let held = self.fleet.held_partitions();
-        if held >= total {
-            return;
-        }
-        eprintln!(
-            "idem-chaos: the consumers hold {held} of {total} partitions: the broker's group \
-             left {} to no member (a broker fault); making the group rebalance",
-            total - held
-        );
-        self.report.broker_orphaned_partitions += (total - held) as u64;
-        if let Err(e) = self.broker.nudge_group(self.names).await {
-            eprintln!("idem-chaos: the rebalance nudge failed: {e:#}");
+            eprintln!(
+                "idem-chaos: the {}s hold {held} of {total} partitions: the broker's group \
+                 left {} to no member (a broker fault); making the group rebalance",
+                role.name(),
+                total - held
+            );
+            self.report.broker_orphaned_partitions += (total - held) as u64;
+            if let Err(e) = self.broker.nudge_group(names).await {
+                eprintln!("idem-chaos: the rebalance nudge failed: {e:#}");
+            }
         }
     }
 
@@ -481,10 +638,27 @@ impl Run<'_> {
         }
     }
 
-    /// The crash point for a (re)start while kills remain to be done.
-    fn arm_next(&mut self) -> Option<idem_consumer::crash::CrashAt> {
+    /// Waits until the consumers have created the outbox table: a relay deployed beside a
+    /// service starts after its migration (a relay finding no outbox stops: a
+    /// misconfiguration, not an outage).
+    async fn wait_for_outbox(&self) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if self.db.has_table(OUTBOX_TABLE).await.unwrap_or(false) {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("the consumers created no {OUTBOX_TABLE} table within 60 s");
+            }
+            tokio::time::sleep(TICK).await;
+        }
+    }
+
+    /// The crash point for a (re)start of a replica of `role` while kills remain to be done.
+    fn arm_next(&mut self, role: Role) -> Option<idem_consumer::crash::CrashAt> {
         if self.report.kills < self.args.kills {
-            self.sched.arm()
+            let reach = self.reach(role);
+            self.sched.arm(reach)
         } else {
             None
         }
@@ -493,47 +667,43 @@ impl Run<'_> {
     /// Reaps ended replicas, counts how they ended, and restarts them when due.
     fn tend(&mut self, faults: bool) -> Result<()> {
         let now = Instant::now();
-        // The second hop is not killed: an exit is a fault of the run (unless the database
-        // was made to fail); started again at once either way, so the run can finish.
-        let configured = self.faults_configured();
-        if let Some(receipts) = self.receipts.as_mut() {
-            for (slot, exit) in receipts.reap() {
-                self.report.failed_exits += 1;
-                if !configured {
-                    self.report.anomalies.push(format!(
-                        "the receipts consumer exited on its own ({exit:?}) with no database or broker fault in the run"
-                    ));
-                }
-                receipts.start(slot, None)?;
+        for role in Role::ALL {
+            let ended = match self.fleet_mut(role) {
+                Some(fleet) => fleet.reap(),
+                None => continue,
+            };
+            for (slot, exit) in ended {
+                let delay = match exit {
+                    Exit::Killed => Duration::from_millis(200),
+                    Exit::Crashed(at) => {
+                        self.count_kill(role, Some(at.point));
+                        Duration::from_millis(200)
+                    }
+                    Exit::Clean | Exit::Failed(..) => {
+                        self.report.failed_exits += 1;
+                        if !self.faults_configured() {
+                            self.report.anomalies.push(format!(
+                                "{} {slot} exited on its own ({exit:?}) with no database or broker fault in the run",
+                                role.name()
+                            ));
+                        }
+                        // A supervisor's back-off, e.g. while the database is read-only.
+                        Duration::from_secs(1)
+                    }
+                };
+                self.restart_due.push((role, slot, now + delay));
             }
         }
-        for (slot, exit) in self.fleet.reap() {
-            let delay = match exit {
-                Exit::Killed => Duration::from_millis(200),
-                Exit::Crashed(_) => {
-                    self.report.kills += 1;
-                    self.report.crash_point_aborts += 1;
-                    Duration::from_millis(200)
-                }
-                Exit::Clean | Exit::Failed(..) => {
-                    self.report.failed_exits += 1;
-                    if !self.faults_configured() {
-                        self.report.anomalies.push(format!(
-                            "consumer {slot} exited on its own ({exit:?}) with no database or broker fault in the run"
-                        ));
-                    }
-                    // A supervisor's back-off, e.g. while the database is read-only.
-                    Duration::from_secs(1)
-                }
-            };
-            self.restart_due.push((slot, now + delay));
-        }
-        let (due, later): (Vec<_>, Vec<_>) =
-            self.restart_due.drain(..).partition(|(_, at)| *at <= now);
+        let (due, later): (Vec<_>, Vec<_>) = self
+            .restart_due
+            .drain(..)
+            .partition(|(_, _, at)| *at <= now);
         self.restart_due = later;
-        for (slot, _) in due {
-            let armed = if faults { self.arm_next() } else { None };
-            self.fleet.start(slot, armed)?;
+        for (role, slot, _) in due {
+            let armed = if faults { self.arm_next(role) } else { None };
+            if let Some(fleet) = self.fleet_mut(role) {
+                fleet.start(slot, armed)?;
+            }
             self.report.restarts += 1;
         }
         Ok(())
@@ -569,8 +739,7 @@ impl Run<'_> {
         );
         for slot in 0..self.fleet.len() {
             if self.fleet.kill(slot) {
-                self.report.kills += 1;
-                self.report.sigkills += 1;
+                self.count_kill(Role::Charge, None);
             }
         }
         self.kill_all_done += 1;
@@ -578,13 +747,13 @@ impl Run<'_> {
     }
 
     /// The ledger, the broker's leftovers and the consumers' last exits, into the report.
-    async fn check(&mut self, stops: Vec<(usize, Exit)>) -> Result<Report> {
+    async fn check(&mut self, stops: Vec<(String, Exit)>) -> Result<Report> {
         let mut report = std::mem::take(&mut self.report);
-        for (slot, exit) in stops {
+        for (who, exit) in stops {
             if !matches!(exit, Exit::Clean) {
-                report.anomalies.push(format!(
-                    "consumer {slot} did not stop cleanly on SIGTERM: {exit:?}"
-                ));
+                report
+                    .anomalies
+                    .push(format!("{who} did not stop cleanly on SIGTERM: {exit:?}"));
             }
         }
         let ledger = self.db.check(self.sent).await?;

@@ -17,7 +17,22 @@ pub(crate) struct Schedule {
     kill_every: Duration,
     crash_share: f64,
     crash_within: u64,
-    points: Vec<CrashPoint>,
+    /// The consumer's points (`before-claim` … `in-batch`).
+    consumer_points: Vec<CrashPoint>,
+    /// The outbox relay's points (`relay-after-lease` … `relay-after-mark`).
+    relay_points: Vec<CrashPoint>,
+}
+
+/// What a replica runs, so which crash points it can reach: one armed at a point it never
+/// reaches is never aborted there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Reach {
+    /// A consumer alone.
+    Consumer,
+    /// A consumer with the outbox relay in its process (`payments --emit`).
+    ConsumerAndRelay,
+    /// A relay alone (`idem relay`).
+    Relay,
 }
 
 impl Schedule {
@@ -29,7 +44,7 @@ impl Schedule {
         batch: usize,
     ) -> Self {
         // In-batch needs a batch to be inside of.
-        let points = CrashPoint::ALL
+        let consumer_points = CrashPoint::ALL
             .into_iter()
             .filter(|p| batch > 1 || *p != CrashPoint::InBatch)
             .collect();
@@ -38,7 +53,8 @@ impl Schedule {
             kill_every,
             crash_share: crash_share.clamp(0.0, 1.0),
             crash_within: crash_within.max(1),
-            points,
+            consumer_points,
+            relay_points: CrashPoint::RELAY.to_vec(),
         }
     }
 
@@ -52,12 +68,17 @@ impl Schedule {
         self.rng.gen_range(0..replicas.max(1))
     }
 
-    /// The crash point a (re)started replica is armed with, if any.
-    pub(crate) fn arm(&mut self) -> Option<CrashAt> {
+    /// The crash point a (re)started replica that runs `reach` is armed with, if any.
+    pub(crate) fn arm(&mut self, reach: Reach) -> Option<CrashAt> {
         if !self.rng.gen_bool(self.crash_share) {
             return None;
         }
-        let point = *self.points.choose(&mut self.rng)?;
+        let points: Vec<CrashPoint> = match reach {
+            Reach::Consumer => self.consumer_points.clone(),
+            Reach::ConsumerAndRelay => [&self.consumer_points[..], &self.relay_points[..]].concat(),
+            Reach::Relay => self.relay_points.clone(),
+        };
+        let point = *points.choose(&mut self.rng)?;
         Some(CrashAt {
             point,
             hit: self.rng.gen_range(1..=self.crash_within),

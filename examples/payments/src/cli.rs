@@ -122,6 +122,10 @@ pub(crate) struct ServeArgs {
     /// queue, a Kafka topic, a Redis stream, an MQTT topic).
     #[arg(long, value_name = "NAME", conflicts_with = "receipts")]
     pub(crate) emit: Option<String>,
+    /// With --emit: write the events into the outbox only, and leave relaying them to
+    /// separate `idem relay` processes over the same database.
+    #[arg(long, requires = "emit")]
+    pub(crate) no_relay: bool,
     /// Be the second hop instead: consume the `PaymentCharged` events a `--emit` service
     /// relays (name their destination with --source) and record one row per event in a
     /// `receipts` table, exactly once. Give it its own --consumer name.
@@ -183,6 +187,9 @@ impl std::fmt::Debug for ServeArgs {
             .field("batch", &self.batch)
             .field("set", &self.set)
             .field("redeliver_after", &self.redeliver_after)
+            .field("emit", &self.emit)
+            .field("no_relay", &self.no_relay)
+            .field("receipts", &self.receipts)
             .finish()
     }
 }

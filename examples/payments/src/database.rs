@@ -166,9 +166,14 @@ where
     };
     // `--emit`: the relay runs in this process, woken after each commit, and stops after the
     // consumer (rows committed before the stop are published first; any left wait in the
-    // outbox for the next start or another replica's relay).
+    // outbox for the next start or another replica's relay). `--no-relay`: `idem relay`
+    // processes of their own do it.
     let relay_stop = CancellationToken::new();
     let relay = match &settings.emit {
+        Some(to) if !to.relay => {
+            tracing::info!(destination = %to.destination, "writing PaymentCharged events to the outbox; relayed elsewhere");
+            None
+        }
         Some(to) => {
             let name = format!("{}-relay-{}", settings.consumer, settings.instance);
             let publisher = idem_relay::BrokerPublisher::new(to.broker.clone(), name.as_str());

@@ -31,6 +31,8 @@ pub(crate) use crate::database::{Database, run_consumer, workers};
 pub(crate) struct Emitting {
     pub(crate) destination: String,
     pub(crate) broker: idem_any::BrokerUrl,
+    /// Relay the outbox in this process (not with `--no-relay`).
+    pub(crate) relay: bool,
 }
 
 /// What a serve run needs besides the broker and the store.
@@ -209,6 +211,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         emit: args.emit.map(|destination| Emitting {
             destination,
             broker: broker.clone(),
+            relay: !args.no_relay,
         }),
         receipts: args.receipts,
         shutdown: idem_consumer::shutdown::on_signal(),

@@ -51,7 +51,7 @@ pub(crate) async fn restart(command: Option<&str>) -> Result<()> {
 /// writable again and cuts the sessions once more, so none stays read-only.
 pub(crate) async fn make_read_only(db: &RunDatabase, read_only: bool) -> Result<()> {
     let setting = if read_only { "on" } else { "off" };
-    db.admin()
+    db.admin()?
         .execute(
             format!(
                 "ALTER DATABASE \"{}\" SET default_transaction_read_only = {setting}",
@@ -71,7 +71,7 @@ pub(crate) async fn cut_sessions(db: &RunDatabase) -> Result<()> {
          WHERE datname = $1 AND pid <> pg_backend_pid()",
     )
     .bind(db.name())
-    .execute(db.admin())
+    .execute(db.admin()?)
     .await
     .context("terminating sessions")?;
     Ok(())
@@ -81,7 +81,7 @@ pub(crate) async fn cut_sessions(db: &RunDatabase) -> Result<()> {
 pub(crate) async fn wait_until_up(db: &RunDatabase, timeout: Duration) -> Result<()> {
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
-        if db.admin().execute("SELECT 1").await.is_ok() {
+        if db.admin()?.execute("SELECT 1").await.is_ok() {
             return Ok(());
         }
         if tokio::time::Instant::now() > deadline {
