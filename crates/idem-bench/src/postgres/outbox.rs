@@ -66,6 +66,8 @@ pub(crate) struct Options {
     pub(crate) rate: u32,
     /// How long the latency run's writers write.
     pub(crate) latency_window: Duration,
+    /// The relay's rounds in flight in the drain part (its default when `None`).
+    pub(crate) pipeline: Option<usize>,
 }
 
 /// The latency runs' results, printed after the tables.
@@ -99,7 +101,7 @@ impl Report {
 }
 
 /// The relay-throughput variants: the broker alone, then the relay at two batch sizes and two
-/// concurrencies.
+/// concurrencies, with rounds in flight (`--outbox-pipeline`) and one round at a time.
 #[derive(Debug, Clone, Copy)]
 enum Drain {
     Broker16,
@@ -108,21 +110,31 @@ enum Drain {
     Relay500x16,
     Relay100x64,
     Relay500x64,
+    Sequential500x16,
+    Sequential500x64,
 }
 
 impl Drain {
     fn batch(self) -> usize {
         match self {
-            Self::Relay500x16 | Self::Relay500x64 => 500,
+            Self::Relay500x16
+            | Self::Relay500x64
+            | Self::Sequential500x16
+            | Self::Sequential500x64 => 500,
             _ => 100,
         }
     }
 
     fn concurrency(self) -> usize {
         match self {
-            Self::Broker16 | Self::Relay100x16 | Self::Relay500x16 => 16,
+            Self::Broker16 | Self::Relay100x16 | Self::Relay500x16 | Self::Sequential500x16 => 16,
             _ => 64,
         }
+    }
+
+    /// One round at a time, whatever `--outbox-pipeline` says.
+    fn sequential(self) -> bool {
+        matches!(self, Self::Sequential500x16 | Self::Sequential500x64)
     }
 
     fn is_relay(self) -> bool {
@@ -139,6 +151,8 @@ impl Variant for Drain {
             Self::Relay500x16 => "relay-b500-c16",
             Self::Relay100x64 => "relay-b100-c64",
             Self::Relay500x64 => "relay-b500-c64",
+            Self::Sequential500x16 => "relay-b500-c16-p1",
+            Self::Sequential500x64 => "relay-b500-c64-p1",
         }
     }
 
@@ -150,12 +164,14 @@ impl Variant for Drain {
             Self::Relay500x16 => "`Relay`, batch 500, concurrency 16",
             Self::Relay100x64 => "`Relay`, batch 100, concurrency 64",
             Self::Relay500x64 => "`Relay`, batch 500, concurrency 64",
+            Self::Sequential500x16 => "`Relay`, batch 500, concurrency 16, pipeline 1",
+            Self::Sequential500x64 => "`Relay`, batch 500, concurrency 64, pipeline 1",
         }
     }
 
     fn round_trips(self) -> &'static str {
         if self.is_relay() {
-            "1 publish + 2 per batch (lease, mark)"
+            "1 publish + 1 lease per batch + 1 per mark chunk"
         } else {
             "1 publish"
         }
@@ -299,10 +315,16 @@ impl Bench {
             Drain::Broker16,
             Drain::Relay100x16,
             Drain::Relay500x16,
+            Drain::Sequential500x16,
             Drain::Broker64,
             Drain::Relay100x64,
             Drain::Relay500x64,
+            Drain::Sequential500x64,
         ];
+        let pipeline = match options.pipeline {
+            Some(n) => n,
+            None => Relay::builder("idem-bench-drain").settings()?.pipeline(),
+        };
         let title = format!(
             "Outbox relay throughput, PostgreSQL → {}: {rows} committed rows drained",
             broker.broker().name()
@@ -310,7 +332,8 @@ impl Bench {
         let group = Group::measure(title, &variants, &self.settings, async |v| {
             let msgs = messages(self.settings.ids(), rows)?;
             if v.is_relay() {
-                self.drain_relay(outbox, producer, &msgs, v).await
+                let rounds = if v.sequential() { 1 } else { pipeline };
+                self.drain_relay(outbox, producer, &msgs, v, rounds).await
             } else {
                 let batch: Vec<(String, Vec<u8>)> = msgs
                     .iter()
@@ -341,10 +364,13 @@ impl Bench {
                  messages (same size, fresh IDs) through the same connection's \
                  `AnyProducer::publish_all` (groups of N joined in turn), each confirmed"
             ))
-            .note(
-                "the relay's rounds are sequential: lease (one transaction), publish the batch \
-                 with up to N in flight, mark sent (one UPDATE), then the next lease",
-            ))
+            .note(format!(
+                "the relay rows without `pipeline 1` keep up to {pipeline} rounds in flight \
+                 (`RelayBuilder::pipeline`): the next lease (one transaction) while earlier \
+                 batches publish, each round marking its confirmed rows in chunks (one UPDATE \
+                 each) as they come; concurrency N bounds the publishes in flight across all \
+                 rounds; `pipeline 1`: one round at a time, its marks still chunked"
+            )))
     }
 
     async fn drain_relay(
@@ -353,6 +379,7 @@ impl Bench {
         producer: &Arc<AnyProducer>,
         msgs: &[Outgoing],
         v: Drain,
+        pipeline: usize,
     ) -> anyhow::Result<Sample> {
         sqlx::raw_sql(&outbox.truncate).execute(&self.admin).await?;
         let (pool, store) = self.outbox_store(outbox, 4).await?;
@@ -370,6 +397,7 @@ impl Bench {
         let relay = Relay::builder("idem-bench-drain")
             .batch(v.batch())
             .concurrency(v.concurrency())
+            .pipeline(pipeline)
             .poll_interval(Duration::from_secs(5))
             .create_destinations(false)
             .build(store.clone(), publisher)?;
