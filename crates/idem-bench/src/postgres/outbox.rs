@@ -329,11 +329,13 @@ impl Bench {
             "Outbox relay throughput, PostgreSQL → {}: {rows} committed rows drained",
             broker.broker().name()
         );
+        let profile = Mutex::new(HashMap::new());
         let group = Group::measure(title, &variants, &self.settings, async |v| {
             let msgs = messages(self.settings.ids(), rows)?;
             if v.is_relay() {
                 let rounds = if v.sequential() { 1 } else { pipeline };
-                self.drain_relay(outbox, producer, &msgs, v, rounds).await
+                self.drain_relay(outbox, producer, &msgs, v, rounds, &profile)
+                    .await
             } else {
                 let batch: Vec<(String, Vec<u8>)> = msgs
                     .iter()
@@ -350,6 +352,12 @@ impl Bench {
             }
         })
         .await?;
+        let mut group = group;
+        for v in variants.iter().filter(|v| v.is_relay()) {
+            if let Some(t) = lock(&profile).get(v.key()) {
+                group = group.note(t.describe(v.key()));
+            }
+        }
         Ok(group
             .targets([
                 Target::at_least("relay-b100-c16", "broker-c16", 0.8),
@@ -380,6 +388,7 @@ impl Bench {
         msgs: &[Outgoing],
         v: Drain,
         pipeline: usize,
+        profile: &Mutex<HashMap<&'static str, StoreTime>>,
     ) -> anyhow::Result<Sample> {
         sqlx::raw_sql(&outbox.truncate).execute(&self.admin).await?;
         let (pool, store) = self.outbox_store(outbox, 4).await?;
@@ -394,13 +403,20 @@ impl Bench {
             inner: Arc::clone(producer),
             published: Arc::clone(&published),
         };
+        let time = Arc::new(Mutex::new(StoreTime::default()));
         let relay = Relay::builder("idem-bench-drain")
             .batch(v.batch())
             .concurrency(v.concurrency())
             .pipeline(pipeline)
             .poll_interval(Duration::from_secs(5))
             .create_destinations(false)
-            .build(store.clone(), publisher)?;
+            .build(
+                Profiled {
+                    inner: store.clone(),
+                    time: Arc::clone(&time),
+                },
+                publisher,
+            )?;
         let stop = CancellationToken::new();
         let start = Instant::now();
         let running = tokio::spawn(relay.run(stop.clone()));
@@ -423,6 +439,18 @@ impl Bench {
         stop.cancel();
         let stats = running.await??;
         pool.close().await;
+        {
+            let t = *lock(&time);
+            let mut all = lock(profile);
+            let sum = all.entry(v.key()).or_default();
+            sum.leases += t.leases;
+            sum.leased_rows += t.leased_rows;
+            sum.lease += t.lease;
+            sum.marks += t.marks;
+            sum.marked_rows += t.marked_rows;
+            sum.mark += t.mark;
+            sum.elapsed += elapsed;
+        }
         if stats.published != rows {
             bail!("the relay published {} of {rows} rows", stats.published);
         }
@@ -821,5 +849,93 @@ impl Op for EnqueueOp {
             }
         }
         Ok(batch.len() as u64)
+    }
+}
+
+/// Where a drain variant's time went on the database side, summed over its rounds.
+#[derive(Debug, Default, Clone, Copy)]
+struct StoreTime {
+    leases: u64,
+    leased_rows: u64,
+    lease: Duration,
+    marks: u64,
+    marked_rows: u64,
+    mark: Duration,
+    /// Wall time of the measured drains.
+    elapsed: Duration,
+}
+
+impl StoreTime {
+    fn describe(&self, key: &str) -> String {
+        let per = |d: Duration, n: u64| d.as_secs_f64() * 1e3 / n.max(1) as f64;
+        let share = |d: Duration| 100.0 * d.as_secs_f64() / self.elapsed.as_secs_f64().max(1e-9);
+        format!(
+            "{key}, database side over all its rounds: {} leases of {:.0} rows, {:.1} ms each \
+             ({:.0} % of the drains' wall time); {} mark statements of {:.0} rows, {:.1} ms each \
+             ({:.0} %, overlapping the publishes)",
+            self.leases,
+            self.leased_rows as f64 / self.leases.max(1) as f64,
+            per(self.lease, self.leases),
+            share(self.lease),
+            self.marks,
+            self.marked_rows as f64 / self.marks.max(1) as f64,
+            per(self.mark, self.marks),
+            share(self.mark),
+        )
+    }
+}
+
+/// The outbox store, timing the relay's leases and marks into a [`StoreTime`].
+struct Profiled {
+    inner: PostgresStore,
+    time: Arc<Mutex<StoreTime>>,
+}
+
+impl RelayStore for Profiled {
+    async fn lease(
+        &self,
+        relay: &str,
+        limit: usize,
+        lease: Duration,
+    ) -> Result<Vec<idem_core::outbox::OutboxRow>, Error> {
+        let start = Instant::now();
+        let rows = self.inner.lease(relay, limit, lease).await?;
+        let mut t = lock(&self.time);
+        t.leases += 1;
+        t.leased_rows += rows.len() as u64;
+        t.lease += start.elapsed();
+        Ok(rows)
+    }
+
+    async fn mark_sent(&self, relay: &str, seqs: &[i64]) -> Result<(), Error> {
+        let start = Instant::now();
+        self.inner.mark_sent(relay, seqs).await?;
+        let mut t = lock(&self.time);
+        t.marks += 1;
+        t.marked_rows += seqs.len() as u64;
+        t.mark += start.elapsed();
+        Ok(())
+    }
+
+    async fn release(
+        &self,
+        relay: &str,
+        seq: i64,
+        error: &str,
+        retry_in: Duration,
+    ) -> Result<(), Error> {
+        self.inner.release(relay, seq, error, retry_in).await
+    }
+
+    async fn dead_letter(&self, relay: &str, seq: i64, reason: &str) -> Result<(), Error> {
+        self.inner.dead_letter(relay, seq, reason).await
+    }
+
+    async fn purge_sent(&self, limit: usize) -> Result<u64, Error> {
+        self.inner.purge_sent(limit).await
+    }
+
+    async fn backlog(&self) -> Result<idem_core::outbox::Backlog, Error> {
+        self.inner.backlog().await
     }
 }

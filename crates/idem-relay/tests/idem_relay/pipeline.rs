@@ -1,4 +1,5 @@
-//! Rounds in flight against a real outbox's lease (a SQLite file): a store hands a relay's own
+//! Rounds in flight against a real outbox's lease (a SQLite file; PostgreSQL when
+//! `IDEM_TEST_POSTGRES_URL` is set, in a schema of its own): a store hands a relay's own
 //! leased rows back to it, so a second lease under the same owner would hand out rows a round
 //! is still publishing, and later rows of their keys. Each round leases under an owner of its
 //! own; this checks that no row is published twice and that one key's publishes never overlap
@@ -8,9 +9,11 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idem_core::outbox::{Emitter, Outgoing, RelayStore};
-use idem_core::{ConsumerName, Error, MessageId};
+use idem_core::outbox::{Emitter, OutboxStore, Outgoing, RelayStore};
+use idem_core::{ConsumerName, Error, MessageId, Migrate};
 use idem_relay::{CancellationToken, Publish, Relay};
+use idem_sql::PostgresStore;
+use idem_testkit::isolated::PgSchema;
 
 use crate::outbox::Outbox;
 
@@ -76,20 +79,41 @@ fn messages() -> (Vec<Outgoing>, HashMap<String, Vec<String>>) {
 #[tokio::test]
 async fn rounds_in_flight_never_share_a_row_or_overlap_a_key() {
     let outbox = Outbox::new("pipeline_fifo").await;
+    relay_pipelined(outbox.store.clone()).await;
+    outbox.remove().await;
+}
+
+#[tokio::test]
+async fn rounds_in_flight_never_share_a_row_or_overlap_a_key_on_postgres() {
+    let Some(schema) = PgSchema::create("idem_relay", "pipeline_fifo_pg").await else {
+        return;
+    };
+    let store = PostgresStore::from_pool(schema.pool(10).await);
+    store.migrate().await.expect("migrate");
+    relay_pipelined(store.clone()).await;
+    store.pool().close().await;
+    schema.drop().await;
+}
+
+/// Commits the messages, relays them with four rounds of five rows in flight, and checks
+/// what the broker saw.
+async fn relay_pipelined<S: OutboxStore + RelayStore + Clone + 'static>(store: S) {
     let (sent, by_key) = messages();
-    outbox.enqueue(&sent).await;
+    let mut tx = store.begin().await.expect("begin");
+    store.enqueue(&mut tx, &sent).await.expect("enqueue");
+    store.commit(tx).await.expect("commit");
     let broker = Watching::default();
     let relay = Relay::builder("pipelined")
         .batch(5)
         .pipeline(4)
         .concurrency(8)
         .poll_interval(Duration::from_millis(20))
-        .build(outbox.store.clone(), broker.clone())
+        .build(store.clone(), broker.clone())
         .expect("relay settings");
     let stop = CancellationToken::new();
     let task = tokio::spawn(relay.run(stop.clone()));
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while outbox.store.backlog().await.expect("backlog").unsent > 0 {
+    while store.backlog().await.expect("backlog").unsent > 0 {
         assert!(tokio::time::Instant::now() < deadline, "rows left unsent");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
@@ -116,6 +140,4 @@ async fn rounds_in_flight_never_share_a_row_or_overlap_a_key() {
         );
     }
     assert_eq!(stats.published, sent.len() as u64);
-    drop(seen);
-    outbox.remove().await;
 }
