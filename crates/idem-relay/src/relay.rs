@@ -231,8 +231,16 @@ where
                 next_backlog = Instant::now() + s.backlog_interval;
             }
             if now >= next_purge {
-                self.purge(state, shutdown).await;
-                next_purge = Instant::now() + s.purge_interval;
+                // A turn that stopped at its cap left sent rows behind: the next turn follows
+                // between rounds, not an interval later, or a relay publishing more than a
+                // turn's rows per interval grows the table without bound.
+                let more = self.purge(state, shutdown).await;
+                next_purge = Instant::now()
+                    + if more {
+                        Duration::ZERO
+                    } else {
+                        s.purge_interval
+                    };
             }
             if !ready || free.is_empty() {
                 let housekeeping = next_purge.min(next_backlog);
@@ -442,25 +450,28 @@ where
         }
     }
 
-    async fn purge(&self, state: &mut RunState, shutdown: &CancellationToken) {
+    /// One housekeeping turn of purge statements; true when it stopped at its cap with every
+    /// statement full (more sent rows are likely waiting).
+    async fn purge(&self, state: &mut RunState, shutdown: &CancellationToken) -> bool {
         let batch = self.settings.purge_batch;
         for _ in 0..MAX_PURGES_PER_TURN {
             if shutdown.is_cancelled() {
-                return;
+                return false;
             }
             match self.shared.store.purge_sent(batch).await {
                 Ok(n) => {
                     state.stats.purged += n;
                     if n < batch as u64 {
-                        return;
+                        return false;
                     }
                 }
                 Err(e) => {
                     tracing::debug!(relay = %self.settings.name, error = %e, "purging sent outbox rows failed");
-                    return;
+                    return false;
                 }
             }
         }
+        true
     }
 }
 

@@ -159,7 +159,10 @@ impl RelayBuilder {
         self
     }
 
-    /// How often sent rows are deleted.
+    /// How often sent rows are deleted. A turn runs up to 10 statements of
+    /// [`purge_batch`](Self::purge_batch) rows; one that finds more sent rows is followed by
+    /// the next turn between rounds rather than an interval later, so the purge keeps up with
+    /// any publishing rate.
     pub fn purge_interval(mut self, every: Duration) -> Self {
         self.settings.purge_interval = every;
         self

@@ -514,3 +514,25 @@ async fn a_confirmed_row_is_marked_without_waiting_for_its_rounds_slowest_publis
     assert_eq!(store.state_of(seqs[0]), Some(FakeRowState::Sent));
     assert_eq!((stats.rounds, stats.published), (1, 2));
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_purge_that_finds_more_than_a_turn_deletes_goes_on_without_waiting_an_interval() {
+    let store = FakeRelayStore::new();
+    store.enqueue((0..35).map(|i| msg(&format!("m{i}"), None)));
+    let publisher = FakePublisher::default();
+    // A turn deletes at most 10 statements of 1 row.
+    let relay = builder()
+        .batch(100)
+        .purge_batch(1)
+        .purge_interval(Duration::from_secs(60))
+        .build(store.clone(), publisher.clone())
+        .unwrap();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(relay.run(stop.clone()));
+    tokio::time::sleep(Duration::from_secs(61)).await;
+    // All 35 in the first interval's turns, not 10 a minute.
+    assert!(store.rows().is_empty(), "{} rows left", store.rows().len());
+    stop.cancel();
+    let stats = task.await.unwrap().unwrap();
+    assert_eq!(stats.purged, 35);
+}
