@@ -62,6 +62,7 @@ impl std::fmt::Debug for BenchArgs {
             .field("outbox_workers", &self.outbox_workers)
             .field("outbox_rate", &self.outbox_rate)
             .field("outbox_latency_seconds", &self.outbox_latency_seconds)
+            .field("outbox_pipeline", &self.outbox_pipeline)
             .finish()
     }
 }
@@ -152,6 +153,10 @@ struct BenchArgs {
     /// Outbox: how long the latency run writes.
     #[arg(long, default_value_t = 10.0, value_name = "SECONDS")]
     outbox_latency_seconds: f64,
+    /// Outbox: rounds in flight for the relay variants of the drain part (the relay's
+    /// `pipeline`); the `pipeline 1` rows are measured next to them either way.
+    #[arg(long, value_name = "ROUNDS")]
+    outbox_pipeline: Option<usize>,
 }
 
 fn main() -> ExitCode {
@@ -520,6 +525,7 @@ async fn run(args: BenchArgs) -> anyhow::Result<()> {
             workers: args.outbox_workers.clone(),
             rate: args.outbox_rate,
             latency_window: Duration::from_secs_f64(s),
+            pipeline: args.outbox_pipeline,
         })
     } else {
         None

@@ -19,6 +19,13 @@
 //! Outages are logged at `info` once when they begin and once when they end; per-row lines are
 //! `debug`.
 //!
+//! Rounds overlap: while one round's rows publish, the relay leases the next batch (at most
+//! [`pipeline`](RelayBuilder::pipeline) rounds in flight, 2 by default), and each round marks
+//! its rows sent in chunks as the broker confirms them rather than after its slowest publish.
+//! The [`concurrency`](RelayBuilder::concurrency) bound is shared by all rounds in flight. Each
+//! round leases under a lease owner of its own, so the store's per-key rule (below) keeps a
+//! round from taking a row whose key's earlier rows another round still holds.
+//!
 //! ```
 //! use std::time::Duration;
 //! use idem_core::outbox::{Emitter, Outgoing};
@@ -117,6 +124,7 @@
 //! in statements of [`purge_batch`](RelayBuilder::purge_batch) rows.
 
 mod broker;
+mod inflight;
 pub mod metrics;
 mod publish;
 mod relay;
@@ -134,6 +142,6 @@ pub use idem_core::outbox::RelayStore;
 pub use metrics::{BacklogSnapshot, RelayStats};
 pub use publish::Publish;
 pub use relay::Relay;
-pub use settings::{MAX_BATCH, RelayBuilder, RelaySettings};
+pub use settings::{MAX_BATCH, MAX_PIPELINE, RelayBuilder, RelaySettings};
 pub use tokio_util::sync::CancellationToken;
 pub use waker::{RelayWaker, WakeStream};

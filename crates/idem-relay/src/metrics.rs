@@ -38,6 +38,17 @@ pub struct RelayStats {
     pub backlog: Option<BacklogSnapshot>,
 }
 
+impl RelayStats {
+    /// Adds a round's counts (everything but the run-level ones: rounds, outages, store
+    /// errors, purges, the backlog).
+    pub(crate) fn absorb(&mut self, round: &RelayStats) {
+        self.published += round.published;
+        self.failed += round.failed;
+        self.dead_lettered += round.dead_lettered;
+        self.released_unpublished += round.released_unpublished;
+    }
+}
+
 /// [`Backlog`] as last read by the relay.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct BacklogSnapshot {

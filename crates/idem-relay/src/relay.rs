@@ -1,5 +1,7 @@
-//! The relay's loop: wait for a wake-up, a poll or housekeeping; lease a batch; publish it;
-//! settle every row (mark sent, release, dead-letter); wait out store and broker outages.
+//! The relay's loop: wait for a wake-up, a poll or housekeeping; lease a batch; hand it to a
+//! round in flight ([`inflight`](crate::inflight)) and, while up to
+//! [`pipeline`](crate::RelayBuilder::pipeline) rounds publish, lease the next; fold each
+//! finished round's counts in; wait out store and broker outages.
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
@@ -12,15 +14,15 @@ use idem_consumer::{ReconnectBackoff, RetryPolicy};
 use idem_core::Error;
 use idem_core::outbox::{OutboxRow, RelayStore};
 use tokio::sync::Semaphore;
-use tokio::task::JoinSet;
+use tokio::task::{JoinError, JoinSet};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::Publish;
+use crate::inflight::{self, Report, Shared};
 use crate::metrics::{Instruments, RelayStats};
-use crate::round::{self, UnitOutcome};
-use crate::settings::{RelayBuilder, RelaySettings};
-use crate::verdict::{RETRIES_EXHAUSTED, Verdict, stops_the_relay};
+use crate::settings::{RelayBuilder, RelaySettings, lease_owner};
+use crate::verdict::stops_the_relay;
 use crate::waker::{RelayWaker, WakeStream, next_wake};
 
 /// Most purge statements per housekeeping turn, so a large purge does not hold up publishing.
@@ -54,12 +56,9 @@ pub struct Relay<S, P> {
 /// Everything but the wake stream (which is `Send` but not `Sync`), so the loop can borrow it
 /// across awaits and stay `Send` for `tokio::spawn`.
 struct Inner<S, P> {
-    store: Arc<S>,
-    publisher: Arc<P>,
+    shared: Arc<Shared<S, P>>,
     settings: RelaySettings,
     waker: RelayWaker,
-    backoff: RetryPolicy,
-    instruments: Instruments,
 }
 
 impl<S, P> fmt::Debug for Relay<S, P> {
@@ -85,15 +84,19 @@ where
 {
     /// The relay over `store` and `publisher` with checked `settings`.
     pub fn new(store: S, publisher: P, settings: RelaySettings) -> Self {
-        let backoff = RetryPolicy::exponential(u32::MAX, settings.retry_base, settings.retry_max);
+        let shared = Shared {
+            store: Arc::new(store),
+            publisher: Arc::new(publisher),
+            permits: Arc::new(Semaphore::new(settings.concurrency)),
+            backoff: RetryPolicy::exponential(u32::MAX, settings.retry_base, settings.retry_max),
+            instruments: Instruments::new(&settings.name),
+            max_attempts: settings.max_attempts,
+        };
         Self {
             inner: Inner {
-                instruments: Instruments::new(&settings.name),
-                store: Arc::new(store),
-                publisher: Arc::new(publisher),
+                shared: Arc::new(shared),
                 settings,
                 waker: RelayWaker::default(),
-                backoff,
             },
             wake_stream: None,
         }
@@ -116,8 +119,8 @@ where
         &self.inner.settings
     }
 
-    /// Relays until `shutdown` is cancelled, then finishes the publishes in flight, marks what
-    /// the broker confirmed and releases the rest.
+    /// Relays until `shutdown` is cancelled, then finishes the publishes in flight (of every
+    /// round in flight), marks what the broker confirmed and releases the rest.
     ///
     /// Store and broker outages do not end the run: it waits them out with backoff, and
     /// nothing is lost or dead-lettered for them.
@@ -160,14 +163,20 @@ struct RunState {
     broker_backoff: ReconnectBackoff,
 }
 
-/// How a round went, for the loop's next step.
+/// The rounds in flight, and the pipeline slot each holds.
+#[derive(Default)]
+struct Rounds {
+    tasks: JoinSet<Report>,
+    slots: HashMap<tokio::task::Id, usize>,
+}
+
+/// What the loop does after a round finished.
 #[derive(Debug, Default)]
-struct Round {
-    full: bool,
-    /// Publishes that reached the broker (confirmed or refused for good).
-    reached: usize,
-    /// Publishes that failed to reach it (retryable).
-    missed: usize,
+struct Next {
+    /// Lease again at once.
+    ready: bool,
+    /// Wait this long before leasing again (an outage).
+    wait: Option<Duration>,
 }
 
 impl<S, P> Inner<S, P>
@@ -181,6 +190,25 @@ where
         wake_stream: &mut Option<WakeStream>,
         shutdown: &CancellationToken,
     ) -> Result<(), Error> {
+        let mut rounds = Rounds::default();
+        let result = self.relay(state, wake_stream, shutdown, &mut rounds).await;
+        // Stopping, or stopped by a store error: the rounds in flight finish their publishes,
+        // mark what the broker confirmed and release the rest (or leave them leased when the
+        // store fails them too).
+        while let Some(done) = rounds.tasks.join_next_with_id().await {
+            let mut free = Vec::new();
+            let _ = self.finished(state, done, &mut rounds.slots, &mut free);
+        }
+        result
+    }
+
+    async fn relay(
+        &self,
+        state: &mut RunState,
+        wake_stream: &mut Option<WakeStream>,
+        shutdown: &CancellationToken,
+        rounds: &mut Rounds,
+    ) -> Result<(), Error> {
         let s = &self.settings;
         let mut next_purge = Instant::now() + s.purge_interval;
         let mut next_backlog = Instant::now();
@@ -188,6 +216,11 @@ where
         let mut next_poll = Instant::now();
         // The first round runs at once: rows committed while no relay ran are waiting.
         let mut ready = true;
+        // Pipeline slots no round holds; a slot is a lease owner of its own.
+        let mut free: Vec<usize> = (0..s.pipeline).rev().collect();
+        // A lease came back short while other rounds were in flight: their keys may have held
+        // rows back, so look again as soon as one of them finishes.
+        let mut recheck = false;
         loop {
             if shutdown.is_cancelled() {
                 return Ok(());
@@ -198,117 +231,178 @@ where
                 next_backlog = Instant::now() + s.backlog_interval;
             }
             if now >= next_purge {
-                self.purge(state, shutdown).await;
-                next_purge = Instant::now() + s.purge_interval;
+                // A turn that stopped at its cap left sent rows behind: the next turn follows
+                // between rounds, not an interval later, or a relay publishing more than a
+                // turn's rows per interval grows the table without bound.
+                let more = self.purge(state, shutdown).await;
+                next_purge = Instant::now()
+                    + if more {
+                        Duration::ZERO
+                    } else {
+                        s.purge_interval
+                    };
             }
-            if !ready {
+            if !ready || free.is_empty() {
                 let housekeeping = next_purge.min(next_backlog);
+                let idle = !ready;
                 tokio::select! {
                     biased;
                     () = shutdown.cancelled() => return Ok(()),
-                    () = self.waker.woken() => {}
-                    woke = next_wake(wake_stream) => {
+                    Some(done) = rounds.tasks.join_next_with_id(), if !rounds.tasks.is_empty() => {
+                        let next = self.finished(state, done, &mut rounds.slots, &mut free)?;
+                        if next.ready || std::mem::take(&mut recheck) {
+                            ready = true;
+                        }
+                        if let Some(wait) = next.wait {
+                            if sleep_or_stop(wait, shutdown).await {
+                                return Ok(());
+                            }
+                            ready = true;
+                        }
+                        continue;
+                    }
+                    () = self.waker.woken(), if idle => {}
+                    woke = next_wake(wake_stream), if idle => {
                         if woke.is_none() {
                             tracing::debug!(relay = %s.name, "wake stream ended; polling only");
                             *wake_stream = None;
                         }
                     }
-                    () = tokio::time::sleep_until(next_poll) => {}
+                    () = tokio::time::sleep_until(next_poll), if idle => {}
                     () = tokio::time::sleep_until(housekeeping) => continue,
                 }
-            }
-            let round = self.round(state, shutdown).await;
-            next_poll = Instant::now() + s.poll_interval;
-            match round {
-                Ok(round) => {
-                    if state.store_down {
-                        tracing::info!(relay = %s.name, "outbox store answers again; relay resumed");
-                        state.store_down = false;
-                    }
-                    state.store_backoff.reset();
-                    if round.missed > 0 && round.reached == 0 {
-                        if !state.broker_down {
-                            tracing::info!(relay = %s.name, "broker not taking messages; rows wait with backoff");
-                            state.broker_down = true;
-                            state.stats.broker_outages += 1;
-                        }
-                        let wait = state.broker_backoff.next_delay();
-                        if sleep_or_stop(wait, shutdown).await {
-                            return Ok(());
-                        }
-                        ready = true;
-                    } else {
-                        if round.reached > 0 {
-                            if state.broker_down {
-                                tracing::info!(relay = %s.name, "broker takes messages again");
-                                state.broker_down = false;
-                            }
-                            state.broker_backoff.reset();
-                        }
-                        ready = round.full;
-                    }
+                ready = true;
+                if free.is_empty() {
+                    continue;
                 }
-                Err(e) if stops_the_relay(&e) => return Err(e),
+            }
+            let Some(slot) = free.pop() else { continue };
+            let owner = lease_owner(&s.name, slot);
+            let leased = self.shared.store.lease(&owner, s.batch, s.lease).await;
+            next_poll = Instant::now() + s.poll_interval;
+            let rows = match leased {
+                Ok(rows) => {
+                    self.store_answers(state);
+                    rows
+                }
                 Err(e) => {
-                    state.stats.store_errors += 1;
-                    if !state.store_down {
-                        tracing::info!(relay = %s.name, error = %e, "outbox store unavailable; relay paused, nothing is lost");
-                        state.store_down = true;
-                    } else {
-                        tracing::debug!(relay = %s.name, error = %e, "outbox store still unavailable");
-                    }
-                    let wait = state.store_backoff.next_delay();
+                    free.push(slot);
+                    let wait = self.store_failed(state, e)?;
                     if sleep_or_stop(wait, shutdown).await {
                         return Ok(());
                     }
                     ready = true;
+                    continue;
                 }
+            };
+            let full = rows.len() >= s.batch;
+            if !full && !rounds.tasks.is_empty() {
+                recheck = true;
             }
+            ready = full;
+            if rows.is_empty() {
+                free.push(slot);
+                continue;
+            }
+            state.stats.rounds += 1;
+            tracing::debug!(relay = %s.name, lease_owner = %owner, rows = rows.len(), "leased");
+            crash::reached(CrashPoint::RelayAfterLease);
+            if s.create_destinations {
+                self.ensure_destinations(state, &rows).await;
+            }
+            let task = rounds.tasks.spawn(inflight::run(
+                Arc::clone(&self.shared),
+                owner,
+                slot,
+                full,
+                rows,
+                shutdown.clone(),
+            ));
+            rounds.slots.insert(task.id(), slot);
         }
     }
 
-    /// Leases, publishes and settles one batch.
-    async fn round(
+    /// Folds a finished round into the run: its counts, its slot back, and what its outcome
+    /// says about the store and the broker.
+    fn finished(
         &self,
         state: &mut RunState,
-        shutdown: &CancellationToken,
-    ) -> Result<Round, Error> {
+        done: Result<(tokio::task::Id, Report), JoinError>,
+        slots: &mut HashMap<tokio::task::Id, usize>,
+        free: &mut Vec<usize>,
+    ) -> Result<Next, Error> {
         let s = &self.settings;
-        let rows = self.store.lease(&s.name, s.batch, s.lease).await?;
-        let mut round = Round {
-            full: rows.len() >= s.batch,
-            ..Round::default()
-        };
-        if rows.is_empty() {
-            return Ok(round);
-        }
-        state.stats.rounds += 1;
-        tracing::debug!(relay = %s.name, rows = rows.len(), "leased");
-        crash::reached(CrashPoint::RelayAfterLease);
-        if s.create_destinations {
-            self.ensure_destinations(state, &rows).await;
-        }
-        let permits = Arc::new(Semaphore::new(s.concurrency));
-        let mut tasks = JoinSet::new();
-        for unit in round::plan(rows) {
-            tasks.spawn(round::publish_unit(
-                Arc::clone(&self.publisher),
-                Arc::clone(&permits),
-                shutdown.clone(),
-                unit,
-            ));
-        }
-        let mut outcomes = Vec::new();
-        while let Some(done) = tasks.join_next().await {
-            match done {
-                Ok(outcome) => outcomes.push(outcome),
-                // Which of its rows the broker confirmed is unknown: they stay leased and are
-                // published again when the lease lapses (a duplicate at worst).
-                Err(e) => tracing::error!(relay = %s.name, error = %e, "a publishing task failed"),
+        let report = match done {
+            Ok((id, report)) => {
+                slots.remove(&id);
+                report
             }
+            Err(e) => {
+                // Its rows stay leased to its slot and come back with the slot's next lease.
+                tracing::error!(relay = %s.name, error = %e, "a relay round failed");
+                free.extend(slots.remove(&e.id()));
+                return Ok(Next {
+                    ready: true,
+                    wait: None,
+                });
+            }
+        };
+        free.push(report.slot);
+        state.stats.absorb(&report.stats);
+        if let Some(e) = report.error {
+            let wait = self.store_failed(state, e)?;
+            return Ok(Next {
+                ready: true,
+                wait: Some(wait),
+            });
         }
-        self.settle(state, outcomes, &mut round).await?;
-        Ok(round)
+        self.store_answers(state);
+        if report.missed > 0 && report.reached == 0 {
+            if !state.broker_down {
+                tracing::info!(relay = %s.name, "broker not taking messages; rows wait with backoff");
+                state.broker_down = true;
+                state.stats.broker_outages += 1;
+            }
+            return Ok(Next {
+                ready: true,
+                wait: Some(state.broker_backoff.next_delay()),
+            });
+        }
+        if report.reached > 0 {
+            if state.broker_down {
+                tracing::info!(relay = %s.name, "broker takes messages again");
+                state.broker_down = false;
+            }
+            state.broker_backoff.reset();
+        }
+        Ok(Next {
+            ready: report.full,
+            wait: None,
+        })
+    }
+
+    fn store_answers(&self, state: &mut RunState) {
+        if state.store_down {
+            tracing::info!(relay = %self.settings.name, "outbox store answers again; relay resumed");
+            state.store_down = false;
+        }
+        state.store_backoff.reset();
+    }
+
+    /// A store error: the error itself when waiting cannot fix it, else how long to pause.
+    fn store_failed(&self, state: &mut RunState, e: Error) -> Result<Duration, Error> {
+        if stops_the_relay(&e) {
+            return Err(e);
+        }
+        let name = &self.settings.name;
+        state.stats.store_errors += 1;
+        if !state.store_down {
+            tracing::info!(relay = %name, error = %e, "outbox store unavailable; relay paused, nothing is lost");
+            state.store_down = true;
+        } else {
+            tracing::debug!(relay = %name, error = %e, "outbox store still unavailable");
+        }
+        Ok(state.store_backoff.next_delay())
     }
 
     /// Creates each destination not yet created in this run. A failure is not the rows'
@@ -326,7 +420,7 @@ where
             {
                 continue;
             }
-            match self.publisher.ensure_destination(dest).await {
+            match self.shared.publisher.ensure_destination(dest).await {
                 Ok(()) => {
                     state.ensure_failed.remove(dest);
                     state.ensured.insert(dest.to_owned());
@@ -346,99 +440,9 @@ where
         }
     }
 
-    /// Marks what the broker confirmed, then releases or dead-letters what failed, then
-    /// releases what was held or not started. Confirmed rows first: a store error half-way
-    /// leaves the rest leased, to be published again when their lease lapses.
-    async fn settle(
-        &self,
-        state: &mut RunState,
-        outcomes: Vec<UnitOutcome>,
-        round: &mut Round,
-    ) -> Result<(), Error> {
-        let name = &self.settings.name;
-        let sent: Vec<i64> = outcomes
-            .iter()
-            .flat_map(|o| o.sent.iter().copied())
-            .collect();
-        round.reached += sent.len();
-        if !sent.is_empty() {
-            self.store.mark_sent(name, &sent).await?;
-            crash::reached(CrashPoint::RelayAfterMark);
-            self.instruments.published(&mut state.stats, sent.len());
-        }
-        let mut unstarted = Vec::new();
-        for outcome in outcomes {
-            unstarted.extend(outcome.unstarted);
-            let Some((row, err)) = outcome.failed else {
-                continue;
-            };
-            let attempts = row.attempts.saturating_add(1);
-            let exhausted = self.settings.max_attempts.is_some_and(|m| attempts >= m);
-            // How long the rows held behind it wait: never less than the failed row, so the
-            // store cannot hand one of them out before it.
-            let held_wait = match Verdict::of(&err) {
-                Verdict::DeadLetter(code) => {
-                    round.reached += 1;
-                    self.dead_letter(state, &row, code, &format!("{code}: {err}"))
-                        .await?;
-                    Duration::ZERO
-                }
-                Verdict::Retry if exhausted => {
-                    round.missed += 1;
-                    let reason = format!("{RETRIES_EXHAUSTED} after {attempts} attempts: {err}");
-                    self.dead_letter(state, &row, RETRIES_EXHAUSTED, &reason)
-                        .await?;
-                    Duration::ZERO
-                }
-                Verdict::Retry => {
-                    round.missed += 1;
-                    let wait = self.backoff.delay(attempts.saturating_add(1));
-                    self.store
-                        .release(name, row.seq, &err.to_string(), wait)
-                        .await?;
-                    self.instruments.failed(&mut state.stats);
-                    tracing::debug!(seq = row.seq, attempts, retry_in = ?wait, "released to retry");
-                    wait
-                }
-            };
-            let why = format!("held behind seq {} of its ordering key", row.seq);
-            for held in outcome.held {
-                self.store.release(name, held.seq, &why, held_wait).await?;
-                state.stats.released_unpublished += 1;
-            }
-        }
-        for row in unstarted {
-            self.store
-                .release(
-                    name,
-                    row.seq,
-                    "the relay stopped before publishing it",
-                    Duration::ZERO,
-                )
-                .await?;
-            state.stats.released_unpublished += 1;
-        }
-        Ok(())
-    }
-
-    async fn dead_letter(
-        &self,
-        state: &mut RunState,
-        row: &OutboxRow,
-        code: &'static str,
-        reason: &str,
-    ) -> Result<(), Error> {
-        self.store
-            .dead_letter(&self.settings.name, row.seq, reason)
-            .await?;
-        self.instruments.dead_lettered(&mut state.stats, code);
-        tracing::debug!(seq = row.seq, id = ?row.message.id(), reason, "dead-lettered");
-        Ok(())
-    }
-
     async fn read_backlog(&self, state: &mut RunState) {
-        match self.store.backlog().await {
-            Ok(b) => self.instruments.backlog(&mut state.stats, &b),
+        match self.shared.store.backlog().await {
+            Ok(b) => self.shared.instruments.backlog(&mut state.stats, &b),
             // The lease reports outages; a gauge a little stale says nothing new.
             Err(e) => {
                 tracing::debug!(relay = %self.settings.name, error = %e, "reading the outbox backlog failed")
@@ -446,25 +450,28 @@ where
         }
     }
 
-    async fn purge(&self, state: &mut RunState, shutdown: &CancellationToken) {
+    /// One housekeeping turn of purge statements; true when it stopped at its cap with every
+    /// statement full (more sent rows are likely waiting).
+    async fn purge(&self, state: &mut RunState, shutdown: &CancellationToken) -> bool {
         let batch = self.settings.purge_batch;
         for _ in 0..MAX_PURGES_PER_TURN {
             if shutdown.is_cancelled() {
-                return;
+                return false;
             }
-            match self.store.purge_sent(batch).await {
+            match self.shared.store.purge_sent(batch).await {
                 Ok(n) => {
                     state.stats.purged += n;
                     if n < batch as u64 {
-                        return;
+                        return false;
                     }
                 }
                 Err(e) => {
                     tracing::debug!(relay = %self.settings.name, error = %e, "purging sent outbox rows failed");
-                    return;
+                    return false;
                 }
             }
         }
+        true
     }
 }
 

@@ -1,6 +1,7 @@
 //! One round's publishing: leased rows split into units (one per (destination, ordering key),
 //! in sequence order, and one per unkeyed row), units published concurrently under a permit
-//! each, a unit's rows strictly one after another, stopping at its first failure.
+//! each, a unit's rows strictly one after another, stopping at its first failure. Each confirm
+//! goes to the round's marker at once.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -8,7 +9,7 @@ use std::sync::Arc;
 use idem_consumer::crash::{self, CrashPoint};
 use idem_core::Error;
 use idem_core::outbox::OutboxRow;
-use tokio::sync::Semaphore;
+use tokio::sync::{Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 
 use crate::Publish;
@@ -43,8 +44,6 @@ pub(crate) fn plan(mut rows: Vec<OutboxRow>) -> Vec<Unit> {
 /// What became of one unit's rows.
 #[derive(Debug, Default)]
 pub(crate) struct UnitOutcome {
-    /// Confirmed by the broker.
-    pub(crate) sent: Vec<i64>,
     /// The row whose publish failed, and why.
     pub(crate) failed: Option<(OutboxRow, Error)>,
     /// Rows after the failed one, not tried so their key's order holds.
@@ -53,13 +52,14 @@ pub(crate) struct UnitOutcome {
     pub(crate) unstarted: Vec<OutboxRow>,
 }
 
-/// Publishes `unit` in order under one of `permits`; stops at the first failure, and before
-/// any row not yet started once `stop` is cancelled (a publish in flight is finished, so its
-/// confirm is not thrown away).
+/// Publishes `unit` in order under one of `permits`, sending each confirmed row's `seq` to
+/// `confirms`; stops at the first failure, and before any row not yet started once `stop` is
+/// cancelled (a publish in flight is finished, so its confirm is not thrown away).
 pub(crate) async fn publish_unit<P: Publish>(
     publisher: Arc<P>,
     permits: Arc<Semaphore>,
     stop: CancellationToken,
+    confirms: mpsc::UnboundedSender<i64>,
     unit: Unit,
 ) -> UnitOutcome {
     let mut out = UnitOutcome::default();
@@ -83,7 +83,8 @@ pub(crate) async fn publish_unit<P: Publish>(
             Ok(()) => {
                 tracing::debug!(seq = row.seq, id = ?row.message.id(), destination = row.message.destination(), "published");
                 crash::reached(CrashPoint::RelayAfterPublish);
-                out.sent.push(row.seq);
+                // The marker outlives every unit of its round.
+                let _ = confirms.send(row.seq);
             }
             Err(e) => {
                 tracing::debug!(seq = row.seq, destination = row.message.destination(), error = %e, "publish failed");

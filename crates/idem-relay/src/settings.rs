@@ -8,6 +8,22 @@ use idem_core::{Error, ErrorKind};
 /// The most rows one lease takes: a round holds them all in memory.
 pub const MAX_BATCH: usize = 10_000;
 
+/// The most rounds one relay keeps in flight ([`RelayBuilder::pipeline`]).
+pub const MAX_PIPELINE: usize = 16;
+
+/// The lease owner of pipeline slot `slot`: the relay's name for the first (so a relay that
+/// does not pipeline, or restarts, finds the rows leased under its name as before), the name
+/// and `#<slot>` for the others. The store keeps one owner from taking another's rows, and a
+/// later row of a key whose earlier rows another owner holds: slots are what keeps two rounds
+/// in flight from publishing one key's rows out of order, or one row twice.
+pub(crate) fn lease_owner(name: &str, slot: usize) -> String {
+    if slot == 0 {
+        name.to_owned()
+    } else {
+        format!("{name}#{slot}")
+    }
+}
+
 /// The relay's checked settings; make them with [`RelayBuilder`].
 #[derive(Debug, Clone)]
 pub struct RelaySettings {
@@ -16,6 +32,7 @@ pub struct RelaySettings {
     pub(crate) lease: Duration,
     pub(crate) poll_interval: Duration,
     pub(crate) concurrency: usize,
+    pub(crate) pipeline: usize,
     pub(crate) retry_base: Duration,
     pub(crate) retry_max: Duration,
     pub(crate) max_attempts: Option<u32>,
@@ -36,6 +53,11 @@ impl RelaySettings {
         self.batch
     }
 
+    /// Rounds in flight at once.
+    pub fn pipeline(&self) -> usize {
+        self.pipeline
+    }
+
     /// How often the relay looks for rows without a wake-up.
     pub fn poll_interval(&self) -> Duration {
         self.poll_interval
@@ -49,7 +71,8 @@ impl RelaySettings {
 /// | [`batch`](Self::batch) | 100 | rows leased per round |
 /// | [`lease`](Self::lease) | 60 s | how long a leased row is this relay's; make it longer than a round takes (a group's rows publish one after another) |
 /// | [`poll_interval`](Self::poll_interval) | 1 s | the fallback when no wake-up comes |
-/// | [`concurrency`](Self::concurrency) | 16 | publishes in flight at once (each ordering key's rows one at a time) |
+/// | [`concurrency`](Self::concurrency) | 16 | publishes in flight at once, across the rounds in flight (each ordering key's rows one at a time) |
+/// | [`pipeline`](Self::pipeline) | 2 | rounds in flight at once: the next batch is leased while the current one publishes |
 /// | [`retry_backoff`](Self::retry_backoff) | 500 ms doubling to 60 s | how long a row waits after a failed publish, by its attempt count, jittered |
 /// | [`max_attempts`](Self::max_attempts) | none | failed publishes after which a row is dead-lettered, reason `retries-exhausted` |
 /// | [`purge_interval`](Self::purge_interval), [`purge_batch`](Self::purge_batch) | 60 s, 1000 | deleting sent rows |
@@ -70,6 +93,7 @@ impl RelayBuilder {
                 lease: Duration::from_secs(60),
                 poll_interval: Duration::from_secs(1),
                 concurrency: 16,
+                pipeline: 2,
                 retry_base: Duration::from_millis(500),
                 retry_max: Duration::from_secs(60),
                 max_attempts: None,
@@ -107,6 +131,19 @@ impl RelayBuilder {
         self
     }
 
+    /// Rounds in flight at once (1 to [`MAX_PIPELINE`]): while one round's rows publish, the
+    /// relay leases the next batch, and each round marks its rows sent in chunks as the broker
+    /// confirms them, so the database's work overlaps the broker's. 1 is a strictly
+    /// sequential relay. Each round leases under an owner of its own (the name, then
+    /// `<name>#1`, `<name>#2`, …, all within 255 bytes), which the store keeps apart: a round
+    /// never takes a row of a key whose earlier rows another round still holds. Rows leased
+    /// by a slot a later run does not have (run with a smaller pipeline) wait out their
+    /// [`lease`](Self::lease).
+    pub fn pipeline(mut self, rounds: usize) -> Self {
+        self.settings.pipeline = rounds;
+        self
+    }
+
     /// A row's wait after its `n`-th failed publish: `base·2^(n-1)` capped at `max`, jittered
     /// within its upper half (as [`idem_consumer::RetryPolicy`]).
     pub fn retry_backoff(mut self, base: Duration, max: Duration) -> Self {
@@ -122,7 +159,10 @@ impl RelayBuilder {
         self
     }
 
-    /// How often sent rows are deleted.
+    /// How often sent rows are deleted. A turn runs up to 10 statements of
+    /// [`purge_batch`](Self::purge_batch) rows; one that finds more sent rows is followed by
+    /// the next turn between rounds rather than an interval later, so the purge keeps up with
+    /// any publishing rate.
     pub fn purge_interval(mut self, every: Duration) -> Self {
         self.settings.purge_interval = every;
         self
@@ -152,7 +192,8 @@ impl RelayBuilder {
     /// [`ErrorKind::InvalidConfig`] naming the setting: an empty name, one over 255 bytes or
     /// with a control character; a batch of 0 or over [`MAX_BATCH`]; a zero lease, poll
     /// interval, concurrency, purge interval, purge batch, backlog interval or backoff base; a
-    /// backoff cap under its base; `max_attempts` 0.
+    /// backoff cap under its base; `max_attempts` 0; a pipeline of 0 or over [`MAX_PIPELINE`],
+    /// or one whose last lease owner (`<name>#<n>`) would be over 255 bytes.
     pub fn settings(self) -> Result<RelaySettings, Error> {
         let s = self.settings;
         let bad = |why: String| Err(Error::new(ErrorKind::InvalidConfig, why));
@@ -180,6 +221,19 @@ impl RelayBuilder {
             return bad(format!(
                 "relay retry backoff cap {:?} is under its base {:?}",
                 s.retry_max, s.retry_base
+            ));
+        }
+        if s.pipeline == 0 || s.pipeline > MAX_PIPELINE {
+            return bad(format!(
+                "relay pipeline {} must be 1 to {MAX_PIPELINE}",
+                s.pipeline
+            ));
+        }
+        if lease_owner(&s.name, s.pipeline - 1).len() > 255 {
+            return bad(format!(
+                "relay name {:?} is too long for its pipeline's lease owners ({:?})",
+                s.name,
+                lease_owner(&s.name, s.pipeline - 1)
             ));
         }
         if s.concurrency == 0 {
@@ -223,6 +277,9 @@ mod tests {
             (ok().lease(Duration::ZERO), "lease"),
             (ok().poll_interval(Duration::ZERO), "poll interval"),
             (ok().concurrency(0), "concurrency"),
+            (ok().pipeline(0), "pipeline"),
+            (ok().pipeline(MAX_PIPELINE + 1), "pipeline"),
+            (RelayBuilder::new("r".repeat(254)).pipeline(2), "name"),
             (ok().purge_batch(0), "purge batch"),
             (ok().purge_interval(Duration::ZERO), "purge interval"),
             (ok().backlog_interval(Duration::ZERO), "backlog interval"),

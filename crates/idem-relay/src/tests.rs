@@ -465,3 +465,74 @@ async fn metrics_count_published_failed_dead_lettered_and_the_backlog() {
         Some((0, 1))
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn the_next_batch_is_leased_and_published_while_a_round_is_still_publishing() {
+    let store = FakeRelayStore::new();
+    let seqs = store.enqueue([msg("slow", None), msg("quick", None)]);
+    let publisher = FakePublisher::default();
+    publisher.script("slow", [Step::Slow(Duration::from_secs(10))]);
+    let relay = builder()
+        .batch(1)
+        .pipeline(2)
+        .build(store.clone(), publisher.clone())
+        .unwrap();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(relay.run(stop.clone()));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // The second round went while the first still waits for its confirm.
+    assert_eq!(store.state_of(seqs[1]), Some(FakeRowState::Sent));
+    assert!(matches!(
+        store.state_of(seqs[0]),
+        Some(FakeRowState::Leased { .. })
+    ));
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    stop.cancel();
+    let stats = task.await.unwrap().unwrap();
+    assert_eq!(store.state_of(seqs[0]), Some(FakeRowState::Sent));
+    assert_eq!((stats.rounds, stats.published), (2, 2));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_confirmed_row_is_marked_without_waiting_for_its_rounds_slowest_publish() {
+    let store = FakeRelayStore::new();
+    let seqs = store.enqueue([msg("slow", None), msg("quick", None)]);
+    let publisher = FakePublisher::default();
+    publisher.script("slow", [Step::Slow(Duration::from_secs(10))]);
+    let relay = builder()
+        .pipeline(1)
+        .build(store.clone(), publisher.clone())
+        .unwrap();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(relay.run(stop.clone()));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // One round holds both; the quick one is marked while the slow one publishes.
+    assert_eq!(store.state_of(seqs[1]), Some(FakeRowState::Sent));
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    stop.cancel();
+    let stats = task.await.unwrap().unwrap();
+    assert_eq!(store.state_of(seqs[0]), Some(FakeRowState::Sent));
+    assert_eq!((stats.rounds, stats.published), (1, 2));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_purge_that_finds_more_than_a_turn_deletes_goes_on_without_waiting_an_interval() {
+    let store = FakeRelayStore::new();
+    store.enqueue((0..35).map(|i| msg(&format!("m{i}"), None)));
+    let publisher = FakePublisher::default();
+    // A turn deletes at most 10 statements of 1 row.
+    let relay = builder()
+        .batch(100)
+        .purge_batch(1)
+        .purge_interval(Duration::from_secs(60))
+        .build(store.clone(), publisher.clone())
+        .unwrap();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(relay.run(stop.clone()));
+    tokio::time::sleep(Duration::from_secs(61)).await;
+    // All 35 in the first interval's turns, not 10 a minute.
+    assert!(store.rows().is_empty(), "{} rows left", store.rows().len());
+    stop.cancel();
+    let stats = task.await.unwrap().unwrap();
+    assert_eq!(stats.purged, 35);
+}

@@ -66,6 +66,8 @@ pub(crate) struct Options {
     pub(crate) rate: u32,
     /// How long the latency run's writers write.
     pub(crate) latency_window: Duration,
+    /// The relay's rounds in flight in the drain part (its default when `None`).
+    pub(crate) pipeline: Option<usize>,
 }
 
 /// The latency runs' results, printed after the tables.
@@ -99,7 +101,7 @@ impl Report {
 }
 
 /// The relay-throughput variants: the broker alone, then the relay at two batch sizes and two
-/// concurrencies.
+/// concurrencies, with rounds in flight (`--outbox-pipeline`) and one round at a time.
 #[derive(Debug, Clone, Copy)]
 enum Drain {
     Broker16,
@@ -108,21 +110,31 @@ enum Drain {
     Relay500x16,
     Relay100x64,
     Relay500x64,
+    Sequential500x16,
+    Sequential500x64,
 }
 
 impl Drain {
     fn batch(self) -> usize {
         match self {
-            Self::Relay500x16 | Self::Relay500x64 => 500,
+            Self::Relay500x16
+            | Self::Relay500x64
+            | Self::Sequential500x16
+            | Self::Sequential500x64 => 500,
             _ => 100,
         }
     }
 
     fn concurrency(self) -> usize {
         match self {
-            Self::Broker16 | Self::Relay100x16 | Self::Relay500x16 => 16,
+            Self::Broker16 | Self::Relay100x16 | Self::Relay500x16 | Self::Sequential500x16 => 16,
             _ => 64,
         }
+    }
+
+    /// One round at a time, whatever `--outbox-pipeline` says.
+    fn sequential(self) -> bool {
+        matches!(self, Self::Sequential500x16 | Self::Sequential500x64)
     }
 
     fn is_relay(self) -> bool {
@@ -139,6 +151,8 @@ impl Variant for Drain {
             Self::Relay500x16 => "relay-b500-c16",
             Self::Relay100x64 => "relay-b100-c64",
             Self::Relay500x64 => "relay-b500-c64",
+            Self::Sequential500x16 => "relay-b500-c16-p1",
+            Self::Sequential500x64 => "relay-b500-c64-p1",
         }
     }
 
@@ -150,12 +164,14 @@ impl Variant for Drain {
             Self::Relay500x16 => "`Relay`, batch 500, concurrency 16",
             Self::Relay100x64 => "`Relay`, batch 100, concurrency 64",
             Self::Relay500x64 => "`Relay`, batch 500, concurrency 64",
+            Self::Sequential500x16 => "`Relay`, batch 500, concurrency 16, pipeline 1",
+            Self::Sequential500x64 => "`Relay`, batch 500, concurrency 64, pipeline 1",
         }
     }
 
     fn round_trips(self) -> &'static str {
         if self.is_relay() {
-            "1 publish + 2 per batch (lease, mark)"
+            "1 publish + 1 lease per batch + 1 per mark chunk"
         } else {
             "1 publish"
         }
@@ -299,18 +315,27 @@ impl Bench {
             Drain::Broker16,
             Drain::Relay100x16,
             Drain::Relay500x16,
+            Drain::Sequential500x16,
             Drain::Broker64,
             Drain::Relay100x64,
             Drain::Relay500x64,
+            Drain::Sequential500x64,
         ];
+        let pipeline = match options.pipeline {
+            Some(n) => n,
+            None => Relay::builder("idem-bench-drain").settings()?.pipeline(),
+        };
         let title = format!(
             "Outbox relay throughput, PostgreSQL → {}: {rows} committed rows drained",
             broker.broker().name()
         );
+        let profile = Mutex::new(HashMap::new());
         let group = Group::measure(title, &variants, &self.settings, async |v| {
             let msgs = messages(self.settings.ids(), rows)?;
             if v.is_relay() {
-                self.drain_relay(outbox, producer, &msgs, v).await
+                let rounds = if v.sequential() { 1 } else { pipeline };
+                self.drain_relay(outbox, producer, &msgs, v, rounds, &profile)
+                    .await
             } else {
                 let batch: Vec<(String, Vec<u8>)> = msgs
                     .iter()
@@ -327,6 +352,12 @@ impl Bench {
             }
         })
         .await?;
+        let mut group = group;
+        for v in variants.iter().filter(|v| v.is_relay()) {
+            if let Some(t) = lock(&profile).get(v.key()) {
+                group = group.note(t.describe(v.key()));
+            }
+        }
         Ok(group
             .targets([
                 Target::at_least("relay-b100-c16", "broker-c16", 0.8),
@@ -341,10 +372,13 @@ impl Bench {
                  messages (same size, fresh IDs) through the same connection's \
                  `AnyProducer::publish_all` (groups of N joined in turn), each confirmed"
             ))
-            .note(
-                "the relay's rounds are sequential: lease (one transaction), publish the batch \
-                 with up to N in flight, mark sent (one UPDATE), then the next lease",
-            ))
+            .note(format!(
+                "the relay rows without `pipeline 1` keep up to {pipeline} rounds in flight \
+                 (`RelayBuilder::pipeline`): the next lease (one transaction) while earlier \
+                 batches publish, each round marking its confirmed rows in chunks (one UPDATE \
+                 each) as they come; concurrency N bounds the publishes in flight across all \
+                 rounds; `pipeline 1`: one round at a time, its marks still chunked"
+            )))
     }
 
     async fn drain_relay(
@@ -353,6 +387,8 @@ impl Bench {
         producer: &Arc<AnyProducer>,
         msgs: &[Outgoing],
         v: Drain,
+        pipeline: usize,
+        profile: &Mutex<HashMap<&'static str, StoreTime>>,
     ) -> anyhow::Result<Sample> {
         sqlx::raw_sql(&outbox.truncate).execute(&self.admin).await?;
         let (pool, store) = self.outbox_store(outbox, 4).await?;
@@ -367,12 +403,20 @@ impl Bench {
             inner: Arc::clone(producer),
             published: Arc::clone(&published),
         };
+        let time = Arc::new(Mutex::new(StoreTime::default()));
         let relay = Relay::builder("idem-bench-drain")
             .batch(v.batch())
             .concurrency(v.concurrency())
+            .pipeline(pipeline)
             .poll_interval(Duration::from_secs(5))
             .create_destinations(false)
-            .build(store.clone(), publisher)?;
+            .build(
+                Profiled {
+                    inner: store.clone(),
+                    time: Arc::clone(&time),
+                },
+                publisher,
+            )?;
         let stop = CancellationToken::new();
         let start = Instant::now();
         let running = tokio::spawn(relay.run(stop.clone()));
@@ -395,6 +439,18 @@ impl Bench {
         stop.cancel();
         let stats = running.await??;
         pool.close().await;
+        {
+            let t = *lock(&time);
+            let mut all = lock(profile);
+            let sum = all.entry(v.key()).or_default();
+            sum.leases += t.leases;
+            sum.leased_rows += t.leased_rows;
+            sum.lease += t.lease;
+            sum.marks += t.marks;
+            sum.marked_rows += t.marked_rows;
+            sum.mark += t.mark;
+            sum.elapsed += elapsed;
+        }
         if stats.published != rows {
             bail!("the relay published {} of {rows} rows", stats.published);
         }
@@ -793,5 +849,93 @@ impl Op for EnqueueOp {
             }
         }
         Ok(batch.len() as u64)
+    }
+}
+
+/// Where a drain variant's time went on the database side, summed over its rounds.
+#[derive(Debug, Default, Clone, Copy)]
+struct StoreTime {
+    leases: u64,
+    leased_rows: u64,
+    lease: Duration,
+    marks: u64,
+    marked_rows: u64,
+    mark: Duration,
+    /// Wall time of the measured drains.
+    elapsed: Duration,
+}
+
+impl StoreTime {
+    fn describe(&self, key: &str) -> String {
+        let per = |d: Duration, n: u64| d.as_secs_f64() * 1e3 / n.max(1) as f64;
+        let share = |d: Duration| 100.0 * d.as_secs_f64() / self.elapsed.as_secs_f64().max(1e-9);
+        format!(
+            "{key}, database side over all its rounds: {} leases of {:.0} rows, {:.1} ms each \
+             ({:.0} % of the drains' wall time); {} mark statements of {:.0} rows, {:.1} ms each \
+             ({:.0} %, overlapping the publishes)",
+            self.leases,
+            self.leased_rows as f64 / self.leases.max(1) as f64,
+            per(self.lease, self.leases),
+            share(self.lease),
+            self.marks,
+            self.marked_rows as f64 / self.marks.max(1) as f64,
+            per(self.mark, self.marks),
+            share(self.mark),
+        )
+    }
+}
+
+/// The outbox store, timing the relay's leases and marks into a [`StoreTime`].
+struct Profiled {
+    inner: PostgresStore,
+    time: Arc<Mutex<StoreTime>>,
+}
+
+impl RelayStore for Profiled {
+    async fn lease(
+        &self,
+        relay: &str,
+        limit: usize,
+        lease: Duration,
+    ) -> Result<Vec<idem_core::outbox::OutboxRow>, Error> {
+        let start = Instant::now();
+        let rows = self.inner.lease(relay, limit, lease).await?;
+        let mut t = lock(&self.time);
+        t.leases += 1;
+        t.leased_rows += rows.len() as u64;
+        t.lease += start.elapsed();
+        Ok(rows)
+    }
+
+    async fn mark_sent(&self, relay: &str, seqs: &[i64]) -> Result<(), Error> {
+        let start = Instant::now();
+        self.inner.mark_sent(relay, seqs).await?;
+        let mut t = lock(&self.time);
+        t.marks += 1;
+        t.marked_rows += seqs.len() as u64;
+        t.mark += start.elapsed();
+        Ok(())
+    }
+
+    async fn release(
+        &self,
+        relay: &str,
+        seq: i64,
+        error: &str,
+        retry_in: Duration,
+    ) -> Result<(), Error> {
+        self.inner.release(relay, seq, error, retry_in).await
+    }
+
+    async fn dead_letter(&self, relay: &str, seq: i64, reason: &str) -> Result<(), Error> {
+        self.inner.dead_letter(relay, seq, reason).await
+    }
+
+    async fn purge_sent(&self, limit: usize) -> Result<u64, Error> {
+        self.inner.purge_sent(limit).await
+    }
+
+    async fn backlog(&self) -> Result<idem_core::outbox::Backlog, Error> {
+        self.inner.backlog().await
     }
 }
