@@ -26,6 +26,14 @@ pub(crate) struct RelayArgs {
     /// Rows leased and published per round.
     #[arg(long, value_name = "N", default_value_t = 100)]
     batch: usize,
+    /// Publishes in flight at once, across every round.
+    #[arg(long, value_name = "N", default_value_t = 16)]
+    concurrency: usize,
+    /// Rounds in flight at once (1 to 16): the next batch is leased while earlier ones
+    /// publish. Each round leases under an owner of its own (NAME, NAME#1, …); rows held by a
+    /// slot a restarted relay with a smaller pipeline does not have wait out their lease.
+    #[arg(long, value_name = "N", default_value_t = 2)]
+    pipeline: usize,
     /// How often to look for rows at the latest. On PostgreSQL the relay also wakes on each
     /// commit that enqueued (LISTEN/NOTIFY); notifications are not durable, so this stays the
     /// floor.
@@ -44,6 +52,8 @@ impl std::fmt::Debug for RelayArgs {
             .field("broker", &idem_redact::redact_url(&self.broker))
             .field("name", &self.name)
             .field("batch", &self.batch)
+            .field("concurrency", &self.concurrency)
+            .field("pipeline", &self.pipeline)
             .field("poll", &self.poll)
             .field("outbox_table", &self.outbox_table)
             .finish()
@@ -54,6 +64,8 @@ pub(crate) async fn relay(args: RelayArgs) -> anyhow::Result<()> {
     // Everything that can be refused without a connection is refused first.
     let settings = Relay::builder(&args.name)
         .batch(args.batch)
+        .concurrency(args.concurrency)
+        .pipeline(args.pipeline)
         .poll_interval(args.poll)
         .settings()?;
     let broker = BrokerUrl::parse(&args.broker)?;

@@ -30,6 +30,20 @@ fn a_bad_batch_is_refused_before_connecting() {
 }
 
 #[test]
+fn a_pipeline_past_its_bound_is_refused_before_connecting() {
+    let err = relay_error(&[
+        "--database",
+        "postgres://app:hunter2@127.0.0.1:1/test",
+        "--broker",
+        "nats://127.0.0.1:1",
+        "--pipeline",
+        "17",
+    ]);
+    assert!(err.contains("pipeline 17"), "{err}");
+    assert!(!err.contains("hunter2"), "{err}");
+}
+
+#[test]
 fn an_unknown_broker_scheme_is_refused_without_its_password() {
     let err = relay_error(&[
         "--database",
