@@ -396,16 +396,23 @@ impl Source for KafkaSource {
         // A static member does not leave (KIP-345): the group keeps its partitions for the
         // session timeout, so a restart with the same ID takes them back without rebalancing
         // the others; the settled prefix is committed above either way.
-        if let Some(id) = self.membership.static_member() {
-            tracing::info!(group = %self.group_id, static_member = id, "closing as a static member: its partitions wait for its return until the session times out");
-        } else if self.membership.configured_static() {
+        let leave = match self.membership.static_member() {
+            Some(id) => {
+                tracing::info!(group = %self.group_id, static_member = id, "closing as a static member: its partitions wait for its return until the session times out");
+                false
+            }
+            None => true,
+        };
+        if leave && self.membership.configured_static() {
             self.leave_as_dynamic().await;
         }
         let KafkaSource { consumer, .. } = self;
-        // Leaving the group waits for the coordinator; keep that off the async workers. For a
-        // member with a `group.instance.id` librdkafka's close sends no LeaveGroup.
+        // Leaving the group waits for the coordinator; keep that off the async workers. With a
+        // `group.instance.id` configured, librdkafka's close sends no LeaveGroup.
         let left = tokio::task::spawn_blocking(move || {
-            consumer.unsubscribe();
+            if leave {
+                consumer.unsubscribe();
+            }
             drop(consumer);
         })
         .await;
