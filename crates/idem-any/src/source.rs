@@ -18,12 +18,14 @@ pub struct SourceSpec {
     instance: String,
     redeliver_after: Option<Duration>,
     in_flight: usize,
+    static_membership: bool,
 }
 
 impl SourceSpec {
     /// Reads `name` (a NATS subject captured by the stream `name`, an AMQP queue, a Kafka topic,
     /// a Redis stream, an MQTT topic shared by the group) as the consumer group `consumer`;
-    /// `instance` names this process in the group (its Redis consumer, its MQTT client ID).
+    /// `instance` names this process in the group (its Redis consumer, its MQTT client ID, its
+    /// Kafka static member ID): unique per replica, the same across its restarts.
     pub fn new(
         name: impl Into<String>,
         consumer: impl Into<String>,
@@ -35,12 +37,14 @@ impl SourceSpec {
             instance: instance.into(),
             redeliver_after: None,
             in_flight: 0,
+            static_membership: true,
         }
     }
 
     /// How long an unacknowledged delivery waits before the broker hands it to another
-    /// consumer: JetStream's `ack_wait`, Kafka's session timeout (heartbeats a sixth of it),
-    /// Redis Streams' `min_idle`. AMQP and MQTT redeliver when the connection drops, so it does
+    /// consumer: JetStream's `ack_wait`, Kafka's session timeout (heartbeats a sixth of it;
+    /// for a [static member](Self::static_membership) also how long a restart may take
+    /// without a rebalance), Redis Streams' `min_idle`. AMQP and MQTT redeliver when the connection drops, so it does
     /// not apply there. Unset: each adapter's default.
     pub fn redeliver_after(mut self, after: Duration) -> Self {
         self.redeliver_after = Some(after);
@@ -51,6 +55,19 @@ impl SourceSpec {
     /// AMQP prefetch is raised to it, so that a batch can fill.
     pub fn in_flight(mut self, n: usize) -> Self {
         self.in_flight = n;
+        self
+    }
+
+    /// Kafka only: join the group as the static member `instance` (the default) or, with
+    /// `false`, as a dynamic member. A static member that restarts within the session timeout
+    /// takes its partitions back without rebalancing the group, but one that stops for good
+    /// (scaled down, not restarted) leaves its partitions unconsumed until the session times
+    /// out ([`redeliver_after`](Self::redeliver_after), else 45 s; see
+    /// `idem_kafka::KafkaSourceBuilder::static_member`). Turn it off where
+    /// instance names are not unique per replica (two replicas with one name fence each
+    /// other out), or where replicas come and go more often than they restart.
+    pub fn static_membership(mut self, on: bool) -> Self {
+        self.static_membership = on;
         self
     }
 
@@ -119,11 +136,15 @@ impl BrokerUrl {
     /// connects the family's source for `spec` and runs `job` on it.
     ///
     /// Dead letters go where [`dead_letters`](crate::dead_letters) says. On MQTT the source
-    /// subscribes to `$share/<consumer>/<name>` with client ID `<instance>`.
+    /// subscribes to `$share/<consumer>/<name>` with client ID `<instance>`; on Kafka it joins
+    /// the group `<consumer>` as the static member `<instance>` unless
+    /// [`SourceSpec::static_membership`] is off.
     ///
     /// # Errors
-    /// Creating the topology or connecting failed (as the family's builder says); the job's own
-    /// result is its `Output`.
+    /// Creating the topology or connecting failed (as the family's builder says: on Kafka an
+    /// instance name the broker would refuse as a static member ID is
+    /// [`ErrorKind::InvalidConfig`](idem_core::ErrorKind)); the job's own result is its
+    /// `Output`.
     pub async fn with_source<J: WithSource>(
         &self,
         spec: &SourceSpec,
@@ -159,6 +180,9 @@ impl BrokerUrl {
                 self.ensure_destination(name).await?;
                 let mut builder =
                     idem_kafka::KafkaSource::builder(name, spec.consumer()).dead_letter_topic(dead);
+                if spec.static_membership {
+                    builder = builder.static_member(spec.instance());
+                }
                 if let Some(d) = spec.redeliver_after {
                     // Heartbeats well inside the session, as librdkafka recommends (a third or
                     // less).

@@ -5,12 +5,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idem_core::{Error, ErrorKind};
-use rdkafka::config::ClientConfig;
+use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::producer::FutureProducer;
 
 use crate::delivery::Shared;
 use crate::error;
+use crate::membership::{self, Membership, STATIC_SESSION_TIMEOUT};
 use crate::offsets::Offsets;
 use crate::source::{GroupContext, KafkaSource};
 
@@ -31,6 +32,7 @@ pub struct KafkaSourceBuilder {
     consumer_only: Vec<(String, String)>,
     commit_interval: Duration,
     send_timeout: Duration,
+    static_member: Option<String>,
 }
 
 /// librdkafka settings as `key=value`, secrets masked by the redaction every idem crate shares.
@@ -60,6 +62,7 @@ impl std::fmt::Debug for KafkaSourceBuilder {
             .field("consumer_only", &Settings(&self.consumer_only))
             .field("commit_interval", &self.commit_interval)
             .field("send_timeout", &self.send_timeout)
+            .field("static_member", &self.static_member)
             .finish()
     }
 }
@@ -76,6 +79,7 @@ impl KafkaSource {
             consumer_only: Vec::new(),
             commit_interval: DEFAULT_COMMIT_INTERVAL,
             send_timeout: DEFAULT_SEND_TIMEOUT,
+            static_member: None,
         }
     }
 }
@@ -127,6 +131,40 @@ impl KafkaSourceBuilder {
         self
     }
 
+    /// Joins the group as the static member `instance_id` (KIP-345, librdkafka's
+    /// `group.instance.id`): one ID per replica, the same across its restarts (a StatefulSet
+    /// pod name, a systemd instance name).
+    ///
+    /// * **What it buys:** a member that comes back within the session timeout with the same
+    ///   ID gets the same partitions back, and the other members are not rebalanced at all: a
+    ///   rolling deploy or a crash-and-restart no longer stops the whole group for a
+    ///   rebalance, and nobody else consumes the restarted member's partitions meanwhile (no
+    ///   redeliveries to another member).
+    /// * **What it costs:** a static member does not leave the group when it stops,
+    ///   gracefully or not ([`close`](idem_consumer::Source::close) commits its settled offsets
+    ///   and goes without a LeaveGroup). Its partitions are consumed by nobody until the session
+    ///   timeout has passed, and only then handed to the others. Scaling down, or a replica that
+    ///   does not come back, costs each of its partitions that long a pause.
+    /// * **Session timeout:** [`STATIC_SESSION_TIMEOUT`](crate::STATIC_SESSION_TIMEOUT) (45 s)
+    ///   unless `session.timeout.ms` is set ([`set_consumer`](Self::set_consumer)): long enough
+    ///   for a process or pod restart, short enough that a lost member's partitions move on
+    ///   within a minute. It must lie within the broker's `group.min.session.timeout.ms` and
+    ///   `group.max.session.timeout.ms` (Kafka: 6 s and 30 min).
+    /// * **Two processes with one ID:** the broker fences the older one (`FENCED_INSTANCE_ID`,
+    ///   fatal in librdkafka); its [`Source::next`](idem_consumer::Source::next) then fails with
+    ///   [`ErrorKind::Misconfigured`] for good. IDs must be unique per replica.
+    /// * **Brokers without it** (JoinGroup before v5, Kafka before 2.3): librdkafka joins
+    ///   without the ID; the source logs a warning, becomes a dynamic member
+    ///   ([`Membership::static_member`] turns `None`) and leaves the group on close as one.
+    ///
+    /// The ID is checked when connecting: 1 to 249 ASCII letters, digits, `.`, `_` or `-`
+    /// (the broker's rule), else [`ErrorKind::InvalidConfig`]. A `group.instance.id` given
+    /// with [`set_consumer`](Self::set_consumer) is the same as this (and wins over it).
+    pub fn static_member(mut self, instance_id: impl Into<String>) -> Self {
+        self.static_member = Some(instance_id.into());
+        self
+    }
+
     /// Creates the consumer and its dead-letter producer for the cluster at `brokers`
     /// (`host:port[,host:port…]`) and subscribes to the topics.
     ///
@@ -138,8 +176,9 @@ impl KafkaSourceBuilder {
     /// Must run inside a tokio runtime: the consumer spawns a wake-up task on it.
     ///
     /// # Errors
-    /// [`ErrorKind::InvalidConfig`] for an empty topic name, a setting librdkafka refuses, or
-    /// no tokio runtime.
+    /// [`ErrorKind::InvalidConfig`] for an empty topic name, a
+    /// [static member ID](Self::static_member) the broker would refuse, a setting librdkafka
+    /// refuses, or no tokio runtime.
     pub async fn connect(self, brokers: &str) -> Result<KafkaSource, Error> {
         if tokio::runtime::Handle::try_current().is_err() {
             return Err(Error::new(
@@ -152,6 +191,18 @@ impl KafkaSourceBuilder {
                 ErrorKind::InvalidConfig,
                 "a Kafka source needs non-empty topic names",
             ));
+        }
+        // A `group.instance.id` set directly makes a static member too, and must close as one.
+        let static_member = self
+            .common
+            .iter()
+            .chain(&self.consumer_only)
+            .rev()
+            .find(|(k, _)| k == "group.instance.id")
+            .map(|(_, v)| v.clone())
+            .or(self.static_member);
+        if let Some(id) = &static_member {
+            membership::validate_instance_id(id)?;
         }
         let mut producer_config = ClientConfig::new();
         producer_config.set("bootstrap.servers", brokers);
@@ -169,15 +220,27 @@ impl KafkaSourceBuilder {
             // A new group starts at the oldest message: nothing published before the
             // first deployment is skipped. Overridable with `set_consumer`.
             .set("auto.offset.reset", "earliest");
+        if let Some(id) = &static_member {
+            config.set("group.instance.id", id).set(
+                "session.timeout.ms",
+                STATIC_SESSION_TIMEOUT.as_millis().to_string(),
+            );
+        }
+        // After the static member's session timeout, so that `set_consumer` overrides it.
         for (k, v) in self.common.iter().chain(&self.consumer_only) {
             config.set(k, v);
         }
         config
             .set("enable.auto.commit", "false")
             .set("enable.auto.offset.store", "false");
+        if static_member.is_some() {
+            watch_member_id(&mut config);
+        }
         let offsets = Arc::new(Mutex::new(Offsets::default()));
+        let membership = Membership::new(static_member.clone());
         let context = GroupContext {
             offsets: offsets.clone(),
+            membership: membership.clone(),
         };
         let consumer: StreamConsumer<GroupContext> = config
             .create_with_context(context)
@@ -186,7 +249,7 @@ impl KafkaSourceBuilder {
         consumer
             .subscribe(&topics)
             .map_err(|e| error::invalid_config("subscribing", e))?;
-        tracing::info!(group = %self.group_id, topics = ?self.topics, "kafka consumer subscribed");
+        tracing::info!(group = %self.group_id, topics = ?self.topics, static_member = static_member.as_deref(), "kafka consumer subscribed");
         Ok(KafkaSource::new(
             consumer,
             Shared {
@@ -195,11 +258,27 @@ impl KafkaSourceBuilder {
                 dead_letter_topic: self.dead_letter_topic,
                 send_timeout: self.send_timeout,
             },
+            membership,
             self.group_id,
             self.topics,
             self.commit_interval,
         ))
     }
+}
+
+/// Turns on librdkafka's `cgrp` debug lines (keeping any other contexts asked for), whose
+/// "updating member id" line tells whether the broker kept the static member ID; they reach
+/// `tracing` at debug level. A consumer-group context logs a few lines per join and
+/// rebalance, not per message.
+fn watch_member_id(config: &mut ClientConfig) {
+    let debug = match config.get("debug") {
+        Some(d) if d.split(',').any(|c| matches!(c.trim(), "cgrp" | "all")) => d.to_owned(),
+        Some(d) if !d.trim().is_empty() => format!("{d},cgrp"),
+        _ => "cgrp".to_owned(),
+    };
+    config
+        .set("debug", debug)
+        .set_log_level(RDKafkaLogLevel::Debug);
 }
 
 #[cfg(test)]

@@ -32,3 +32,9 @@ pub(crate) fn produce(what: impl Display, e: KafkaError) -> Error {
 pub(crate) fn invalid_config(what: impl Display, e: KafkaError) -> Error {
     Error::from_system(ErrorKind::InvalidConfig, SYSTEM, what, e)
 }
+
+/// librdkafka hit a fatal error and stopped the client (a static member fenced by another
+/// with the same ID): waiting does not help; an operator must.
+pub(crate) fn fatal(what: impl Display, e: KafkaError) -> Error {
+    Error::from_system(ErrorKind::Misconfigured, SYSTEM, what, e)
+}

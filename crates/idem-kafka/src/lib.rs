@@ -23,6 +23,13 @@
 //!   `message.max.bytes` (1 000 000 bytes by default, ID header included).
 //! * [`ensure_topics`] creates the topic and its dead-letter topic where the cluster does not
 //!   create topics on first use.
+//! * Static membership (KIP-345) is one call:
+//!   [`KafkaSourceBuilder::static_member`]`(instance_id)`. A replica restarted within the
+//!   session timeout ([`STATIC_SESSION_TIMEOUT`], 45 s, by default) takes its partitions back
+//!   and the rest of the group is not rebalanced; the price is that a static member never
+//!   leaves the group, so the partitions of one that stops for good wait that long for
+//!   another member. [`KafkaSource::membership`] shows what the group did to a member
+//!   (assignments, revocations, the partitions it holds).
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), idem_core::Error> {
@@ -55,9 +62,9 @@
 //! producer.publish("payments", Some(b"acct-7"), "pay-0001",
 //!     br#"{"account":"acct-7","amount_cents":500}"#).await?;
 //!
-//! // Consumer side.
+//! // Consumer side: replica `billing-0` of the group, the same name after every restart.
 //! let source = KafkaSource::builder("payments", "billing")
-//!     .set_consumer("session.timeout.ms", "10000")
+//!     .static_member("billing-0")
 //!     .connect("localhost:9092")
 //!     .await?;
 //! let store = SqliteStore::open("idem.db", SqliteOptions::default()).await?;
@@ -73,6 +80,7 @@
 mod builder;
 mod delivery;
 mod error;
+mod membership;
 mod offsets;
 mod producer;
 mod source;
@@ -82,6 +90,7 @@ pub use builder::KafkaSourceBuilder;
 pub use delivery::{
     KafkaDelivery, ORIGINAL_OFFSET_HEADER, ORIGINAL_PARTITION_HEADER, ORIGINAL_TOPIC_HEADER,
 };
+pub use membership::{Membership, STATIC_SESSION_TIMEOUT};
 pub use producer::{KafkaProducer, Published};
 /// The Kafka client this adapter is built on, for naming its types (configs, producers,
 /// records, the admin client).

@@ -11,11 +11,12 @@ use rdkafka::config::RDKafkaLogLevel;
 use rdkafka::consumer::{
     BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
 };
-use rdkafka::error::{KafkaError, KafkaResult};
+use rdkafka::error::{KafkaError, KafkaResult, RDKafkaErrorCode};
 use rdkafka::message::{BorrowedMessage, Message};
 use rdkafka::{Offset, TopicPartitionList};
 
 use crate::delivery::{KafkaDelivery, Shared};
+use crate::membership::{self, Membership};
 use crate::offsets::{Offsets, PartitionKey};
 use crate::{MESSAGE_ID_HEADER, error};
 
@@ -25,13 +26,50 @@ pub(crate) fn lock(offsets: &Mutex<Offsets>) -> MutexGuard<'_, Offsets> {
     offsets.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Consumer-group callbacks: commit what is settled before a partition goes away.
+/// librdkafka's log facility for "the broker cannot take a `group.instance.id`" (JoinGroup
+/// before v5): it then joins without one and says so at notice level — but at most once a day
+/// counted from the host's boot, so not at all during a host's first day up.
+const NO_STATIC_MEMBERSHIP_FACILITY: &str = "STATICMEMBER";
+/// librdkafka's `cgrp` debug facility for "the coordinator assigned this member ID", which
+/// tells whether the broker kept the static member ID ([`Membership`]).
+const MEMBER_ID_FACILITY: &str = "MEMBERID";
+/// librdkafka's `cgrp` debug facility for "sending LeaveGroup".
+const LEAVE_FACILITY: &str = "LEAVE";
+/// How long a close waits for librdkafka to send a LeaveGroup it had to be asked for.
+const LEAVE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Consumer-group callbacks: commit what is settled before a partition goes away, and keep
+/// [`Membership`] current.
 pub(crate) struct GroupContext {
     pub(crate) offsets: Arc<Mutex<Offsets>>,
+    pub(crate) membership: Membership,
+}
+
+impl GroupContext {
+    fn static_membership_refused(&self) {
+        tracing::warn!(
+            "the Kafka broker does not keep static members (KIP-345, Kafka 2.3+); this member \
+             is a dynamic one: a restart rebalances the group, and closing leaves it"
+        );
+    }
 }
 
 impl ClientContext for GroupContext {
     fn log(&self, level: RDKafkaLogLevel, fac: &str, message: &str) {
+        match fac {
+            NO_STATIC_MEMBERSHIP_FACILITY if self.membership.refuse() => {
+                self.static_membership_refused()
+            }
+            LEAVE_FACILITY => self.membership.note_leave(),
+            MEMBER_ID_FACILITY => {
+                if let Some(id) = membership::member_id_from_log(message)
+                    && self.membership.joined_as(id)
+                {
+                    self.static_membership_refused();
+                }
+            }
+            _ => {}
+        }
         match level {
             RDKafkaLogLevel::Emerg
             | RDKafkaLogLevel::Alert
@@ -55,6 +93,7 @@ impl ConsumerContext for GroupContext {
         let Rebalance::Revoke(revoked) = rebalance else {
             return;
         };
+        self.membership.revoked(revoked);
         // A lost assignment (session timed out) already belongs to someone else: a commit now
         // would be fenced by the coordinator, so only drop the tracking.
         let lost = consumer.assignment_lost();
@@ -99,6 +138,7 @@ impl ConsumerContext for GroupContext {
     fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         match rebalance {
             Rebalance::Assign(tpl) => {
+                self.membership.assigned(tpl);
                 tracing::info!(partitions = tpl.count(), "partitions assigned")
             }
             Rebalance::Error(e) => tracing::warn!(error = %e, "rebalance error"),
@@ -138,9 +178,13 @@ impl ConsumerContext for GroupContext {
 /// * The rebalance callback and the offset commits run inside [`Source::next`]: a runner that
 ///   spends longer than `max.poll.interval.ms` (default 5 min) between fetches is removed from
 ///   the group, which costs redeliveries, never correctness.
+/// * [`close`](Source::close) commits the settled prefix, then leaves the group — except a
+///   [static member](crate::KafkaSourceBuilder::static_member), which keeps its partitions
+///   for the session timeout so that its restart takes them back without a rebalance.
 pub struct KafkaSource {
     consumer: Arc<StreamConsumer<GroupContext>>,
     shared: Arc<Shared>,
+    membership: Membership,
     group_id: String,
     topics: Vec<String>,
     commit_interval: Duration,
@@ -162,6 +206,7 @@ impl KafkaSource {
     pub(crate) fn new(
         consumer: StreamConsumer<GroupContext>,
         shared: Shared,
+        membership: Membership,
         group_id: String,
         topics: Vec<String>,
         commit_interval: Duration,
@@ -169,6 +214,7 @@ impl KafkaSource {
         Self {
             consumer: Arc::new(consumer),
             shared: Arc::new(shared),
+            membership,
             group_id,
             topics,
             commit_interval,
@@ -178,6 +224,13 @@ impl KafkaSource {
     /// The consumer group this source belongs to.
     pub fn group_id(&self) -> &str {
         &self.group_id
+    }
+
+    /// What the group does to this member (assignments, revocations, the partitions held) and
+    /// whether it is a static member; a live view that stays valid after the source is handed
+    /// to the runner.
+    pub fn membership(&self) -> Membership {
+        self.membership.clone()
     }
 
     /// Commits the settled prefix of every partition now and waits for the broker's answer.
@@ -237,6 +290,50 @@ impl KafkaSource {
         Some((tpl, commits))
     }
 
+    /// A member configured static that the broker made dynamic must leave like one, but
+    /// librdkafka's close never sends LeaveGroup for a configured `group.instance.id`; only
+    /// `unsubscribe` does, once the application has served the revocation it starts. Serve it
+    /// here, and wait (briefly) until librdkafka says it left.
+    async fn leave_as_dynamic(&self) {
+        self.consumer.unsubscribe();
+        let mut stream = self.consumer.stream();
+        let deadline = tokio::time::Instant::now() + LEAVE_TIMEOUT;
+        while !self.membership.has_left() && tokio::time::Instant::now() < deadline {
+            // Polling runs the revoke callback; messages still queued are not settled here
+            // and come again to the partitions' next owner.
+            let _ = tokio::time::timeout(Duration::from_millis(100), stream.next()).await;
+        }
+        if !self.membership.has_left() {
+            tracing::warn!(group = %self.group_id, "leaving the group took over {LEAVE_TIMEOUT:?}; its partitions move on once the session times out");
+        }
+    }
+
+    /// A fatal client error ends this consumer for good (librdkafka stops it), so it is no
+    /// outage to wait out. The one a group member meets is `FENCED_INSTANCE_ID`: another
+    /// process joined with the same static member ID.
+    fn fetch_error(&self, e: KafkaError) -> Error {
+        if !matches!(e, KafkaError::MessageConsumptionFatal(_)) {
+            return error::unavailable("fetching", e);
+        }
+        let (code, reason) = self
+            .consumer
+            .client()
+            .fatal_error()
+            .unwrap_or((RDKafkaErrorCode::Fatal, String::new()));
+        if code == RDKafkaErrorCode::FencedInstanceId {
+            let id = self.membership.static_member().unwrap_or_default();
+            tracing::error!(group = %self.group_id, static_member = id, "fenced: another consumer joined the group with this static member ID; each replica needs an ID of its own");
+            return error::fatal(
+                format_args!(
+                    "fetching: another consumer of group {} joined with static member ID {id:?}",
+                    self.group_id
+                ),
+                e,
+            );
+        }
+        error::fatal(format_args!("fetching: {code:?} {reason}"), e)
+    }
+
     fn track(&self, msg: &BorrowedMessage<'_>) -> KafkaDelivery {
         let msg = msg.detach();
         let topic: Arc<str> = Arc::from(msg.topic());
@@ -271,7 +368,7 @@ impl Source for KafkaSource {
                 m = stream.next() => match m {
                     Some(Err(KafkaError::PartitionEOF(_))) => continue,
                     Some(Ok(m)) => break m,
-                    Some(Err(e)) => return Err(error::unavailable("fetching", e)),
+                    Some(Err(e)) => return Err(self.fetch_error(e)),
                     None => return Err(Error::new(ErrorKind::Unavailable, "the Kafka message stream ended")),
                 },
                 _ = tick.tick() => self.commit_async(),
@@ -296,10 +393,26 @@ impl Source for KafkaSource {
 
     async fn close(self) -> Result<(), Error> {
         let committed = self.commit_sync(true).await;
+        // A static member does not leave (KIP-345): the group keeps its partitions for the
+        // session timeout, so a restart with the same ID takes them back without rebalancing
+        // the others; the settled prefix is committed above either way.
+        let leave = match self.membership.static_member() {
+            Some(id) => {
+                tracing::info!(group = %self.group_id, static_member = id, "closing as a static member: its partitions wait for its return until the session times out");
+                false
+            }
+            None => true,
+        };
+        if leave && self.membership.configured_static() {
+            self.leave_as_dynamic().await;
+        }
         let KafkaSource { consumer, .. } = self;
-        // Leaving the group waits for the coordinator; keep that off the async workers.
+        // Leaving the group waits for the coordinator; keep that off the async workers. With a
+        // `group.instance.id` configured, librdkafka's close sends no LeaveGroup.
         let left = tokio::task::spawn_blocking(move || {
-            consumer.unsubscribe();
+            if leave {
+                consumer.unsubscribe();
+            }
             drop(consumer);
         })
         .await;

@@ -33,7 +33,8 @@ fn spec(settings: &Settings) -> SourceSpec {
         settings.consumer.as_str(),
         settings.instance.as_str(),
     )
-    .in_flight(in_flight);
+    .in_flight(in_flight)
+    .static_membership(settings.static_membership);
     match settings.redeliver_after {
         Some(d) => spec.redeliver_after(d),
         None => spec,

@@ -90,10 +90,17 @@ pub(crate) struct ServeArgs {
     #[arg(long, default_value = "payments")]
     pub(crate) consumer: String,
     /// This instance's name, where the broker needs one per process (Redis Streams consumer,
-    /// MQTT client ID): unique per replica, the same across restarts of one replica (a
-    /// StatefulSet pod name, say). Defaults to the host name.
+    /// MQTT client ID, Kafka static member ID): unique per replica, the same across restarts
+    /// of one replica (a StatefulSet pod name, say). Defaults to the host name.
     #[arg(long)]
     pub(crate) instance: Option<String>,
+    /// Kafka: join the consumer group as a dynamic member instead of the static member
+    /// `--instance`. A static member restarted within the session timeout (`--redeliver-after`,
+    /// else 45 s) takes its partitions back without rebalancing the others, but one that stops
+    /// for good leaves its partitions idle that long. Use this where instance names are not
+    /// unique per replica, or replicas come and go more often than they restart.
+    #[arg(long)]
+    pub(crate) dynamic_membership: bool,
     /// Keep claims this long (e.g. 7d, 36h); must outlast the broker's redelivery window.
     #[arg(long, value_name = "DURATION", default_value = "7d", value_parser = parse_duration)]
     pub(crate) keep_claims_for: std::time::Duration,
@@ -190,6 +197,7 @@ impl std::fmt::Debug for ServeArgs {
             .field("emit", &self.emit)
             .field("no_relay", &self.no_relay)
             .field("receipts", &self.receipts)
+            .field("dynamic_membership", &self.dynamic_membership)
             .finish()
     }
 }

@@ -323,6 +323,7 @@ mod tests {
                 set,
                 retention: idem_core::Retention::default(),
                 redeliver_after: None,
+                static_membership: true,
                 emit: None,
                 receipts: false,
                 shutdown: CancellationToken::new(),

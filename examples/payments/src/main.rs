@@ -49,6 +49,8 @@ pub(crate) struct Settings {
     pub(crate) retention: idem_core::Retention,
     /// `--redeliver-after`.
     pub(crate) redeliver_after: Option<std::time::Duration>,
+    /// Kafka: join as the static member `instance` (not `--dynamic-membership`).
+    pub(crate) static_membership: bool,
     /// `--emit`: where each charge's `PaymentCharged` event goes.
     pub(crate) emit: Option<Emitting>,
     /// `--receipts`: record `PaymentCharged` events instead of charging.
@@ -127,6 +129,7 @@ async fn run(cli: Cli) -> Result<()> {
                 set: false,
                 retention: idem_core::Retention::default(),
                 redeliver_after: None,
+                static_membership: true,
                 emit: None,
                 receipts: false,
                 shutdown: CancellationToken::new(),
@@ -144,6 +147,7 @@ async fn run(cli: Cli) -> Result<()> {
                 set: b.set,
                 retention: idem_core::Retention::default(),
                 redeliver_after: None,
+                static_membership: true,
                 emit: None,
                 receipts: false,
                 shutdown: CancellationToken::new(),
@@ -208,6 +212,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         set: args.set,
         retention: idem_core::Retention::new(args.keep_claims_for, args.redelivery_window)?,
         redeliver_after: args.redeliver_after,
+        static_membership: !args.dynamic_membership,
         emit: args.emit.map(|destination| Emitting {
             destination,
             broker: broker.clone(),

@@ -14,6 +14,7 @@ use idem_core::{BoxError, Identified, Message, Migrate, Processor};
 use idem_kafka::KafkaSourceBuilder;
 use idem_kafka::rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
 use idem_kafka::rdkafka::message::{Headers, Message as _};
+use idem_kafka::rdkafka::producer::DefaultProducerContext;
 use idem_kafka::rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use idem_sql::{SqliteOptions, SqliteStore, Tx};
 use idem_testkit::unique_name;
@@ -216,10 +217,20 @@ impl std::fmt::Debug for MockCommand {
 
 impl MockBroker {
     pub fn start() -> MockBroker {
+        Self::start_with(|_| {})
+    }
+
+    /// A mock cluster that `setup` configures before anyone connects (API versions, errors).
+    pub fn start_with(
+        setup: impl FnOnce(&idem_kafka::rdkafka::mocking::MockCluster<'static, DefaultProducerContext>)
+        + Send
+        + 'static,
+    ) -> MockBroker {
         let (tx, rx) = std::sync::mpsc::channel::<MockCommand>();
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             let mock = idem_kafka::rdkafka::mocking::MockCluster::new(1).expect("mock cluster");
+            setup(&mock);
             ready_tx
                 .send(mock.bootstrap_servers())
                 .expect("report servers");
