@@ -74,6 +74,7 @@ impl std::fmt::Debug for Args {
             .field("receipt_consumers", &self.receipt_consumers)
             .field("relays", &self.relays)
             .field("idem", &self.idem)
+            .field("kafka_static_membership", &self.kafka_static_membership)
             .finish()
     }
 }
@@ -196,6 +197,13 @@ pub(crate) struct Args {
     /// The idem binary for --relays, built with crash points (default: next to this one).
     #[arg(long, value_name = "PATH")]
     pub(crate) idem: Option<PathBuf>,
+    /// Kafka: let the consumers join as static group members (`payments --instance`, the
+    /// default of payments). Off by default here: tansu 0.6.0, the Kafka-protocol broker CI
+    /// runs, leaves a static member's partitions to nobody once its session expires until
+    /// some member joins anew, which stalls a run that kills consumers (idem-kafka's docs);
+    /// on Apache Kafka, turn it on.
+    #[arg(long)]
+    pub(crate) kafka_static_membership: bool,
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {

@@ -103,7 +103,7 @@ pub(crate) async fn run(args: Args) -> Result<Report> {
     let sent = sched.messages(&tag, args.messages, args.duplicates);
 
     let common = |names: &Names| {
-        vec![
+        let mut common = vec![
             "--broker".to_owned(),
             broker.url(),
             "--source".to_owned(),
@@ -116,7 +116,12 @@ pub(crate) async fn run(args: Args) -> Result<Report> {
             args.concurrency.to_string(),
             "--redeliver-after".to_owned(),
             format!("{}ms", args.redeliver_after.as_millis()),
-        ]
+        ];
+        if !args.kafka_static_membership {
+            // payments joins Kafka groups statically by default; see --kafka-static-membership.
+            common.push("--dynamic-membership".to_owned());
+        }
+        common
     };
     let mut service_args = common(&names);
     service_args.extend(["--batch".to_owned(), args.batch.to_string()]);
