@@ -9,59 +9,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use common::{Cluster, Db, MockBroker, RecordEffect, fast_group};
-use idem_consumer::{CancellationToken, Consumer, Observer, Raw, RunStats};
+use common::{Cluster, Db, Member, MockBroker, fast_group, wait_until};
+use idem_consumer::CancellationToken;
 use idem_kafka::{KafkaProducer, KafkaSource};
 use idem_testkit::unique_name;
-
-struct Member {
-    observer: Observer,
-    stop: CancellationToken,
-    task: tokio::task::JoinHandle<Result<RunStats, idem_core::Error>>,
-}
-
-impl Member {
-    async fn join(db: &Db, cluster: &Cluster, group: &str, topic: &str) -> Member {
-        let source = fast_group(KafkaSource::builder(topic, group))
-            .connect(cluster.brokers())
-            .await
-            .expect("source");
-        let stop = CancellationToken::new();
-        let consumer = Consumer::new(db.processor("group-test"), source).concurrency(4);
-        let observer = consumer.observer();
-        let task = tokio::spawn(consumer.run(Raw, RecordEffect, stop.clone()));
-        Member {
-            observer,
-            stop,
-            task,
-        }
-    }
-
-    fn settled(&self) -> u64 {
-        let s = self.observer.snapshot();
-        s.processed + s.duplicates
-    }
-
-    async fn leave(self) -> RunStats {
-        self.stop.cancel();
-        tokio::time::timeout(Duration::from_secs(60), self.task)
-            .await
-            .expect("stops in time")
-            .expect("no panic")
-            .expect("no fatal error")
-    }
-}
-
-async fn wait_until(timeout: Duration, mut cond: impl AsyncFnMut() -> bool) -> bool {
-    let deadline = tokio::time::Instant::now() + timeout;
-    while tokio::time::Instant::now() < deadline {
-        if cond().await {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    cond().await
-}
 
 async fn member_joining_and_leaving_never_doubles_an_effect(cluster: Cluster, test: &str) {
     common::init_logs();
@@ -70,7 +21,13 @@ async fn member_joining_and_leaving_never_doubles_an_effect(cluster: Cluster, te
     cluster.create_topics(&[&topic], 4).await;
     let db = Db::new(test).await;
 
-    let first = Member::join(&db, &cluster, &group, &topic).await;
+    let first = Member::start(
+        &db,
+        "group-test",
+        cluster.brokers(),
+        fast_group(KafkaSource::builder(&topic, &group)),
+    )
+    .await;
     // Publish steadily until told to stop, with keys so every partition gets traffic.
     let published = Arc::new(AtomicUsize::new(0));
     let stop_publishing = CancellationToken::new();
@@ -99,11 +56,17 @@ async fn member_joining_and_leaving_never_doubles_an_effect(cluster: Cluster, te
     };
 
     tokio::time::sleep(Duration::from_millis(800)).await;
-    let second = Member::join(&db, &cluster, &group, &topic).await;
+    let second = Member::start(
+        &db,
+        "group-test",
+        cluster.brokers(),
+        fast_group(KafkaSource::builder(&topic, &group)),
+    )
+    .await;
     // Joining takes a rebalance (tansu holds a follower's JoinGroup for 3 s); let the second
     // member work a while once it has partitions, then leave while messages still flow.
     let took_part = wait_until(Duration::from_secs(45), async || second.settled() >= 30).await;
-    let second_stats = second.leave().await;
+    let second_stats = second.stop().await;
     assert!(
         took_part,
         "the second member got partitions and processed: {second_stats:?}"
@@ -119,7 +82,7 @@ async fn member_joining_and_leaving_never_doubles_an_effect(cluster: Cluster, te
     .await;
     // Let stray redeliveries arrive: they must become duplicates, not rows.
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let first_stats = first.leave().await;
+    let first_stats = first.stop().await;
     eprintln!("{test}: {total} published; first {first_stats:?}; second {second_stats:?}");
 
     let effects = db.effects().await;

@@ -10,61 +10,17 @@ use crate::common;
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use common::{Cluster, Db, MockBroker, RecordEffect, fast_group};
-use idem_consumer::{CancellationToken, Consumer, Raw, RunStats};
+use common::{Cluster, Db, Member, MockBroker, fast_group, wait_until};
 use idem_kafka::rdkafka::types::RDKafkaApiKey;
 use idem_kafka::{KafkaProducer, KafkaSource, KafkaSourceBuilder, Membership};
 use idem_testkit::unique_name;
 
 const PARTITIONS: i32 = 4;
 
-/// One group member run by the idem runner, with its membership readable from outside.
-struct Member {
-    membership: Membership,
-    stop: CancellationToken,
-    task: tokio::task::JoinHandle<Result<RunStats, idem_core::Error>>,
-}
-
-impl Member {
-    async fn start(db: &Db, brokers: &str, builder: KafkaSourceBuilder) -> Member {
-        let source = builder.connect(brokers).await.expect("source");
-        let membership = source.membership();
-        let stop = CancellationToken::new();
-        let consumer = Consumer::new(db.processor("static-test"), source).concurrency(4);
-        let task = tokio::spawn(consumer.run(Raw, RecordEffect, stop.clone()));
-        Member {
-            membership,
-            stop,
-            task,
-        }
-    }
-
-    /// Stops the runner, which closes the source (committing, then leaving or not).
-    async fn stop(self) -> RunStats {
-        self.stop.cancel();
-        tokio::time::timeout(Duration::from_secs(60), self.task)
-            .await
-            .expect("stops in time")
-            .expect("no panic")
-            .expect("no fatal error")
-    }
-}
-
 /// Short heartbeats as in the other group tests, and `session` as the session timeout.
 fn member(topic: &str, group: &str, session: Duration) -> KafkaSourceBuilder {
     fast_group(KafkaSource::builder(topic, group))
         .set_consumer("session.timeout.ms", session.as_millis().to_string())
-}
-
-async fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
-    let deadline = tokio::time::Instant::now() + timeout;
-    while tokio::time::Instant::now() < deadline {
-        if cond() {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    cond()
 }
 
 /// Whether `members` between them hold every partition of `topic`, each exactly once.
@@ -117,6 +73,26 @@ struct Restart {
     consumed: bool,
 }
 
+/// Members `a` and `b` of one group, each built by `builder` from its name, once they split
+/// `topic`'s partitions between them and no assignment has changed for `quiet`.
+async fn start_two(
+    db: &Db,
+    cluster: &Cluster,
+    topic: &str,
+    quiet: Duration,
+    builder: impl Fn(&str) -> KafkaSourceBuilder,
+) -> (Member, Member) {
+    let a = Member::start(db, "static-test", cluster.brokers(), builder("a")).await;
+    let b = Member::start(db, "static-test", cluster.brokers(), builder("b")).await;
+    assert!(
+        settled(&[&a.membership, &b.membership], topic, quiet).await,
+        "the members split the partitions: a {:?}, b {:?}",
+        a.membership,
+        b.membership
+    );
+    (a, b)
+}
+
 /// Two members of one group on a 4-partition topic; `a` stops (the runner closes its source)
 /// and starts again with the same builder.
 async fn restart_one_of_two(cluster: Cluster, test: &str, static_members: bool) -> Restart {
@@ -137,19 +113,7 @@ async fn restart_one_of_two(cluster: Cluster, test: &str, static_members: bool) 
         }
     };
 
-    let a = Member::start(&db, cluster.brokers(), builder("a")).await;
-    let b = Member::start(&db, cluster.brokers(), builder("b")).await;
-    assert!(
-        settled(
-            &[&a.membership, &b.membership],
-            &topic,
-            Duration::from_secs(3)
-        )
-        .await,
-        "the members split the partitions: a {:?}, b {:?}",
-        a.membership,
-        b.membership
-    );
+    let (a, b) = start_two(&db, &cluster, &topic, Duration::from_secs(3), builder).await;
     if static_members {
         assert_eq!(a.membership.static_member(), Some(&*format!("{group}-a")));
     }
@@ -158,8 +122,11 @@ async fn restart_one_of_two(cluster: Cluster, test: &str, static_members: bool) 
     let b_membership = b.membership.clone();
 
     a.stop().await;
-    let a = Member::start(&db, cluster.brokers(), builder("a")).await;
-    let back = wait_until(Duration::from_secs(60), || a.membership.held() == a_held).await;
+    let a = Member::start(&db, "static-test", cluster.brokers(), builder("a")).await;
+    let back = wait_until(Duration::from_secs(60), async || {
+        a.membership.held() == a_held
+    })
+    .await;
     // Time for a rebalance to show if one was coming (a heartbeat is 0.5 s).
     tokio::time::sleep(Duration::from_secs(3)).await;
     let b_after = (b_membership.held(), b_membership.revocations());
@@ -265,24 +232,12 @@ async fn a_closed_static_member_keeps_its_partitions_until_its_session_times_out
     let session = Duration::from_secs(10);
     let start =
         |name: &str| member(&topic, &group, session).static_member(format!("{group}-{name}"));
-    let a = Member::start(&db, cluster.brokers(), start("a")).await;
-    let b = Member::start(&db, cluster.brokers(), start("b")).await;
-    assert!(
-        settled(
-            &[&a.membership, &b.membership],
-            &topic,
-            Duration::from_secs(3)
-        )
-        .await,
-        "the members split the partitions: a {:?}, b {:?}",
-        a.membership,
-        b.membership
-    );
+    let (a, b) = start_two(&db, &cluster, &topic, Duration::from_secs(3), start).await;
     let b_membership = b.membership.clone();
     let revocations = b_membership.revocations();
     let closed = tokio::time::Instant::now();
     a.stop().await;
-    let rebalanced = || b_membership.revocations() > revocations;
+    let rebalanced = async || b_membership.revocations() > revocations;
     // A leave would rebalance the other member on its next heartbeat (0.5 s).
     let early = wait_until(Duration::from_secs(5), rebalanced).await;
     let expired = wait_until(Duration::from_secs(60), rebalanced).await;
@@ -317,29 +272,14 @@ async fn without_broker_support_a_static_member_falls_back_to_dynamic() {
     // The mock waits up to the session timeout for members to (re)join: keep it short, but
     // well above the time a leave takes to reach the other member (a heartbeat, 0.5 s).
     let session = Duration::from_secs(10);
-    let a = Member::start(
+    let (a, b) = start_two(
         &db,
-        cluster.brokers(),
-        member(&topic, &group, session).static_member("a"),
+        &cluster,
+        &topic,
+        Duration::from_secs(1),
+        |name: &str| member(&topic, &group, session).static_member(name),
     )
     .await;
-    let b = Member::start(
-        &db,
-        cluster.brokers(),
-        member(&topic, &group, session).static_member("b"),
-    )
-    .await;
-    assert!(
-        settled(
-            &[&a.membership, &b.membership],
-            &topic,
-            Duration::from_secs(1)
-        )
-        .await,
-        "the members split the partitions: a {:?}, b {:?}",
-        a.membership,
-        b.membership
-    );
     assert_eq!(
         (a.membership.static_member(), b.membership.static_member()),
         (None, None),
@@ -351,7 +291,7 @@ async fn without_broker_support_a_static_member_falls_back_to_dynamic() {
     a.stop().await;
     // A leave starts a rebalance at once: the other member's partitions are revoked on its next
     // heartbeat. Without one, nothing happens until the closed member's session times out.
-    let rebalanced = wait_until(Duration::from_secs(5), || {
+    let rebalanced = wait_until(Duration::from_secs(5), async || {
         b_membership.revocations() > revocations
     })
     .await;

@@ -19,6 +19,9 @@ use idem_kafka::rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use idem_sql::{SqliteOptions, SqliteStore, Tx};
 use idem_testkit::unique_name;
 
+mod member;
+pub use member::{Member, wait_until};
+
 /// Short group timeouts so joins, leaves and takeovers happen within seconds.
 /// `IDEM_TEST_KAFKA_DEBUG=cgrp,fetch` turns on librdkafka debug contexts (seen with
 /// `RUST_LOG=librdkafka=debug`).
