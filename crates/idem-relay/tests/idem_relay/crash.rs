@@ -10,12 +10,12 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use idem_core::outbox::{Emitter, Outgoing, RelayStore};
+use idem_core::outbox::{Emitter, Outgoing};
 use idem_core::{ConsumerName, Error, MessageId};
-use idem_relay::{CancellationToken, Publish, Relay};
+use idem_relay::{Publish, Relay};
 use idem_sql::{SqliteOptions, SqliteStore};
 
-use crate::outbox::Outbox;
+use crate::outbox::{Outbox, drain};
 
 /// Set on the child: the directory of the outbox it relays and of the broker's log.
 const CHILD_DIR_ENV: &str = "IDEM_RELAY_CRASH_CHILD_DIR";
@@ -52,15 +52,7 @@ async fn relay_all(store: SqliteStore, dir: &Path) {
         .poll_interval(Duration::from_millis(20))
         .build(store.clone(), FileBroker(dir.join("published")))
         .expect("relay settings");
-    let stop = CancellationToken::new();
-    let task = tokio::spawn(relay.run(stop.clone()));
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while store.backlog().await.expect("backlog").unsent > 0 {
-        assert!(tokio::time::Instant::now() < deadline, "rows left unsent");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    stop.cancel();
-    task.await.expect("relay task").expect("relay run");
+    drain(relay, &store).await;
 }
 
 /// The child's half: does nothing in an ordinary test run (no directory set).

@@ -1,8 +1,28 @@
 //! A real outbox for the tests: a SQLite file's outbox table, written as a handler writes it.
 
+use std::time::Duration;
+
 use idem_core::outbox::{OutboxStore, Outgoing, RelayStore};
 use idem_core::{MessageId, Migrate, TransactionalStore};
+use idem_relay::{CancellationToken, Publish, Relay, RelayStats};
 use idem_sql::{SqliteOptions, SqliteStore};
+
+/// Runs `relay` until `store` shows nothing unsent (within 30 s), then stops it.
+pub(crate) async fn drain<S, P>(relay: Relay<S, P>, store: &S) -> RelayStats
+where
+    S: RelayStore + 'static,
+    P: Publish,
+{
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(relay.run(stop.clone()));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while store.backlog().await.expect("backlog").unsent > 0 {
+        assert!(tokio::time::Instant::now() < deadline, "rows left unsent");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    stop.cancel();
+    task.await.expect("relay task").expect("relay run")
+}
 
 /// A real outbox: a SQLite file in its own directory, migrated.
 pub(crate) struct Outbox {

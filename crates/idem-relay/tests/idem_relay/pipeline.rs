@@ -11,11 +11,11 @@ use std::time::Duration;
 
 use idem_core::outbox::{Emitter, OutboxStore, Outgoing, RelayStore};
 use idem_core::{ConsumerName, Error, MessageId, Migrate};
-use idem_relay::{CancellationToken, Publish, Relay};
+use idem_relay::{Publish, Relay};
 use idem_sql::PostgresStore;
 use idem_testkit::isolated::PgSchema;
 
-use crate::outbox::Outbox;
+use crate::outbox::{Outbox, drain};
 
 #[derive(Default)]
 struct Seen {
@@ -110,15 +110,7 @@ async fn relay_pipelined<S: OutboxStore + RelayStore + Clone + 'static>(store: S
         .poll_interval(Duration::from_millis(20))
         .build(store.clone(), broker.clone())
         .expect("relay settings");
-    let stop = CancellationToken::new();
-    let task = tokio::spawn(relay.run(stop.clone()));
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while store.backlog().await.expect("backlog").unsent > 0 {
-        assert!(tokio::time::Instant::now() < deadline, "rows left unsent");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    stop.cancel();
-    let stats = task.await.expect("relay task").expect("relay run");
+    let stats = drain(relay, &store).await;
     let seen = broker.0.lock().expect("lock");
     assert!(seen.overlaps.is_empty(), "{:?}", seen.overlaps);
     let mut unique = seen.log.clone();
