@@ -338,6 +338,42 @@ async fn ensure_session_keeps_what_is_published_until_its_owner_connects() {
     common::purge_sessions(&url, &[keeper]).await;
 }
 
+/// Replicas of one service start at once and each ensures the same dead-letter keeper
+/// session: every connection with that client ID takes the session over from the one before,
+/// and Mosquitto closes the older connection, often before its subscription was granted. Each
+/// must still succeed (a replica failing here fails its start).
+#[tokio::test]
+async fn ensure_session_from_concurrent_replicas_all_succeed() {
+    let Some(url) = common::url("ensure_session_from_concurrent_replicas_all_succeed") else {
+        return;
+    };
+    let topic = unique_name("mqtt", "ensure_concurrent");
+    let keeper = format!("{topic}-keeper");
+    for round in 0..3 {
+        let replicas: Vec<_> = (0..8)
+            .map(|_| {
+                let (url, keeper, topic) = (url.clone(), keeper.clone(), topic.clone());
+                tokio::spawn(async move { idem_mqtt::ensure_session(&url, &keeper, &topic).await })
+            })
+            .collect();
+        for (i, r) in replicas.into_iter().enumerate() {
+            if let Err(e) = r.await.expect("task") {
+                panic!("round {round}: replica {i} failed to ensure the session: {e}");
+            }
+        }
+    }
+    // The session exists and keeps what is published.
+    let producer = MqttProducer::connect(&url, format!("{topic}-p"))
+        .await
+        .unwrap()
+        .require_subscriber(true);
+    producer
+        .publish(&topic, Some("c-1"), b"kept")
+        .await
+        .unwrap();
+    common::purge_sessions(&url, &[keeper]).await;
+}
+
 #[tokio::test]
 async fn abandoned_message_comes_back_without_a_restart() {
     let Some(url) = common::url("abandoned_message_comes_back_without_a_restart") else {
