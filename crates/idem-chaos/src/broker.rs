@@ -14,10 +14,10 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 /// Publishes in flight at once.
 const PUBLISH_CONCURRENCY: usize = 32;
 
-/// One of the brokers the harness can drive, as idem-any parses it (MQTT has no consumer
-/// groups with a backlog a checker can read, and Mosquitto caps what it keeps for a
-/// disconnected session). What the checker asks the broker (backlog, dead letters, partitions)
-/// goes through the brokers' own clients, not through idem.
+/// One of the brokers the harness can drive, as idem-any parses it. What the checker asks the
+/// broker (backlog, dead letters, partitions) goes through the brokers' own clients, not
+/// through idem. MQTT has no consumer group with a backlog to read: the run has a Mosquitto of
+/// its own ([`crate::mosquitto`]), whose `$SYS` store count is the backlog of the whole run.
 #[derive(Debug, Clone)]
 pub(crate) struct Broker(BrokerUrl);
 
@@ -40,14 +40,7 @@ impl Names {
 
 impl Broker {
     pub(crate) fn parse(url: &str) -> Result<Self> {
-        let url = BrokerUrl::parse(url)?;
-        if url.broker() == Kind::Mqtt {
-            bail!(
-                "unsupported --broker {:?}: idem-chaos drives nats://, amqp://, kafka://host:port or redis://",
-                url.redacted()
-            );
-        }
-        Ok(Self(url))
+        Ok(Self(BrokerUrl::parse(url)?))
     }
 
     pub(crate) fn kind(&self) -> Kind {
@@ -71,12 +64,18 @@ impl Broker {
     /// Creates the stream, queue or topic before any consumer does, with the shape the run
     /// needs: `partitions` Kafka partitions (so every consumer of the group gets some), and
     /// `replicas` JetStream replicas (3 on the harness's own cluster). The service's own
-    /// `ensure_*` then finds them in place.
+    /// `ensure_*` then finds them in place. MQTT: the persistent sessions of the consumers
+    /// named `instances` (client IDs, as `payments --instance`), subscribed to the group's
+    /// shared subscription, so that what is published before a consumer first connects queues
+    /// in its session instead of being dropped; the dead-letter keeper's session; and the
+    /// harness's own session on the dead letters, which [`dead_letters`](Self::dead_letters)
+    /// reads.
     pub(crate) async fn prepare(
         &self,
         names: &Names,
         partitions: i32,
         replicas: usize,
+        instances: &[String],
     ) -> Result<()> {
         let source = names.source.as_str();
         let url = self.address();
@@ -132,6 +131,16 @@ impl Broker {
                 }
             }
             Kind::RedisStreams => {} // The service creates the group from the stream's start.
+            Kind::Mqtt => {
+                let dead = dead_letters(Kind::Mqtt, source);
+                let shared = mqtt_shared_filter(names);
+                for instance in instances {
+                    idem_mqtt::ensure_session(url, instance, &shared).await?;
+                }
+                let keeper = idem_any::mqtt_dead_letter_keeper(&names.consumer);
+                idem_mqtt::ensure_session(url, &keeper, &dead).await?;
+                idem_mqtt::ensure_session(url, &mqtt_dead_letter_watcher(names), &dead).await?;
+            }
             other => bail!("idem-chaos does not drive {}", other.name()),
         }
         Ok(())
@@ -179,6 +188,11 @@ impl Broker {
                 Ok(Some(u64::from(n)))
             }
             Kind::Kafka => kafka_lag(url, &names.consumer, source).await,
+            Kind::Mqtt => {
+                // The broker-wide count: for the run, not this hop (see `backlog_of`).
+                let stored = mqtt_stored(url).await?;
+                Ok(Some(stored.saturating_sub(self.dead_letters(names).await?)))
+            }
             Kind::RedisStreams => {
                 let mut conn = redis_conn(url).await?;
                 let groups: redis::Value = redis::cmd("XINFO")
@@ -193,7 +207,32 @@ impl Broker {
         }
     }
 
-    /// Messages in the dead-letter destination.
+    /// The backlog of every hop in `hops`, together: the sum of each one's, except on MQTT,
+    /// where the count is the run's private broker's and is taken once (less the dead letters
+    /// of every hop). `None` while a hop's group does not exist yet.
+    pub(crate) async fn backlog_of(&self, hops: &[&Names]) -> Result<Option<u64>> {
+        if self.kind() == Kind::Mqtt {
+            let mut left = mqtt_stored(self.address()).await?;
+            // Reading the dead letters takes a connection and a quiet wait: only when
+            // something is left at all.
+            for names in hops {
+                if left == 0 {
+                    break;
+                }
+                left = left.saturating_sub(self.dead_letters(names).await?);
+            }
+            return Ok(Some(left));
+        }
+        let mut total = Some(0);
+        for names in hops {
+            let one = self.backlog(names).await?;
+            total = total.zip(one).map(|(a, b)| a + b);
+        }
+        Ok(total)
+    }
+
+    /// Messages in the dead-letter destination (MQTT: queued in the harness's own session on
+    /// the dead-letter topic, counted up to its 64 in flight).
     pub(crate) async fn dead_letters(&self, names: &Names) -> Result<u64> {
         let source = names.source.as_str();
         let url = self.address();
@@ -241,6 +280,7 @@ impl Broker {
                     .context("XLEN")?;
                 Ok(n)
             }
+            Kind::Mqtt => mqtt_dead_letters(url, names).await,
             other => bail!("idem-chaos does not drive {}", other.name()),
         }
     }
@@ -250,6 +290,10 @@ impl Broker {
         if self.kind() == Kind::Kafka {
             // tansu's sqlite engine deletes every topic on a DeleteTopics call; the topics
             // carry the run's unique name and stay.
+            return Ok(());
+        }
+        if self.kind() == Kind::Mqtt {
+            // The run's own broker, stopped with the run: its sessions go with it.
             return Ok(());
         }
         Ok(self.0.teardown(&names.spec()).await?)
@@ -280,6 +324,94 @@ pub(crate) async fn nats(url: &str) -> Result<async_nats::jetstream::Context> {
 async fn redis_conn(url: &str) -> Result<redis::aio::MultiplexedConnection> {
     let client = redis::Client::open(url)?;
     Ok(client.get_multiplexed_async_connection().await?)
+}
+
+/// The consumers' shared subscription on MQTT, as idem-any subscribes it.
+pub(crate) fn mqtt_shared_filter(names: &Names) -> String {
+    format!("$share/{}/{}", names.consumer, names.source)
+}
+
+/// The harness's own persistent session on a hop's dead-letter topic.
+fn mqtt_dead_letter_watcher(names: &Names) -> String {
+    format!("idem-chaos-{}-dead-letters", names.consumer)
+}
+
+/// How long the broker may take to hand over its retained `$SYS` figures, or a session's
+/// queued messages.
+const MQTT_READ: Duration = Duration::from_secs(5);
+/// A session's queued messages have all arrived once none came for this long.
+const MQTT_QUIET: Duration = Duration::from_millis(500);
+
+/// Messages Mosquitto holds, less its retained ones (the `$SYS` figures themselves): queued
+/// in sessions or in flight to a consumer and not acknowledged. Both counts are retained
+/// `$SYS` topics, refreshed every `sys_interval` (1 s on the run's broker), so a count is up
+/// to a second old.
+async fn mqtt_stored(url: &str) -> Result<u64> {
+    use idem_mqtt::rumqttc::{self, Event, Packet, QoS};
+    const STORED: &str = "$SYS/broker/store/messages/count";
+    const RETAINED: &str = "$SYS/broker/retained messages/count";
+    let endpoint = url::Url::parse(url).context("MQTT URL")?;
+    let host = endpoint.host_str().unwrap_or("127.0.0.1").to_owned();
+    let port = endpoint.port().unwrap_or(1883);
+    let client_id = format!("idem-chaos-sys-{}", std::process::id());
+    let options = rumqttc::MqttOptions::new(client_id, host, port);
+    let (client, mut events) = rumqttc::AsyncClient::new(options, 8);
+    let read = tokio::time::timeout(MQTT_READ, async {
+        let (mut stored, mut retained) = (None, None);
+        loop {
+            match events.poll().await.context("reading Mosquitto's $SYS")? {
+                Event::Incoming(Packet::ConnAck(_)) => {
+                    client.subscribe(STORED, QoS::AtMostOnce).await?;
+                    client.subscribe(RETAINED, QoS::AtMostOnce).await?;
+                }
+                Event::Incoming(Packet::Publish(p)) => {
+                    let n = std::str::from_utf8(&p.payload)
+                        .ok()
+                        .and_then(|t| t.trim().parse::<u64>().ok());
+                    match p.topic.as_str() {
+                        STORED => stored = n,
+                        RETAINED => retained = n,
+                        _ => {}
+                    }
+                    if let (Some(s), Some(r)) = (stored, retained) {
+                        return Ok::<u64, anyhow::Error>(s.saturating_sub(r));
+                    }
+                }
+                _ => {}
+            }
+        }
+    })
+    .await;
+    let _ = client.try_disconnect();
+    match read {
+        Ok(r) => r,
+        Err(_) => bail!(
+            "Mosquitto sent no {STORED} and {RETAINED} within {MQTT_READ:?} (needs sys_interval)"
+        ),
+    }
+}
+
+/// Dead letters of a hop on MQTT: the messages queued in the harness's own session on the
+/// dead-letter topic, received and left unacknowledged (the broker sends them again on the
+/// next read), so each read counts all of them, up to the session's 64 in flight.
+async fn mqtt_dead_letters(url: &str, names: &Names) -> Result<u64> {
+    use idem_consumer::Source;
+    let dead = dead_letters(Kind::Mqtt, &names.source);
+    let mut watcher = idem_mqtt::MqttSource::builder(dead.clone(), mqtt_dead_letter_watcher(names))
+        .dead_letter_topic(format!("{dead}/unused"))
+        .connect(url)
+        .await?;
+    let mut seen = 0u64;
+    let deadline = tokio::time::Instant::now() + MQTT_READ;
+    while tokio::time::Instant::now() < deadline {
+        match tokio::time::timeout(MQTT_QUIET, watcher.next(64)).await {
+            Ok(Ok(batch)) if !batch.is_empty() => seen += batch.len() as u64,
+            _ => break,
+        }
+    }
+    // Dropped without DISCONNECT or acks: the messages stay queued in the session.
+    drop(watcher);
+    Ok(seen)
 }
 
 fn kafka_config(hosts: &str) -> rdkafka::ClientConfig {

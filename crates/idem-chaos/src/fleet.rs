@@ -69,6 +69,20 @@ impl Fleet {
         self
     }
 
+    /// The name the replica in `slot` is given with the instance flag (an MQTT consumer's
+    /// client ID, hence its session).
+    pub(crate) fn instance(&self, slot: usize) -> String {
+        match self.prefix {
+            "consumer" => format!("chaos-{slot}"),
+            prefix => format!("chaos-{prefix}-{slot}"),
+        }
+    }
+
+    /// Every replica's instance name.
+    pub(crate) fn instances(&self) -> Vec<String> {
+        (0..self.slots.len()).map(|s| self.instance(s)).collect()
+    }
+
     fn log_path(&self, slot: usize) -> PathBuf {
         self.logs.join(format!("{}-{slot}.log", self.prefix))
     }
@@ -80,10 +94,7 @@ impl Fleet {
     /// Starts the replica in `slot`, armed to abort at `crash` if given.
     pub(crate) fn start(&mut self, slot: usize, crash: Option<CrashAt>) -> Result<()> {
         let log_path = self.log_path(slot);
-        let instance = match self.prefix {
-            "consumer" => format!("chaos-{slot}"),
-            prefix => format!("chaos-{prefix}-{slot}"),
-        };
+        let instance = self.instance(slot);
         let mut log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)

@@ -262,6 +262,21 @@ impl RunDatabase {
         self.distinct("receipts", "payment_id").await
     }
 
+    /// `--two-hop`: outbox rows not marked sent yet (0 before the table exists). A row
+    /// published and not yet marked is published again: the drain waits for none.
+    pub(crate) async fn unsent_outbox_rows(&self, table: &str) -> Result<u64> {
+        let mut conn = self.reader().await?;
+        if !conn.table_exists(table).await? {
+            return Ok(0);
+        }
+        let n = conn
+            .integers(&format!(
+                "SELECT count(*) FROM {table} WHERE sent_at IS NULL"
+            ))
+            .await?;
+        Ok(n.first().copied().unwrap_or(0).max(0) as u64)
+    }
+
     /// `--two-hop`: the second hop's receipts against what was sent: one per payment.
     pub(crate) async fn check_receipts(&self, sent: &Sent) -> Result<ReceiptCheck> {
         let mut conn = self.reader().await?;
@@ -276,9 +291,19 @@ impl RunDatabase {
         };
         for (id, _) in &sent.unique {
             match counts.get(id).copied().unwrap_or(0) {
-                0 => check.lost += 1,
+                0 => {
+                    check.lost += 1;
+                    if check.lost_ids.len() < 20 {
+                        check.lost_ids.push(id.clone());
+                    }
+                }
                 1 => {}
-                n => check.duplicated += (n - 1) as u64,
+                n => {
+                    check.duplicated += (n - 1) as u64;
+                    if check.duplicated_ids.len() < 20 {
+                        check.duplicated_ids.push(id.clone());
+                    }
+                }
             }
         }
         let known: HashSet<&String> = sent.unique.iter().map(|(id, _)| id).collect();
@@ -390,6 +415,9 @@ pub(crate) struct ReceiptCheck {
     pub(crate) lost: u64,
     pub(crate) duplicated: u64,
     pub(crate) unexpected: u64,
+    /// Up to 20 of each.
+    pub(crate) lost_ids: Vec<String>,
+    pub(crate) duplicated_ids: Vec<String>,
 }
 
 /// The ledger compared with what was sent.

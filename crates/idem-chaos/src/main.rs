@@ -14,6 +14,10 @@
 //! and the checker wants one effect per ID at each hop. The database is PostgreSQL's, MySQL's
 //! or an SQLite file (`--database sqlite:`); the database faults need PostgreSQL.
 //!
+//! On MQTT (`--broker mqtt://…`) the run starts a Mosquitto of its own (`--mosquitto`) with no
+//! cap on what a disconnected session keeps, creates every consumer's persistent session
+//! before publishing, and reads the backlog from the broker's `$SYS` store count.
+//!
 //! ```text
 //! cargo build -p payments -p idem-chaos --features payments/crash-points
 //! target/debug/idem-chaos --broker nats://127.0.0.1:4222 \
@@ -28,6 +32,7 @@ mod broker;
 mod faults;
 mod fleet;
 mod ledger;
+mod mosquitto;
 mod report;
 mod run;
 mod schedule;
@@ -59,6 +64,7 @@ impl std::fmt::Debug for Args {
             .field("failover_for", &self.failover_for)
             .field("restart_broker", &self.restart_broker)
             .field("nats_server", &self.nats_server)
+            .field("mosquitto", &self.mosquitto)
             .field("cut_connections", &self.cut_connections)
             .field("cut_share", &self.cut_share)
             .field("min_fault_time", &self.min_fault_time)
@@ -83,7 +89,8 @@ impl std::fmt::Debug for Args {
 #[derive(Clone, Parser)]
 #[command(name = "idem-chaos", version, about)]
 pub(crate) struct Args {
-    /// Broker URL: nats://…, amqp://…, kafka://host:port or redis://…
+    /// Broker URL: nats://…, amqp://…, kafka://host:port, redis://… or mqtt://… (MQTT: the
+    /// run starts a Mosquitto of its own, see --mosquitto; only the scheme counts).
     #[arg(long, value_name = "URL")]
     pub(crate) broker: String,
     /// Database: a PostgreSQL or MySQL server URL, on which the run creates (and drops) a
@@ -144,6 +151,12 @@ pub(crate) struct Args {
     /// The nats-server binary for --restart-broker.
     #[arg(long, value_name = "PATH", default_value = "nats-server")]
     pub(crate) nats_server: String,
+    /// The mosquitto binary an MQTT run starts as its own broker, on a free loopback port with
+    /// no cap on what a disconnected session keeps (`max_queued_messages 0`; Mosquitto's
+    /// default, 1 000, drops the rest while a consumer is down). Looked up on PATH, then in
+    /// /usr/sbin.
+    #[arg(long, value_name = "PATH", default_value = "mosquitto")]
+    pub(crate) mosquitto: String,
     /// Put a proxy between consumers and PostgreSQL that cuts connections around COMMIT.
     #[arg(long)]
     pub(crate) cut_connections: bool,

@@ -79,6 +79,9 @@ pub(crate) struct Report {
     /// Up to 20 of each, for a failure's first look.
     pub(crate) lost_ids: Vec<String>,
     pub(crate) duplicated_ids: Vec<String>,
+    /// `--two-hop`: up to 20 payments with no receipt, and with more than one.
+    pub(crate) receipts_lost_ids: Vec<String>,
+    pub(crate) receipts_duplicated_ids: Vec<String>,
     /// Consumer logs (kept when there is an anomaly or with --keep).
     pub(crate) logs: Option<String>,
 }

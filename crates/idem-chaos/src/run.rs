@@ -13,6 +13,7 @@ use crate::faults::postgres;
 use crate::faults::proxy::CutProxy;
 use crate::fleet::{Exit, Fleet};
 use crate::ledger::{RunDatabase, Sent};
+use crate::mosquitto::Mosquitto;
 use crate::report::Report;
 use crate::schedule::{Reach, Schedule};
 
@@ -25,6 +26,9 @@ const TICK: Duration = Duration::from_millis(100);
 const STALL: Duration = Duration::from_secs(20);
 /// How long a SIGTERMed consumer may take to finish its in-flight messages.
 const STOP_GRACE: Duration = Duration::from_secs(30);
+/// MQTT: how long the drain's end conditions must hold with nothing changing, since the
+/// broker's store count is up to a second old.
+const MQTT_QUIET: Duration = Duration::from_secs(3);
 /// Publishing is spread over the fault phase in this many slices, so consumers have work
 /// while they are being killed.
 const PUBLISH_SLICES: usize = 40;
@@ -70,6 +74,13 @@ pub(crate) async fn run(args: Args) -> Result<Report> {
         broker = Broker::parse(&c.url())?;
         cluster = Some(c);
     }
+    // MQTT: a broker of the run's own (see `mosquitto`); --broker gave the scheme.
+    let mut mosquitto = None;
+    if broker.kind() == idem_any::Broker::Mqtt {
+        let m = Mosquitto::start(&args.mosquitto, &work.join("mosquitto")).await?;
+        broker = Broker::parse(&m.url())?;
+        mosquitto = Some(m);
+    }
     let names = Names {
         source: tag.clone(),
         consumer: format!("{tag}-group"),
@@ -92,14 +103,6 @@ pub(crate) async fn run(args: Args) -> Result<Report> {
         false => None,
     };
     let consumer_db = db.service_url(proxy.as_ref().map(|p| p.port));
-    let replicas = if cluster.is_some() { 3 } else { 1 };
-    let partitions = args.partitions.unwrap_or(args.consumers.max(1) as i32);
-    broker.prepare(&names, partitions, replicas).await?;
-    if let Some(hop) = &hop {
-        broker
-            .prepare(hop, args.receipt_consumers.max(1) as i32, replicas)
-            .await?;
-    }
     let sent = sched.messages(&tag, args.messages, args.duplicates);
 
     let common = |names: &Names| {
@@ -139,12 +142,17 @@ pub(crate) async fn run(args: Args) -> Result<Report> {
             std::fs::create_dir_all(&receipt_logs)?;
             let mut receipt_args = common(hop);
             receipt_args.push("--receipts".to_owned());
-            Some(Fleet::new(
-                payments.clone(),
-                receipt_args,
-                &receipt_logs,
-                args.receipt_consumers.max(1),
-            ))
+            // Instance names of their own: on MQTT they are client IDs, one broker-wide
+            // namespace for both hops.
+            Some(
+                Fleet::new(
+                    payments.clone(),
+                    receipt_args,
+                    &receipt_logs,
+                    args.receipt_consumers.max(1),
+                )
+                .named("--instance", "receipts"),
+            )
         }
         None => None,
     };
@@ -165,6 +173,21 @@ pub(crate) async fn run(args: Args) -> Result<Report> {
         None => None,
     };
     let fleet = Fleet::new(payments, service_args, &logs, args.consumers.max(1));
+    let replicas = if cluster.is_some() { 3 } else { 1 };
+    let partitions = args.partitions.unwrap_or(args.consumers.max(1) as i32);
+    broker
+        .prepare(&names, partitions, replicas, &fleet.instances())
+        .await?;
+    if let (Some(hop), Some(receipts)) = (&hop, &receipts) {
+        broker
+            .prepare(
+                hop,
+                args.receipt_consumers.max(1) as i32,
+                replicas,
+                &receipts.instances(),
+            )
+            .await?;
+    }
 
     let mut run = Run {
         args: &args,
@@ -227,6 +250,9 @@ pub(crate) async fn run(args: Args) -> Result<Report> {
         report.broker_restarts = c.restarts();
     }
     report.elapsed_secs = started.elapsed().as_secs_f64();
+    if let Some(m) = mosquitto {
+        m.stop().await;
+    }
     if report.anomalies.is_empty() && !args.keep {
         let _ = broker.teardown(&names).await;
         if let Some(hop) = &hop {
@@ -369,6 +395,11 @@ struct Run<'a> {
 }
 
 impl Run<'_> {
+    /// The run's hops on the broker: the first, and `--two-hop`'s second.
+    fn hops(&self) -> Vec<&Names> {
+        std::iter::once(self.names).chain(self.hop).collect()
+    }
+
     fn fleet_mut(&mut self, role: Role) -> Option<&mut Fleet> {
         match role {
             Role::Charge => Some(&mut self.fleet),
@@ -541,18 +572,22 @@ impl Run<'_> {
         // Drain: every replica up and unarmed, until all is committed and acknowledged.
         let drain_started = Instant::now();
         let mut progress = (self.charged + self.receipted, Instant::now());
+        // MQTT: since when the end conditions have held, tick after tick.
+        let mut quiet_since: Option<Instant> = None;
         loop {
             tokio::time::sleep(TICK * 5).await;
             self.tend(false)?;
             self.kill_all_when_due().await?;
             self.count_charged().await;
-            let mut backlog = self.broker.backlog(self.names).await.ok().flatten();
-            if let Some(hop) = self.hop {
-                let second = self.broker.backlog(hop).await.ok().flatten();
-                backlog = backlog.zip(second).map(|(a, b)| a + b);
+            let backlog = self.broker.backlog_of(&self.hops()).await.ok().flatten();
+            // Rows published and not yet marked sent are published again: the run ends with
+            // none, or a late repeat would reach the second hop after the check.
+            let mut unsent = Some(0);
+            if self.hop.is_some() {
                 if let Ok(n) = self.db.receipted_ids().await {
                     self.receipted = n;
                 }
+                unsent = self.db.unsent_outbox_rows(OUTBOX_TABLE).await.ok();
             }
             let receipted = self.hop.is_none() || self.receipted >= self.report.unique;
             // Progress on either hop.
@@ -564,8 +599,22 @@ impl Run<'_> {
                 progress.1 = Instant::now();
             }
             let all_kills = self.kill_all_done >= self.args.kill_all_at.len();
-            if all_kills && self.charged >= self.report.unique && receipted && backlog == Some(0) {
-                return Ok(());
+            if all_kills
+                && self.charged >= self.report.unique
+                && receipted
+                && backlog == Some(0)
+                && unsent == Some(0)
+            {
+                if self.broker.kind() != idem_any::Broker::Mqtt {
+                    return Ok(());
+                }
+                match quiet_since {
+                    Some(since) if since.elapsed() >= MQTT_QUIET => return Ok(()),
+                    Some(_) => {}
+                    None => quiet_since = Some(Instant::now()),
+                }
+            } else {
+                quiet_since = None;
             }
             if drain_started.elapsed() > self.args.drain_timeout {
                 let unread = match &self.charged_unread {
@@ -577,7 +626,7 @@ impl Run<'_> {
                     None => String::new(),
                 };
                 self.report.anomalies.push(format!(
-                    "not drained {:?} after the faults: {} of {} IDs charged{second}{unread}, backlog {backlog:?}",
+                    "not drained {:?} after the faults: {} of {} IDs charged{second}{unread}, backlog {backlog:?}, unsent outbox rows {unsent:?}",
                     self.args.drain_timeout, self.charged, self.report.unique
                 ));
                 return Ok(());
@@ -770,15 +819,16 @@ impl Run<'_> {
         report.lost_ids = ledger.lost_ids;
         report.duplicated_ids = ledger.duplicated_ids;
         report.dead_lettered = self.broker.dead_letters(self.names).await?;
-        report.backlog = self.broker.backlog(self.names).await?.unwrap_or(0);
+        report.backlog = self.broker.backlog_of(&self.hops()).await?.unwrap_or(0);
         if let Some(hop) = self.hop {
             let receipts = self.db.check_receipts(self.sent).await?;
             report.receipts = receipts.receipts;
             report.receipts_lost = receipts.lost;
             report.receipts_duplicated = receipts.duplicated;
             report.receipts_unexpected = receipts.unexpected;
+            report.receipts_lost_ids = receipts.lost_ids;
+            report.receipts_duplicated_ids = receipts.duplicated_ids;
             report.dead_lettered += self.broker.dead_letters(hop).await?;
-            report.backlog += self.broker.backlog(hop).await?.unwrap_or(0);
         }
         if let Some(p) = self.proxy {
             report.cuts_before_commit = p.state.cuts_before.load(Ordering::SeqCst);

@@ -1,6 +1,6 @@
 //! The bounded chaos runs CI makes against the real services: over 200 consumer kills spread
-//! over NATS, RabbitMQ and Kafka with PostgreSQL and three consumers each, then one run each
-//! with a PostgreSQL restart, a read-only failover and connection cuts at COMMIT. Each run
+//! over NATS, RabbitMQ, Kafka and MQTT with PostgreSQL and three consumers each, then one run
+//! each with a PostgreSQL restart, a read-only failover and connection cuts at COMMIT. Each run
 //! must report no anomaly: nothing lost, nothing doubled, nothing dead-lettered, nothing left
 //! on the broker, balances equal to the charges.
 //!
@@ -8,9 +8,9 @@
 //! points compiled in (idem-chaos enables idem-consumer's `crash-points` feature, which the
 //! workspace build unifies); run them with `cargo test --workspace`.
 //!
-//! Then the two-hop runs (`--two-hop`, over 200 kills in all, on the five brokers' four the
-//! harness drives, then on SQLite and MySQL): the consumers charge and write a
-//! `PaymentCharged` event into the outbox; it is relayed either in process (each kill of a
+//! Then the two-hop runs (`--two-hop`, over 200 kills in all, on the five brokers, then on
+//! SQLite and MySQL): the consumers charge and write a `PaymentCharged` event into the
+//! outbox; it is relayed either in process (each kill of a
 //! consumer also kills a relay) or by standalone `idem relay` processes (`--relays`, killed at
 //! random too); two second-hop idem consumers record receipts and are killed like the first.
 //! Exactly one charge and one receipt per payment.
@@ -167,6 +167,27 @@ fn kafka_60_kills_three_consumers() {
     }
 }
 
+/// MQTT: the run starts a Mosquitto of its own (Mosquitto's default cap on what a
+/// disconnected session keeps would drop messages while a consumer is down); the shared
+/// broker's URL only gates the test, like every real-service test's.
+#[test]
+fn mqtt_40_kills_three_consumers() {
+    let test = "mqtt_40_kills_three_consumers";
+    let args = [
+        "--messages",
+        "2000",
+        "--kills",
+        "40",
+        "--consumers",
+        "3",
+        "--seed",
+        "107",
+    ];
+    if let Some(r) = chaos(test, services::MQTT, &args) {
+        assert_killed(test, &r, 40);
+    }
+}
+
 #[test]
 fn postgres_restart_mid_run() {
     let test = "postgres_restart_mid_run";
@@ -309,6 +330,19 @@ fn redis_two_hop_60_kills_relay_processes() {
         services::REDIS,
         60,
         &["--relays", "2", "--seed", "113"],
+    );
+}
+
+/// On a Mosquitto of the run's own (see `mqtt_40_kills_three_consumers`); each consumer A
+/// relays in process, so its kills land around the outbox commit, the publish and the mark.
+#[test]
+fn mqtt_two_hop_60_kills() {
+    two_hop(
+        "mqtt_two_hop_60_kills",
+        None,
+        services::MQTT,
+        60,
+        &["--seed", "117"],
     );
 }
 
