@@ -51,6 +51,10 @@
 //! - **Several consumers.** Use a shared subscription, `$share/<group>/<filter>`, with a different
 //!   client ID per consumer. Mosquitto (2.0) keeps handing shared messages to members whose
 //!   session is offline, queued in that session: another reason for stable client IDs.
+//! - **The broker's queue cap.** Mosquitto queues at most `max_queued_messages` (1 000 by
+//!   default) for a disconnected session and drops the rest, QoS 1 included: a consumer down
+//!   for long enough loses messages before idem sees them. Raise it (`0`: no cap) on a broker
+//!   whose consumers may be down under load.
 //! - **Dead letters.** Published at QoS 1 to the dead-letter topic, and the original is acked only
 //!   once the broker's PUBACK for that publish arrived. v5: original payload, original user
 //!   properties plus [`DeadLetter::headers`](idem_consumer::DeadLetter::headers) and
