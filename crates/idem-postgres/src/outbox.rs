@@ -7,8 +7,9 @@
 //! row count, and runs in the handler's [`PgTx`]. The relay's
 //! statements go out typed (`query_typed`, one round trip, not prepared): a list of `n`
 //! sequence numbers is a text of its own, and caching one statement per list length on every
-//! connection would grow the caches for nothing. A lease is a short transaction of its own:
-//! `SELECT … FOR UPDATE OF o SKIP LOCKED`, the per-key check, the lease, commit.
+//! connection would grow the caches for nothing. A lease is a short transaction of its own
+//! around the dialect's one lease statement (select `FOR UPDATE OF o SKIP LOCKED`, the per-key
+//! rule, the lease), then commit.
 
 use std::time::Duration;
 
@@ -98,7 +99,7 @@ impl PgStore {
             lease: micros(lease),
             ..Values::default()
         };
-        let select = &self.osql.lease_select;
+        let select = &self.osql.lease;
         let rows = tx
             .query_typed(&select.sql, &Bound::new(select, &v).typed())
             .await
@@ -108,14 +109,16 @@ impl PgStore {
             .map(candidate)
             .collect::<Result<Vec<_>, _>>()
             .map_err(err)?;
+        // The statement leased what it returned, all of which the per-key rule admitted; this
+        // sets aside the rows that cannot be rebuilt as messages.
         let admitted = admit(candidates);
-        let seqs = admitted.seqs();
-        for chunk in seqs.chunks(SEQ_CHUNK) {
-            let update = &self.osql.lease_update;
-            let v = Values { seqs: chunk, ..v };
-            execute(&tx, &update.text(chunk.len()), &Bound::new(update, &v))
-                .await
-                .map_err(err)?;
+        if let Some(update) = &self.osql.lease_update {
+            for chunk in admitted.seqs().chunks(SEQ_CHUNK) {
+                let v = Values { seqs: chunk, ..v };
+                execute(&tx, &update.text(chunk.len()), &Bound::new(update, &v))
+                    .await
+                    .map_err(err)?;
+            }
         }
         for (seq, reason) in &admitted.undecodable {
             let moved = self.move_to_dead_letters(&tx, relay, *seq, reason).await?;

@@ -5,7 +5,8 @@
 //! effect. A relay's lease is a short transaction of its own on the pool (never on the held
 //! connections, which are the consumers'): select the leasable rows — `FOR UPDATE SKIP LOCKED`
 //! on the servers, under `BEGIN IMMEDIATE` on SQLite — check the per-key rule
-//! ([`idem_dialect::outbox::admit`]), lease them, commit. Every later step (mark, release,
+//! ([`idem_dialect::outbox::admit`]), lease them, commit. On PostgreSQL the select, the rule
+//! and the lease are one statement. Every later step (mark, release,
 //! dead letter) is guarded by `leased_by`: a relay whose lease lapsed and was taken over
 //! changes nothing, which is logged at `debug` and is no error.
 
@@ -62,18 +63,19 @@ impl<E: Engine> SqlStore<E> {
             now,
             ..Values::default()
         };
-        let select = &self.osql.lease_select;
+        let select = &self.osql.lease;
         let candidates = E::fetch_candidates(&mut tx, &select.sql, &params(select, &v))
             .await
             .map_err(err)?;
         let admitted = admit(candidates);
-        let seqs = admitted.seqs();
-        for chunk in seqs.chunks(SEQ_CHUNK) {
-            let update = &self.osql.lease_update;
-            let v = Values { seqs: chunk, ..v };
-            E::execute(&mut tx, &update.text(chunk.len()), &params(update, &v))
-                .await
-                .map_err(err)?;
+        // PostgreSQL's lease statement leased what it returned; the others only selected.
+        if let Some(update) = &self.osql.lease_update {
+            for chunk in admitted.seqs().chunks(SEQ_CHUNK) {
+                let v = Values { seqs: chunk, ..v };
+                E::execute(&mut tx, &update.text(chunk.len()), &params(update, &v))
+                    .await
+                    .map_err(err)?;
+            }
         }
         for (seq, reason) in &admitted.undecodable {
             let moved = self

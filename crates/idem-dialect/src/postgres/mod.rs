@@ -24,7 +24,7 @@ pub mod sqlstate;
 use idem_core::TableName;
 
 use crate::{ClaimStatements, RequestStatements};
-pub use outbox::{outbox_channel, outbox_migration, outbox_statements};
+pub use outbox::{FILLFACTOR, outbox_channel, outbox_migration, outbox_statements};
 use partition::Partitioning;
 
 /// The server's clock in `processed_at` units: the transaction's start, in microseconds since
