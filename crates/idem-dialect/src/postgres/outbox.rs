@@ -46,8 +46,6 @@ pub fn outbox_channel(o: &TableName) -> String {
 pub fn outbox_statements(o: &TableName) -> OutboxStatements {
     let now = STATEMENT_NOW;
     let dl = dead_letter_table(o);
-    let same_key = "e.destination = o.destination AND e.ordering_key = o.ordering_key \
-                    AND e.sent_at IS NULL AND e.seq < o.seq";
     let list = |sql: String, binds: &[P], first| {
         OutboxStatement::with_list(sql, binds, Placeholder::Dollar, first, ")")
     };
