@@ -188,6 +188,7 @@ pub fn outbox_statements(o: &TableName) -> OutboxStatements {
             format!("UPDATE {o} SET leased_by = ?, leased_until = {now} + ? WHERE seq IN ("),
             &[P::Relay, P::Lease, P::Seqs],
         )),
+        relay_begin: None,
         mark_sent: list(
             format!(
                 "UPDATE {o} SET sent_at = {now} WHERE leased_by = ? AND sent_at IS NULL \

@@ -160,6 +160,7 @@ pub fn outbox_statements(o: &TableName) -> OutboxStatements {
             &[P::Relay, P::Lease, P::Now, P::Seqs],
             4,
         )),
+        relay_begin: None,
         mark_sent: list(
             format!(
                 "UPDATE {o} SET sent_at = ?2 WHERE leased_by = ?1 AND sent_at IS NULL \

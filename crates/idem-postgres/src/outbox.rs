@@ -92,7 +92,7 @@ impl PgStore {
         lease: Duration,
     ) -> Result<Vec<OutboxRow>, Error> {
         let err = |e| store_error("leasing outbox rows", e);
-        let tx = self.begin_tx().await?;
+        let tx = self.begin_relay().await?;
         let v = Values {
             relay,
             limit: count(limit),
@@ -161,6 +161,15 @@ impl PgStore {
             .await
             .map_err(err)?;
         Ok(deleted == copied)
+    }
+
+    /// A transaction of the relay's own (lease, dead letter): begun with the dialect's
+    /// `relay_begin`, which does not wait for the commit to reach the disk.
+    async fn begin_relay(&self) -> Result<PgTx, Error> {
+        match self.osql.relay_begin {
+            Some(begin) => self.begin_with(begin).await,
+            None => self.begin_tx().await,
+        }
     }
 
     /// A relay statement outside any transaction, on a connection of its own; rows affected.
@@ -308,7 +317,7 @@ impl RelayStore for PgStore {
 
     async fn dead_letter(&self, relay: &str, seq: i64, reason: &str) -> Result<(), Error> {
         check_relay(relay)?;
-        let tx = self.begin_tx().await?;
+        let tx = self.begin_relay().await?;
         if self.move_to_dead_letters(&tx, relay, seq, reason).await? {
             tx.commit().await.map_err(commit_error)
         } else {

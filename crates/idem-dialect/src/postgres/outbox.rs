@@ -62,6 +62,7 @@ pub fn outbox_statements(o: &TableName) -> OutboxStatements {
         ),
         lease: OutboxStatement::new(lease(o), &[P::Relay, P::Limit, P::Lease]),
         lease_update: None,
+        relay_begin: Some(super::RELAY_BEGIN),
         mark_sent: list(
             format!(
                 "UPDATE {o} SET sent_at = {now} WHERE leased_by = $1 AND sent_at IS NULL \
