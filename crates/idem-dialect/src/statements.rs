@@ -286,9 +286,10 @@ pub struct OutboxStatements {
     /// In the same transaction, after [`lease`](Self::lease) and the per-key check: leases
     /// the listed rows to the relay. `None` where the lease statement leases by itself.
     pub lease_update: Option<OutboxStatement>,
-    /// Where set (PostgreSQL), how the relay's own transactions — the lease, a dead letter —
-    /// begin, in place of the engine's `BEGIN`: one simple query that also sets what holds for
-    /// that transaction only (PostgreSQL: not waiting for the commit to reach the disk; see
+    /// Where set (PostgreSQL), how the relay's own transactions — the lease, the mark (which
+    /// then runs in a transaction rather than on its own), a dead letter — begin, in place of
+    /// the engine's `BEGIN`: one simple query that also sets what holds for that transaction
+    /// only (PostgreSQL: not waiting for the commit to reach the disk; see
     /// [`crate::postgres::RELAY_BEGIN`] for why that is safe). Never for the enqueue, which
     /// runs in the caller's transaction.
     pub relay_begin: Option<&'static str>,

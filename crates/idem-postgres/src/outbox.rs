@@ -262,7 +262,14 @@ impl RelayStore for PgStore {
 
     async fn mark_sent(&self, relay: &str, seqs: &[i64]) -> Result<(), Error> {
         check_relay(relay)?;
+        if seqs.is_empty() {
+            return Ok(());
+        }
+        let what = "marking outbox rows sent";
         let mark = &self.osql.mark_sent;
+        // In a relay transaction, whose commit does not wait for the disk: a mark lost in a
+        // crash only publishes its rows again under the same IDs.
+        let tx = self.begin_relay().await?;
         let mut marked = 0;
         for chunk in seqs.chunks(SEQ_CHUNK) {
             let v = Values {
@@ -270,14 +277,11 @@ impl RelayStore for PgStore {
                 seqs: chunk,
                 ..Values::default()
             };
-            marked += self
-                .execute_relay(
-                    "marking outbox rows sent",
-                    &mark.text(chunk.len()),
-                    &Bound::new(mark, &v),
-                )
-                .await?;
+            marked += execute(&tx, &mark.text(chunk.len()), &Bound::new(mark, &v))
+                .await
+                .map_err(|e| store_error(what, e))?;
         }
+        tx.commit().await.map_err(commit_error)?;
         note_unmarked(relay, seqs.len(), marked);
         Ok(())
     }

@@ -193,8 +193,19 @@ impl<E: Engine> RelayStore for SqlStore<E> {
 
     async fn mark_sent(&self, relay: &str, seqs: &[i64]) -> Result<(), Error> {
         check_relay(relay)?;
+        if seqs.is_empty() {
+            return Ok(());
+        }
+        let err = |e| store_error::<E>("marking outbox rows sent", e);
         let mark = &self.osql.mark_sent;
         let mut marked = 0;
+        // Where the engine has a relay transaction (PostgreSQL: its commit does not wait for
+        // the disk), the mark runs in one; a mark lost in a crash only publishes its rows
+        // again under the same IDs. Elsewhere each chunk commits on its own.
+        let mut tx = match self.osql.relay_begin {
+            Some(_) => Some(self.begin_relay().await?),
+            None => None,
+        };
         for chunk in seqs.chunks(SEQ_CHUNK) {
             let v = Values {
                 relay,
@@ -202,9 +213,16 @@ impl<E: Engine> RelayStore for SqlStore<E> {
                 now: Self::outbox_now(),
                 ..Values::default()
             };
-            marked += E::execute_pool(&self.pool, &mark.text(chunk.len()), &params(mark, &v))
-                .await
-                .map_err(|e| store_error::<E>("marking outbox rows sent", e))?;
+            let (sql, bound) = (mark.text(chunk.len()), params(mark, &v));
+            marked += match tx.as_mut() {
+                Some(tx) => E::execute(tx, &sql, &bound).await.map_err(err)?,
+                None => E::execute_pool(&self.pool, &sql, &bound)
+                    .await
+                    .map_err(err)?,
+            };
+        }
+        if let Some(tx) = tx {
+            tx.commit().await.map_err(commit_error::<E>)?;
         }
         note_unmarked(relay, seqs.len(), marked);
         Ok(())

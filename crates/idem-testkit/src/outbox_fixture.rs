@@ -2,8 +2,8 @@
 
 use std::future::Future;
 
-use idem_core::{MessageId, Migrate};
 use idem_core::outbox::{OutboxStore, RelayStore};
+use idem_core::{MessageId, Migrate};
 
 /// An isolated, migrated store with an outbox on a real server.
 pub trait OutboxFixture: Sized + Send + Sync + 'static {

@@ -45,7 +45,7 @@ pub const MAX_MESSAGE_ID_LEN: usize = 1024;
 /// Begins a transaction.
 pub const BEGIN: &str = "BEGIN";
 
-/// How the outbox relay's own transactions begin (the lease, a dead letter): `BEGIN` and, for
+/// How the outbox relay's own transactions begin (the lease, the mark, a dead letter): `BEGIN` and, for
 /// that transaction only, `synchronous_commit = off` — its `COMMIT` returns once the commit
 /// is in the WAL buffers, not on disk (the WAL writer flushes it within a few hundred ms).
 /// On a disk whose flush takes milliseconds that is most of a lease's time.
@@ -56,7 +56,8 @@ pub const BEGIN: &str = "BEGIN";
 /// — publishes them again under the same message IDs, which idem's consumers deduplicate
 /// (their claims are made with the server's ordinary durable commits); a lost dead-letter move
 /// leaves the row leased until its lease lapses, when it is published, refused and moved
-/// again. The enqueue never uses it: it runs in the caller's transaction, whose durability is
+/// again; a lost mark leaves its rows leased and unsent, so they are published again under
+/// the same IDs once the lease lapses. The enqueue never uses it: it runs in the caller's transaction, whose durability is
 /// the caller's.
 pub const RELAY_BEGIN: &str = "BEGIN; SET LOCAL synchronous_commit = off";
 

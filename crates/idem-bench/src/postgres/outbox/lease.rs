@@ -134,10 +134,7 @@ async fn two_statements(pool: &PgPool, o: &TableName) -> anyhow::Result<Vec<i64>
         .bind(BATCH as i64)
         .fetch_all(&mut *tx)
         .await?;
-    let candidates = rows
-        .iter()
-        .map(candidate)
-        .collect::<Result<Vec<_>, _>>()?;
+    let candidates = rows.iter().map(candidate).collect::<Result<Vec<_>, _>>()?;
     let seqs = admit(candidates).seqs();
     if !seqs.is_empty() {
         let update = old_update(o, seqs.len());
@@ -184,12 +181,7 @@ impl Bench {
         outbox: &Outbox,
         rows: usize,
     ) -> anyhow::Result<Group> {
-        let variants = [
-            Lease::Store,
-            Lease::OneDurable,
-            Lease::Two,
-            Lease::TwoFull,
-        ];
+        let variants = [Lease::Store, Lease::OneDurable, Lease::Two, Lease::TwoFull];
         let title = format!(
             "Outbox lease statements, PostgreSQL: {rows} committed rows leased {BATCH} at a time"
         );
@@ -199,7 +191,10 @@ impl Bench {
         })
         .await;
         // Leave the table as `migrate` made it for the other parts, measured or not.
-        let reset = format!("ALTER TABLE {} SET (fillfactor = {FILLFACTOR})", outbox.table);
+        let reset = format!(
+            "ALTER TABLE {} SET (fillfactor = {FILLFACTOR})",
+            outbox.table
+        );
         sqlx::raw_sql(&reset).execute(&self.admin).await?;
         let mut group = group?;
         for v in variants {
