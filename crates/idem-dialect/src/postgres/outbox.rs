@@ -12,9 +12,9 @@
 //! The lease walks the unsent rows by `seq` with `LIMIT`: with table statistics the planner
 //! takes the partial index on unsent rows and stops after the limit. A table that was never
 //! analysed (freshly created and filled in one go, or with autovacuum off) can get a plan that
-//! reads every unsent row first: 45 ms rather than 8 ms for 500 of 20 000 rows in the
-//! benchmark. Autovacuum's analyse fixes it on its own; after a bulk load, run `ANALYZE` on the
-//! outbox table.
+//! reads and sorts every unsent row first: 15 ms rather than 3 ms for 500 of 20 000 rows
+//! (`EXPLAIN ANALYZE`, BENCHMARKS.md), growing with the backlog. Autovacuum's analyse fixes it
+//! on its own; after a bulk load, or with autovacuum off, run `ANALYZE` on the outbox table.
 //!
 //! Enqueue is `INSERT … ON CONFLICT (message_id) DO NOTHING`, which waits for a concurrent
 //! uncommitted insert of the same ID and then inserts nothing if it committed. `created_at` is
