@@ -138,7 +138,8 @@ struct BenchArgs {
     #[arg(long, value_delimiter = ',', value_name = "URLS")]
     outbox_brokers: Vec<String>,
     /// Outbox: the parts to run: drain (relay throughput next to the broker's), enqueue (the
-    /// cost in a set batch), latency (commit → confirm with NOTIFY).
+    /// cost in a set batch), latency (commit → confirm with NOTIFY), lease (the lease
+    /// statements side by side; only when asked for).
     #[arg(long, value_delimiter = ',', default_value = "drain,enqueue,latency")]
     outbox_parts: Vec<postgres::OutboxPart>,
     /// Outbox: committed rows the relay drains per throughput measurement.

@@ -173,7 +173,7 @@ pub fn outbox_statements(o: &TableName) -> OutboxStatements {
             Placeholder::Positional,
             &[],
         ),
-        lease_select: OutboxStatement::new(
+        lease: OutboxStatement::new(
             format!(
                 "SELECT {selected}, CAST((SELECT count(*) FROM {o} e WHERE {same_key}) AS SIGNED) \
                  FROM {o} o WHERE o.sent_at IS NULL AND o.available_at <= {now} \
@@ -184,10 +184,11 @@ pub fn outbox_statements(o: &TableName) -> OutboxStatements {
             ),
             &[P::Relay, P::Relay, P::Limit],
         ),
-        lease_update: list(
+        lease_update: Some(list(
             format!("UPDATE {o} SET leased_by = ?, leased_until = {now} + ? WHERE seq IN ("),
             &[P::Relay, P::Lease, P::Seqs],
-        ),
+        )),
+        relay_begin: None,
         mark_sent: list(
             format!(
                 "UPDATE {o} SET sent_at = {now} WHERE leased_by = ? AND sent_at IS NULL \
@@ -374,7 +375,7 @@ mod tests {
     fn outbox_statements_bind_a_repeated_value_twice() {
         let s = outbox_statements(&TableName::new("outbox").expect("table"));
         let marks = |sql: &str| sql.matches('?').count();
-        assert_eq!(marks(&s.lease_select.sql), s.lease_select.binds.len());
+        assert_eq!(marks(&s.lease.sql), s.lease.binds.len());
         assert_eq!(marks(&s.release.sql), s.release.binds.len());
         assert!(s.mark_sent.text(2).ends_with("seq IN (?, ?)"));
         assert!(

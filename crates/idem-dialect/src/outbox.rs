@@ -24,7 +24,10 @@
 //! dead-lettered). The statement filters what it can see; [`admit`] then checks the count of
 //! earlier rows against the rows taken, which catches what the statement cannot see: an
 //! earlier row another relay's uncommitted lease holds locked (skipped, so absent from the
-//! selection).
+//! selection). On MySQL and SQLite the lease is that select, [`admit`], then an update of the
+//! admitted rows. On PostgreSQL it is one statement that makes the same check in SQL before
+//! it updates, so it leases only the rows it returns (a row the rule turns away stays
+//! unleased); [`admit`] then admits every one of them and only sets aside undecodable rows.
 
 use std::collections::HashMap;
 

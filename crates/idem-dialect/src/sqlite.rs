@@ -144,7 +144,7 @@ pub fn outbox_statements(o: &TableName) -> OutboxStatements {
             Placeholder::Numbered,
             &[P::Now],
         ),
-        lease_select: OutboxStatement::new(
+        lease: OutboxStatement::new(
             format!(
                 "SELECT {SELECTED}, (SELECT count(*) FROM {o} e WHERE {same_key}) \
                  FROM {o} o WHERE o.sent_at IS NULL AND o.available_at <= ?3 \
@@ -155,11 +155,12 @@ pub fn outbox_statements(o: &TableName) -> OutboxStatements {
             ),
             &[P::Relay, P::Limit, P::Now],
         ),
-        lease_update: list(
+        lease_update: Some(list(
             format!("UPDATE {o} SET leased_by = ?1, leased_until = ?3 + ?2 WHERE seq IN ("),
             &[P::Relay, P::Lease, P::Now, P::Seqs],
             4,
-        ),
+        )),
+        relay_begin: None,
         mark_sent: list(
             format!(
                 "UPDATE {o} SET sent_at = ?2 WHERE leased_by = ?1 AND sent_at IS NULL \
@@ -304,9 +305,10 @@ mod tests {
     #[test]
     fn outbox_lists_follow_the_numbered_parameters() {
         let s = outbox_statements(&TableName::new("outbox").expect("table"));
-        assert!(s.lease_update.text(2).ends_with("seq IN (?4, ?5)"));
+        let update = s.lease_update.as_ref().expect("two-statement lease");
+        assert!(update.text(2).ends_with("seq IN (?4, ?5)"));
         assert!(s.mark_sent.text(1).ends_with("seq IN (?3)"));
-        assert!(!s.lease_select.sql.contains("FOR UPDATE"));
+        assert!(!s.lease.sql.contains("FOR UPDATE"));
         // The clock is ?1 for every row; the rows' values follow it.
         let two = s.enqueue.text(2);
         assert!(

@@ -279,10 +279,20 @@ pub struct OutboxStatements {
     /// (skipping rows another transaction holds) — columns seq, message_id, destination,
     /// ordering_key, payload, headers, attempts, created_at, and the number of unsent rows
     /// of the same destination and ordering key before it (0 without a key), which
-    /// [`crate::outbox::admit`] checks.
-    pub lease_select: OutboxStatement,
-    /// In the same transaction: leases the listed rows to the relay.
-    pub lease_update: OutboxStatement,
+    /// [`crate::outbox::admit`] checks. Where [`lease_update`](Self::lease_update) is `None`
+    /// (PostgreSQL) the statement leases the rows itself and returns only those the per-key
+    /// rule admits; elsewhere it only selects.
+    pub lease: OutboxStatement,
+    /// In the same transaction, after [`lease`](Self::lease) and the per-key check: leases
+    /// the listed rows to the relay. `None` where the lease statement leases by itself.
+    pub lease_update: Option<OutboxStatement>,
+    /// Where set (PostgreSQL), how the relay's own transactions — the lease, the mark (which
+    /// then runs in a transaction rather than on its own), a dead letter — begin, in place of
+    /// the engine's `BEGIN`: one simple query that also sets what holds for that transaction
+    /// only (PostgreSQL: not waiting for the commit to reach the disk; see
+    /// [`crate::postgres::RELAY_BEGIN`] for why that is safe). Never for the enqueue, which
+    /// runs in the caller's transaction.
+    pub relay_begin: Option<&'static str>,
     /// Marks the listed rows sent, only those still leased to the relay.
     pub mark_sent: OutboxStatement,
     /// Gives a row leased to the relay back: attempts + 1, the error kept, available again

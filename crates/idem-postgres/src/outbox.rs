@@ -7,8 +7,9 @@
 //! row count, and runs in the handler's [`PgTx`]. The relay's
 //! statements go out typed (`query_typed`, one round trip, not prepared): a list of `n`
 //! sequence numbers is a text of its own, and caching one statement per list length on every
-//! connection would grow the caches for nothing. A lease is a short transaction of its own:
-//! `SELECT … FOR UPDATE OF o SKIP LOCKED`, the per-key check, the lease, commit.
+//! connection would grow the caches for nothing. A lease is a short transaction of its own
+//! around the dialect's one lease statement (select `FOR UPDATE OF o SKIP LOCKED`, the per-key
+//! rule, the lease), then commit.
 
 use std::time::Duration;
 
@@ -91,14 +92,14 @@ impl PgStore {
         lease: Duration,
     ) -> Result<Vec<OutboxRow>, Error> {
         let err = |e| store_error("leasing outbox rows", e);
-        let tx = self.begin_tx().await?;
+        let tx = self.begin_relay().await?;
         let v = Values {
             relay,
             limit: count(limit),
             lease: micros(lease),
             ..Values::default()
         };
-        let select = &self.osql.lease_select;
+        let select = &self.osql.lease;
         let rows = tx
             .query_typed(&select.sql, &Bound::new(select, &v).typed())
             .await
@@ -108,14 +109,16 @@ impl PgStore {
             .map(candidate)
             .collect::<Result<Vec<_>, _>>()
             .map_err(err)?;
+        // The statement leased what it returned, all of which the per-key rule admitted; this
+        // sets aside the rows that cannot be rebuilt as messages.
         let admitted = admit(candidates);
-        let seqs = admitted.seqs();
-        for chunk in seqs.chunks(SEQ_CHUNK) {
-            let update = &self.osql.lease_update;
-            let v = Values { seqs: chunk, ..v };
-            execute(&tx, &update.text(chunk.len()), &Bound::new(update, &v))
-                .await
-                .map_err(err)?;
+        if let Some(update) = &self.osql.lease_update {
+            for chunk in admitted.seqs().chunks(SEQ_CHUNK) {
+                let v = Values { seqs: chunk, ..v };
+                execute(&tx, &update.text(chunk.len()), &Bound::new(update, &v))
+                    .await
+                    .map_err(err)?;
+            }
         }
         for (seq, reason) in &admitted.undecodable {
             let moved = self.move_to_dead_letters(&tx, relay, *seq, reason).await?;
@@ -158,6 +161,15 @@ impl PgStore {
             .await
             .map_err(err)?;
         Ok(deleted == copied)
+    }
+
+    /// A transaction of the relay's own (lease, dead letter): begun with the dialect's
+    /// `relay_begin`, which does not wait for the commit to reach the disk.
+    async fn begin_relay(&self) -> Result<PgTx, Error> {
+        match self.osql.relay_begin {
+            Some(begin) => self.begin_with(begin).await,
+            None => self.begin_tx().await,
+        }
     }
 
     /// A relay statement outside any transaction, on a connection of its own; rows affected.
@@ -250,7 +262,14 @@ impl RelayStore for PgStore {
 
     async fn mark_sent(&self, relay: &str, seqs: &[i64]) -> Result<(), Error> {
         check_relay(relay)?;
+        if seqs.is_empty() {
+            return Ok(());
+        }
+        let what = "marking outbox rows sent";
         let mark = &self.osql.mark_sent;
+        // In a relay transaction, whose commit does not wait for the disk: a mark lost in a
+        // crash only publishes its rows again under the same IDs.
+        let tx = self.begin_relay().await?;
         let mut marked = 0;
         for chunk in seqs.chunks(SEQ_CHUNK) {
             let v = Values {
@@ -258,14 +277,11 @@ impl RelayStore for PgStore {
                 seqs: chunk,
                 ..Values::default()
             };
-            marked += self
-                .execute_relay(
-                    "marking outbox rows sent",
-                    &mark.text(chunk.len()),
-                    &Bound::new(mark, &v),
-                )
-                .await?;
+            marked += execute(&tx, &mark.text(chunk.len()), &Bound::new(mark, &v))
+                .await
+                .map_err(|e| store_error(what, e))?;
         }
+        tx.commit().await.map_err(commit_error)?;
         note_unmarked(relay, seqs.len(), marked);
         Ok(())
     }
@@ -305,7 +321,7 @@ impl RelayStore for PgStore {
 
     async fn dead_letter(&self, relay: &str, seq: i64, reason: &str) -> Result<(), Error> {
         check_relay(relay)?;
-        let tx = self.begin_tx().await?;
+        let tx = self.begin_relay().await?;
         if self.move_to_dead_letters(&tx, relay, seq, reason).await? {
             tx.commit().await.map_err(commit_error)
         } else {

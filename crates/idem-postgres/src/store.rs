@@ -286,9 +286,15 @@ impl PgStore {
     /// [`claim`](ClaimStore::claim) or `Processor::claim_in`) and commits it with
     /// [`TransactionalStore::commit`] or [`PgTx::commit`].
     pub async fn begin_tx(&self) -> Result<PgTx, Error> {
+        self.begin_with(sql::BEGIN).await
+    }
+
+    /// Begins a transaction with `begin` (a `BEGIN`, possibly followed by `SET LOCAL`s in the
+    /// same simple query).
+    pub(crate) async fn begin_with(&self, begin: &str) -> Result<PgTx, Error> {
         let mut tx = PgTx::begun(self.lease().await?, self.limits.clone());
         let limit = self.limits.begin_timeout;
-        let begun = bounded(limit, tx.batch_execute(sql::BEGIN)).await;
+        let begun = bounded(limit, tx.batch_execute(begin)).await;
         match begun {
             Some(begun) => begun.map_err(begin_error)?,
             None => return Err(begin_hung(&mut tx, limit)),

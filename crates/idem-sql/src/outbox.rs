@@ -5,7 +5,8 @@
 //! effect. A relay's lease is a short transaction of its own on the pool (never on the held
 //! connections, which are the consumers'): select the leasable rows — `FOR UPDATE SKIP LOCKED`
 //! on the servers, under `BEGIN IMMEDIATE` on SQLite — check the per-key rule
-//! ([`idem_dialect::outbox::admit`]), lease them, commit. Every later step (mark, release,
+//! ([`idem_dialect::outbox::admit`]), lease them, commit. On PostgreSQL the select, the rule
+//! and the lease are one statement. Every later step (mark, release,
 //! dead letter) is guarded by `leased_by`: a relay whose lease lapsed and was taken over
 //! changes nothing, which is logged at `debug` and is no error.
 
@@ -62,18 +63,19 @@ impl<E: Engine> SqlStore<E> {
             now,
             ..Values::default()
         };
-        let select = &self.osql.lease_select;
+        let select = &self.osql.lease;
         let candidates = E::fetch_candidates(&mut tx, &select.sql, &params(select, &v))
             .await
             .map_err(err)?;
         let admitted = admit(candidates);
-        let seqs = admitted.seqs();
-        for chunk in seqs.chunks(SEQ_CHUNK) {
-            let update = &self.osql.lease_update;
-            let v = Values { seqs: chunk, ..v };
-            E::execute(&mut tx, &update.text(chunk.len()), &params(update, &v))
-                .await
-                .map_err(err)?;
+        // PostgreSQL's lease statement leased what it returned; the others only selected.
+        if let Some(update) = &self.osql.lease_update {
+            for chunk in admitted.seqs().chunks(SEQ_CHUNK) {
+                let v = Values { seqs: chunk, ..v };
+                E::execute(&mut tx, &update.text(chunk.len()), &params(update, &v))
+                    .await
+                    .map_err(err)?;
+            }
         }
         for (seq, reason) in &admitted.undecodable {
             let moved = self
@@ -191,8 +193,19 @@ impl<E: Engine> RelayStore for SqlStore<E> {
 
     async fn mark_sent(&self, relay: &str, seqs: &[i64]) -> Result<(), Error> {
         check_relay(relay)?;
+        if seqs.is_empty() {
+            return Ok(());
+        }
+        let err = |e| store_error::<E>("marking outbox rows sent", e);
         let mark = &self.osql.mark_sent;
         let mut marked = 0;
+        // Where the engine has a relay transaction (PostgreSQL: its commit does not wait for
+        // the disk), the mark runs in one; a mark lost in a crash only publishes its rows
+        // again under the same IDs. Elsewhere each chunk commits on its own.
+        let mut tx = match self.osql.relay_begin {
+            Some(_) => Some(self.begin_relay().await?),
+            None => None,
+        };
         for chunk in seqs.chunks(SEQ_CHUNK) {
             let v = Values {
                 relay,
@@ -200,9 +213,16 @@ impl<E: Engine> RelayStore for SqlStore<E> {
                 now: Self::outbox_now(),
                 ..Values::default()
             };
-            marked += E::execute_pool(&self.pool, &mark.text(chunk.len()), &params(mark, &v))
-                .await
-                .map_err(|e| store_error::<E>("marking outbox rows sent", e))?;
+            let (sql, bound) = (mark.text(chunk.len()), params(mark, &v));
+            marked += match tx.as_mut() {
+                Some(tx) => E::execute(tx, &sql, &bound).await.map_err(err)?,
+                None => E::execute_pool(&self.pool, &sql, &bound)
+                    .await
+                    .map_err(err)?,
+            };
+        }
+        if let Some(tx) = tx {
+            tx.commit().await.map_err(commit_error::<E>)?;
         }
         note_unmarked(relay, seqs.len(), marked);
         Ok(())

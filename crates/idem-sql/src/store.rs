@@ -322,9 +322,10 @@ impl<E: Engine> SqlStore<E> {
     /// A transaction of the relay's own (a lease, a dead letter) on the pool, with the
     /// store's `BEGIN` timeout: never on the held connections, which are the consumer's.
     pub(crate) async fn begin_relay(&self) -> Result<Tx<E>, Error> {
-        Tx::begin_pooled(&self.pool, E::BEGIN, self.recycling.begin_timeout, None)
+        let begin = self.osql.relay_begin.unwrap_or(E::BEGIN);
+        Tx::begin_pooled(&self.pool, begin, self.recycling.begin_timeout, None)
             .await
-            .map_err(|e| store_error::<E>(E::BEGIN, e))
+            .map_err(|e| store_error::<E>(begin, e))
     }
 
     /// Runs a fixed statement inside `tx`.

@@ -77,6 +77,7 @@ macro_rules! outbox_conformance_tests {
             concurrent_relays_publish_each_key_in_order,
             a_lapsed_lease_is_taken_over_and_the_late_mark_marks_nothing,
             one_relay_at_a_time_per_ordering_key,
+            a_row_the_key_rule_turns_away_is_not_leased,
             release_delays_and_counts_attempts,
             dead_letter_moves_the_row_with_its_reason,
             purge_sent_deletes_at_most_limit,

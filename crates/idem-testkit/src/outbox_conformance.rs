@@ -381,6 +381,55 @@ pub async fn one_relay_at_a_time_per_ordering_key<F: OutboxFixture>(test: &str) 
     fx.teardown().await;
 }
 
+/// A row the per-key rule turns away is not left leased. While another transaction holds key
+/// K's head locked (a lease or a mark in flight elsewhere), relay B's lease skips the head and
+/// must turn K's later rows away — the rule sees their earlier row missing from its selection
+/// — and takes the unkeyed row; relay C then gets all of K's rows, in order, as soon as the
+/// lock is gone. A lease that locked or leased K's later rows without handing them out would
+/// leave C only the head (the rest held for B until B's lease lapsed). On an engine without
+/// row locks (SQLite) relay A's live lease on the head holds K instead, and C gets K's later
+/// rows once A marks the head sent.
+pub async fn a_row_the_key_rule_turns_away_is_not_leased<F: OutboxFixture>(test: &str) {
+    let fx = fixture!(test);
+    let s = fx.store();
+    let k = messages("turned-away", 3, "orders", Some("K"));
+    let free = messages("free", 1, "orders", None);
+    enqueue(&s, &k).await;
+    enqueue(&s, &free).await;
+    let lock = fx.lock_row(k[0].id()).await;
+    let head = match lock {
+        Some(_) => Vec::new(),
+        None => {
+            let a = lease(&s, "relay-a", 1, LONG).await;
+            assert_eq!(ids(&a), msg_ids(&k[..1]));
+            a
+        }
+    };
+    let b = lease(&s, "relay-b", 10, LONG).await;
+    assert_eq!(
+        ids(&b),
+        msg_ids(&free),
+        "relay B took key K's rows behind a held head, or missed the free row"
+    );
+    let expected = match lock {
+        Some(lock) => {
+            fx.unlock_row(lock).await;
+            msg_ids(&k)
+        }
+        None => {
+            s.mark_sent("relay-a", &seqs(&head)).await.expect("mark");
+            msg_ids(&k[1..])
+        }
+    };
+    let c = lease(&s, "relay-c", 10, LONG).await;
+    assert_eq!(
+        ids(&c),
+        expected,
+        "K's rows turned away by relay B's lease were left leased to it"
+    );
+    fx.teardown().await;
+}
+
 /// A released row counts the attempt, keeps the error and waits out the delay — for every
 /// relay — and holds its key's later rows back meanwhile; a relay that does not hold a row
 /// cannot release it.

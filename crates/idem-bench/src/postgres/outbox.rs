@@ -10,8 +10,13 @@
 //!   only by `LISTEN`/`NOTIFY` publishes; per message, from the writer's commit returning to
 //!   the broker's confirm returning to the relay.
 //!
+//! - **lease statements** ([`lease`]): the relay's lease alone, the store's one statement next
+//!   to the select + update it replaced, on half-full and full pages.
+//!
 //! Every measurement gets fresh message IDs, so JetStream's duplicate window never drops a
 //! message and every publish is a real one.
+
+mod lease;
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -49,6 +54,8 @@ pub(crate) enum Part {
     Enqueue,
     /// Commit → confirm latency with NOTIFY.
     Latency,
+    /// The lease statements side by side.
+    Lease,
 }
 
 /// What the outbox scenario measures.
@@ -259,6 +266,9 @@ impl Bench {
         let mut groups = Vec::new();
         let mut report = Report::default();
         let wants = |p| options.parts.contains(&p);
+        if wants(Part::Lease) {
+            groups.push(self.lease_statements(&outbox, options.rows).await?);
+        }
         for url in options
             .brokers
             .iter()
@@ -368,7 +378,7 @@ impl Bench {
             .note(format!(
                 "msg/s = {rows} / the time from the relay's start to the last row marked sent \
                  (the backlog read back as 0 unsent); the rows were committed beforehand, \
-                 {FILL_CHUNK} per transaction, untimed; broker rows: the same number of \
+                 {FILL_CHUNK} per transaction, then `ANALYZE`, untimed; broker rows: the same number of \
                  messages (same size, fresh IDs) through the same connection's \
                  `AnyProducer::publish_all` (groups of N joined in turn), each confirmed"
             ))
@@ -397,6 +407,11 @@ impl Bench {
             store.enqueue(&mut tx, chunk).await?;
             store.commit(tx).await?;
         }
+        // Statistics, as autovacuum would gather (it is off on the shared server): without
+        // them the lease's plan may read every unsent row before its LIMIT.
+        sqlx::raw_sql(&format!("ANALYZE {}", outbox.table))
+            .execute(&self.admin)
+            .await?;
         let _ = sqlx::query("CHECKPOINT").execute(&self.admin).await;
         let published = Arc::new(AtomicU64::new(0));
         let publisher = Counting {

@@ -24,7 +24,7 @@ pub mod sqlstate;
 use idem_core::TableName;
 
 use crate::{ClaimStatements, RequestStatements};
-pub use outbox::{outbox_channel, outbox_migration, outbox_statements};
+pub use outbox::{FILLFACTOR, outbox_channel, outbox_migration, outbox_statements};
 use partition::Partitioning;
 
 /// The server's clock in `processed_at` units: the transaction's start, in microseconds since
@@ -44,6 +44,25 @@ pub const MAX_MESSAGE_ID_LEN: usize = 1024;
 
 /// Begins a transaction.
 pub const BEGIN: &str = "BEGIN";
+
+/// How the outbox relay's own transactions begin (the lease, the mark, a dead letter): `BEGIN`
+/// and, for that transaction only, `synchronous_commit = off` — its `COMMIT` returns once the
+/// commit is in the WAL buffers, not on disk (the WAL writer flushes it within a few hundred
+/// ms). On a disk whose flush takes milliseconds that is most of a lease's time.
+///
+/// Safe because losing such a commit (a server crash in that window, or a failover to a
+/// replica it had not reached) only repeats work, never loses a message or a claim:
+/// - a lost lease leaves its rows unleased (or leased as before), so another relay — or the
+///   same one — publishes them again under the same message IDs, which idem's consumers
+///   deduplicate (their claims commit durably, as the server is configured);
+/// - a lost mark leaves its rows leased and unsent, so they are published again under the
+///   same IDs once the lease lapses;
+/// - a lost dead-letter move leaves the row leased until its lease lapses, when it is
+///   published, refused and moved again.
+///
+/// The enqueue never uses it: it runs in the caller's transaction, whose durability is the
+/// caller's.
+pub const RELAY_BEGIN: &str = "BEGIN; SET LOCAL synchronous_commit = off";
 
 /// Commits, as one simple query: in a transaction a failed statement aborted, the `SELECT`
 /// fails with 25P02 ([`sqlstate::IN_FAILED_SQL_TRANSACTION`]) and the `COMMIT` never runs (a

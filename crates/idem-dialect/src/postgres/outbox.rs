@@ -1,11 +1,24 @@
 //! PostgreSQL's outbox: the statements and migration both PostgreSQL stores run, so that one
 //! store's relay leases what the other's handlers enqueued.
 //!
-//! A lease selects its rows `FOR UPDATE OF o SKIP LOCKED` in a short transaction and leases
-//! them there: two relays never wait for each other and never take the same row. Enqueue is
-//! `INSERT … ON CONFLICT (message_id) DO NOTHING`, which waits for a concurrent uncommitted
-//! insert of the same ID and then inserts nothing if it committed. `created_at` is the
-//! enqueuing transaction's start (`now()`), the relay's times the statement's.
+//! A lease is **one statement** (PostgreSQL 12 or later, for `WITH … AS MATERIALIZED`): it
+//! selects its rows `FOR UPDATE OF o SKIP LOCKED`, applies the per-key rule, leases the rows
+//! the rule admits and returns them — two relays never wait for each other and never take the
+//! same row, and a row the rule turns away is not leased. One statement rather than a select
+//! and an update of the listed rows saves a round trip and a second pass over the rows; the
+//! lease's cost is mostly rewriting the rows, which the table's [`FILLFACTOR`] keeps in their
+//! own pages (HOT updates).
+//!
+//! The lease walks the unsent rows by `seq` with `LIMIT`: with table statistics the planner
+//! takes the partial index on unsent rows and stops after the limit. A table that was never
+//! analysed (freshly created and filled in one go, or with autovacuum off) can get a plan that
+//! reads and sorts every unsent row first: 15 ms rather than 3 ms for 500 of 20 000 rows
+//! (`EXPLAIN ANALYZE`, BENCHMARKS.md), growing with the backlog. Autovacuum's analyse fixes it
+//! on its own; after a bulk load, or with autovacuum off, run `ANALYZE` on the outbox table.
+//!
+//! Enqueue is `INSERT … ON CONFLICT (message_id) DO NOTHING`, which waits for a concurrent
+//! uncommitted insert of the same ID and then inserts nothing if it committed. `created_at` is
+//! the enqueuing transaction's start (`now()`), the relay's times the statement's.
 
 use idem_core::TableName;
 use sha2::Digest as _;
@@ -33,8 +46,6 @@ pub fn outbox_channel(o: &TableName) -> String {
 pub fn outbox_statements(o: &TableName) -> OutboxStatements {
     let now = STATEMENT_NOW;
     let dl = dead_letter_table(o);
-    let same_key = "e.destination = o.destination AND e.ordering_key = o.ordering_key \
-                    AND e.sent_at IS NULL AND e.seq < o.seq";
     let list = |sql: String, binds: &[P], first| {
         OutboxStatement::with_list(sql, binds, Placeholder::Dollar, first, ")")
     };
@@ -49,22 +60,9 @@ pub fn outbox_statements(o: &TableName) -> OutboxStatements {
             Placeholder::Dollar,
             &[],
         ),
-        lease_select: OutboxStatement::new(
-            format!(
-                "SELECT {SELECTED}, (SELECT count(*) FROM {o} e WHERE {same_key}) \
-                 FROM {o} o WHERE o.sent_at IS NULL AND o.available_at <= {now} \
-                 AND (o.leased_until IS NULL OR o.leased_until <= {now} OR o.leased_by = $1) \
-                 AND (o.ordering_key IS NULL OR NOT EXISTS (SELECT 1 FROM {o} e WHERE {same_key} \
-                 AND (e.available_at > {now} OR (e.leased_until > {now} AND e.leased_by <> $1)))) \
-                 ORDER BY o.seq LIMIT $2 FOR UPDATE OF o SKIP LOCKED"
-            ),
-            &[P::Relay, P::Limit],
-        ),
-        lease_update: list(
-            format!("UPDATE {o} SET leased_by = $1, leased_until = {now} + $2 WHERE seq IN ("),
-            &[P::Relay, P::Lease, P::Seqs],
-            3,
-        ),
+        lease: OutboxStatement::new(lease(o), &[P::Relay, P::Limit, P::Lease]),
+        lease_update: None,
+        relay_begin: Some(super::RELAY_BEGIN),
         mark_sent: list(
             format!(
                 "UPDATE {o} SET sent_at = {now} WHERE leased_by = $1 AND sent_at IS NULL \
@@ -117,8 +115,60 @@ pub fn outbox_statements(o: &TableName) -> OutboxStatements {
     }
 }
 
+/// The lease of table `o`: one statement that picks, checks and leases (see the module docs).
+///
+/// `picked` is the selection every engine's lease makes — unsent, due, not leased to another
+/// relay with a live lease, no earlier row of its (destination, key) waiting or leased
+/// elsewhere, oldest first, `FOR UPDATE OF o SKIP LOCKED` — with each row's count of earlier
+/// unsent rows of its key. `AS MATERIALIZED` makes it run once, before the update, so the
+/// `LIMIT` and the locks apply to one selection. `admitted` then applies the per-key rule of
+/// [`crate::outbox::admit`] in SQL: a keyed row is taken only when every earlier unsent row of
+/// its key was picked too (its count of earlier rows equals the picked rows of its key before
+/// it), which turns away the rows behind an earlier one that another transaction holds locked
+/// (skipped, so not picked). Only admitted rows are updated and returned, in `seq` order, each
+/// with its count, so [`crate::outbox::admit`] run on them again admits every one. A picked
+/// row that is turned away stays locked until the lease commits but is not leased.
+fn lease(o: &TableName) -> String {
+    let now = STATEMENT_NOW;
+    let same_key = "e.destination = o.destination AND e.ordering_key = o.ordering_key \
+                    AND e.sent_at IS NULL AND e.seq < o.seq";
+    let returned = SELECTED.replace("o.", "l.");
+    format!(
+        "WITH picked AS MATERIALIZED ( \
+           SELECT o.seq, o.destination, o.ordering_key, \
+                  (SELECT count(*) FROM {o} e WHERE {same_key}) AS earlier \
+           FROM {o} o WHERE o.sent_at IS NULL AND o.available_at <= {now} \
+           AND (o.leased_until IS NULL OR o.leased_until <= {now} OR o.leased_by = $1) \
+           AND (o.ordering_key IS NULL OR NOT EXISTS (SELECT 1 FROM {o} e WHERE {same_key} \
+           AND (e.available_at > {now} OR (e.leased_until > {now} AND e.leased_by <> $1)))) \
+           ORDER BY o.seq LIMIT $2 FOR UPDATE OF o SKIP LOCKED), \
+         admitted AS ( \
+           SELECT seq, earlier FROM ( \
+             SELECT seq, ordering_key, earlier, row_number() OVER ( \
+               PARTITION BY destination, ordering_key ORDER BY seq) - 1 AS before \
+             FROM picked) p \
+           WHERE ordering_key IS NULL OR earlier = before), \
+         leased AS ( \
+           UPDATE {o} o SET leased_by = $1, leased_until = {now} + $3 \
+           FROM admitted a WHERE o.seq = a.seq \
+           RETURNING {SELECTED}, a.earlier) \
+         SELECT {returned}, l.earlier FROM leased l ORDER BY l.seq"
+    )
+}
+
+/// How full PostgreSQL fills the outbox table's pages: half, so that a row's lease, mark and
+/// release find room in its own page and are HOT updates (no new index entries, no tuple in
+/// another page). With full pages the 500-row lease `UPDATE` took 6.4–9.4 ms; with half-full
+/// ones 2.0–3.5 ms (BENCHMARKS.md). The cost is a table twice as sparse while rows wait.
+pub const FILLFACTOR: u32 = 50;
+
 /// The outbox table and its dead-letter table, their indexes and comments: run by `migrate`
 /// in the same transaction, under the same advisory lock, as the claims tables.
+///
+/// The table is created `WITH (fillfactor = 50)` ([`FILLFACTOR`]); on a table that exists
+/// without a fillfactor of its own (made by an earlier idem), `migrate` sets it. That only
+/// affects pages written from then on: the rows already there stay on full pages until they
+/// are sent and purged (or a `VACUUM FULL` rewrites the table, which locks it out).
 pub fn outbox_migration(o: &TableName) -> Vec<String> {
     let (name, dl) = (o.table(), dead_letter_table(o));
     let mut sql: Vec<String> = o
@@ -142,7 +192,15 @@ pub fn outbox_migration(o: &TableName) -> Vec<String> {
                 leased_by    text,
                 leased_until bigint,
                 sent_at      bigint
-            )"
+            ) WITH (fillfactor = {FILLFACTOR})"
+        ),
+        // A table made before the fillfactor (or by hand) gets it unless it has its own.
+        format!(
+            "DO $$ BEGIN \
+             IF NOT EXISTS (SELECT 1 FROM pg_class c, unnest(c.reloptions) r \
+                            WHERE c.oid = '{o}'::regclass AND r LIKE 'fillfactor=%') THEN \
+               ALTER TABLE {o} SET (fillfactor = {FILLFACTOR}); \
+             END IF; END $$"
         ),
         // The lease walks unsent rows by seq; the per-key check looks up a key's earlier
         // unsent rows; the purge finds sent rows. Partial, so each stays the size of what it
@@ -192,16 +250,12 @@ mod tests {
     #[test]
     fn lists_are_numbered_after_the_listed_parameters() {
         let s = outbox_statements(&TableName::new("app.outbox").expect("table"));
-        assert_eq!(s.lease_update.binds, vec![P::Relay, P::Lease, P::Seqs]);
-        assert!(
-            s.lease_update
-                .text(3)
-                .ends_with("WHERE seq IN ($3, $4, $5)"),
-            "{}",
-            s.lease_update.text(3)
-        );
+        assert!(s.lease_update.is_none(), "the lease is one statement");
+        assert_eq!(s.lease.binds, vec![P::Relay, P::Limit, P::Lease]);
+        assert!(s.lease.sql.contains("FOR UPDATE OF o SKIP LOCKED"));
+        assert!(s.lease.sql.starts_with("WITH picked AS MATERIALIZED"));
+        assert!(s.lease.sql.ends_with("ORDER BY l.seq"), "{}", s.lease.sql);
         assert!(s.mark_sent.text(1).ends_with("seq IN ($2)"));
-        assert!(s.lease_select.sql.contains("FOR UPDATE OF o SKIP LOCKED"));
         assert_eq!(s.release.text(9), s.release.sql, "no list, no change");
         let two = s.enqueue.text(2);
         assert!(
@@ -213,5 +267,11 @@ mod tests {
         let m = outbox_migration(&TableName::new("app.outbox").expect("table"));
         assert_eq!(m[0], "CREATE SCHEMA IF NOT EXISTS app");
         assert!(m.iter().any(|s| s.contains("app.outbox_dead_letters (")));
+        assert!(m[1].ends_with(") WITH (fillfactor = 50)"), "{}", m[1]);
+        assert!(
+            m[2].contains("'app.outbox'::regclass") && m[2].contains("SET (fillfactor = 50)"),
+            "{}",
+            m[2]
+        );
     }
 }

@@ -14,6 +14,7 @@ use crate::common::{self, Conns};
 struct PgFixture<const CLIENTS: bool> {
     store: PgStore,
     admin: Client,
+    config: idem_postgres::tokio_postgres::Config,
     schema: PgSchema,
 }
 
@@ -43,6 +44,7 @@ impl<const CLIENTS: bool> OutboxFixture for PgFixture<CLIENTS> {
         Some(Self {
             store,
             admin,
+            config,
             schema,
         })
     }
@@ -56,6 +58,26 @@ impl<const CLIENTS: bool> OutboxFixture for PgFixture<CLIENTS> {
             .clone()
             .with_outbox_table(TableName::new("never_migrated").expect("name"))
             .expect("name")
+    }
+
+    /// A client of its own inside `BEGIN`.
+    type RowLock = Client;
+
+    async fn lock_row(&self, id: &idem_core::MessageId) -> Option<Client> {
+        let client = common::client(&self.config).await;
+        client.batch_execute("BEGIN").await.expect("begin");
+        client
+            .execute(
+                "SELECT 1 FROM idem_outbox WHERE message_id = $1 FOR UPDATE",
+                &[&id.as_bytes()],
+            )
+            .await
+            .expect("lock the row");
+        Some(client)
+    }
+
+    async fn unlock_row(&self, lock: Client) {
+        lock.batch_execute("ROLLBACK").await.expect("rollback");
     }
 
     async fn dead_letter_reason(&self, seq: i64) -> Option<String> {

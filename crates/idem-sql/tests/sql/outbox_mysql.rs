@@ -33,6 +33,22 @@ impl OutboxFixture for MySqlFixture {
             .expect("name")
     }
 
+    type RowLock = sqlx::Transaction<'static, sqlx::MySql>;
+
+    async fn lock_row(&self, id: &idem_core::MessageId) -> Option<Self::RowLock> {
+        let mut tx = self.store.pool().begin().await.expect("begin");
+        sqlx::query("SELECT 1 FROM idem_outbox WHERE message_id = ? FOR UPDATE")
+            .bind(id.as_bytes())
+            .execute(&mut *tx)
+            .await
+            .expect("lock the row");
+        Some(tx)
+    }
+
+    async fn unlock_row(&self, lock: Self::RowLock) {
+        lock.rollback().await.expect("rollback");
+    }
+
     async fn dead_letter_reason(&self, seq: i64) -> Option<String> {
         sqlx::query_scalar(
             "SELECT CONVERT(reason USING utf8mb4) FROM idem_outbox_dead_letters WHERE seq = ?",

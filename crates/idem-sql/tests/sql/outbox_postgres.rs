@@ -34,6 +34,22 @@ impl OutboxFixture for PgFixture {
             .expect("name")
     }
 
+    type RowLock = sqlx::Transaction<'static, sqlx::Postgres>;
+
+    async fn lock_row(&self, id: &idem_core::MessageId) -> Option<Self::RowLock> {
+        let mut tx = self.store.pool().begin().await.expect("begin");
+        sqlx::query("SELECT 1 FROM idem_outbox WHERE message_id = $1 FOR UPDATE")
+            .bind(id.as_bytes())
+            .execute(&mut *tx)
+            .await
+            .expect("lock the row");
+        Some(tx)
+    }
+
+    async fn unlock_row(&self, lock: Self::RowLock) {
+        lock.rollback().await.expect("rollback");
+    }
+
     async fn dead_letter_reason(&self, seq: i64) -> Option<String> {
         sqlx::query_scalar("SELECT reason FROM idem_outbox_dead_letters WHERE seq = $1")
             .bind(seq)
@@ -170,5 +186,39 @@ async fn commits_that_enqueue_wake_listeners_and_rollbacks_do_not() {
         "the commit was heard"
     );
     listener.abort();
+    fx.teardown().await;
+}
+
+/// `migrate` gives an outbox table without a fillfactor of its own (one an earlier idem made)
+/// fillfactor 50, so that leases find room in their rows' pages, and leaves one an operator
+/// chose alone.
+#[tokio::test]
+async fn migrate_sets_the_outbox_fillfactor_unless_the_table_has_one() {
+    let Some(fx) = PgFixture::setup("migrate_sets_the_outbox_fillfactor").await else {
+        return;
+    };
+    let pool = fx.store.pool();
+    let options = async || -> Option<Vec<String>> {
+        sqlx::query_scalar("SELECT reloptions FROM pg_class WHERE oid = 'idem_outbox'::regclass")
+            .fetch_one(pool)
+            .await
+            .expect("read the table's options")
+    };
+    let set = |sql: &'static str| async move {
+        sqlx::raw_sql(sql).execute(pool).await.expect(sql);
+    };
+    let fifty = Some(vec!["fillfactor=50".to_owned()]);
+    assert_eq!(options().await, fifty, "created without the fillfactor");
+    set("ALTER TABLE idem_outbox RESET (fillfactor)").await;
+    assert_eq!(options().await, None);
+    fx.store.migrate().await.expect("migrate");
+    assert_eq!(options().await, fifty, "migrate left the table without one");
+    set("ALTER TABLE idem_outbox SET (fillfactor = 70)").await;
+    fx.store.migrate().await.expect("migrate");
+    assert_eq!(
+        options().await,
+        Some(vec!["fillfactor=70".to_owned()]),
+        "migrate overrode the operator's fillfactor"
+    );
     fx.teardown().await;
 }

@@ -37,6 +37,15 @@ impl OutboxFixture for SqliteFixture {
             .expect("plain name")
     }
 
+    type RowLock = ();
+
+    /// SQLite has no row locks: one transaction writes at a time.
+    async fn lock_row(&self, _id: &idem_core::MessageId) -> Option<()> {
+        None
+    }
+
+    async fn unlock_row(&self, (): ()) {}
+
     async fn dead_letter_reason(&self, seq: i64) -> Option<String> {
         sqlx::query_scalar("SELECT reason FROM idem_outbox_dead_letters WHERE seq = ?")
             .bind(seq)
