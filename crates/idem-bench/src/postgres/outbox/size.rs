@@ -311,16 +311,26 @@ impl Bench {
         let stats = running.await??;
         pool.close().await;
 
+        let drained = if after.unsent == 0 {
+            format!(
+                "the last unsent row published {:.0} s after the start",
+                drained.as_secs_f64()
+            )
+        } else {
+            format!(
+                "**{} rows still unsent when the bench stopped waiting, {:.0} s after the start**",
+                after.unsent,
+                drained.as_secs_f64()
+            )
+        };
         let mut lines = vec![
             format!(
                 "{written} messages committed by {WRITERS} writers ({PER_COMMIT} per \
                  transaction: one `OutboxStore::enqueue` of {PER_COMMIT}, then commit, as a \
-                 set-batch handler does) in {:.0} s = {:.0} msg/s (asked: {}); the last unsent \
-                 row published {:.0} s after the start",
+                 set-batch handler does) in {:.0} s = {:.0} msg/s (asked: {}); {drained}",
                 writing.as_secs_f64(),
                 written as f64 / writing.as_secs_f64(),
                 options.rate,
-                drained.as_secs_f64()
             ),
             format!(
                 "relay: the library `Relay`, woken by `LISTEN`/`NOTIFY` and polling, publishing \
