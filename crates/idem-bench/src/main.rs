@@ -63,6 +63,7 @@ impl std::fmt::Debug for BenchArgs {
             .field("outbox_rate", &self.outbox_rate)
             .field("outbox_latency_seconds", &self.outbox_latency_seconds)
             .field("outbox_pipeline", &self.outbox_pipeline)
+            .field("outbox_size", &self.outbox_size)
             .finish()
     }
 }
@@ -139,7 +140,8 @@ struct BenchArgs {
     outbox_brokers: Vec<String>,
     /// Outbox: the parts to run: drain (relay throughput next to the broker's), enqueue (the
     /// cost in a set batch), latency (commit → confirm with NOTIFY), lease (the lease
-    /// statements side by side; only when asked for).
+    /// statements side by side) and size (the table's size at a constant rate, Redis brokers
+    /// only; minutes): the last two only when asked for.
     #[arg(long, value_delimiter = ',', default_value = "drain,enqueue,latency")]
     outbox_parts: Vec<postgres::OutboxPart>,
     /// Outbox: committed rows the relay drains per throughput measurement.
@@ -158,6 +160,8 @@ struct BenchArgs {
     /// `pipeline`); the `pipeline 1` rows are measured next to them either way.
     #[arg(long, value_name = "ROUNDS")]
     outbox_pipeline: Option<usize>,
+    #[command(flatten)]
+    outbox_size: postgres::OutboxSizeArgs,
 }
 
 fn main() -> ExitCode {
@@ -527,6 +531,7 @@ async fn run(args: BenchArgs) -> anyhow::Result<()> {
             rate: args.outbox_rate,
             latency_window: Duration::from_secs_f64(s),
             pipeline: args.outbox_pipeline,
+            size: args.outbox_size.options()?,
         })
     } else {
         None

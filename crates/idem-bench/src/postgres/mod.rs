@@ -20,7 +20,7 @@ mod p2;
 mod prune;
 mod tokio_pg;
 
-pub(crate) use outbox::{Options as OutboxOptions, Part as OutboxPart};
+pub(crate) use outbox::{Options as OutboxOptions, Part as OutboxPart, SizeArgs as OutboxSizeArgs};
 pub(crate) use prune::{Layout as PruneLayout, Options as PruneOptions};
 
 use std::sync::Arc;

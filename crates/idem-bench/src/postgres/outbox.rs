@@ -12,11 +12,14 @@
 //!
 //! - **lease statements** ([`lease`]): the relay's lease alone, the store's one statement next
 //!   to the select + update it replaced, on half-full and full pages.
+//! - **table size** ([`size`]): the table's size on disk while writers enqueue at a constant
+//!   rate and the relay keeps up.
 //!
 //! Every measurement gets fresh message IDs, so JetStream's duplicate window never drops a
 //! message and every publish is a real one.
 
 mod lease;
+mod size;
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -56,7 +59,11 @@ pub(crate) enum Part {
     Latency,
     /// The lease statements side by side.
     Lease,
+    /// The table's size at a constant rate (Redis Streams only).
+    Size,
 }
+
+pub(crate) use size::Args as SizeArgs;
 
 /// What the outbox scenario measures.
 #[derive(Debug, Clone)]
@@ -75,6 +82,8 @@ pub(crate) struct Options {
     pub(crate) latency_window: Duration,
     /// The relay's rounds in flight in the drain part (its default when `None`).
     pub(crate) pipeline: Option<usize>,
+    /// The size part's options.
+    pub(crate) size: size::Options,
 }
 
 /// The latency runs' results, printed after the tables.
@@ -272,7 +281,7 @@ impl Bench {
         for url in options
             .brokers
             .iter()
-            .filter(|_| wants(Part::Drain) || wants(Part::Latency))
+            .filter(|_| wants(Part::Drain) || wants(Part::Latency) || wants(Part::Size))
         {
             let broker = BrokerUrl::parse(url)?;
             let producer = AnyProducer::connect(&broker, "idem-bench")
@@ -287,6 +296,11 @@ impl Bench {
                 report
                     .sections
                     .push(self.latency(&outbox, &broker, &producer, options).await?);
+            }
+            if wants(Part::Size) {
+                report
+                    .sections
+                    .push(self.table_size(&outbox, &broker, &options.size).await?);
             }
         }
         for &workers in options.workers.iter().filter(|_| wants(Part::Enqueue)) {
