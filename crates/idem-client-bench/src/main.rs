@@ -78,14 +78,29 @@ async fn one(clients: &Clients, column: Column, url: &str) -> anyhow::Result<Dur
     let started = Instant::now();
     let status = match column {
         Column::Plain => {
-            let r = clients.plain.post(url).header("content-type", "application/json").body(BODY).send().await?;
+            let r = clients
+                .plain
+                .post(url)
+                .header("content-type", "application/json")
+                .body(BODY)
+                .send()
+                .await?;
             let s = r.status();
             r.bytes().await?;
             s
         }
         Column::EmptyChain | Column::Idem => {
-            let c = if column == Column::Idem { &clients.idem } else { &clients.empty };
-            let r = c.post(url).header("content-type", "application/json").body(BODY).send().await?;
+            let c = if column == Column::Idem {
+                &clients.idem
+            } else {
+                &clients.empty
+            };
+            let r = c
+                .post(url)
+                .header("content-type", "application/json")
+                .body(BODY)
+                .send()
+                .await?;
             let s = r.status();
             r.bytes().await?;
             s

@@ -80,14 +80,20 @@ impl IdempotencyMiddleware {
     /// Chooses the key and puts it in the request's header.
     fn key(&self, req: &mut Request, ext: &Extensions) -> Result<Option<IdempotencyKey>, Error> {
         let invalid = |e: idem_core::Error| {
-            Error::new(ErrorKind::InvalidKey, format!("invalid idempotency key: {e}")).with_source(e)
+            Error::new(
+                ErrorKind::InvalidKey,
+                format!("invalid idempotency key: {e}"),
+            )
+            .with_source(e)
         };
         let chosen = match ext.get::<KeyChoice>() {
             Some(KeyChoice::None) => return Ok(None),
             Some(KeyChoice::Given(k)) => {
                 IdempotencyKey::with_limit(k, self.max_key_len).map_err(invalid)?
             }
-            Some(KeyChoice::Derived(d)) => IdempotencyKey::new(&d.to_uuid_string()).map_err(invalid)?,
+            Some(KeyChoice::Derived(d)) => {
+                IdempotencyKey::new(&d.to_uuid_string()).map_err(invalid)?
+            }
             None => match req.headers().get(&IDEMPOTENCY_KEY) {
                 Some(v) => {
                     let s = v.to_str().map_err(|_| {
@@ -102,8 +108,12 @@ impl IdempotencyMiddleware {
                 }
                 None if *req.method() == Method::POST || *req.method() == Method::PATCH => {
                     let fresh = uuid::Uuid::new_v4();
-                    IdempotencyKey::new(fresh.hyphenated().encode_lower(&mut uuid::Uuid::encode_buffer()))
-                        .map_err(invalid)?
+                    IdempotencyKey::new(
+                        fresh
+                            .hyphenated()
+                            .encode_lower(&mut uuid::Uuid::encode_buffer()),
+                    )
+                    .map_err(invalid)?
                 }
                 None => return Ok(None),
             },
@@ -226,7 +236,9 @@ fn describe(result: &reqwest_middleware::Result<Response>) -> String {
     match result {
         Ok(resp) => resp.status().to_string(),
         Err(reqwest_middleware::Error::Reqwest(e)) if e.is_timeout() => "timeout".to_owned(),
-        Err(reqwest_middleware::Error::Reqwest(e)) if e.is_connect() => "connection failed".to_owned(),
+        Err(reqwest_middleware::Error::Reqwest(e)) if e.is_connect() => {
+            "connection failed".to_owned()
+        }
         Err(reqwest_middleware::Error::Reqwest(_)) => {
             "connection closed before the answer".to_owned()
         }

@@ -172,7 +172,10 @@ pub(crate) fn retry_after(headers: &HeaderMap) -> Option<Duration> {
         return Some(Duration::from_secs(secs));
     }
     let at = httpdate::parse_http_date(v).ok()?;
-    Some(at.duration_since(SystemTime::now()).unwrap_or(Duration::ZERO))
+    Some(
+        at.duration_since(SystemTime::now())
+            .unwrap_or(Duration::ZERO),
+    )
 }
 
 #[cfg(test)]
@@ -230,8 +233,14 @@ mod tests {
             HeaderValue::from_str(&httpdate::fmt_http_date(later)).unwrap(),
         );
         let d = retry_after(&h).unwrap();
-        assert!(d > Duration::from_secs(110) && d <= Duration::from_secs(120), "{d:?}");
-        h.insert(RETRY_AFTER, HeaderValue::from_static("Wed, 21 Oct 2015 07:28:00 GMT"));
+        assert!(
+            d > Duration::from_secs(110) && d <= Duration::from_secs(120),
+            "{d:?}"
+        );
+        h.insert(
+            RETRY_AFTER,
+            HeaderValue::from_static("Wed, 21 Oct 2015 07:28:00 GMT"),
+        );
         assert_eq!(retry_after(&h), Some(Duration::ZERO));
         h.insert(RETRY_AFTER, HeaderValue::from_static("soon"));
         assert_eq!(retry_after(&h), None);

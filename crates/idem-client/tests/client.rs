@@ -45,7 +45,9 @@ fn charge(client: &ClientWithMiddleware, p: &FakeProcessor) -> RequestBuilder {
 }
 
 fn outcome(resp: &reqwest::Response) -> Outcome {
-    Outcome::of(resp).expect("an outcome on every response").clone()
+    Outcome::of(resp)
+        .expect("an outcome on every response")
+        .clone()
 }
 
 async fn processor() -> FakeProcessor {
@@ -55,18 +57,32 @@ async fn processor() -> FakeProcessor {
 #[tokio::test]
 async fn every_retry_carries_the_same_fresh_key() {
     let p = processor().await;
-    p.fault_next(Fault::Status { status: 503, retry_after: None });
-    p.fault_next(Fault::Status { status: 502, retry_after: None });
+    p.fault_next(Fault::Status {
+        status: 503,
+        retry_after: None,
+    });
+    p.fault_next(Fault::Status {
+        status: 502,
+        retry_after: None,
+    });
     let resp = charge(&client(fast()), &p).send().await.expect("send");
     assert_eq!(resp.status(), 200);
     let o = outcome(&resp);
     assert_eq!(o.attempts, 3);
     assert!(!o.replayed && !o.gave_up);
     let key = o.key.expect("a POST gets a key").to_string();
-    assert_eq!(uuid::Uuid::parse_str(&key).map(|u| u.get_version_num()), Ok(4), "{key}");
+    assert_eq!(
+        uuid::Uuid::parse_str(&key).map(|u| u.get_version_num()),
+        Ok(4),
+        "{key}"
+    );
     let stats = p.stats();
     assert_eq!(stats.calls, 3);
-    assert_eq!(stats.calls_for(&key), 3, "all three attempts sent {key}: {stats:?}");
+    assert_eq!(
+        stats.calls_for(&key),
+        3,
+        "all three attempts sent {key}: {stats:?}"
+    );
     assert_eq!(stats.effects_for(&key), 1);
 }
 
@@ -105,7 +121,10 @@ async fn transient_statuses_are_retried() {
     let p = processor().await;
     let c = client(fast());
     for status in [500, 502, 503, 504, 429, 408, 425] {
-        p.fault_next(Fault::Status { status, retry_after: None });
+        p.fault_next(Fault::Status {
+            status,
+            retry_after: None,
+        });
         let resp = charge(&c, &p).send().await.expect("send");
         assert_eq!(resp.status(), 200, "after {status}");
         assert_eq!(outcome(&resp).attempts, 2, "after {status}");
@@ -120,7 +139,10 @@ async fn final_statuses_are_not_retried() {
     let c = client(fast());
     // 409 without Retry-After is a conflict, not "in progress".
     for status in [400, 401, 404, 409, 422, 501, 505] {
-        p.fault_next(Fault::Status { status, retry_after: None });
+        p.fault_next(Fault::Status {
+            status,
+            retry_after: None,
+        });
         let resp = charge(&c, &p).send().await.expect("send");
         assert_eq!(resp.status().as_u16(), status);
         let o = outcome(&resp);
@@ -133,7 +155,11 @@ async fn final_statuses_are_not_retried() {
 async fn a_reused_key_with_another_body_is_not_retried() {
     let p = processor().await;
     let c = client(fast());
-    charge(&c, &p).idempotency_key("k-1").send().await.expect("first");
+    charge(&c, &p)
+        .idempotency_key("k-1")
+        .send()
+        .await
+        .expect("first");
     let resp = c
         .post(p.charges_url())
         .idempotency_key("k-1")
@@ -184,7 +210,9 @@ async fn a_refused_connection_is_retried_then_reported_with_its_outcome() {
         .await
         .expect_err("nothing listens");
     assert!(err.is_connect(), "{err}");
-    let o = ext.get::<Outcome>().expect("the outcome is in the caller's extensions");
+    let o = ext
+        .get::<Outcome>()
+        .expect("the outcome is in the caller's extensions");
     assert_eq!((o.attempts, o.gave_up), (3, true));
 }
 
@@ -201,18 +229,28 @@ async fn a_key_in_progress_is_waited_for_then_replayed() {
     };
     let (first, second) = tokio::join!(first, second);
     let (first, second) = (first.expect("first"), second.expect("second"));
-    assert_eq!((first.status().as_u16(), second.status().as_u16()), (200, 200));
+    assert_eq!(
+        (first.status().as_u16(), second.status().as_u16()),
+        (200, 200)
+    );
     let o = outcome(&second);
     assert_eq!(o.attempts, 2, "409 with Retry-After: 1, then the replay");
     assert!(o.replayed);
-    assert!(o.waited >= Duration::from_secs(1), "Retry-After honoured: {:?}", o.waited);
+    assert!(
+        o.waited >= Duration::from_secs(1),
+        "Retry-After honoured: {:?}",
+        o.waited
+    );
     assert_eq!(p.stats().effects_for("dup"), 1);
 }
 
 #[tokio::test(start_paused = true)]
 async fn retry_after_is_honoured_on_tokios_clock() {
     let p = processor().await;
-    p.fault_next(Fault::Status { status: 503, retry_after: Some("30".into()) });
+    p.fault_next(Fault::Status {
+        status: 503,
+        retry_after: Some("30".into()),
+    });
     let policy = fast().max_elapsed(Duration::from_secs(60));
     let started = tokio::time::Instant::now();
     let resp = charge(&client(policy), &p).send().await.expect("send");
@@ -226,7 +264,10 @@ async fn retry_after_is_honoured_on_tokios_clock() {
 #[tokio::test(start_paused = true)]
 async fn a_retry_after_past_the_budget_returns_the_answer() {
     let p = processor().await;
-    p.fault_next(Fault::Status { status: 503, retry_after: Some("120".into()) });
+    p.fault_next(Fault::Status {
+        status: 503,
+        retry_after: Some("120".into()),
+    });
     let policy = fast().max_elapsed(Duration::from_secs(60));
     let resp = charge(&client(policy), &p).send().await.expect("send");
     assert_eq!(resp.status(), 503);
@@ -240,9 +281,15 @@ async fn a_retry_after_past_the_budget_returns_the_answer() {
 async fn attempts_are_bounded() {
     let p = processor().await;
     for _ in 0..5 {
-        p.fault_next(Fault::Status { status: 503, retry_after: None });
+        p.fault_next(Fault::Status {
+            status: 503,
+            retry_after: None,
+        });
     }
-    let resp = charge(&client(fast().max_attempts(3)), &p).send().await.expect("send");
+    let resp = charge(&client(fast().max_attempts(3)), &p)
+        .send()
+        .await
+        .expect("send");
     assert_eq!(resp.status(), 503);
     let o = outcome(&resp);
     assert_eq!((o.attempts, o.gave_up), (3, true));
@@ -254,7 +301,10 @@ async fn attempts_are_bounded() {
 async fn total_time_is_bounded() {
     let p = processor().await;
     for _ in 0..10 {
-        p.fault_next(Fault::Status { status: 503, retry_after: None });
+        p.fault_next(Fault::Status {
+            status: 503,
+            retry_after: None,
+        });
     }
     // 10 s between attempts: attempts at 0 s, 10 s, 20 s; the next would start at 30 s > 25 s.
     let policy = RetryPolicy::default()
@@ -265,14 +315,20 @@ async fn total_time_is_bounded() {
     let resp = charge(&client(policy), &p).send().await.expect("send");
     assert_eq!(resp.status(), 503);
     let o = outcome(&resp);
-    assert_eq!((o.attempts, o.gave_up, o.waited), (3, true, Duration::from_secs(20)));
+    assert_eq!(
+        (o.attempts, o.gave_up, o.waited),
+        (3, true, Duration::from_secs(20))
+    );
 }
 
 #[tokio::test(start_paused = true)]
 async fn full_jitter_waits_at_most_the_capped_delay() {
     let p = processor().await;
     for _ in 0..3 {
-        p.fault_next(Fault::Status { status: 503, retry_after: None });
+        p.fault_next(Fault::Status {
+            status: 503,
+            retry_after: None,
+        });
     }
     let policy = RetryPolicy::default()
         .max_elapsed(Duration::from_secs(600))
@@ -282,13 +338,20 @@ async fn full_jitter_waits_at_most_the_capped_delay() {
     let o = outcome(&resp);
     assert_eq!(o.attempts, 4);
     // Without jitter: 10 + 15 + 15 s. With it: less, and not nothing.
-    assert!(o.waited < Duration::from_secs(40) && o.waited > Duration::ZERO, "{:?}", o.waited);
+    assert!(
+        o.waited < Duration::from_secs(40) && o.waited > Duration::ZERO,
+        "{:?}",
+        o.waited
+    );
 }
 
 #[tokio::test]
 async fn a_post_without_a_key_is_never_retried() {
     let p = processor().await;
-    p.fault_next(Fault::Status { status: 503, retry_after: None });
+    p.fault_next(Fault::Status {
+        status: 503,
+        retry_after: None,
+    });
     let resp = charge(&client(fast()), &p)
         .without_idempotency_key()
         .send()
@@ -308,15 +371,26 @@ async fn derived_and_header_keys_are_sent_as_given() {
     let consumer = ConsumerName::new("billing").expect("name");
     let id = MessageId::new("order-42").expect("id");
     let derived = DerivedKey::new(&consumer, &id, "card-charge");
-    let resp = charge(&c, &p).derived_key(derived).send().await.expect("send");
+    let resp = charge(&c, &p)
+        .derived_key(derived)
+        .send()
+        .await
+        .expect("send");
     assert_eq!(
         outcome(&resp).key.map(|k| k.to_string()),
         Some(derived.to_uuid_string())
     );
     assert_eq!(p.stats().effects_for(&derived.to_uuid_string()), 1);
 
-    let resp = charge(&c, &p).header("Idempotency-Key", "from-header").send().await.expect("send");
-    assert_eq!(outcome(&resp).key.map(|k| k.to_string()).as_deref(), Some("from-header"));
+    let resp = charge(&c, &p)
+        .header("Idempotency-Key", "from-header")
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(
+        outcome(&resp).key.map(|k| k.to_string()).as_deref(),
+        Some("from-header")
+    );
     assert_eq!(p.stats().effects_for("from-header"), 1);
 }
 
@@ -324,13 +398,19 @@ async fn derived_and_header_keys_are_sent_as_given() {
 async fn an_invalid_key_fails_before_sending() {
     let p = processor().await;
     let c = client(fast());
-    for bad in [String::new(), "has space".into(), "k".repeat(256), "clé".into()] {
+    for bad in [
+        String::new(),
+        "has space".into(),
+        "k".repeat(256),
+        "clé".into(),
+    ] {
         let err = charge(&c, &p)
             .idempotency_key(bad.clone())
             .send()
             .await
             .expect_err("invalid key");
-        let e = Error::of(&err).unwrap_or_else(|| panic!("an idem-client error for {bad:?}: {err}"));
+        let e =
+            Error::of(&err).unwrap_or_else(|| panic!("an idem-client error for {bad:?}: {err}"));
         assert_eq!(e.kind(), ErrorKind::InvalidKey);
         let core = std::error::Error::source(e)
             .and_then(|s| s.downcast_ref::<idem_core::Error>())
@@ -347,7 +427,10 @@ async fn an_invalid_key_fails_before_sending() {
 async fn a_streaming_body_fails_clearly_when_a_retry_is_needed() {
     let p = processor().await;
     let c = client(fast());
-    p.fault_next(Fault::Status { status: 503, retry_after: None });
+    p.fault_next(Fault::Status {
+        status: 503,
+        retry_after: None,
+    });
     let chunks: Vec<Result<bytes::Bytes, std::io::Error>> = vec![Ok(bytes::Bytes::from(CHARGE))];
     let body = reqwest::Body::wrap_stream(futures_util::stream::iter(chunks));
     let err = c
@@ -365,7 +448,12 @@ async fn a_streaming_body_fails_clearly_when_a_retry_is_needed() {
     // Without a retry need, a stream goes through.
     let chunks: Vec<Result<bytes::Bytes, std::io::Error>> = vec![Ok(bytes::Bytes::from(CHARGE))];
     let body = reqwest::Body::wrap_stream(futures_util::stream::iter(chunks));
-    let resp = c.post(p.charges_url()).body(body).send().await.expect("send");
+    let resp = c
+        .post(p.charges_url())
+        .body(body)
+        .send()
+        .await
+        .expect("send");
     assert_eq!(resp.status(), 200);
 }
 
@@ -384,7 +472,11 @@ async fn faults_set_by_command_and_header_and_stats_over_http() {
     let c = client(fast().max_attempts(1));
     let resp = charge(&c, &p).send().await.expect("send");
     assert_eq!(resp.status(), 500);
-    let resp = charge(&c, &p).header("x-fake-fault", "status=418").send().await.expect("send");
+    let resp = charge(&c, &p)
+        .header("x-fake-fault", "status=418")
+        .send()
+        .await
+        .expect("send");
     assert_eq!(resp.status(), 418);
     let stats: serde_json::Value = plain
         .get(format!("{}/v1/_stats", p.url()))

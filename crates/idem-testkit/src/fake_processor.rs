@@ -78,7 +78,11 @@ impl FromStr for Fault {
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let s = s.trim();
-        let bad = || format!("unknown fault {s:?} (hang, status=N[;retry-after=V], slow=MS, charge-then-drop)");
+        let bad = || {
+            format!(
+                "unknown fault {s:?} (hang, status=N[;retry-after=V], slow=MS, charge-then-drop)"
+            )
+        };
         match s {
             "hang" => return Ok(Self::Hang),
             "charge-then-drop" => return Ok(Self::ChargeThenDrop),
@@ -267,7 +271,8 @@ async fn serve(listener: TcpListener, shared: Arc<Shared>) {
         };
         let drop_it = Arc::new(Notify::new());
         let service = hyper_util::service::TowerToHyperService::new(
-            app.clone().layer(Extension(DropConnection(drop_it.clone()))),
+            app.clone()
+                .layer(Extension(DropConnection(drop_it.clone()))),
         );
         connections.spawn(async move {
             let conn = hyper::server::conn::http1::Builder::new()
@@ -319,7 +324,10 @@ async fn charge(
         }) => {
             let status = StatusCode::from_u16(*status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
             let mut resp = problem(status, "injected fault");
-            if let Some(after) = retry_after.as_deref().and_then(|a| HeaderValue::from_str(a).ok()) {
+            if let Some(after) = retry_after
+                .as_deref()
+                .and_then(|a| HeaderValue::from_str(a).ok())
+            {
                 resp.headers_mut().insert(RETRY_AFTER, after);
             }
             return resp;
@@ -350,7 +358,8 @@ async fn charge(
                     StatusCode::CONFLICT,
                     "a request with this idempotency key is in progress",
                 );
-                resp.headers_mut().insert(RETRY_AFTER, HeaderValue::from_static("1"));
+                resp.headers_mut()
+                    .insert(RETRY_AFTER, HeaderValue::from_static("1"));
                 return resp;
             }
             None => {

@@ -38,7 +38,9 @@ fn the_binary_charges_once_per_key() {
     let mut running = Running(child);
     let stdout = running.0.stdout.take().expect("stdout");
     let mut line = String::new();
-    BufReader::new(stdout).read_line(&mut line).expect("first line");
+    BufReader::new(stdout)
+        .read_line(&mut line)
+        .expect("first line");
     let addr = line
         .trim()
         .rsplit("http://")
@@ -48,10 +50,23 @@ fn the_binary_charges_once_per_key() {
     let body = r#"{"account":"acct_1","amount_cents":500}"#;
     let first = post(&addr, "/v1/charges", "bin-1", body);
     assert!(first.starts_with("HTTP/1.1 200"), "{first}");
-    assert!(!first.to_ascii_lowercase().contains("idempotent-replayed"), "{first}");
+    assert!(
+        !first.to_ascii_lowercase().contains("idempotent-replayed"),
+        "{first}"
+    );
     let again = post(&addr, "/v1/charges", "bin-1", body);
     assert!(again.starts_with("HTTP/1.1 200"), "{again}");
-    assert!(again.to_ascii_lowercase().contains("idempotent-replayed: true"), "{again}");
-    let other = post(&addr, "/v1/charges", "bin-1", r#"{"account":"acct_1","amount_cents":7}"#);
+    assert!(
+        again
+            .to_ascii_lowercase()
+            .contains("idempotent-replayed: true"),
+        "{again}"
+    );
+    let other = post(
+        &addr,
+        "/v1/charges",
+        "bin-1",
+        r#"{"account":"acct_1","amount_cents":7}"#,
+    );
     assert!(other.starts_with("HTTP/1.1 422"), "{other}");
 }

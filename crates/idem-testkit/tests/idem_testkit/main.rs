@@ -2,6 +2,6 @@
 //! in-memory broker (`in_memory_broker`), and the `idem-fake-processor` binary (`fake_processor_bin`,
 //! with the `fake-processor` feature).
 
-mod in_memory_broker;
 #[cfg(feature = "fake-processor")]
 mod fake_processor_bin;
+mod in_memory_broker;
