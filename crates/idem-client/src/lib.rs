@@ -17,7 +17,8 @@
 //!   ends the call with that answer. Sleeps on tokio's clock (paused-time tests work) and
 //!   the jitter can be seeded ([`IdempotencyMiddleware::seed`]).
 //! - Bounds: attempts and total time ([`RetryPolicy::max_attempts`],
-//!   [`RetryPolicy::max_elapsed`]).
+//!   [`RetryPolicy::max_elapsed`]). Each attempt's own time limit is reqwest's
+//!   (`ClientBuilder::timeout`, `RequestBuilder::timeout`); a timed-out attempt is retried.
 //! - Tells what happened: an [`Outcome`] (attempts, replayed, key, gave up, time waited) in
 //!   the response's extensions.
 //! - A streaming body cannot be sent twice: the first retry it needs fails with

@@ -321,8 +321,8 @@ async fn total_time_is_bounded() {
     );
 }
 
-#[tokio::test(start_paused = true)]
-async fn full_jitter_waits_at_most_the_capped_delay() {
+/// Three 503s then a charge, through a middleware with jitter seeded `seed`: the time waited.
+async fn jittered_wait(seed: u64) -> Duration {
     let p = processor().await;
     for _ in 0..3 {
         p.fault_next(Fault::Status {
@@ -334,15 +334,33 @@ async fn full_jitter_waits_at_most_the_capped_delay() {
         .max_elapsed(Duration::from_secs(600))
         .backoff(Duration::from_secs(10), Duration::from_secs(15))
         .jitter(Jitter::Full);
-    let resp = charge(&client(policy), &p).send().await.expect("send");
+    let http = reqwest::Client::builder()
+        .pool_idle_timeout(None)
+        .build()
+        .expect("client");
+    let c = reqwest_middleware::ClientBuilder::new(http)
+        .with(IdempotencyMiddleware::new(policy).seed(seed))
+        .build();
+    let resp = charge(&c, &p).send().await.expect("send");
     let o = outcome(&resp);
     assert_eq!(o.attempts, 4);
+    o.waited
+}
+
+#[tokio::test(start_paused = true)]
+async fn full_jitter_waits_at_most_the_capped_delay_and_follows_the_seed() {
+    let waited = jittered_wait(7).await;
     // Without jitter: 10 + 15 + 15 s. With it: less, and not nothing.
     assert!(
-        o.waited < Duration::from_secs(40) && o.waited > Duration::ZERO,
-        "{:?}",
-        o.waited
+        waited < Duration::from_secs(40) && waited > Duration::ZERO,
+        "{waited:?}"
     );
+    assert_eq!(
+        jittered_wait(7).await,
+        waited,
+        "the same seed, the same delays"
+    );
+    assert_ne!(jittered_wait(8).await, waited, "another seed, other delays");
 }
 
 #[tokio::test]
