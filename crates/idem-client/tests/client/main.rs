@@ -1,5 +1,6 @@
-//! idem-client against the test kit's fake card processor over TCP: one key for every retry,
-//! one charge whatever the network loses, and each retry rule and bound.
+//! idem-client against the test kit's fake card processor over TCP (and, in `idem_http`, against
+//! idem-http's layer): one key for every retry, one charge whatever the network loses, and
+//! each retry rule and bound.
 
 use std::time::Duration;
 
@@ -507,3 +508,5 @@ async fn faults_set_by_command_and_header_and_stats_over_http() {
     assert_eq!(stats["calls"], 2);
     assert_eq!(p.stats().total_effects(), 0);
 }
+
+mod idem_http;
