@@ -222,7 +222,7 @@ impl Middleware for IdempotencyMiddleware {
                 delay_ms = delay.as_millis() as u64,
                 "retrying with the same idempotency key"
             );
-            // Drop the failed answer (and its connection) before sleeping.
+            // Let go of the failed answer (and the connection it holds) before sleeping.
             drop(result);
             tokio::time::sleep(delay).await;
             outcome.waited += delay;

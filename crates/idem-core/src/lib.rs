@@ -159,8 +159,8 @@
 //!     tests/idem_actix/main.rs  the black-box suite on actix-web
 //!   idem-client/    reqwest-middleware middleware for calling idempotent APIs: middleware.rs (the key,
 //!                   the retry loop, the Outcome), policy.rs (what is retried, backoff, Retry-After),
-//!                   key.rs (KeyChoice, IdempotentRequestExt), outcome.rs, error.rs; tests/client.rs
-//!                   against the test kit's fake card processor
+//!                   key.rs (KeyChoice, IdempotentRequestExt), outcome.rs, error.rs; tests/client/ (main.rs
+//!                   against the test kit's fake card processor, idem_http.rs against idem-http's layer)
 //!   idem-cli/       the `idem` binary: demo/, admin.rs (migrate, prune, stats, reap-requests),
 //!                   relay.rs (`idem relay`), format.rs (numbers for people)
 //!   idem-client-bench/ (publish = false) `idem-client-bench`: idem-client's per-request cost vs reqwest
