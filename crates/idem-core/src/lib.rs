@@ -135,6 +135,9 @@
 //!     src/request_conformance.rs, src/broker_conformance.rs  the request-store and broker suites
 //!     src/http/           (feature `http`) the black-box HTTP suite: fixtures per store, the
 //!                         suite's handlers, checks.rs; http_suite_tests! + HttpFramework in mod.rs
+//!     src/fake_processor.rs  (feature `fake-processor`) the fake card processor: a charge per
+//!                         key, Stripe-like replays, faults (hang, status, slow, charge-then-drop);
+//!                         src/bin/idem-fake-processor.rs the same as a process
 //!   idem-request/   the idempotent-request engine (engine.rs: lease, heartbeat, takeover, complete in
 //!                   the operation's transaction) and the function-level `call` (call.rs)
 //!   idem-redis/     the Redis request store: SET NX PX lease, fenced Lua scripts (scripts.rs),
@@ -154,8 +157,13 @@
 //!   idem-actix/     actix-web 4 middleware + IdemTx/IdemRequest extractors on idem-http's exchange:
 //!     src/middleware.rs extract.rs body.rs (actix bodies <-> http_body) convert.rs (http 0.2 <-> 1)
 //!     tests/idem_actix/main.rs  the black-box suite on actix-web
+//!   idem-client/    reqwest-middleware middleware for calling idempotent APIs: middleware.rs (the key,
+//!                   the retry loop, the Outcome), policy.rs (what is retried, backoff, Retry-After),
+//!                   key.rs (KeyChoice, IdempotentRequestExt), outcome.rs, error.rs; tests/client/ (main.rs
+//!                   against the test kit's fake card processor, idem_http.rs against idem-http's layer)
 //!   idem-cli/       the `idem` binary: demo/, admin.rs (migrate, prune, stats, reap-requests),
 //!                   relay.rs (`idem relay`), format.rs (numbers for people)
+//!   idem-client-bench/ (publish = false) `idem-client-bench`: idem-client's per-request cost vs reqwest
 //!   idem-bench/     (publish = false) `idem-bench`: P1/P2/P3, the claim's cost next to the bare handler
 //!   idem-chaos/     (publish = false) the fault-injection harness: run.rs (one run), fleet.rs (consumer
 //!                   processes), broker.rs (publish, backlog, dead letters), ledger.rs (the check),

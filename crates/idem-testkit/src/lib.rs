@@ -14,6 +14,8 @@
 pub mod broker_conformance;
 mod broker_fixture;
 pub mod conformance;
+#[cfg(feature = "fake-processor")]
+pub mod fake_processor;
 mod fixture;
 #[cfg(feature = "http")]
 pub mod http;
