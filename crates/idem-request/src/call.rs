@@ -54,41 +54,10 @@ impl<S: RequestStore + Clone + 'static> Idempotency<S> {
         E: Into<BoxError>,
         F: AsyncFnOnce(&mut S::Tx) -> Result<T, E>,
     {
-        let encoded = canonical::to_vec(input).map_err(|e| {
-            Error::new(
-                ErrorKind::InvalidConfig,
-                format!("the call's input does not serialize: {e}"),
-            )
-            .with_source(e)
-        })?;
         let request = RequestKey::new(scope, key.clone());
-        let mut execution = match self.start(request, Fingerprint::of(&encoded)).await? {
+        let mut execution = match self.start(request, fingerprint_of(input)?).await? {
             Start::Run(execution) => execution,
-            Start::Replay(stored) => {
-                return serde_json::from_slice(&stored).map_err(|e| {
-                    Error::new(
-                        ErrorKind::Store,
-                        format!("the stored result of key {key} does not deserialize as this call's result type: {e}"),
-                    )
-                    .with_source(e)
-                });
-            }
-            Start::InProgress { retry_after } => {
-                return Err(Error::request(
-                    RequestErrorKind::InProgress,
-                    format!(
-                        "a call with key {key} is still running; retry in {}s",
-                        retry_after.as_secs()
-                    ),
-                )
-                .with_retry_after(retry_after));
-            }
-            Start::Mismatch => {
-                return Err(Error::request(
-                    RequestErrorKind::KeyReused,
-                    format!("key {key} was already used for a call with a different input"),
-                ));
-            }
+            other => return not_run(other, key).into_result(key),
         };
         let outcome = AssertUnwindSafe(f(execution.tx())).catch_unwind().await;
         match outcome {
@@ -120,6 +89,66 @@ impl<S: RequestStore + Clone + 'static> Idempotency<S> {
                 let _ = execution.abandon().await;
                 std::panic::resume_unwind(panic)
             }
+        }
+    }
+}
+
+/// The fingerprint of a call's input: its canonical JSON.
+pub(crate) fn fingerprint_of<I: Serialize + ?Sized>(input: &I) -> Result<Fingerprint, Error> {
+    let encoded = canonical::to_vec(input).map_err(|e| {
+        Error::new(
+            ErrorKind::InvalidConfig,
+            format!("the call's input does not serialize: {e}"),
+        )
+        .with_source(e)
+    })?;
+    Ok(Fingerprint::of(&encoded))
+}
+
+/// What a call returns when its start found no record to run: the stored result replayed,
+/// or the error saying why not. `Ok` only through [`NotRun::Replay`].
+pub(crate) fn not_run<S: RequestStore + Clone + 'static>(
+    start: Start<S>,
+    key: &IdempotencyKey,
+) -> NotRun {
+    match start {
+        Start::Replay(stored) => NotRun::Replay(stored),
+        Start::InProgress { retry_after } => NotRun::Err(
+            Error::request(
+                RequestErrorKind::InProgress,
+                format!(
+                    "a call with key {key} is still running; retry in {}s",
+                    retry_after.as_secs()
+                ),
+            )
+            .with_retry_after(retry_after),
+        ),
+        Start::Mismatch => NotRun::Err(Error::request(
+            RequestErrorKind::KeyReused,
+            format!("key {key} was already used for a call with a different input"),
+        )),
+        Start::Run(_) => NotRun::Err(Error::new(ErrorKind::Store, "unreachable: a run")),
+    }
+}
+
+/// See [`not_run`].
+pub(crate) enum NotRun {
+    Replay(Vec<u8>),
+    Err(Error),
+}
+
+impl NotRun {
+    /// The replayed result deserialized, or the error.
+    pub(crate) fn into_result<T: DeserializeOwned>(self, key: &IdempotencyKey) -> Result<T, Error> {
+        match self {
+            Self::Replay(stored) => serde_json::from_slice(&stored).map_err(|e| {
+                Error::new(
+                    ErrorKind::Store,
+                    format!("the stored result of key {key} does not deserialize as this call's result type: {e}"),
+                )
+                .with_source(e)
+            }),
+            Self::Err(e) => Err(e),
         }
     }
 }

@@ -56,5 +56,7 @@
 
 mod call;
 mod engine;
+mod phases;
 
 pub use engine::{Execution, Idempotency, IdempotencyBuilder, KeyDigest, Start};
+pub use phases::{PhaseCtx, Step};
