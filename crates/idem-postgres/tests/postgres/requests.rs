@@ -129,5 +129,6 @@ mod clients {
     use super::PgFixture;
 
     idem_testkit::request_conformance_tests!(PgFixture<true>);
+    idem_testkit::recovery_conformance_tests!(PgFixture<true>);
     crate::request_extras::request_extras!(PgFixture<true>);
 }
