@@ -178,8 +178,14 @@ mod tests {
         let alice = req("alice", "order-42");
         let k = DerivedKey::for_phase(&alice, "charge", "card");
         assert_eq!(k, DerivedKey::for_phase(&alice, "charge", "card"));
-        assert_ne!(k, DerivedKey::for_phase(&req("bob", "order-42"), "charge", "card"));
-        assert_ne!(k, DerivedKey::for_phase(&req("alice", "order-43"), "charge", "card"));
+        assert_ne!(
+            k,
+            DerivedKey::for_phase(&req("bob", "order-42"), "charge", "card")
+        );
+        assert_ne!(
+            k,
+            DerivedKey::for_phase(&req("alice", "order-43"), "charge", "card")
+        );
         assert_ne!(k, DerivedKey::for_phase(&alice, "refund", "card"));
         assert_ne!(k, DerivedKey::for_phase(&alice, "charge", "email"));
         assert_ne!(k, DerivedKey::for_phase(&alice, "ch", "argecard"));

@@ -153,7 +153,11 @@ impl RequestStore for PgStore {
         let fence = bound_fence(fence);
         let what = "releasing an idempotent request";
         let params: [&(dyn ToSql + Sync); 3] = [&scope, &id, &fence];
-        if self.execute_alone(what, &self.rsql.release, &params).await? == 1 {
+        if self
+            .execute_alone(what, &self.rsql.release, &params)
+            .await?
+            == 1
+        {
             return Ok(());
         }
         self.execute_alone(what, &self.rsql.end_lease, &params)
@@ -245,10 +249,7 @@ impl RecoveryStore for PgStore {
         let tx = self.begin_tx().await?;
         let stuck = tx.prepare_cached(&self.rsql.stuck).await.map_err(err)?;
         let take_over = tx.prepare_cached(&self.rsql.take_over).await.map_err(err)?;
-        let rows = tx
-            .query(&stuck, &[&i64::from(limit)])
-            .await
-            .map_err(err)?;
+        let rows = tx.query(&stuck, &[&i64::from(limit)]).await.map_err(err)?;
         let lease = span(lease);
         let mut taken = Vec::with_capacity(rows.len());
         for row in &rows {

@@ -7,8 +7,8 @@ use std::panic::AssertUnwindSafe;
 use futures_util::FutureExt;
 use idem_core::store::RecoveryStore;
 use idem_core::{
-    BoxError, DerivedKey, Error, ErrorKind, IdempotencyKey, Recovery, RequestErrorKind,
-    RequestKey, RequestScope, Stuck,
+    BoxError, DerivedKey, Error, ErrorKind, IdempotencyKey, Recovery, RequestErrorKind, RequestKey,
+    RequestScope, Stuck,
 };
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -81,8 +81,8 @@ impl<S: RecoveryStore> PhaseCtx<S> {
 /// `Phase::Charge` and `Phase::Charge { .. }`), and its JSON.
 fn encode_phase<P: Serialize>(phase: &P) -> Result<(String, Vec<u8>), Error> {
     let bad = |why: String| Error::new(ErrorKind::InvalidConfig, why);
-    let value = serde_json::to_value(phase)
-        .map_err(|e| bad(format!("a phase does not serialize: {e}")))?;
+    let value =
+        serde_json::to_value(phase).map_err(|e| bad(format!("a phase does not serialize: {e}")))?;
     let name = match &value {
         serde_json::Value::String(name) => name.clone(),
         serde_json::Value::Object(map) if map.len() == 1 => {
@@ -96,8 +96,8 @@ fn encode_phase<P: Serialize>(phase: &P) -> Result<(String, Vec<u8>), Error> {
             ));
         }
     };
-    let state = serde_json::to_vec(&value)
-        .map_err(|e| bad(format!("a phase does not serialize: {e}")))?;
+    let state =
+        serde_json::to_vec(&value).map_err(|e| bad(format!("a phase does not serialize: {e}")))?;
     Ok((name, state))
 }
 

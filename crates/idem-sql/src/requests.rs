@@ -23,11 +23,11 @@
 use std::time::Duration;
 
 pub use idem_core::request_record::MAX_REQUEST_KEY_LEN;
-pub(crate) use idem_core::request_record::{RecordRow, RecoveryRow};
 use idem_core::request_record::{
     MAX_ATTEMPTS, Next, bound_fence, decide, lease_lost, next_fence, recovery_of, span,
     stored_fence,
 };
+pub(crate) use idem_core::request_record::{RecordRow, RecoveryRow};
 use idem_core::store::{ReapRequests, RecoveryStore, RequestStore};
 use idem_core::{Begin, Error, ErrorKind, Fence, Fingerprint, Recovery, RequestKey, Stuck};
 
@@ -235,7 +235,13 @@ impl<E: Engine> RecoveryStore for SqlStore<E> {
         state: &[u8],
     ) -> Result<(), Error> {
         let [scope, id, fence_bound] = held(key, fence);
-        let params = [Param::Text(point), Param::Bytes(state), scope, id, fence_bound];
+        let params = [
+            Param::Text(point),
+            Param::Bytes(state),
+            scope,
+            id,
+            fence_bound,
+        ];
         // In the phase's transaction, which on SQLite may not hold the write lock yet: the
         // completion's path takes it.
         let updated = E::complete_request(tx, &self.rsql.advance, &params)
@@ -308,7 +314,9 @@ impl<E: Engine> RecoveryStore for SqlStore<E> {
                 });
             }
         }
-        tx.commit().await.map_err(crate::errors::commit_error::<E>)?;
+        tx.commit()
+            .await
+            .map_err(crate::errors::commit_error::<E>)?;
         Ok(taken)
     }
 }

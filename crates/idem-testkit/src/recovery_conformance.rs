@@ -16,7 +16,6 @@ use serde::{Deserialize, Serialize};
 
 use crate::recovery_fixture::RecoveryFixture;
 
-
 const LONG: Duration = Duration::from_secs(30);
 const DAY: Duration = Duration::from_secs(86_400);
 const SHORT: Duration = Duration::from_millis(500);
@@ -128,14 +127,17 @@ async fn run<F: RecoveryFixture>(
         &k.key,
         &(),
         Phase::Reserve,
-        async |phase: Phase, ctx: &mut PhaseCtx<F::Store>| -> Result<Step<Phase, String>, BoxError> {
+        async |phase: Phase,
+               ctx: &mut PhaseCtx<F::Store>|
+               -> Result<Step<Phase, String>, BoxError> {
             seen.0
                 .lock()
                 .expect("seen")
                 .push((ctx.point().to_owned(), ctx.attempt()));
             match phase {
                 Phase::Reserve => {
-                    fx.record_effect(ctx.tx(), &format!("{tag}-reserve")).await?;
+                    fx.record_effect(ctx.tx(), &format!("{tag}-reserve"))
+                        .await?;
                     Ok(Step::Next(Phase::Charge { cents: 1250 }))
                 }
                 Phase::Charge { cents } => {
@@ -166,11 +168,20 @@ pub async fn a_crash_between_phases_resumes_at_the_last_point<F: RecoveryFixture
     let s = fx.store();
     let k = key("alice", "k-crash");
     let fence = acquire(&s, &k, SHORT, DAY).await;
-    advance(&fx, &k, fence, &Phase::Charge { cents: 1250 }, "crash-reserve").await;
+    advance(
+        &fx,
+        &k,
+        fence,
+        &Phase::Charge { cents: 1250 },
+        "crash-reserve",
+    )
+    .await;
     tokio::time::sleep(PAST_SHORT).await;
     let idem = idem(s.clone(), LONG);
     let seen = Seen::default();
-    let charge = run(&fx, &idem, &k, "crash", &seen, &[]).await.expect("resumed");
+    let charge = run(&fx, &idem, &k, "crash", &seen, &[])
+        .await
+        .expect("resumed");
     assert!(charge.starts_with("ch-1250-"), "{charge}");
     assert_eq!(
         seen.phases(),
@@ -194,8 +205,12 @@ pub async fn a_committed_local_phase_never_runs_again<F: RecoveryFixture>(test: 
         .await
         .expect_err("the charge's answer was lost");
     assert!(err.to_string().contains("lost"), "{err}");
-    let first = run(&fx, &idem, &k, "local", &seen, &[1]).await.expect("retry");
-    let again = run(&fx, &idem, &k, "local", &seen, &[]).await.expect("replay");
+    let first = run(&fx, &idem, &k, "local", &seen, &[1])
+        .await
+        .expect("retry");
+    let again = run(&fx, &idem, &k, "local", &seen, &[])
+        .await
+        .expect("replay");
     assert_eq!(first, again, "the repeat must replay the stored response");
     let points: Vec<String> = seen.phases().into_iter().map(|(p, _)| p).collect();
     assert_eq!(points, ["Reserve", "Charge", "Charge", "Record"]);
@@ -214,7 +229,9 @@ pub async fn a_foreign_call_repeats_with_the_same_derived_key<F: RecoveryFixture
     let seen = Seen::default();
     let _ = run(&fx, &idem, &alice, "a", &seen, &[1, 2]).await;
     let _ = run(&fx, &idem, &alice, "a", &seen, &[1, 2]).await;
-    run(&fx, &idem, &alice, "a", &seen, &[1, 2]).await.expect("third attempt");
+    run(&fx, &idem, &alice, "a", &seen, &[1, 2])
+        .await
+        .expect("third attempt");
     let keys = seen.keys();
     assert_eq!(keys.len(), 3, "{keys:?}");
     assert!(keys.iter().all(|k| *k == keys[0]), "keys changed: {keys:?}");
@@ -236,13 +253,19 @@ pub async fn a_stale_fence_cannot_advance<F: RecoveryFixture>(test: &str) {
     let new = acquire(&s, &k, LONG, DAY).await;
     assert!(new > old);
     let mut late = s.begin().await.expect("tx");
-    fx.record_effect(&mut late, "stale-late").await.expect("effect");
+    fx.record_effect(&mut late, "stale-late")
+        .await
+        .expect("effect");
     let (point, state) = encode(&Phase::Record { charge: "x".into() });
     let err = s
         .advance_in(&mut late, &k, old, &point, &state)
         .await
         .expect_err("a stale fence advanced");
-    assert_eq!(err.request_kind(), Some(RequestErrorKind::LeaseLost), "{err}");
+    assert_eq!(
+        err.request_kind(),
+        Some(RequestErrorKind::LeaseLost),
+        "{err}"
+    );
     let _ = s.rollback(late).await;
     assert_eq!(fx.count_effects("stale-late").await, 0);
     let recovery = s.recovery(&k, new).await.expect("recovery");
@@ -250,7 +273,14 @@ pub async fn a_stale_fence_cannot_advance<F: RecoveryFixture>(test: &str) {
     assert_eq!(recovery.attempts, 2);
     let err = s.recovery(&k, old).await.expect_err("stale fence read");
     assert_eq!(err.request_kind(), Some(RequestErrorKind::LeaseLost));
-    advance(&fx, &k, new, &Phase::Record { charge: "y".into() }, "stale-new").await;
+    advance(
+        &fx,
+        &k,
+        new,
+        &Phase::Record { charge: "y".into() },
+        "stale-new",
+    )
+    .await;
     fx.teardown().await;
 }
 
@@ -262,7 +292,9 @@ pub async fn an_abandoned_operation_replays_its_result<F: RecoveryFixture>(test:
     let idem = idem(s.clone(), LONG);
     let k = key("alice", "k-abandon");
     let runs = Arc::new(Mutex::new(0));
-    let step = async |phase: Phase, ctx: &mut PhaseCtx<F::Store>| -> Result<Step<Phase, String>, BoxError> {
+    let step = async |phase: Phase,
+                      ctx: &mut PhaseCtx<F::Store>|
+           -> Result<Step<Phase, String>, BoxError> {
         *runs.lock().expect("runs") += 1;
         fx.record_effect(ctx.tx(), "abandon-compensation").await?;
         let _ = phase;
@@ -277,10 +309,16 @@ pub async fn an_abandoned_operation_replays_its_result<F: RecoveryFixture>(test:
         .await
         .expect("replayed");
     assert_eq!((first.as_str(), again.as_str()), ("declined", "declined"));
-    assert_eq!(*runs.lock().expect("runs"), 1, "a phase ran after abandonment");
+    assert_eq!(
+        *runs.lock().expect("runs"),
+        1,
+        "a phase ran after abandonment"
+    );
     assert_eq!(fx.count_effects("abandon-compensation").await, 1);
     assert_eq!(
-        s.begin_request(&k, &unit_fp(), LONG, DAY).await.expect("lookup"),
+        s.begin_request(&k, &unit_fp(), LONG, DAY)
+            .await
+            .expect("lookup"),
         Begin::Completed {
             result: b"\"declined\"".to_vec()
         }
@@ -316,7 +354,14 @@ pub async fn stuck_records_are_found_past_their_lease_bounded<F: RecoveryFixture
     acquire(&s, &key("alice", "k-no-point"), SHORT, DAY).await;
     let live = key("alice", "k-live");
     let fence = acquire(&s, &live, LONG, DAY).await;
-    advance(&fx, &live, fence, &Phase::Charge { cents: 9 }, "live-reserve").await;
+    advance(
+        &fx,
+        &live,
+        fence,
+        &Phase::Charge { cents: 9 },
+        "live-reserve",
+    )
+    .await;
     let idem = idem(s.clone(), LONG);
     assert!(
         idem.take_stuck(10).await.expect("take").is_empty(),
@@ -326,16 +371,26 @@ pub async fn stuck_records_are_found_past_their_lease_bounded<F: RecoveryFixture
     let first = idem.take_stuck(2).await.expect("take");
     assert_eq!(first.len(), 2, "the limit was not kept");
     let rest = idem.take_stuck(10).await.expect("take");
-    assert_eq!(rest.len(), 1, "taken records must not be taken again: {rest:?}");
+    assert_eq!(
+        rest.len(),
+        1,
+        "taken records must not be taken again: {rest:?}"
+    );
     let mut found = HashSet::new();
     for stuck in first.into_iter().chain(rest) {
         assert_eq!(stuck.recovery.attempts, 2);
-        assert_eq!(stuck.recovery.resume.as_ref().expect("point").point, "Charge");
+        assert_eq!(
+            stuck.recovery.resume.as_ref().expect("point").point,
+            "Charge"
+        );
         found.insert(stuck.key.clone());
         let seen = Seen::default();
         let charge: String = idem
             .resume_phases(stuck, async |phase: Phase, ctx: &mut PhaseCtx<F::Store>| {
-                seen.0.lock().expect("seen").push((ctx.point().to_owned(), ctx.attempt()));
+                seen.0
+                    .lock()
+                    .expect("seen")
+                    .push((ctx.point().to_owned(), ctx.attempt()));
                 match phase {
                     Phase::Charge { cents } => Ok::<_, BoxError>(Step::Next(Phase::Record {
                         charge: format!("ch-{cents}"),
@@ -410,7 +465,10 @@ pub async fn two_completers_skip_each_others_records<F: RecoveryFixture>(test: &
     if let Some(tx) = holder {
         assert_eq!(all.len(), 20, "the locked record must be skipped");
         assert!(!distinct.contains(&busy));
-        assert!(elapsed < Duration::from_secs(3), "the takers waited {elapsed:?}");
+        assert!(
+            elapsed < Duration::from_secs(3),
+            "the takers waited {elapsed:?}"
+        );
         s.rollback(tx).await.expect("rollback");
         let late = s.take_stuck(10, LONG).await.expect("take");
         assert_eq!(late.len(), 1, "the record is stuck once its holder let go");
@@ -433,13 +491,24 @@ pub async fn expiry_never_resets_a_record_with_a_recovery_point<F: RecoveryFixtu
     tokio::time::sleep(PAST_SHORT).await;
     let reaped = reap_all(&s, 10).await.expect("reap");
     assert_eq!(reaped, 1, "only the record without a point is reaped");
-    match s.begin_request(&with, &Fingerprint::of(b"other"), LONG, DAY).await.expect("lookup") {
+    match s
+        .begin_request(&with, &Fingerprint::of(b"other"), LONG, DAY)
+        .await
+        .expect("lookup")
+    {
         Begin::Mismatch => {}
         other => panic!("another request reset a record with a point: {other:?}"),
     }
-    let taken = match s.begin_request(&with, &unit_fp(), SHORT, DAY).await.expect("lookup") {
+    let taken = match s
+        .begin_request(&with, &unit_fp(), SHORT, DAY)
+        .await
+        .expect("lookup")
+    {
         Begin::Acquired { fence, takeover } => {
-            assert!(takeover, "a record with a point must be taken over, not started afresh");
+            assert!(
+                takeover,
+                "a record with a point must be taken over, not started afresh"
+            );
             fence
         }
         other => panic!("{other:?}"),
@@ -448,8 +517,15 @@ pub async fn expiry_never_resets_a_record_with_a_recovery_point<F: RecoveryFixtu
     assert_eq!(recovery.resume.expect("the point survived").point, "Charge");
     assert_eq!(recovery.attempts, 2);
     s.release(&with, taken).await.expect("release");
-    match s.begin_request(&with, &unit_fp(), LONG, DAY).await.expect("lookup") {
-        Begin::Acquired { fence, takeover: true } => {
+    match s
+        .begin_request(&with, &unit_fp(), LONG, DAY)
+        .await
+        .expect("lookup")
+    {
+        Begin::Acquired {
+            fence,
+            takeover: true,
+        } => {
             let recovery = s.recovery(&with, fence).await.expect("recovery");
             assert!(recovery.resume.is_some(), "release dropped the point");
             assert_eq!(recovery.attempts, 3);

@@ -135,9 +135,8 @@ pub fn decide(row: RecordRow, fingerprint: &Fingerprint) -> Result<Next, Error> 
         return Ok(Next::Answer(Begin::Mismatch));
     }
     if ended {
-        let result = result.ok_or_else(|| {
-            Error::new(ErrorKind::Store, "ended request record has no result")
-        })?;
+        let result = result
+            .ok_or_else(|| Error::new(ErrorKind::Store, "ended request record has no result"))?;
         return Ok(Next::Answer(Begin::Completed { result }));
     }
     if lapsed {
@@ -259,7 +258,10 @@ mod tests {
         );
         let mut with_point = row(&fp, IN_PROGRESS, NOW - 1, NOW);
         with_point.7 = 1;
-        assert_eq!(decide(with_point, &fp).unwrap(), Next::TakeOver { fence: 7 });
+        assert_eq!(
+            decide(with_point, &fp).unwrap(),
+            Next::TakeOver { fence: 7 }
+        );
         let mut broken = row(&fp, 5, later, later);
         assert!(decide(broken.clone(), &fp).is_err());
         broken.1 = Some(COMPLETED);

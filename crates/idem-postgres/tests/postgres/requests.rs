@@ -79,7 +79,6 @@ impl<const CLIENTS: bool> RequestFixture for PgFixture<CLIENTS> {
     }
 }
 
-
 impl<const CLIENTS: bool> idem_testkit::RecoveryFixture for PgFixture<CLIENTS> {
     async fn legacy_store(
         &self,
