@@ -310,11 +310,18 @@ impl<E: Engine> SqlStore<E> {
             }
             if let Some(m) = recovery {
                 let mut conn = self.pool.acquire().await.map_err(err)?;
-                if E::fetch_int(&mut conn, &m.probe, &[]).await.map_err(err)?
-                    < idem_dialect::RecoveryMigration::COLUMNS
-                {
+                let complete = idem_dialect::RecoveryMigration::COLUMNS;
+                if E::fetch_int(&mut conn, &m.probe, &[]).await.map_err(err)? < complete {
                     for sql in &m.add {
-                        E::execute(&mut conn, sql, &[]).await.map_err(err)?;
+                        if let Err(e) = E::execute(&mut conn, sql, &[]).await {
+                            // Another replica's migration added them first (one statement:
+                            // all of them or none).
+                            if E::fetch_int(&mut conn, &m.probe, &[]).await.map_err(err)?
+                                < complete
+                            {
+                                return Err(err(e));
+                            }
+                        }
                     }
                 }
             }
