@@ -12,7 +12,7 @@ use idem_core::{
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::engine::{Idempotency, Start};
+use crate::engine::{Execution, Idempotency, Start};
 
 mod canonical;
 
@@ -55,9 +55,10 @@ impl<S: RequestStore + Clone + 'static> Idempotency<S> {
         F: AsyncFnOnce(&mut S::Tx) -> Result<T, E>,
     {
         let request = RequestKey::new(scope, key.clone());
-        let mut execution = match self.start(request, fingerprint_of(input)?).await? {
-            Start::Run(execution) => execution,
-            other => return not_run(other, key).into_result(key),
+        let start = self.start(request, fingerprint_of(input)?).await?;
+        let mut execution = match run_or_not(start, key) {
+            Ok(execution) => execution,
+            Err(not_run) => return not_run.into_result(key),
         };
         let outcome = AssertUnwindSafe(f(execution.tx())).catch_unwind().await;
         match outcome {
@@ -105,15 +106,16 @@ pub(crate) fn fingerprint_of<I: Serialize + ?Sized>(input: &I) -> Result<Fingerp
     Ok(Fingerprint::of(&encoded))
 }
 
-/// What a call returns when its start found no record to run: the stored result replayed,
-/// or the error saying why not. `Ok` only through [`NotRun::Replay`].
-pub(crate) fn not_run<S: RequestStore + Clone + 'static>(
+/// The execution a call's start took, or — when it found no record to run — the stored
+/// result to replay or the error saying why not.
+pub(crate) fn run_or_not<S: RequestStore + Clone + 'static>(
     start: Start<S>,
     key: &IdempotencyKey,
-) -> NotRun {
+) -> Result<Execution<S>, NotRun> {
     match start {
-        Start::Replay(stored) => NotRun::Replay(stored),
-        Start::InProgress { retry_after } => NotRun::Err(
+        Start::Run(execution) => Ok(execution),
+        Start::Replay(stored) => Err(NotRun::Replay(stored)),
+        Start::InProgress { retry_after } => Err(NotRun::Err(
             Error::request(
                 RequestErrorKind::InProgress,
                 format!(
@@ -122,16 +124,15 @@ pub(crate) fn not_run<S: RequestStore + Clone + 'static>(
                 ),
             )
             .with_retry_after(retry_after),
-        ),
-        Start::Mismatch => NotRun::Err(Error::request(
+        )),
+        Start::Mismatch => Err(NotRun::Err(Error::request(
             RequestErrorKind::KeyReused,
             format!("key {key} was already used for a call with a different input"),
-        )),
-        Start::Run(_) => NotRun::Err(Error::new(ErrorKind::Store, "unreachable: a run")),
+        ))),
     }
 }
 
-/// See [`not_run`].
+/// See [`run_or_not`].
 pub(crate) enum NotRun {
     Replay(Vec<u8>),
     Err(Error),

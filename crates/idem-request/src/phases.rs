@@ -13,8 +13,8 @@ use idem_core::{
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::call::{fingerprint_of, not_run};
-use crate::engine::{Execution, Idempotency, KeyDigest, Start};
+use crate::call::{fingerprint_of, run_or_not};
+use crate::engine::{Execution, Idempotency, KeyDigest};
 
 /// What a phase of [`Idempotency::run_phases`] leads to.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -229,9 +229,10 @@ impl<S: RecoveryStore + Clone + 'static> Idempotency<S> {
         F: AsyncFnMut(P, &mut PhaseCtx<S>) -> Result<Step<P, R>, E>,
     {
         let request = RequestKey::new(scope, key.clone());
-        let execution = match self.start(request, fingerprint_of(input)?).await? {
-            Start::Run(execution) => execution,
-            other => return not_run(other, key).into_result(key),
+        let start = self.start(request, fingerprint_of(input)?).await?;
+        let execution = match run_or_not(start, key) {
+            Ok(execution) => execution,
+            Err(not_run) => return not_run.into_result(key),
         };
         let recovery = match self
             .store()

@@ -316,8 +316,7 @@ impl<E: Engine> SqlStore<E> {
                         if let Err(e) = E::execute(&mut conn, sql, &[]).await {
                             // Another replica's migration added them first (one statement:
                             // all of them or none).
-                            if E::fetch_int(&mut conn, &m.probe, &[]).await.map_err(err)?
-                                < complete
+                            if E::fetch_int(&mut conn, &m.probe, &[]).await.map_err(err)? < complete
                             {
                                 return Err(err(e));
                             }
