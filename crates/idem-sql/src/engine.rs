@@ -87,9 +87,10 @@ pub trait Engine: Driver + sealed::Sealed {
     /// transaction where [`TRANSACTIONAL_DDL`](Self::TRANSACTIONAL_DDL).
     fn migration(claims: &TableName, requests: &TableName, layout: &Self::Layout) -> Vec<String>;
 
-    /// What gives a requests table made before recovery points their columns, where
-    /// [`migration`](Self::migration) cannot say it unconditionally (PostgreSQL's does, with
-    /// `ADD COLUMN IF NOT EXISTS`): run after it, in the same way.
+    /// What gives a requests table made before recovery points their columns: run by the
+    /// generic `migrate` after [`migration`](Self::migration), in the same way. `None` on
+    /// PostgreSQL, whose store migrates in its own way (under an advisory lock) and runs
+    /// `idem_dialect::postgres::recovery_migration` itself.
     fn recovery_migration(_requests: &TableName) -> Option<idem_dialect::RecoveryMigration> {
         None
     }

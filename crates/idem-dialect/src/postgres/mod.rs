@@ -23,7 +23,7 @@ pub mod sqlstate;
 
 use idem_core::TableName;
 
-use crate::{ClaimStatements, RequestStatements};
+use crate::{ClaimStatements, RecoveryMigration, RequestStatements};
 pub use outbox::{outbox_channel, outbox_migration, outbox_statements};
 use partition::Partitioning;
 
@@ -220,6 +220,31 @@ pub fn request_statements(t: &TableName) -> RequestStatements {
     }
 }
 
+/// Adds the recovery columns and the completer's index to a requests table made before them,
+/// run by `migrate` after [`migration`] in its transaction only when the probe finds them
+/// missing: an `ALTER TABLE` takes the table's strongest lock, which would queue every lookup
+/// behind any transaction using the table, so a replica's start-up must not take it each time.
+pub fn recovery_migration(r: &TableName) -> RecoveryMigration {
+    let rname = r.table();
+    RecoveryMigration {
+        probe: format!(
+            "SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass('{r}') \
+             AND attname IN ('recovery_point', 'phase_state', 'attempts') AND NOT attisdropped"
+        ),
+        add: vec![
+            format!(
+                "ALTER TABLE {r} ADD COLUMN IF NOT EXISTS recovery_point text, \
+                 ADD COLUMN IF NOT EXISTS phase_state bytea, \
+                 ADD COLUMN IF NOT EXISTS attempts bigint NOT NULL DEFAULT 1"
+            ),
+            format!(
+                "CREATE INDEX IF NOT EXISTS {rname}_stuck ON {r} (lease_until) \
+                 WHERE state = 0 AND recovery_point IS NOT NULL"
+            ),
+        ],
+    }
+}
+
 /// What `migrate` runs inside one transaction, after taking [`MIGRATE_LOCK`] and checking the
 /// claims table's shape ([`maintenance::shape_fits`]): the schemas, both tables (the claims
 /// table partitioned as `partitioning` says, which its comment records), their indexes and
@@ -268,16 +293,6 @@ pub fn migration(t: &TableName, r: &TableName, partitioning: Option<&Partitionin
             )"
         ),
         format!("CREATE INDEX IF NOT EXISTS {rname}_expires_at ON {r} (expires_at)"),
-        // Recovery points: added in place to a table made before them.
-        format!(
-            "ALTER TABLE {r} ADD COLUMN IF NOT EXISTS recovery_point text, \
-             ADD COLUMN IF NOT EXISTS phase_state bytea, \
-             ADD COLUMN IF NOT EXISTS attempts bigint NOT NULL DEFAULT 1"
-        ),
-        format!(
-            "CREATE INDEX IF NOT EXISTS {rname}_stuck ON {r} (lease_until) \
-             WHERE state = 0 AND recovery_point IS NOT NULL"
-        ),
         format!(
             "COMMENT ON TABLE {r} IS 'idem idempotent requests: one row per (scope, idem_key); \
              state 0 in progress, 1 completed, 2 abandoned; lease_until and expires_at in \
