@@ -408,3 +408,42 @@ impl<S: RecoveryStore + Clone + 'static> Execution<S> {
         self.settled = true;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, PartialEq, Serialize, serde::Deserialize)]
+    enum Phase {
+        Start,
+        Charge { cents: i64 },
+        Record(String),
+    }
+
+    #[test]
+    fn a_phase_is_named_by_its_variant_and_round_trips() {
+        for (phase, name) in [
+            (Phase::Start, "Start"),
+            (Phase::Charge { cents: 5 }, "Charge"),
+            (Phase::Record("ch_1".into()), "Record"),
+        ] {
+            let (point, state) = encode_phase(&phase).unwrap();
+            assert_eq!(point, name);
+            assert_eq!(decode_phase::<Phase>(&point, &state).unwrap(), phase);
+        }
+    }
+
+    #[test]
+    fn a_phase_that_is_no_enum_variant_is_refused() {
+        #[derive(Serialize)]
+        struct NotAnEnum {
+            a: i64,
+            b: i64,
+        }
+        let err = encode_phase(&NotAnEnum { a: 1, b: 2 }).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidConfig);
+        assert!(encode_phase(&7).is_err());
+        let err = decode_phase::<Phase>("Start", b"\"Gone\"").unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Store);
+    }
+}
