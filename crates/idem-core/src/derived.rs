@@ -48,6 +48,31 @@ impl DerivedKey {
         Self(h.finalize().into())
     }
 
+    /// Derives the key of the external call named `call` made in the phase named `phase` of
+    /// the operation recorded under `request` (see `idem-request`'s phases). Distinct per
+    /// scope (tenant, principal), client key, phase and call, and the same for every execution
+    /// of that record — a retry, a takeover after a crash, the completer — so a foreign call
+    /// repeated after a crash lands on the first one at the third party.
+    ///
+    /// It does not change between two lives of a key: a completed record that expired and a
+    /// new operation under the same client key derive the same keys again. Clients use a new
+    /// key per logical operation, and third parties keep their keys for a day or so (Stripe:
+    /// 24 h), which a request TTL at least as long covers.
+    pub fn for_phase(request: &RequestKey, phase: &str, call: &str) -> Self {
+        let mut h = Sha256::new();
+        h.update(b"idem/derived-key/phase/v1\0");
+        for part in [
+            request.scope.as_bytes().as_slice(),
+            request.key.as_str().as_bytes(),
+            phase.as_bytes(),
+            call.as_bytes(),
+        ] {
+            h.update((part.len() as u64).to_be_bytes());
+            h.update(part);
+        }
+        Self(h.finalize().into())
+    }
+
     /// The raw 32 bytes.
     pub fn as_bytes(&self) -> &[u8; 32] {
         &self.0
@@ -139,6 +164,32 @@ mod tests {
             k,
             DerivedKey::for_request(&req("alice", "order-42"), "email")
         );
+    }
+
+    #[test]
+    fn phase_keys_differ_per_scope_key_phase_and_call() {
+        use crate::{IdempotencyKey, RequestScope};
+        let req = |scope: &str, key: &str| {
+            RequestKey::new(
+                RequestScope::new([scope]),
+                IdempotencyKey::new(key).unwrap(),
+            )
+        };
+        let alice = req("alice", "order-42");
+        let k = DerivedKey::for_phase(&alice, "charge", "card");
+        assert_eq!(k, DerivedKey::for_phase(&alice, "charge", "card"));
+        assert_ne!(
+            k,
+            DerivedKey::for_phase(&req("bob", "order-42"), "charge", "card")
+        );
+        assert_ne!(
+            k,
+            DerivedKey::for_phase(&req("alice", "order-43"), "charge", "card")
+        );
+        assert_ne!(k, DerivedKey::for_phase(&alice, "refund", "card"));
+        assert_ne!(k, DerivedKey::for_phase(&alice, "charge", "email"));
+        assert_ne!(k, DerivedKey::for_phase(&alice, "ch", "argecard"));
+        assert_ne!(k, DerivedKey::for_request(&alice, "card"));
     }
 
     #[test]

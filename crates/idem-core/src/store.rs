@@ -24,6 +24,7 @@ use crate::error::{Error, ErrorKind};
 use crate::fingerprint::Fingerprint;
 use crate::id::{ConsumerName, MessageId};
 
+pub use crate::request::recovery::RecoveryStore;
 pub use crate::request::store::{ReapRequests, RequestStore, reap_all};
 
 /// One claim to record: (consumer, message ID) is the unique key.

@@ -38,7 +38,7 @@ mod statements;
 
 pub use statements::{
     ClaimStatements, ENQUEUE_ROW, EnqueueStatement, OutboxParam, OutboxStatement, OutboxStatements,
-    RequestStatements,
+    RecoveryMigration, RequestStatements,
 };
 
 /// A duration in microseconds, saturating, as prune statements and partition cut-offs bind it.

@@ -21,7 +21,7 @@ use idem_core::{ErrorKind, TableName};
 
 use crate::outbox::{COLUMNS, dead_letter_table};
 use crate::statements::{EnqueueStatement, OutboxParam as P, OutboxStatement, Placeholder};
-use crate::{ClaimStatements, OutboxStatements, RequestStatements};
+use crate::{ClaimStatements, OutboxStatements, RecoveryMigration, RequestStatements};
 
 /// The server's clock in `processed_at` units: microseconds since the Unix epoch, computed on
 /// UTC so the session's time zone (and its daylight-saving jumps) cannot shift it.
@@ -70,24 +70,27 @@ pub fn claim_statements(t: &TableName) -> ClaimStatements {
 /// they appear, which is the order listed on [`RequestStatements`].
 pub fn request_statements(t: &TableName) -> RequestStatements {
     let now = SERVER_NOW;
+    let recovery_cols = "scope, idem_key, fence, recovery_point, phase_state, attempts";
     RequestStatements {
         read: format!(
             "SELECT r.fingerprint, r.state, r.fence, r.lease_until, r.expires_at, n.now, \
-             CASE WHEN r.fingerprint = ? AND r.state = 1 THEN r.result END \
+             CASE WHEN r.fingerprint = ? AND r.state <> 0 THEN r.result END, \
+             CAST(CASE WHEN r.recovery_point IS NULL THEN 0 ELSE 1 END AS SIGNED) \
              FROM (SELECT {now} AS now) n LEFT JOIN {t} r ON r.scope = ? AND r.idem_key = ?"
         ),
         insert: format!(
-            "INSERT INTO {t} (scope, idem_key, fingerprint, state, fence, lease_until, expires_at) \
-             VALUES (?, ?, ?, 0, ?, {now} + ?, {now} + ?)"
+            "INSERT INTO {t} (scope, idem_key, fingerprint, state, fence, lease_until, expires_at, attempts) \
+             VALUES (?, ?, ?, 0, ?, {now} + ?, {now} + ?, 1)"
         ),
         reset: format!(
             "UPDATE {t} SET fingerprint = ?, state = 0, fence = fence + 1, \
-             lease_until = {now} + ?, expires_at = {now} + ?, result = NULL \
-             WHERE scope = ? AND idem_key = ? AND fence = ? \
-             AND expires_at <= {now} AND (state = 1 OR lease_until <= {now})"
+             lease_until = {now} + ?, expires_at = {now} + ?, result = NULL, \
+             recovery_point = NULL, phase_state = NULL, attempts = 1 \
+             WHERE scope = ? AND idem_key = ? AND fence = ? AND expires_at <= {now} \
+             AND (state <> 0 OR (lease_until <= {now} AND recovery_point IS NULL))"
         ),
         take_over: format!(
-            "UPDATE {t} SET fence = fence + 1, lease_until = {now} + ? \
+            "UPDATE {t} SET fence = fence + 1, lease_until = {now} + ?, attempts = attempts + 1 \
              WHERE scope = ? AND idem_key = ? AND fence = ? AND state = 0 \
              AND lease_until <= {now}"
         ),
@@ -96,16 +99,63 @@ pub fn request_statements(t: &TableName) -> RequestStatements {
              WHERE scope = ? AND idem_key = ? AND fence = ? AND state = 0"
         ),
         release: format!(
-            "DELETE FROM {t} WHERE scope = ? AND idem_key = ? AND fence = ? AND state = 0"
+            "DELETE FROM {t} WHERE scope = ? AND idem_key = ? AND fence = ? AND state = 0 \
+             AND recovery_point IS NULL"
+        ),
+        end_lease: format!(
+            "UPDATE {t} SET lease_until = {now} \
+             WHERE scope = ? AND idem_key = ? AND fence = ? AND state = 0 \
+             AND recovery_point IS NOT NULL"
+        ),
+        recovery: format!(
+            "SELECT {recovery_cols} FROM {t} \
+             WHERE scope = ? AND idem_key = ? AND fence = ? AND state = 0"
+        ),
+        advance: format!(
+            "UPDATE {t} SET recovery_point = ?, phase_state = ? \
+             WHERE scope = ? AND idem_key = ? AND fence = ? AND state = 0"
+        ),
+        abandon: format!(
+            "UPDATE {t} SET state = 2, result = ?, expires_at = {now} + ? \
+             WHERE scope = ? AND idem_key = ? AND fence = ? AND state = 0"
+        ),
+        stuck: format!(
+            "SELECT {recovery_cols} FROM {t} \
+             WHERE state = 0 AND recovery_point IS NOT NULL AND lease_until <= {now} \
+             ORDER BY lease_until LIMIT ? FOR UPDATE SKIP LOCKED"
         ),
         extend: format!(
             "UPDATE {t} SET lease_until = {now} + ? \
              WHERE scope = ? AND idem_key = ? AND fence = ? AND state = 0"
         ),
         reap: format!(
-            "DELETE FROM {t} WHERE expires_at < {now} AND (state = 1 OR lease_until < {now}) \
-             LIMIT ?"
+            "DELETE FROM {t} WHERE expires_at < {now} \
+             AND (state <> 0 OR (lease_until < {now} AND recovery_point IS NULL)) LIMIT ?"
         ),
+    }
+}
+
+/// Adds the recovery columns and the completer's index to a requests table made before them,
+/// in one `ALTER TABLE` (MySQL has no `ADD COLUMN IF NOT EXISTS`, and its DDL commits on its
+/// own: one statement leaves no half-migrated table).
+pub fn recovery_migration(r: &TableName) -> RecoveryMigration {
+    let rname = r.table();
+    let schema = r
+        .schema()
+        .map_or_else(|| "DATABASE()".to_owned(), |s| format!("'{s}'"));
+    RecoveryMigration {
+        probe: format!(
+            "SELECT count(*) FROM information_schema.columns \
+             WHERE table_schema = {schema} AND table_name = '{rname}' \
+             AND column_name IN ('recovery_point', 'phase_state', 'attempts')"
+        ),
+        add: vec![format!(
+            "ALTER TABLE {r} ADD COLUMN recovery_point VARCHAR(255) NULL \
+             COMMENT 'the last committed phase boundary', \
+             ADD COLUMN phase_state LONGBLOB NULL, \
+             ADD COLUMN attempts BIGINT NOT NULL DEFAULT 1, \
+             ADD KEY {rname}_stuck (state, lease_until)"
+        )],
     }
 }
 
@@ -131,7 +181,7 @@ pub fn migration(t: &TableName, r: &TableName) -> Vec<String> {
             scope       BINARY(32) NOT NULL,
             idem_key    VARBINARY({MAX_REQUEST_KEY_LEN}) NOT NULL,
             fingerprint BINARY(32) NOT NULL,
-            state       SMALLINT   NOT NULL COMMENT '0 in progress, 1 completed',
+            state       SMALLINT   NOT NULL COMMENT '0 in progress, 1 completed, 2 abandoned',
             fence       BIGINT     NOT NULL,
             lease_until BIGINT     NOT NULL COMMENT 'microseconds since the Unix epoch',
             expires_at  BIGINT     NOT NULL COMMENT 'microseconds since the Unix epoch',

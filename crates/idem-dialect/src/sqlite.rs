@@ -6,7 +6,7 @@ use idem_core::{ErrorKind, TableName};
 
 use crate::outbox::{COLUMNS, SELECTED, dead_letter_table};
 use crate::statements::{EnqueueStatement, OutboxParam as P, OutboxStatement, Placeholder};
-use crate::{ClaimStatements, OutboxStatements, RequestStatements};
+use crate::{ClaimStatements, OutboxStatements, RecoveryMigration, RequestStatements};
 
 /// SQLite has no practical limit; this bound keeps rows and the index reasonable.
 pub const MAX_MESSAGE_ID_LEN: usize = 4096;
@@ -50,24 +50,27 @@ pub fn claim_statements(t: &TableName) -> ClaimStatements {
 
 /// The request-record statements for `t`; `now` (host microseconds) is the last parameter.
 pub fn request_statements(t: &TableName) -> RequestStatements {
+    let recovery_cols = "scope, idem_key, fence, recovery_point, phase_state, attempts";
     RequestStatements {
         read: format!(
             "SELECT r.fingerprint, r.state, r.fence, r.lease_until, r.expires_at, n.now, \
-             CASE WHEN r.fingerprint = ?1 AND r.state = 1 THEN r.result END \
+             CASE WHEN r.fingerprint = ?1 AND r.state <> 0 THEN r.result END, \
+             CASE WHEN r.recovery_point IS NULL THEN 0 ELSE 1 END \
              FROM (SELECT ?4 AS now) n LEFT JOIN {t} r ON r.scope = ?2 AND r.idem_key = ?3"
         ),
         insert: format!(
-            "INSERT INTO {t} (scope, idem_key, fingerprint, state, fence, lease_until, expires_at) \
-             VALUES (?1, ?2, ?3, 0, ?4, ?7 + ?5, ?7 + ?6) ON CONFLICT (scope, idem_key) DO NOTHING"
+            "INSERT INTO {t} (scope, idem_key, fingerprint, state, fence, lease_until, expires_at, attempts) \
+             VALUES (?1, ?2, ?3, 0, ?4, ?7 + ?5, ?7 + ?6, 1) ON CONFLICT (scope, idem_key) DO NOTHING"
         ),
         reset: format!(
             "UPDATE {t} SET fingerprint = ?1, state = 0, fence = fence + 1, lease_until = ?7 + ?2, \
-             expires_at = ?7 + ?3, result = NULL \
-             WHERE scope = ?4 AND idem_key = ?5 AND fence = ?6 \
-             AND expires_at <= ?7 AND (state = 1 OR lease_until <= ?7)"
+             expires_at = ?7 + ?3, result = NULL, recovery_point = NULL, phase_state = NULL, \
+             attempts = 1 \
+             WHERE scope = ?4 AND idem_key = ?5 AND fence = ?6 AND expires_at <= ?7 \
+             AND (state <> 0 OR (lease_until <= ?7 AND recovery_point IS NULL))"
         ),
         take_over: format!(
-            "UPDATE {t} SET fence = fence + 1, lease_until = ?5 + ?1 \
+            "UPDATE {t} SET fence = fence + 1, lease_until = ?5 + ?1, attempts = attempts + 1 \
              WHERE scope = ?2 AND idem_key = ?3 AND fence = ?4 AND state = 0 AND lease_until <= ?5"
         ),
         complete: format!(
@@ -75,7 +78,31 @@ pub fn request_statements(t: &TableName) -> RequestStatements {
              WHERE scope = ?3 AND idem_key = ?4 AND fence = ?5 AND state = 0"
         ),
         release: format!(
-            "DELETE FROM {t} WHERE scope = ?1 AND idem_key = ?2 AND fence = ?3 AND state = 0"
+            "DELETE FROM {t} WHERE scope = ?1 AND idem_key = ?2 AND fence = ?3 AND state = 0 \
+             AND recovery_point IS NULL"
+        ),
+        end_lease: format!(
+            "UPDATE {t} SET lease_until = ?4 \
+             WHERE scope = ?1 AND idem_key = ?2 AND fence = ?3 AND state = 0 \
+             AND recovery_point IS NOT NULL"
+        ),
+        recovery: format!(
+            "SELECT {recovery_cols} FROM {t} \
+             WHERE scope = ?1 AND idem_key = ?2 AND fence = ?3 AND state = 0"
+        ),
+        advance: format!(
+            "UPDATE {t} SET recovery_point = ?1, phase_state = ?2 \
+             WHERE scope = ?3 AND idem_key = ?4 AND fence = ?5 AND state = 0"
+        ),
+        abandon: format!(
+            "UPDATE {t} SET state = 2, result = ?1, expires_at = ?6 + ?2 \
+             WHERE scope = ?3 AND idem_key = ?4 AND fence = ?5 AND state = 0"
+        ),
+        // Under `BEGIN IMMEDIATE`: one writer at a time, no row locks to skip.
+        stuck: format!(
+            "SELECT {recovery_cols} FROM {t} \
+             WHERE state = 0 AND recovery_point IS NOT NULL AND lease_until <= ?2 \
+             ORDER BY lease_until LIMIT ?1"
         ),
         extend: format!(
             "UPDATE {t} SET lease_until = ?5 + ?1 \
@@ -83,8 +110,31 @@ pub fn request_statements(t: &TableName) -> RequestStatements {
         ),
         reap: format!(
             "DELETE FROM {t} WHERE rowid IN (SELECT rowid FROM {t} \
-             WHERE expires_at < ?2 AND (state = 1 OR lease_until < ?2) LIMIT ?1)"
+             WHERE expires_at < ?2 \
+             AND (state <> 0 OR (lease_until < ?2 AND recovery_point IS NULL)) LIMIT ?1)"
         ),
+    }
+}
+
+/// Adds the recovery columns and the completer's index to a requests table made before them
+/// (SQLite has no `ADD COLUMN IF NOT EXISTS`: the probe says whether they are there). Runs in
+/// the migration's transaction.
+pub fn recovery_migration(r: &TableName) -> RecoveryMigration {
+    let rname = r.table();
+    RecoveryMigration {
+        probe: format!(
+            "SELECT count(*) FROM pragma_table_info('{rname}') \
+             WHERE name IN ('recovery_point', 'phase_state', 'attempts')"
+        ),
+        add: vec![
+            format!("ALTER TABLE {r} ADD COLUMN recovery_point TEXT"),
+            format!("ALTER TABLE {r} ADD COLUMN phase_state BLOB"),
+            format!("ALTER TABLE {r} ADD COLUMN attempts INTEGER NOT NULL DEFAULT 1"),
+            format!(
+                "CREATE INDEX IF NOT EXISTS {rname}_stuck ON {r} (lease_until) \
+                 WHERE state = 0 AND recovery_point IS NOT NULL"
+            ),
+        ],
     }
 }
 

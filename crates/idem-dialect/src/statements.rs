@@ -41,24 +41,60 @@ pub struct ClaimStatements {
 #[non_exhaustive]
 pub struct RequestStatements {
     /// fingerprint, scope, key → always one row: fingerprint, state, fence, lease_until,
-    /// expires_at (all NULL when there is no record), now, result (only for a completed record
-    /// with this fingerprint).
+    /// expires_at (all NULL when there is no record), now, result (only for a completed or
+    /// abandoned record with this fingerprint), and 1 when the record has a recovery point
+    /// (else 0).
     pub read: String,
     /// scope, key, fingerprint, fence, lease, ttl: a new record in progress; no row on a
     /// conflict (or a unique violation, which counts the same).
     pub insert: String,
-    /// fingerprint, lease, ttl, scope, key, fence: an expired record started afresh.
+    /// fingerprint, lease, ttl, scope, key, fence: an expired record without a recovery point
+    /// started afresh (attempts back to 1).
     pub reset: String,
-    /// lease, scope, key, fence: a lapsed lease taken over.
+    /// lease, scope, key, fence: a lapsed lease taken over (one more attempt).
     pub take_over: String,
     /// result, ttl, scope, key, fence.
     pub complete: String,
-    /// scope, key, fence (no `now`).
+    /// scope, key, fence (no `now`): deletes a record without a recovery point.
     pub release: String,
+    /// scope, key, fence: ends the lease of a record with a recovery point (what a release
+    /// does to one: its committed phases stand).
+    pub end_lease: String,
+    /// scope, key, fence (no `now`) → at most one [`RecoveryRow`](idem_core::request_record::RecoveryRow)
+    /// (scope, key, fence, recovery_point, phase_state, attempts) of the record the fence
+    /// holds in progress.
+    pub recovery: String,
+    /// point, state, scope, key, fence (no `now`): the record's new recovery point.
+    pub advance: String,
+    /// result, ttl, scope, key, fence: the record ended as abandoned (state 2).
+    pub abandon: String,
+    /// limit → [`RecoveryRow`](idem_core::request_record::RecoveryRow)s of records in progress
+    /// past their lease with a recovery point, oldest lease first; on a server locked, skipping
+    /// rows another transaction holds (`FOR UPDATE SKIP LOCKED`). The store runs it in a
+    /// transaction and takes each over with [`take_over`](Self::take_over).
+    pub stuck: String,
     /// lease, scope, key, fence.
     pub extend: String,
-    /// limit.
+    /// limit: expired records (never one in progress with a recovery point).
     pub reap: String,
+}
+
+/// What `migrate` runs to give a requests table made before recovery points its columns
+/// (`recovery_point`, `phase_state`, `attempts`) and the index the completer reads: the
+/// statements in [`add`](Self::add) when [`probe`](Self::probe) counts fewer than
+/// [`COLUMNS`](Self::COLUMNS) of them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RecoveryMigration {
+    /// One row, one integer: how many of the three columns the table has.
+    pub probe: String,
+    /// The statements adding the columns and the index.
+    pub add: Vec<String>,
+}
+
+impl RecoveryMigration {
+    /// The columns recovery points add.
+    pub const COLUMNS: i64 = 3;
 }
 
 /// What an outbox statement binds at one of its parameters: the store supplies the value.

@@ -18,10 +18,11 @@
 use std::time::Duration;
 
 use idem_core::request_record::{
-    MAX_ATTEMPTS, Next, RecordRow, bound_fence, decide, lease_lost, next_fence, span, stored_fence,
+    MAX_ATTEMPTS, Next, RecordRow, RecoveryRow, bound_fence, decide, lease_lost, next_fence,
+    recovery_of, span, stored_fence,
 };
-use idem_core::store::{ReapRequests, RequestStore};
-use idem_core::{Begin, Error, ErrorKind, Fence, Fingerprint, RequestKey};
+use idem_core::store::{ReapRequests, RecoveryStore, RequestStore};
+use idem_core::{Begin, Error, ErrorKind, Fence, Fingerprint, Recovery, RequestKey, Stuck};
 use tokio_postgres::types::ToSql;
 
 use crate::errors::store_error;
@@ -41,6 +42,19 @@ fn record(r: &tokio_postgres::Row) -> Result<RecordRow, tokio_postgres::Error> {
         r.try_get(4)?,
         r.try_get(5)?,
         r.try_get(6)?,
+        r.try_get(7)?,
+    ))
+}
+
+/// A row of the `recovery` or `stuck` statement.
+fn recovery_row(r: &tokio_postgres::Row) -> Result<RecoveryRow, tokio_postgres::Error> {
+    Ok((
+        r.try_get(0)?,
+        r.try_get(1)?,
+        r.try_get(2)?,
+        r.try_get(3)?,
+        r.try_get(4)?,
+        r.try_get(5)?,
     ))
 }
 
@@ -133,16 +147,22 @@ impl RequestStore for PgStore {
         }
     }
 
+    /// Deletes a record without a recovery point; ends the lease of one with a point.
     async fn release(&self, key: &RequestKey, fence: Fence) -> Result<(), Error> {
         let (scope, id) = (&key.scope.as_bytes()[..], key.key.as_str().as_bytes());
         let fence = bound_fence(fence);
-        self.execute_alone(
-            "releasing an idempotent request",
-            &self.rsql.release,
-            &[&scope, &id, &fence],
-        )
-        .await
-        .map(drop)
+        let what = "releasing an idempotent request";
+        let params: [&(dyn ToSql + Sync); 3] = [&scope, &id, &fence];
+        if self
+            .execute_alone(what, &self.rsql.release, &params)
+            .await?
+            == 1
+        {
+            return Ok(());
+        }
+        self.execute_alone(what, &self.rsql.end_lease, &params)
+            .await
+            .map(drop)
     }
 
     async fn extend_lease(
@@ -160,6 +180,95 @@ impl RequestStore for PgStore {
         )
         .await
         .map(|rows| rows == 1)
+    }
+}
+
+impl RecoveryStore for PgStore {
+    async fn recovery(&self, key: &RequestKey, fence: Fence) -> Result<Recovery, Error> {
+        let err = |e| store_error("reading a request's recovery point", e);
+        let (scope, id) = (&key.scope.as_bytes()[..], key.key.as_str().as_bytes());
+        let fence_bound = bound_fence(fence);
+        let conn = self.lease().await?;
+        let statement = conn.prepare(&self.rsql.recovery).await.map_err(err)?;
+        let row = conn
+            .client()
+            .query_opt(&statement, &[&scope, &id, &fence_bound])
+            .await
+            .map_err(err)?;
+        match row {
+            Some(row) => Ok(recovery_of(recovery_row(&row).map_err(err)?)?.2),
+            None => Err(lease_lost(fence)),
+        }
+    }
+
+    async fn advance_in(
+        &self,
+        tx: &mut PgTx,
+        key: &RequestKey,
+        fence: Fence,
+        point: &str,
+        state: &[u8],
+    ) -> Result<(), Error> {
+        let err = |e| store_error("advancing a request's recovery point", e);
+        let advance = tx.prepare_cached(&self.rsql.advance).await.map_err(err)?;
+        let (scope, id) = (&key.scope.as_bytes()[..], key.key.as_str().as_bytes());
+        let fence_bound = bound_fence(fence);
+        let params: [&(dyn ToSql + Sync); 5] = [&point, &state, &scope, &id, &fence_bound];
+        if tx.execute(&advance, &params).await.map_err(err)? == 1 {
+            Ok(())
+        } else {
+            Err(lease_lost(fence))
+        }
+    }
+
+    async fn abandon_in(
+        &self,
+        tx: &mut PgTx,
+        key: &RequestKey,
+        fence: Fence,
+        result: &[u8],
+        ttl: Duration,
+    ) -> Result<(), Error> {
+        let err = |e| store_error("abandoning an idempotent request", e);
+        let abandon = tx.prepare_cached(&self.rsql.abandon).await.map_err(err)?;
+        let (scope, id) = (&key.scope.as_bytes()[..], key.key.as_str().as_bytes());
+        let (ttl, fence_bound) = (span(ttl), bound_fence(fence));
+        let params: [&(dyn ToSql + Sync); 5] = [&result, &ttl, &scope, &id, &fence_bound];
+        if tx.execute(&abandon, &params).await.map_err(err)? == 1 {
+            Ok(())
+        } else {
+            Err(lease_lost(fence))
+        }
+    }
+
+    async fn take_stuck(&self, limit: u32, lease: Duration) -> Result<Vec<Stuck>, Error> {
+        let err = |e| store_error("taking stuck requests over", e);
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        let tx = self.begin_tx().await?;
+        let stuck = tx.prepare_cached(&self.rsql.stuck).await.map_err(err)?;
+        let take_over = tx.prepare_cached(&self.rsql.take_over).await.map_err(err)?;
+        let rows = tx.query(&stuck, &[&i64::from(limit)]).await.map_err(err)?;
+        let lease = span(lease);
+        let mut taken = Vec::with_capacity(rows.len());
+        for row in &rows {
+            let (key, fence, mut recovery) = recovery_of(recovery_row(row).map_err(err)?)?;
+            let (scope, id) = (&key.scope.as_bytes()[..], key.key.as_str().as_bytes());
+            let fence_bound = bound_fence(fence);
+            let params: [&(dyn ToSql + Sync); 4] = [&lease, &scope, &id, &fence_bound];
+            // The row is locked by this transaction: the guard holds.
+            if tx.execute(&take_over, &params).await.map_err(err)? == 1 {
+                recovery.attempts = recovery.attempts.saturating_add(1);
+                taken.push(Stuck {
+                    fence: next_fence(fence_bound)?,
+                    key,
+                    recovery,
+                });
+            }
+        }
+        tx.commit().await.map_err(crate::errors::commit_error)?;
+        Ok(taken)
     }
 }
 

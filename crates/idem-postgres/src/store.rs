@@ -893,6 +893,19 @@ impl Migrate for PgStore {
                 .await
                 .map_err(|e| store_error("migrate", e))?;
         }
+        let recovery = sql::recovery_migration(&self.requests);
+        let columns: i64 = tx
+            .query_one(&recovery.probe, &[])
+            .await
+            .and_then(|row| row.try_get(0))
+            .map_err(|e| store_error("migrate", e))?;
+        if columns < idem_dialect::RecoveryMigration::COLUMNS {
+            for statement in &recovery.add {
+                tx.batch_execute(statement)
+                    .await
+                    .map_err(|e| store_error("migrate", e))?;
+            }
+        }
         tx.commit().await.map_err(commit_error)?;
         if partitioned {
             crate::partitioned::maintain_at_start_up(self).await?;

@@ -28,6 +28,11 @@ pub const MAX_KEY_LEN: usize = 1024;
 /// layout, the scripts, and what a store without a shared transaction means for your
 /// operation. Cheap to clone: clones share the connection.
 ///
+/// It does not implement `RecoveryStore` (recovery points, `idem_request`'s phases): a
+/// recovery point must commit in the same transaction as the phase's writes in your
+/// database, and Redis shares no transaction with it — a point stored here could outlive
+/// writes that rolled back, or the other way round. Use a SQL store for phases.
+///
 /// `C` is the connection: a [`ConnectionManager`] (reconnecting by itself) when built from a
 /// URL, or any [`ConnectionLike`] given to [`with_connection`](Self::with_connection), such as
 /// a cluster connection of the `redis` crate's `cluster-async` feature (the key layout is

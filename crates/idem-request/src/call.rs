@@ -12,7 +12,7 @@ use idem_core::{
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::engine::{Idempotency, Start};
+use crate::engine::{Execution, Idempotency, Start};
 
 mod canonical;
 
@@ -54,41 +54,11 @@ impl<S: RequestStore + Clone + 'static> Idempotency<S> {
         E: Into<BoxError>,
         F: AsyncFnOnce(&mut S::Tx) -> Result<T, E>,
     {
-        let encoded = canonical::to_vec(input).map_err(|e| {
-            Error::new(
-                ErrorKind::InvalidConfig,
-                format!("the call's input does not serialize: {e}"),
-            )
-            .with_source(e)
-        })?;
         let request = RequestKey::new(scope, key.clone());
-        let mut execution = match self.start(request, Fingerprint::of(&encoded)).await? {
-            Start::Run(execution) => execution,
-            Start::Replay(stored) => {
-                return serde_json::from_slice(&stored).map_err(|e| {
-                    Error::new(
-                        ErrorKind::Store,
-                        format!("the stored result of key {key} does not deserialize as this call's result type: {e}"),
-                    )
-                    .with_source(e)
-                });
-            }
-            Start::InProgress { retry_after } => {
-                return Err(Error::request(
-                    RequestErrorKind::InProgress,
-                    format!(
-                        "a call with key {key} is still running; retry in {}s",
-                        retry_after.as_secs()
-                    ),
-                )
-                .with_retry_after(retry_after));
-            }
-            Start::Mismatch => {
-                return Err(Error::request(
-                    RequestErrorKind::KeyReused,
-                    format!("key {key} was already used for a call with a different input"),
-                ));
-            }
+        let start = self.start(request, fingerprint_of(input)?).await?;
+        let mut execution = match run_or_not(start, key) {
+            Ok(execution) => execution,
+            Err(not_run) => return not_run.into_result(key),
         };
         let outcome = AssertUnwindSafe(f(execution.tx())).catch_unwind().await;
         match outcome {
@@ -120,6 +90,66 @@ impl<S: RequestStore + Clone + 'static> Idempotency<S> {
                 let _ = execution.abandon().await;
                 std::panic::resume_unwind(panic)
             }
+        }
+    }
+}
+
+/// The fingerprint of a call's input: its canonical JSON.
+pub(crate) fn fingerprint_of<I: Serialize + ?Sized>(input: &I) -> Result<Fingerprint, Error> {
+    let encoded = canonical::to_vec(input).map_err(|e| {
+        Error::new(
+            ErrorKind::InvalidConfig,
+            format!("the call's input does not serialize: {e}"),
+        )
+        .with_source(e)
+    })?;
+    Ok(Fingerprint::of(&encoded))
+}
+
+/// The execution a call's start took, or — when it found no record to run — the stored
+/// result to replay or the error saying why not.
+pub(crate) fn run_or_not<S: RequestStore + Clone + 'static>(
+    start: Start<S>,
+    key: &IdempotencyKey,
+) -> Result<Execution<S>, NotRun> {
+    match start {
+        Start::Run(execution) => Ok(execution),
+        Start::Replay(stored) => Err(NotRun::Replay(stored)),
+        Start::InProgress { retry_after } => Err(NotRun::Err(
+            Error::request(
+                RequestErrorKind::InProgress,
+                format!(
+                    "a call with key {key} is still running; retry in {}s",
+                    retry_after.as_secs()
+                ),
+            )
+            .with_retry_after(retry_after),
+        )),
+        Start::Mismatch => Err(NotRun::Err(Error::request(
+            RequestErrorKind::KeyReused,
+            format!("key {key} was already used for a call with a different input"),
+        ))),
+    }
+}
+
+/// See [`run_or_not`].
+pub(crate) enum NotRun {
+    Replay(Vec<u8>),
+    Err(Error),
+}
+
+impl NotRun {
+    /// The replayed result deserialized, or the error.
+    pub(crate) fn into_result<T: DeserializeOwned>(self, key: &IdempotencyKey) -> Result<T, Error> {
+        match self {
+            Self::Replay(stored) => serde_json::from_slice(&stored).map_err(|e| {
+                Error::new(
+                    ErrorKind::Store,
+                    format!("the stored result of key {key} does not deserialize as this call's result type: {e}"),
+                )
+                .with_source(e)
+            }),
+            Self::Err(e) => Err(e),
         }
     }
 }

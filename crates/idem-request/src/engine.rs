@@ -219,6 +219,18 @@ impl<S: RequestStore + Clone + 'static> Idempotency<S> {
         if takeover {
             tracing::info!(key = %KeyDigest(&key), fence = fence.0, "took over a record whose lease ran out (its executor likely crashed)");
         }
+        self.execution(key, fence, takeover).await.map(Start::Run)
+    }
+
+    /// The execution of a record this caller holds under `fence`: its transaction begun and
+    /// its heartbeat running. On failure the record is given up.
+    pub(crate) async fn execution(
+        &self,
+        key: RequestKey,
+        fence: Fence,
+        takeover: bool,
+    ) -> Result<Execution<S>, Error> {
+        let me = &self.inner;
         // From here the record is this execution's: dropped at any later await, its `Drop`
         // frees the key.
         let mut execution = Execution {
@@ -243,7 +255,7 @@ impl<S: RequestStore + Clone + 'static> Idempotency<S> {
             let lease = me.lease;
             tokio::spawn(async move { renew(store, key, fence, lease, every).await })
         });
-        Ok(Start::Run(execution))
+        Ok(execution)
     }
 }
 
@@ -293,7 +305,7 @@ impl<S: RequestStore + Clone + 'static> Idempotency<S> {
 
     /// Frees a record this engine gave up; when the store refuses, frees it later (see
     /// [`release_later`](Self::release_later)) and returns the store's error.
-    async fn release(&self, key: &RequestKey, fence: Fence) -> Result<(), Error> {
+    pub(crate) async fn release(&self, key: &RequestKey, fence: Fence) -> Result<(), Error> {
         let released = self.inner.store.release(key, fence).await;
         if released.is_err() {
             self.release_later(key.clone(), fence);
@@ -311,7 +323,7 @@ impl<S: RequestStore + Clone + 'static> Idempotency<S> {
     /// Frees the record in the background: retried until the store takes the release or the
     /// lease ran out (a retry can then take the record over), and released first by the
     /// next lookup of the key through this engine meanwhile.
-    fn release_later(&self, key: RequestKey, fence: Fence) {
+    pub(crate) fn release_later(&self, key: RequestKey, fence: Fence) {
         self.unreleased_map().insert(key.clone(), fence);
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             return;
@@ -389,14 +401,14 @@ async fn renew<S: RequestStore>(
 /// One operation running under a taken record. Complete it or abandon it; dropped without
 /// either (a panic, a cancelled request) it rolls back and frees the key.
 pub struct Execution<S: RequestStore + Clone + 'static> {
-    idem: Idempotency<S>,
-    key: RequestKey,
-    fence: Fence,
+    pub(crate) idem: Idempotency<S>,
+    pub(crate) key: RequestKey,
+    pub(crate) fence: Fence,
     takeover: bool,
-    tx: Option<S::Tx>,
+    pub(crate) tx: Option<S::Tx>,
     heartbeat: Option<JoinHandle<()>>,
     /// Completed or abandoned: nothing is left for `Drop` to undo.
-    settled: bool,
+    pub(crate) settled: bool,
 }
 
 impl<S: RequestStore + Clone + 'static> Execution<S> {
@@ -438,7 +450,7 @@ impl<S: RequestStore + Clone + 'static> Execution<S> {
         self.tx = Some(tx);
     }
 
-    fn stop_heartbeat(&mut self) {
+    pub(crate) fn stop_heartbeat(&mut self) {
         if let Some(h) = self.heartbeat.take() {
             h.abort();
         }

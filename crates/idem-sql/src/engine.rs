@@ -27,7 +27,7 @@ use std::time::Duration;
 use idem_core::{ConsumerStats, Error, ErrorKind, MessageId, Stamp, TableName};
 use sqlx::error::DatabaseError;
 
-use crate::requests::RecordRow;
+use crate::requests::{RecordRow, RecoveryRow};
 use crate::tx::Tx;
 use idem_dialect::outbox::Candidate;
 pub use idem_dialect::{ClaimStatements, OutboxStatements, RequestStatements};
@@ -86,6 +86,14 @@ pub trait Engine: Driver + sealed::Sealed {
     /// requests table, their indexes and comments, each idempotent, in order; run in one
     /// transaction where [`TRANSACTIONAL_DDL`](Self::TRANSACTIONAL_DDL).
     fn migration(claims: &TableName, requests: &TableName, layout: &Self::Layout) -> Vec<String>;
+
+    /// What gives a requests table made before recovery points their columns: run by the
+    /// generic `migrate` after [`migration`](Self::migration), in the same way. `None` on
+    /// PostgreSQL, whose store migrates in its own way (under an advisory lock) and runs
+    /// `idem_dialect::postgres::recovery_migration` itself.
+    fn recovery_migration(_requests: &TableName) -> Option<idem_dialect::RecoveryMigration> {
+        None
+    }
 
     /// The outbox statements for `table` (see [`OutboxStatements`]).
     fn outbox_statements(table: &TableName) -> OutboxStatements;
@@ -294,6 +302,20 @@ pub trait Driver: sqlx::Database {
         params: &'e [Param<'e>],
     ) -> impl Future<Output = Result<RecordRow, sqlx::Error>> + Send + 'e;
 
+    /// The integer in the first column of the one row `sql` returns.
+    fn fetch_int<'e>(
+        conn: &'e mut Self::Connection,
+        sql: &'e str,
+        params: &'e [Param<'e>],
+    ) -> impl Future<Output = Result<i64, sqlx::Error>> + Send + 'e;
+
+    /// The recovery rows `sql` returns.
+    fn fetch_recovery<'e>(
+        conn: &'e mut Self::Connection,
+        sql: &'e str,
+        params: &'e [Param<'e>],
+    ) -> impl Future<Output = Result<Vec<RecoveryRow>, sqlx::Error>> + Send + 'e;
+
     /// The outbox rows a lease statement selects.
     fn fetch_candidates<'e>(
         conn: &'e mut Self::Connection,
@@ -333,6 +355,36 @@ where
     String: for<'r> sqlx::Decode<'r, DB> + sqlx::Type<DB>,
     usize: sqlx::ColumnIndex<DB::Row>,
 {
+    async fn fetch_int<'e>(
+        conn: &'e mut Self::Connection,
+        sql: &'e str,
+        params: &'e [Param<'e>],
+    ) -> Result<i64, sqlx::Error> {
+        let r = bind(sqlx::query::<DB>(sql), params).fetch_one(conn).await?;
+        sqlx::Row::try_get(&r, 0)
+    }
+
+    async fn fetch_recovery<'e>(
+        conn: &'e mut Self::Connection,
+        sql: &'e str,
+        params: &'e [Param<'e>],
+    ) -> Result<Vec<RecoveryRow>, sqlx::Error> {
+        use sqlx::Row;
+        let rows = bind(sqlx::query::<DB>(sql), params).fetch_all(conn).await?;
+        rows.iter()
+            .map(|r| {
+                Ok((
+                    r.try_get(0)?,
+                    r.try_get(1)?,
+                    r.try_get(2)?,
+                    r.try_get(3)?,
+                    r.try_get(4)?,
+                    r.try_get(5)?,
+                ))
+            })
+            .collect()
+    }
+
     async fn execute<'e>(
         conn: &'e mut Self::Connection,
         sql: &'e str,
@@ -387,6 +439,7 @@ where
             r.try_get(4)?,
             r.try_get(5)?,
             r.try_get(6)?,
+            r.try_get(7)?,
         ))
     }
 

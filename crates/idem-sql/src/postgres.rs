@@ -202,6 +202,17 @@ impl Migrate for PostgresStore {
                 .await
                 .map_err(|e| store_error::<Postgres>("migrate", e))?;
         }
+        let recovery = dialect::recovery_migration(self.requests_table());
+        let err = |e| store_error::<Postgres>("migrate", e);
+        if Postgres::fetch_int(&mut tx, &recovery.probe, &[])
+            .await
+            .map_err(err)?
+            < idem_dialect::RecoveryMigration::COLUMNS
+        {
+            for sql in &recovery.add {
+                Postgres::execute_simple(&mut tx, sql).await.map_err(err)?;
+            }
+        }
         tx.commit().await.map_err(commit_error::<Postgres>)?;
         if self.partitioning().is_some() {
             crate::partitioned::maintain_at_start_up(self).await?;

@@ -23,12 +23,13 @@
 use std::time::Duration;
 
 pub use idem_core::request_record::MAX_REQUEST_KEY_LEN;
-pub(crate) use idem_core::request_record::RecordRow;
 use idem_core::request_record::{
-    MAX_ATTEMPTS, Next, bound_fence, decide, lease_lost, next_fence, span, stored_fence,
+    MAX_ATTEMPTS, Next, bound_fence, decide, lease_lost, next_fence, recovery_of, span,
+    stored_fence,
 };
-use idem_core::store::{ReapRequests, RequestStore};
-use idem_core::{Begin, Error, ErrorKind, Fence, Fingerprint, RequestKey};
+pub(crate) use idem_core::request_record::{RecordRow, RecoveryRow};
+use idem_core::store::{ReapRequests, RecoveryStore, RequestStore};
+use idem_core::{Begin, Error, ErrorKind, Fence, Fingerprint, Recovery, RequestKey, Stuck};
 
 use crate::engine::{Engine, Param};
 use crate::errors::store_error;
@@ -153,16 +154,26 @@ impl<E: Engine> RequestStore for SqlStore<E> {
         }
     }
 
+    /// Deletes a record without a recovery point; ends the lease of one with a point.
     async fn release(&self, key: &RequestKey, fence: Fence) -> Result<(), Error> {
+        let err = |e| store_error::<E>("releasing an idempotent request", e);
         let params = [
             Param::Bytes(&key.scope.as_bytes()[..]),
             Param::Bytes(key.key.as_str().as_bytes()),
             Param::Int(bound_fence(fence)),
         ];
-        E::execute_pool(&self.pool, &self.rsql.release, &params)
+        if E::execute_pool(&self.pool, &self.rsql.release, &params)
+            .await
+            .map_err(err)?
+            == 1
+        {
+            return Ok(());
+        }
+        let params = Clocked::<E>::now().params(params);
+        E::execute_pool(&self.pool, &self.rsql.end_lease, &params)
             .await
             .map(drop)
-            .map_err(|e| store_error::<E>("releasing an idempotent request", e))
+            .map_err(err)
     }
 
     async fn extend_lease(
@@ -190,6 +201,123 @@ impl<E: Engine> RequestStore for SqlStore<E> {
                  holds the database's write lock",
             )),
         }
+    }
+}
+
+/// scope, key, fence.
+fn held<'a>(key: &'a RequestKey, fence: Fence) -> [Param<'a>; 3] {
+    [
+        Param::Bytes(&key.scope.as_bytes()[..]),
+        Param::Bytes(key.key.as_str().as_bytes()),
+        Param::Int(bound_fence(fence)),
+    ]
+}
+
+impl<E: Engine> RecoveryStore for SqlStore<E> {
+    async fn recovery(&self, key: &RequestKey, fence: Fence) -> Result<Recovery, Error> {
+        let err = |e| store_error::<E>("reading a request's recovery point", e);
+        let mut conn = self.pool.acquire().await.map_err(err)?;
+        let rows = E::fetch_recovery(&mut conn, &self.rsql.recovery, &held(key, fence))
+            .await
+            .map_err(err)?;
+        match rows.into_iter().next() {
+            Some(row) => Ok(recovery_of(row)?.2),
+            None => Err(lease_lost(fence)),
+        }
+    }
+
+    async fn advance_in(
+        &self,
+        tx: &mut Tx<E>,
+        key: &RequestKey,
+        fence: Fence,
+        point: &str,
+        state: &[u8],
+    ) -> Result<(), Error> {
+        let [scope, id, fence_bound] = held(key, fence);
+        let params = [
+            Param::Text(point),
+            Param::Bytes(state),
+            scope,
+            id,
+            fence_bound,
+        ];
+        // In the phase's transaction, which on SQLite may not hold the write lock yet: the
+        // completion's path takes it.
+        let updated = E::complete_request(tx, &self.rsql.advance, &params)
+            .await
+            .map_err(|e| store_error::<E>("advancing a request's recovery point", e))?;
+        if updated == 1 {
+            Ok(())
+        } else {
+            Err(lease_lost(fence))
+        }
+    }
+
+    async fn abandon_in(
+        &self,
+        tx: &mut Tx<E>,
+        key: &RequestKey,
+        fence: Fence,
+        result: &[u8],
+        ttl: Duration,
+    ) -> Result<(), Error> {
+        let [scope, id, fence_bound] = held(key, fence);
+        let params = Clocked::<E>::now().params([
+            Param::Bytes(result),
+            Param::Int(span(ttl)),
+            scope,
+            id,
+            fence_bound,
+        ]);
+        let updated = E::complete_request(tx, &self.rsql.abandon, &params)
+            .await
+            .map_err(|e| store_error::<E>("abandoning an idempotent request", e))?;
+        if updated == 1 {
+            Ok(())
+        } else {
+            Err(lease_lost(fence))
+        }
+    }
+
+    async fn take_stuck(&self, limit: u32, lease: Duration) -> Result<Vec<Stuck>, Error> {
+        let err = |e| store_error::<E>("taking stuck requests over", e);
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        let mut tx = self.begin_relay().await?;
+        let clock = Clocked::<E>::now();
+        let rows = E::fetch_recovery(
+            &mut tx,
+            &self.rsql.stuck,
+            &clock.params([Param::Int(i64::from(limit))]),
+        )
+        .await
+        .map_err(err)?;
+        let mut taken = Vec::with_capacity(rows.len());
+        for row in rows {
+            let (key, fence, mut recovery) = recovery_of(row)?;
+            let [scope, id, fence_bound] = held(&key, fence);
+            let params = clock.params([Param::Int(span(lease)), scope, id, fence_bound]);
+            // The row is locked by this transaction (or, on SQLite, the whole database is):
+            // the guard holds, and the take-over touches one row.
+            if E::execute(&mut tx, &self.rsql.take_over, &params)
+                .await
+                .map_err(err)?
+                == 1
+            {
+                recovery.attempts = recovery.attempts.saturating_add(1);
+                taken.push(Stuck {
+                    fence: next_fence(bound_fence(fence))?,
+                    key,
+                    recovery,
+                });
+            }
+        }
+        tx.commit()
+            .await
+            .map_err(crate::errors::commit_error::<E>)?;
+        Ok(taken)
     }
 }
 

@@ -93,6 +93,10 @@ impl Engine for Sqlite {
         dialect::migration(claims, requests)
     }
 
+    fn recovery_migration(requests: &TableName) -> Option<idem_dialect::RecoveryMigration> {
+        Some(dialect::recovery_migration(requests))
+    }
+
     fn outbox_statements(t: &TableName) -> OutboxStatements {
         dialect::outbox_statements(t)
     }

@@ -302,19 +302,41 @@ impl<E: Engine> SqlStore<E> {
         idem_dialect::outbox::check_tables(&self.table, &self.requests, &self.outbox)?;
         let mut statements = E::migration(&self.table, &self.requests, &self.layout);
         statements.extend(E::outbox_migration(&self.outbox));
+        let recovery = E::recovery_migration(&self.requests);
+        let err = |e| store_error::<E>("migrate", e);
         if !E::TRANSACTIONAL_DDL {
             for sql in &statements {
-                E::execute_pool(&self.pool, sql, &[])
-                    .await
-                    .map_err(|e| store_error::<E>("migrate", e))?;
+                E::execute_pool(&self.pool, sql, &[]).await.map_err(err)?;
+            }
+            if let Some(m) = recovery {
+                let mut conn = self.pool.acquire().await.map_err(err)?;
+                let complete = idem_dialect::RecoveryMigration::COLUMNS;
+                if E::fetch_int(&mut conn, &m.probe, &[]).await.map_err(err)? < complete {
+                    for sql in &m.add {
+                        if let Err(e) = E::execute(&mut conn, sql, &[]).await {
+                            // Another replica's migration added them first (one statement:
+                            // all of them or none).
+                            if E::fetch_int(&mut conn, &m.probe, &[]).await.map_err(err)? < complete
+                            {
+                                return Err(err(e));
+                            }
+                        }
+                    }
+                }
             }
             return Ok(());
         }
         let mut tx = self.begin_tx().await?;
         for sql in &statements {
-            E::execute(&mut tx, sql, &[])
-                .await
-                .map_err(|e| store_error::<E>("migrate", e))?;
+            E::execute(&mut tx, sql, &[]).await.map_err(err)?;
+        }
+        if let Some(m) = recovery
+            && E::fetch_int(&mut tx, &m.probe, &[]).await.map_err(err)?
+                < idem_dialect::RecoveryMigration::COLUMNS
+        {
+            for sql in &m.add {
+                E::execute(&mut tx, sql, &[]).await.map_err(err)?;
+            }
         }
         tx.commit().await.map_err(commit_error::<E>)
     }

@@ -22,6 +22,8 @@ pub mod http;
 pub mod isolated;
 pub mod outbox_conformance;
 mod outbox_fixture;
+pub mod recovery_conformance;
+mod recovery_fixture;
 pub mod request_conformance;
 mod request_fixture;
 pub mod services;
@@ -29,7 +31,37 @@ pub mod services;
 pub use broker_fixture::{BrokerFixture, DeadLettered};
 pub use fixture::{StoreFixture, TxOf};
 pub use outbox_fixture::OutboxFixture;
+pub use recovery_fixture::RecoveryFixture;
 pub use request_fixture::{RequestFixture, RequestTxOf};
+
+/// Expands to one `#[tokio::test]` per recovery-point conformance check for a
+/// [`RecoveryFixture`] (the [`RecoveryStore`](idem_core::store::RecoveryStore) capability and
+/// `idem_request`'s phases on it), each on a fresh fixture. A store runs it beside
+/// [`request_conformance_tests!`].
+#[macro_export]
+macro_rules! recovery_conformance_tests {
+    ($fixture:ty) => {
+        $crate::recovery_conformance_tests!(@tests $fixture;
+            a_crash_between_phases_resumes_at_the_last_point,
+            a_committed_local_phase_never_runs_again,
+            a_foreign_call_repeats_with_the_same_derived_key,
+            a_stale_fence_cannot_advance,
+            an_abandoned_operation_replays_its_result,
+            stuck_records_are_found_past_their_lease_bounded,
+            two_completers_skip_each_others_records,
+            expiry_never_resets_a_record_with_a_recovery_point,
+            migration_adds_recovery_columns_to_an_old_table,
+        );
+    };
+    (@tests $fixture:ty; $($name:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $name() {
+                $crate::recovery_conformance::$name::<$fixture>(stringify!($name)).await;
+            }
+        )*
+    };
+}
 
 /// Expands to one `#[tokio::test]` per idempotent-request conformance check for a
 /// [`RequestFixture`] (the [`RequestStore`](idem_core::store::RequestStore) and

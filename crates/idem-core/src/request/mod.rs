@@ -9,7 +9,9 @@
 //!   retry meanwhile is told so at once ([`Begin::InProgress`]), and a lease that runs out (the
 //!   executor crashed) can be taken over, bumping the token so that the old executor's late
 //!   completion is refused;
-//! - **completed**: the stored result, replayed to every retry until the record expires.
+//! - **completed**: the stored result, replayed to every retry until the record expires;
+//! - **abandoned**: an operation of phases given up (see [`Recovery`]): its stored result
+//!   replays the same way.
 //!
 //! Stores implement [`RequestStore`](crate::store::RequestStore); SQL stores complete the
 //! record inside the transaction that carries the operation's writes, so the effect and the
@@ -18,10 +20,12 @@
 mod error;
 mod key;
 pub mod record;
+pub(crate) mod recovery;
 pub(crate) mod store;
 
 pub use error::{RequestAction, RequestErrorKind};
 pub use key::{IdempotencyKey, MAX_IDEMPOTENCY_KEY_LEN, RequestKey, RequestScope};
+pub use recovery::{Recovery, Resume, Stuck};
 
 use std::time::Duration;
 

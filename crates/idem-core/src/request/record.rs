@@ -12,7 +12,8 @@ use std::time::Duration;
 
 use crate::error::{Error, ErrorKind};
 use crate::fingerprint::Fingerprint;
-use crate::request::{Begin, Fence};
+use crate::request::recovery::{Recovery, Resume};
+use crate::request::{Begin, Fence, IdempotencyKey, RequestKey, RequestScope};
 
 /// Longest idempotency key the requests tables hold (the HTTP layer's default is 255).
 pub const MAX_REQUEST_KEY_LEN: usize = 1024;
@@ -21,6 +22,9 @@ pub const MAX_REQUEST_KEY_LEN: usize = 1024;
 pub const IN_PROGRESS: i16 = 0;
 /// `state` of a record with a stored result.
 pub const COMPLETED: i16 = 1;
+/// `state` of a record given up after its recovery points ran out of attempts: its stored
+/// result (what the caller is told) replays like a completed one's.
+pub const ABANDONED: i16 = 2;
 
 /// The longest lease or TTL a statement adds to the clock (100 years), so that `now + ttl`
 /// cannot overflow a BIGINT whatever duration a caller configures.
@@ -37,7 +41,8 @@ pub fn span(d: Duration) -> i64 {
 /// Each retry follows a write by someone else, so a handful is plenty.
 pub const MAX_ATTEMPTS: usize = 8;
 
-/// One record as `read` returns it.
+/// One record as `read` returns it: fingerprint, state, fence, lease_until, expires_at, now,
+/// result, and 1 when it has a recovery point (else 0).
 pub type RecordRow = (
     Option<Vec<u8>>,
     Option<i16>,
@@ -46,7 +51,35 @@ pub type RecordRow = (
     Option<i64>,
     i64,
     Option<Vec<u8>>,
+    i64,
 );
+
+/// One record as the recovery statements return it: scope, key, fence, recovery point,
+/// phase state, attempts.
+pub type RecoveryRow = (Vec<u8>, Vec<u8>, i64, Option<String>, Option<Vec<u8>>, i64);
+
+/// Reads a [`RecoveryRow`] back: the record's key, its fence, and where it stands.
+pub fn recovery_of(row: RecoveryRow) -> Result<(RequestKey, Fence, Recovery), Error> {
+    let (scope, key, fence, point, state, attempts) = row;
+    let scope = RequestScope::from_slice(&scope).ok_or_else(|| {
+        Error::new(
+            ErrorKind::Store,
+            format!("stored request scope is {} bytes, expected 32", scope.len()),
+        )
+    })?;
+    let key = std::str::from_utf8(&key)
+        .ok()
+        .and_then(|k| IdempotencyKey::quoted(k, MAX_REQUEST_KEY_LEN).ok())
+        .ok_or_else(|| Error::new(ErrorKind::Store, "stored idempotency key is not a key"))?;
+    let recovery = Recovery {
+        attempts: u32::try_from(attempts).unwrap_or(u32::MAX),
+        resume: point.map(|point| Resume {
+            point,
+            state: state.unwrap_or_default(),
+        }),
+    };
+    Ok((RequestKey::new(scope, key), stored_fence(fence)?, recovery))
+}
 
 /// What a lookup does next.
 #[derive(Debug, PartialEq, Eq)]
@@ -74,23 +107,25 @@ pub enum Next {
 
 /// Decides from what `read` found.
 pub fn decide(row: RecordRow, fingerprint: &Fingerprint) -> Result<Next, Error> {
-    let (stored_fp, state, fence, lease_until, expires_at, now, result) = row;
+    let (stored_fp, state, fence, lease_until, expires_at, now, result, has_point) = row;
     let (Some(stored_fp), Some(state), Some(fence), Some(lease_until), Some(expires_at)) =
         (stored_fp, state, fence, lease_until, expires_at)
     else {
         return Ok(Next::Insert { fence: now.max(1) });
     };
-    if state != IN_PROGRESS && state != COMPLETED {
+    if !matches!(state, IN_PROGRESS | COMPLETED | ABANDONED) {
         return Err(Error::new(
             ErrorKind::Store,
             format!("request record has unknown state {state}"),
         ));
     }
     let lapsed = lease_until <= now;
+    let ended = state != IN_PROGRESS;
     // Past its TTL the record counts as absent — unless an executor still holds a live lease
     // on it (a long operation kept alive by its heartbeat), whose completion must not be
-    // refused for outliving the TTL.
-    if expires_at <= now && (state == COMPLETED || lapsed) {
+    // refused for outliving the TTL, or it has a recovery point: phases committed, so it
+    // resumes (is taken over) however late, never starts afresh.
+    if expires_at <= now && (ended || (lapsed && has_point == 0)) {
         return Ok(Next::Reset {
             fence,
             takeover: state == IN_PROGRESS,
@@ -99,10 +134,9 @@ pub fn decide(row: RecordRow, fingerprint: &Fingerprint) -> Result<Next, Error> 
     if stored_fp.as_slice() != fingerprint.as_bytes().as_slice() {
         return Ok(Next::Answer(Begin::Mismatch));
     }
-    if state == COMPLETED {
-        let result = result.ok_or_else(|| {
-            Error::new(ErrorKind::Store, "completed request record has no result")
-        })?;
+    if ended {
+        let result = result
+            .ok_or_else(|| Error::new(ErrorKind::Store, "ended request record has no result"))?;
         return Ok(Next::Answer(Begin::Completed { result }));
     }
     if lapsed {
@@ -154,7 +188,7 @@ mod tests {
     const NOW: i64 = 1_000_000_000;
 
     fn row(fp: &Fingerprint, state: i16, lease_until: i64, expires_at: i64) -> RecordRow {
-        let result = (state == COMPLETED).then(|| b"r".to_vec());
+        let result = (state != IN_PROGRESS).then(|| b"r".to_vec());
         let fp = Some(fp.as_bytes().to_vec());
         (
             fp,
@@ -164,6 +198,7 @@ mod tests {
             Some(expires_at),
             NOW,
             result,
+            0,
         )
     }
 
@@ -172,7 +207,7 @@ mod tests {
         let fp = Fingerprint::of(b"body");
         let other = Fingerprint::of(b"other");
         let later = NOW + 2_500_000;
-        let absent = (None, None, None, None, None, NOW, None);
+        let absent = (None, None, None, None, None, NOW, None, 0);
         assert_eq!(decide(absent, &fp).unwrap(), Next::Insert { fence: NOW });
         assert_eq!(
             decide(row(&fp, IN_PROGRESS, later, later), &fp).unwrap(),
@@ -213,6 +248,20 @@ mod tests {
             decide(row(&fp, IN_PROGRESS, later, NOW), &fp).unwrap(),
             Next::Answer(Begin::InProgress { .. })
         ));
+        // Abandoned replays its result; a record with a recovery point past its TTL is taken
+        // over, never reset.
+        assert_eq!(
+            decide(row(&fp, ABANDONED, NOW, later), &fp).unwrap(),
+            Next::Answer(Begin::Completed {
+                result: b"r".to_vec()
+            })
+        );
+        let mut with_point = row(&fp, IN_PROGRESS, NOW - 1, NOW);
+        with_point.7 = 1;
+        assert_eq!(
+            decide(with_point, &fp).unwrap(),
+            Next::TakeOver { fence: 7 }
+        );
         let mut broken = row(&fp, 5, later, later);
         assert!(decide(broken.clone(), &fp).is_err());
         broken.1 = Some(COMPLETED);

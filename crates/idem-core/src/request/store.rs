@@ -61,7 +61,9 @@ pub trait RequestStore: TransactionalStore {
     ) -> impl Future<Output = Result<(), Error>> + Send;
 
     /// Gives the record up (the outcome is not to be stored): the key is free again. Does
-    /// nothing when `fence` no longer holds it.
+    /// nothing when `fence` no longer holds it. A record with a recovery point (see
+    /// [`RecoveryStore`](crate::store::RecoveryStore)) is not deleted: its committed phases
+    /// stand, so only its lease ends and the next lookup resumes it.
     fn release(
         &self,
         key: &RequestKey,
@@ -80,8 +82,9 @@ pub trait RequestStore: TransactionalStore {
 
 /// Removes expired request records in bounded batches.
 pub trait ReapRequests: Send + Sync {
-    /// Deletes at most `limit` records that expired (completed ones past their TTL, in-progress
-    /// ones past both their TTL and their lease), in one short transaction. Returns how many.
+    /// Deletes at most `limit` records that expired (completed or abandoned ones past their
+    /// TTL, in-progress ones past both their TTL and their lease and without a recovery
+    /// point), in one short transaction. Returns how many.
     fn reap_batch(&self, limit: u32) -> impl Future<Output = Result<u64, Error>> + Send;
 }
 

@@ -23,7 +23,7 @@ pub mod sqlstate;
 
 use idem_core::TableName;
 
-use crate::{ClaimStatements, RequestStatements};
+use crate::{ClaimStatements, RecoveryMigration, RequestStatements};
 pub use outbox::{FILLFACTOR, outbox_channel, outbox_migration, outbox_statements};
 use partition::Partitioning;
 
@@ -164,25 +164,28 @@ pub fn claim_statements(t: &TableName, partitioned: bool) -> ClaimStatements {
 /// The request-record statements for `t`, on the server's clock ([`STATEMENT_NOW`]).
 pub fn request_statements(t: &TableName) -> RequestStatements {
     let now = STATEMENT_NOW;
+    let recovery_cols = "scope, idem_key, fence, recovery_point, phase_state, attempts";
     RequestStatements {
         read: format!(
             "SELECT r.fingerprint, r.state, r.fence, r.lease_until, r.expires_at, n.now, \
-             CASE WHEN r.fingerprint = $1 AND r.state = 1 THEN r.result END \
+             CASE WHEN r.fingerprint = $1 AND r.state <> 0 THEN r.result END, \
+             CASE WHEN r.recovery_point IS NULL THEN 0 ELSE 1 END::bigint \
              FROM (SELECT {now} AS now) n LEFT JOIN {t} r ON r.scope = $2 AND r.idem_key = $3"
         ),
         insert: format!(
-            "INSERT INTO {t} (scope, idem_key, fingerprint, state, fence, lease_until, expires_at) \
-             VALUES ($1, $2, $3, 0, $4, {now} + $5, {now} + $6) \
+            "INSERT INTO {t} (scope, idem_key, fingerprint, state, fence, lease_until, expires_at, attempts) \
+             VALUES ($1, $2, $3, 0, $4, {now} + $5, {now} + $6, 1) \
              ON CONFLICT (scope, idem_key) DO NOTHING"
         ),
         reset: format!(
             "UPDATE {t} SET fingerprint = $1, state = 0, fence = fence + 1, \
-             lease_until = {now} + $2, expires_at = {now} + $3, result = NULL \
-             WHERE scope = $4 AND idem_key = $5 AND fence = $6 \
-             AND expires_at <= {now} AND (state = 1 OR lease_until <= {now})"
+             lease_until = {now} + $2, expires_at = {now} + $3, result = NULL, \
+             recovery_point = NULL, phase_state = NULL, attempts = 1 \
+             WHERE scope = $4 AND idem_key = $5 AND fence = $6 AND expires_at <= {now} \
+             AND (state <> 0 OR (lease_until <= {now} AND recovery_point IS NULL))"
         ),
         take_over: format!(
-            "UPDATE {t} SET fence = fence + 1, lease_until = {now} + $1 \
+            "UPDATE {t} SET fence = fence + 1, lease_until = {now} + $1, attempts = attempts + 1 \
              WHERE scope = $2 AND idem_key = $3 AND fence = $4 AND state = 0 \
              AND lease_until <= {now}"
         ),
@@ -191,7 +194,30 @@ pub fn request_statements(t: &TableName) -> RequestStatements {
              WHERE scope = $3 AND idem_key = $4 AND fence = $5 AND state = 0"
         ),
         release: format!(
-            "DELETE FROM {t} WHERE scope = $1 AND idem_key = $2 AND fence = $3 AND state = 0"
+            "DELETE FROM {t} WHERE scope = $1 AND idem_key = $2 AND fence = $3 AND state = 0 \
+             AND recovery_point IS NULL"
+        ),
+        end_lease: format!(
+            "UPDATE {t} SET lease_until = {now} \
+             WHERE scope = $1 AND idem_key = $2 AND fence = $3 AND state = 0 \
+             AND recovery_point IS NOT NULL"
+        ),
+        recovery: format!(
+            "SELECT {recovery_cols} FROM {t} \
+             WHERE scope = $1 AND idem_key = $2 AND fence = $3 AND state = 0"
+        ),
+        advance: format!(
+            "UPDATE {t} SET recovery_point = $1, phase_state = $2 \
+             WHERE scope = $3 AND idem_key = $4 AND fence = $5 AND state = 0"
+        ),
+        abandon: format!(
+            "UPDATE {t} SET state = 2, result = $1, expires_at = {now} + $2 \
+             WHERE scope = $3 AND idem_key = $4 AND fence = $5 AND state = 0"
+        ),
+        stuck: format!(
+            "SELECT {recovery_cols} FROM {t} \
+             WHERE state = 0 AND recovery_point IS NOT NULL AND lease_until <= {now} \
+             ORDER BY lease_until LIMIT $1 FOR UPDATE SKIP LOCKED"
         ),
         extend: format!(
             "UPDATE {t} SET lease_until = {now} + $1 \
@@ -201,11 +227,40 @@ pub fn request_statements(t: &TableName) -> RequestStatements {
         // `ONLY`, as for the claims: migrate creates this table plain, where a ctid is one
         // row; on a table partitioned or inherited by hand it reaps nothing rather than the
         // rows at the same positions in other tables.
-        reap: format!(
-            "DELETE FROM ONLY {t} WHERE ctid = ANY(ARRAY( \
-             SELECT ctid FROM ONLY {t} WHERE expires_at < {now} AND (state = 1 OR lease_until < {now}) \
-             LIMIT $1)) AND expires_at < {now} AND (state = 1 OR lease_until < {now})"
+        reap: {
+            let expired = format!(
+                "expires_at < {now} AND (state <> 0 OR (lease_until < {now} AND recovery_point IS NULL))"
+            );
+            format!(
+                "DELETE FROM ONLY {t} WHERE ctid = ANY(ARRAY( \
+                 SELECT ctid FROM ONLY {t} WHERE {expired} LIMIT $1)) AND {expired}"
+            )
+        },
+    }
+}
+
+/// Adds the recovery columns and the completer's index to a requests table made before them,
+/// run by `migrate` after [`migration`] in its transaction only when the probe finds them
+/// missing: an `ALTER TABLE` takes the table's strongest lock, which would queue every lookup
+/// behind any transaction using the table, so a replica's start-up must not take it each time.
+pub fn recovery_migration(r: &TableName) -> RecoveryMigration {
+    let rname = r.table();
+    RecoveryMigration {
+        probe: format!(
+            "SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass('{r}') \
+             AND attname IN ('recovery_point', 'phase_state', 'attempts') AND NOT attisdropped"
         ),
+        add: vec![
+            format!(
+                "ALTER TABLE {r} ADD COLUMN IF NOT EXISTS recovery_point text, \
+                 ADD COLUMN IF NOT EXISTS phase_state bytea, \
+                 ADD COLUMN IF NOT EXISTS attempts bigint NOT NULL DEFAULT 1"
+            ),
+            format!(
+                "CREATE INDEX IF NOT EXISTS {rname}_stuck ON {r} (lease_until) \
+                 WHERE state = 0 AND recovery_point IS NOT NULL"
+            ),
+        ],
     }
 }
 
@@ -259,8 +314,9 @@ pub fn migration(t: &TableName, r: &TableName, partitioning: Option<&Partitionin
         format!("CREATE INDEX IF NOT EXISTS {rname}_expires_at ON {r} (expires_at)"),
         format!(
             "COMMENT ON TABLE {r} IS 'idem idempotent requests: one row per (scope, idem_key); \
-             state 0 in progress, 1 completed; lease_until and expires_at in microseconds \
-             since the Unix epoch'"
+             state 0 in progress, 1 completed, 2 abandoned; lease_until and expires_at in \
+             microseconds since the Unix epoch; recovery_point and phase_state: the last \
+             committed phase boundary'"
         ),
     ]);
     sql

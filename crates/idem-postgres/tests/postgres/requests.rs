@@ -79,10 +79,48 @@ impl<const CLIENTS: bool> RequestFixture for PgFixture<CLIENTS> {
     }
 }
 
+impl<const CLIENTS: bool> idem_testkit::RecoveryFixture for PgFixture<CLIENTS> {
+    async fn legacy_store(
+        &self,
+        table: &str,
+        completed: &idem_core::RequestKey,
+        fingerprint: &idem_core::Fingerprint,
+    ) -> PgStore {
+        self.admin
+            .batch_execute(&format!(
+                "CREATE TABLE {table} (scope bytea NOT NULL, idem_key bytea NOT NULL, \
+                 fingerprint bytea NOT NULL, state smallint NOT NULL, fence bigint NOT NULL, \
+                 lease_until bigint NOT NULL, expires_at bigint NOT NULL, result bytea, \
+                 PRIMARY KEY (scope, idem_key))"
+            ))
+            .await
+            .expect("legacy table");
+        self.admin
+            .execute(
+                &format!(
+                    "INSERT INTO {table} VALUES ($1, $2, $3, 1, 1, 0, \
+                     (extract(epoch from now()) * 1000000)::bigint + 86400000000, 'old')"
+                ),
+                &[
+                    &&completed.scope.as_bytes()[..],
+                    &completed.key.as_str().as_bytes(),
+                    &&fingerprint.as_bytes()[..],
+                ],
+            )
+            .await
+            .expect("legacy row");
+        self.store
+            .clone()
+            .with_requests_table(idem_core::TableName::new(table).expect("valid"))
+            .expect("plain table")
+    }
+}
+
 mod pooled {
     use super::PgFixture;
 
     idem_testkit::request_conformance_tests!(PgFixture<false>);
+    idem_testkit::recovery_conformance_tests!(PgFixture<false>);
     crate::request_extras::request_extras!(PgFixture<false>);
 }
 
@@ -90,5 +128,6 @@ mod clients {
     use super::PgFixture;
 
     idem_testkit::request_conformance_tests!(PgFixture<true>);
+    idem_testkit::recovery_conformance_tests!(PgFixture<true>);
     crate::request_extras::request_extras!(PgFixture<true>);
 }

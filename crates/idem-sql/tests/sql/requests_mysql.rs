@@ -56,3 +56,39 @@ impl RequestFixture for MySqlFixture {
 
 idem_testkit::request_conformance_tests!(MySqlFixture);
 crate::request_extras::request_extras!(MySqlFixture);
+
+impl idem_testkit::RecoveryFixture for MySqlFixture {
+    async fn legacy_store(
+        &self,
+        table: &str,
+        completed: &idem_core::RequestKey,
+        fingerprint: &idem_core::Fingerprint,
+    ) -> MySqlStore {
+        let pool = self.store.pool();
+        sqlx::query(&format!(
+            "CREATE TABLE {table} (scope BINARY(32) NOT NULL, idem_key VARBINARY(1024) NOT NULL, \
+             fingerprint BINARY(32) NOT NULL, state SMALLINT NOT NULL, fence BIGINT NOT NULL, \
+             lease_until BIGINT NOT NULL, expires_at BIGINT NOT NULL, result LONGBLOB NULL, \
+             PRIMARY KEY (scope, idem_key), KEY {table}_expires_at (expires_at)) ENGINE = InnoDB"
+        ))
+        .execute(pool)
+        .await
+        .expect("legacy table");
+        sqlx::query(&format!(
+            "INSERT INTO {table} VALUES (?, ?, ?, 1, 1, 0, \
+             TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) + 86400000000, 'old')"
+        ))
+        .bind(&completed.scope.as_bytes()[..])
+        .bind(completed.key.as_str().as_bytes())
+        .bind(&fingerprint.as_bytes()[..])
+        .execute(pool)
+        .await
+        .expect("legacy row");
+        self.store
+            .clone()
+            .with_requests_table(idem_sql::TableName::new(table).expect("valid"))
+            .expect("plain table")
+    }
+}
+
+idem_testkit::recovery_conformance_tests!(MySqlFixture);

@@ -57,3 +57,39 @@ impl RequestFixture for PgFixture {
 
 idem_testkit::request_conformance_tests!(PgFixture);
 crate::request_extras::request_extras!(PgFixture);
+
+impl idem_testkit::RecoveryFixture for PgFixture {
+    async fn legacy_store(
+        &self,
+        table: &str,
+        completed: &idem_core::RequestKey,
+        fingerprint: &idem_core::Fingerprint,
+    ) -> PostgresStore {
+        let pool = self.store.pool();
+        sqlx::query(&format!(
+            "CREATE TABLE {table} (scope bytea NOT NULL, idem_key bytea NOT NULL, \
+             fingerprint bytea NOT NULL, state smallint NOT NULL, fence bigint NOT NULL, \
+             lease_until bigint NOT NULL, expires_at bigint NOT NULL, result bytea, \
+             PRIMARY KEY (scope, idem_key))"
+        ))
+        .execute(pool)
+        .await
+        .expect("legacy table");
+        sqlx::query(&format!(
+            "INSERT INTO {table} VALUES ($1, $2, $3, 1, 1, 0, \
+             (extract(epoch from now()) * 1000000)::bigint + 86400000000, 'old')"
+        ))
+        .bind(&completed.scope.as_bytes()[..])
+        .bind(completed.key.as_str().as_bytes())
+        .bind(&fingerprint.as_bytes()[..])
+        .execute(pool)
+        .await
+        .expect("legacy row");
+        self.store
+            .clone()
+            .with_requests_table(idem_sql::TableName::new(table).expect("valid"))
+            .expect("plain table")
+    }
+}
+
+idem_testkit::recovery_conformance_tests!(PgFixture);

@@ -62,6 +62,44 @@ impl RequestFixture for SqliteFixture {
 idem_testkit::request_conformance_tests!(SqliteFixture);
 crate::request_extras::request_extras!(SqliteFixture);
 
+impl idem_testkit::RecoveryFixture for SqliteFixture {
+    const SKIPS_LOCKED_ROWS: bool = false;
+
+    async fn legacy_store(
+        &self,
+        table: &str,
+        completed: &idem_core::RequestKey,
+        fingerprint: &idem_core::Fingerprint,
+    ) -> SqliteStore {
+        let pool = self.store.pool();
+        sqlx::query(&format!(
+            "CREATE TABLE {table} (scope BLOB NOT NULL, idem_key BLOB NOT NULL, \
+             fingerprint BLOB NOT NULL, state INTEGER NOT NULL, fence INTEGER NOT NULL, \
+             lease_until INTEGER NOT NULL, expires_at INTEGER NOT NULL, result BLOB, \
+             PRIMARY KEY (scope, idem_key))"
+        ))
+        .execute(pool)
+        .await
+        .expect("legacy table");
+        sqlx::query(&format!(
+            "INSERT INTO {table} VALUES (?, ?, ?, 1, 1, 0, \
+             CAST(strftime('%s', 'now') AS INTEGER) * 1000000 + 86400000000, 'old')"
+        ))
+        .bind(&completed.scope.as_bytes()[..])
+        .bind(completed.key.as_str().as_bytes())
+        .bind(&fingerprint.as_bytes()[..])
+        .execute(pool)
+        .await
+        .expect("legacy row");
+        self.store
+            .clone()
+            .with_requests_table(TableName::new(table).expect("valid"))
+            .expect("plain table")
+    }
+}
+
+idem_testkit::recovery_conformance_tests!(SqliteFixture);
+
 /// On SQLite a running operation's transaction that wrote holds the write lock, so its heartbeat
 /// cannot renew the lease meanwhile. A retry after the lease ran out must still be answered at once
 /// — "in progress", since the holder may still be writing — not wait out the busy timeout;
