@@ -16,6 +16,8 @@ mod broker_fixture;
 pub mod conformance;
 #[cfg(feature = "fake-processor")]
 pub mod fake_processor;
+#[cfg(feature = "fault-proxy")]
+pub mod fault_proxy;
 mod fixture;
 #[cfg(feature = "http")]
 pub mod http;
