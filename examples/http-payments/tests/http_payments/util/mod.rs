@@ -104,6 +104,11 @@ impl TestDb {
         })
     }
 
+    /// The URL of the database holding the charges.
+    pub(crate) fn ledger_url(&self) -> &str {
+        &self.ledger_url
+    }
+
     /// Charges made with bearer token `token`, as committed (stored under its digest).
     pub(crate) async fn count_charges(&self, token: &str) -> i64 {
         self.count_rows_of(&principal_of(token)).await
