@@ -198,7 +198,7 @@ async fn postgres_client_survives_lost_answers() {
     charges_survive_lost_answers("postgres_client_survives_lost_answers", 1_000, 22).await;
 }
 
-/// The soak: `cargo test -p http-payments --test http_payments --release -- --ignored
+/// The soak: `cargo test -p http-payments --test http_payments -- --ignored
 /// postgres_client_survives_lost_answers_10k --nocapture`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "the 10,000-charge soak; RELIABILITY.md has its figures"]
