@@ -1,6 +1,7 @@
 //! The http-payments example's integration tests as one binary (one link, not one per file):
 //! the README's session on every store (`flows`), crashes and takeovers (`crash`) and
-//! `--emit`'s events through the outbox to a broker (`emit`), each
+//! `--emit`'s events through the outbox to a broker (`emit`), `--card-processor` against
+//! the fake card processor (`processor`), each
 //! against the real binary as a child process, over the helpers in `util`.
 //!
 //! The tests share this process: each has a database (or key prefix) of its own from
@@ -10,4 +11,5 @@
 mod crash;
 mod emit;
 mod flows;
+mod processor;
 mod util;
