@@ -252,3 +252,53 @@ async fn sqlite_card_processor_crash_after_the_charge_resumes_with_the_same_key(
 async fn postgres_card_processor_crash_after_the_charge_resumes_with_the_same_key() {
     crash_after_the_charge(Store::Postgres, "postgres_card_crash").await;
 }
+
+/// A `charges` table made before `processor_charge_id` existed gets the column in place on
+/// start, its rows kept, and `--card-processor` records into it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_old_charges_table_gets_the_processor_column() {
+    let test = "sqlite_card_migrate";
+    let Some(db) = TestDb::new(Store::Sqlite, test).await else {
+        return;
+    };
+    let url = db.args[1].clone();
+    let me = token(test);
+    {
+        use sqlx::ConnectOptions;
+        let options: sqlx::sqlite::SqliteConnectOptions = url.parse().expect("sqlite URL");
+        let mut conn = options
+            .create_if_missing(true)
+            .connect()
+            .await
+            .expect("open the ledger");
+        sqlx::query(
+            "CREATE TABLE charges (id TEXT PRIMARY KEY, principal TEXT NOT NULL,
+             account TEXT NOT NULL, amount_cents INTEGER NOT NULL, created_at TEXT NOT NULL)",
+        )
+        .execute(&mut conn)
+        .await
+        .expect("the old table");
+        sqlx::query("INSERT INTO charges VALUES ('ch_old', ?, 'dora', 5, '2026-01-01T00:00:00Z')")
+            .bind(crate::util::principal_of(&me))
+            .execute(&mut conn)
+            .await
+            .expect("an old row");
+    }
+    let fake = processor().await;
+    let http = client();
+    let server = Server::start(&db, &["--card-processor", &fake.url()]);
+    let old = get(&http, &server.base, &me, "/charges/ch_old").await;
+    assert_eq!(old.status, 200, "{old:?}");
+    assert!(
+        old.json().get("processor_charge_id").is_none(),
+        "{:?}",
+        old.json()
+    );
+    let answer = post(&http, &server.base, &Post::new(&me, "\"k\"", BODY))
+        .await
+        .expect("post");
+    recorded(&http, &server, &me, &answer).await;
+    assert_eq!(db.count_charges(&me).await, 2);
+    drop(server);
+    db.teardown().await;
+}
