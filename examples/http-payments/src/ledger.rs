@@ -68,10 +68,10 @@ where
     if sqlx::query(PROBE).fetch_optional(pool).await.is_ok() {
         return Ok(());
     }
-    if let Err(e) = sqlx::query(alter).execute(pool).await {
-        if sqlx::query(PROBE).fetch_optional(pool).await.is_err() {
-            return Err(anyhow::Error::from(e).context("adding charges.processor_charge_id"));
-        }
+    if let Err(e) = sqlx::query(alter).execute(pool).await
+        && sqlx::query(PROBE).fetch_optional(pool).await.is_err()
+    {
+        return Err(anyhow::Error::from(e).context("adding charges.processor_charge_id"));
     }
     Ok(())
 }
