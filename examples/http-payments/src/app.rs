@@ -222,6 +222,7 @@ pub(crate) fn parse_charge(body: &[u8]) -> Result<Charge, Invalid> {
         account: new.account,
         amount_cents: new.amount_cents,
         created_at: now_rfc3339(),
+        processor_charge_id: None,
     })
 }
 

@@ -31,7 +31,10 @@ use crate::ledger::{Ledger, WriteCharge};
 use crate::{Heartbeat, ServeArgs};
 
 /// The engine with the service's lease, heartbeat and TTL.
-fn engine<S: RequestStore + Clone + 'static>(store: S, args: &ServeArgs) -> Result<Idempotency<S>> {
+pub(crate) fn engine<S: RequestStore + Clone + 'static>(
+    store: S,
+    args: &ServeArgs,
+) -> Result<Idempotency<S>> {
     let mut builder = Idempotency::builder(store).lease(args.lease).ttl(args.ttl);
     builder = match args.heartbeat {
         Some(Heartbeat::Off) => builder.without_heartbeat(),

@@ -17,6 +17,9 @@ pub(crate) struct Charge {
     pub(crate) amount_cents: i64,
     /// RFC 3339, UTC, microseconds.
     pub(crate) created_at: String,
+    /// The card processor's ID of the charge, with `--card-processor` (else absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) processor_charge_id: Option<String>,
 }
 
 /// `principal` is who asked (a digest of the bearer token, never the token): `GET /charges/{id}`
@@ -45,6 +48,34 @@ const MYSQL_SCHEMA: &[&str] = &["CREATE TABLE IF NOT EXISTS charges (
         amount_cents BIGINT NOT NULL,
         created_at VARCHAR(40) CHARACTER SET ascii NOT NULL)"];
 
+/// The column `--card-processor` fills, added in place to a `charges` table made before it.
+const SQLITE_PROCESSOR_COLUMN: &str = "ALTER TABLE charges ADD COLUMN processor_charge_id TEXT";
+const POSTGRES_PROCESSOR_COLUMN: &str =
+    "ALTER TABLE charges ADD COLUMN IF NOT EXISTS processor_charge_id TEXT";
+const MYSQL_PROCESSOR_COLUMN: &str =
+    "ALTER TABLE charges ADD COLUMN processor_charge_id VARCHAR(255) CHARACTER SET utf8mb4 NULL";
+
+/// Adds `processor_charge_id` to `charges` with `alter` unless a probe finds it (so a start
+/// takes no `ALTER TABLE` lock when the column is there). Another replica adding it at the
+/// same moment makes `alter` fail: the column is then found by the second probe.
+async fn add_processor_column<DB>(pool: &sqlx::Pool<DB>, alter: &str) -> Result<()>
+where
+    DB: sqlx::Database,
+    for<'c> &'c sqlx::Pool<DB>: sqlx::Executor<'c, Database = DB>,
+    for<'q> <DB as sqlx::Database>::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
+{
+    const PROBE: &str = "SELECT processor_charge_id FROM charges WHERE 1 = 0";
+    if sqlx::query(PROBE).fetch_optional(pool).await.is_ok() {
+        return Ok(());
+    }
+    if let Err(e) = sqlx::query(alter).execute(pool).await
+        && sqlx::query(PROBE).fetch_optional(pool).await.is_err()
+    {
+        return Err(anyhow::Error::from(e).context("adding charges.processor_charge_id"));
+    }
+    Ok(())
+}
+
 /// The SQL database holding the charges, for the paths that do not write through the
 /// idempotency layer's transaction: reads, the Redis store (no shared transaction) and the
 /// benchmark's baseline without the layer.
@@ -61,6 +92,7 @@ impl Ledger {
         for ddl in SQLITE_SCHEMA {
             sqlx::query(ddl).execute(&pool).await?;
         }
+        add_processor_column(&pool, SQLITE_PROCESSOR_COLUMN).await?;
         Ok(Self::Sqlite(pool))
     }
 
@@ -69,6 +101,7 @@ impl Ledger {
         for ddl in POSTGRES_SCHEMA {
             sqlx::query(ddl).execute(&pool).await?;
         }
+        add_processor_column(&pool, POSTGRES_PROCESSOR_COLUMN).await?;
         Ok(Self::Postgres(pool))
     }
 
@@ -77,6 +110,7 @@ impl Ledger {
         for ddl in MYSQL_SCHEMA {
             sqlx::query(ddl).execute(&pool).await?;
         }
+        add_processor_column(&pool, MYSQL_PROCESSOR_COLUMN).await?;
         Ok(Self::MySql(pool))
     }
 
@@ -245,6 +279,7 @@ impl Ledger {
             account,
             amount_cents,
             created_at,
+            processor_charge_id: None,
         })
     }
 
@@ -268,11 +303,11 @@ impl Ledger {
         principal: &str,
         id: &str,
     ) -> Result<Option<Charge>, sqlx::Error> {
-        type Row = (String, i64, String);
+        type Row = (String, i64, String, Option<String>);
         let row: Option<Row> = match self {
             Ledger::Sqlite(pool) => {
                 sqlx::query_as(
-                    "SELECT account, amount_cents, created_at FROM charges WHERE id = ? AND principal = ?",
+                    "SELECT account, amount_cents, created_at, processor_charge_id FROM charges WHERE id = ? AND principal = ?",
                 )
                 .bind(id)
                 .bind(principal)
@@ -281,7 +316,7 @@ impl Ledger {
             }
             Ledger::Postgres(pool) => {
                 sqlx::query_as(
-                    "SELECT account, amount_cents, created_at FROM charges WHERE id = $1 AND principal = $2",
+                    "SELECT account, amount_cents, created_at, processor_charge_id FROM charges WHERE id = $1 AND principal = $2",
                 )
                 .bind(id)
                 .bind(principal)
@@ -290,7 +325,7 @@ impl Ledger {
             }
             Ledger::MySql(pool) => {
                 sqlx::query_as(
-                    "SELECT account, amount_cents, created_at FROM charges WHERE id = ? AND principal = ?",
+                    "SELECT account, amount_cents, created_at, processor_charge_id FROM charges WHERE id = ? AND principal = ?",
                 )
                 .bind(id)
                 .bind(principal)
@@ -298,12 +333,15 @@ impl Ledger {
                 .await?
             }
         };
-        Ok(row.map(|(account, amount_cents, created_at)| Charge {
-            id: id.to_owned(),
-            account,
-            amount_cents,
-            created_at,
-        }))
+        Ok(row.map(
+            |(account, amount_cents, created_at, processor_charge_id)| Charge {
+                id: id.to_owned(),
+                account,
+                amount_cents,
+                created_at,
+                processor_charge_id,
+            },
+        ))
     }
 }
 
@@ -323,13 +361,14 @@ async fn insert_sqlite(
     c: &Charge,
 ) -> Result<(), sqlx::Error> {
     sqlx::query(
-        "INSERT INTO charges (id, principal, account, amount_cents, created_at) VALUES (?, ?, ?, ?, ?)",
+        "INSERT INTO charges (id, principal, account, amount_cents, created_at, processor_charge_id) VALUES (?, ?, ?, ?, ?, ?)",
     )
     .bind(&c.id)
     .bind(principal)
     .bind(&c.account)
     .bind(c.amount_cents)
     .bind(&c.created_at)
+    .bind(&c.processor_charge_id)
     .execute(conn)
     .await
     .map(drop)
@@ -341,13 +380,14 @@ async fn insert_postgres(
     c: &Charge,
 ) -> Result<(), sqlx::Error> {
     sqlx::query(
-        "INSERT INTO charges (id, principal, account, amount_cents, created_at) VALUES ($1, $2, $3, $4, $5)",
+        "INSERT INTO charges (id, principal, account, amount_cents, created_at, processor_charge_id) VALUES ($1, $2, $3, $4, $5, $6)",
     )
     .bind(&c.id)
     .bind(principal)
     .bind(&c.account)
     .bind(c.amount_cents)
     .bind(&c.created_at)
+    .bind(&c.processor_charge_id)
     .execute(conn)
     .await
     .map(drop)
@@ -359,13 +399,14 @@ async fn insert_mysql(
     c: &Charge,
 ) -> Result<(), sqlx::Error> {
     sqlx::query(
-        "INSERT INTO charges (id, principal, account, amount_cents, created_at) VALUES (?, ?, ?, ?, ?)",
+        "INSERT INTO charges (id, principal, account, amount_cents, created_at, processor_charge_id) VALUES (?, ?, ?, ?, ?, ?)",
     )
     .bind(&c.id)
     .bind(principal)
     .bind(&c.account)
     .bind(c.amount_cents)
     .bind(&c.created_at)
+    .bind(&c.processor_charge_id)
     .execute(conn)
     .await
     .map(drop)

@@ -16,12 +16,17 @@
 //! With `--emit NAME --broker URL` (SQL stores only) each charge also writes a
 //! `PaymentCharged` event into the outbox in the same transaction, and a relay in this process
 //! publishes it to `NAME`.
+//!
+//! With `--card-processor URL` (SQL stores only) each charge first calls the card processor
+//! (`POST URL/v1/charges`) with a key derived from the request's, as a recovery point of
+//! `Idempotency::run_phases`, then writes the row with the processor's charge ID.
 
 mod app;
 mod bench;
 mod emit;
 mod layer;
 mod ledger;
+mod processor;
 mod stores;
 
 use std::net::SocketAddr;
@@ -78,6 +83,14 @@ pub(crate) struct ServeArgs {
     /// client ID (give each replica its own).
     #[arg(long, value_name = "NAME", default_value = "http-payments-relay")]
     pub(crate) relay_name: String,
+    /// Charge through a card processor at URL (`POST URL/v1/charges` with an
+    /// `Idempotency-Key`, as `idem-fake-processor` and Stripe take it) before writing the
+    /// charge row. The request then runs as two recovery points (`Idempotency::run_phases`):
+    /// the processor call, whose key is derived from the request's and is the same on every
+    /// attempt, then the row with the processor's charge ID. SQL --database only; not with
+    /// --emit.
+    #[arg(long, value_name = "URL")]
+    pub(crate) card_processor: Option<String>,
     /// How long a request holds its key without renewing it. After a crash, a retry takes
     /// over once the lease ran out.
     #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = parse_duration)]
@@ -133,6 +146,10 @@ impl std::fmt::Debug for ServeArgs {
                 &self.broker.as_deref().map(idem_redact::redact_url),
             )
             .field("relay_name", &self.relay_name)
+            .field(
+                "card_processor",
+                &self.card_processor.as_deref().map(idem_redact::redact_url),
+            )
             .field("lease", &self.lease)
             .field("heartbeat", &self.heartbeat)
             .field("ttl", &self.ttl)

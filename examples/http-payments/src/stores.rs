@@ -95,6 +95,19 @@ pub(crate) async fn build(args: &ServeArgs) -> Result<(Router, Option<Relaying>)
         );
     }
     let broker = emit::check(args, &scheme)?;
+    if args.card_processor.is_some() {
+        if scheme == "redis" || scheme == "rediss" {
+            anyhow::bail!(
+                "--card-processor needs a SQL --database: its recovery points commit with the charge row, which Redis cannot join"
+            );
+        }
+        if args.emit.is_some() {
+            anyhow::bail!("--card-processor and --emit together are not supported yet");
+        }
+        if args.mode != Mode::Idempotent {
+            anyhow::bail!("--card-processor is not for the benchmark's baseline modes");
+        }
+    }
     if args.mode != Mode::Idempotent {
         let ledger =
             match scheme.as_str() {
@@ -167,18 +180,27 @@ impl StoreVisitor for SqlRouter<'_> {
 
     async fn sqlite(self, store: SqliteStore) -> Result<Router> {
         let ledger = Ledger::sqlite(store.pool().clone()).await?;
+        if self.args.card_processor.is_some() {
+            return crate::processor::sql(store, ledger, self.args);
+        }
         let emit = self.emit(&store);
         crate::layer::sql(store, ledger, emit, self.waker, self.args)
     }
 
     async fn postgres(self, store: PostgresStore) -> Result<Router> {
         let ledger = Ledger::postgres(store.pool().clone()).await?;
+        if self.args.card_processor.is_some() {
+            return crate::processor::sql(store, ledger, self.args);
+        }
         let emit = self.emit(&store);
         crate::layer::sql(store, ledger, emit, self.waker, self.args)
     }
 
     async fn mysql(self, store: MySqlStore) -> Result<Router> {
         let ledger = Ledger::mysql(store.pool().clone()).await?;
+        if self.args.card_processor.is_some() {
+            return crate::processor::sql(store, ledger, self.args);
+        }
         let emit = self.emit(&store);
         crate::layer::sql(store, ledger, emit, self.waker, self.args)
     }
