@@ -144,8 +144,10 @@
 //! ```
 
 mod call;
+pub mod completer;
 mod engine;
 mod phases;
 
+pub use completer::{Completer, CompleterBuilder, CompleterStats};
 pub use engine::{Execution, Idempotency, IdempotencyBuilder, KeyDigest, Start};
 pub use phases::{PhaseCtx, Step};
