@@ -286,6 +286,50 @@ macro_rules! completer_tests {
             }
 
             #[tokio::test]
+            async fn run_finishes_stuck_operations_until_shutdown() {
+                let Some((store, _guard)) = $setup("completer_run").await else { return };
+                crash(&store, "run-1").await;
+                tokio::time::sleep(PAST_SHORT).await;
+                let c = completer(&store, Arc::default());
+                let shutdown = tokio_util::sync::CancellationToken::new();
+                let task = tokio::spawn(c.clone().run(shutdown.clone()));
+                for _ in 0..50 {
+                    if c.stats().resumed == 1 {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                shutdown.cancel();
+                let stats = tokio::time::timeout(Duration::from_secs(5), task)
+                    .await
+                    .expect("stops on shutdown")
+                    .expect("no panic");
+                assert_eq!((stats.resumed, stats.failed, stats.outages), (1, 0, 0));
+                assert_eq!(count(&store, "run-1/record").await, 1);
+            }
+
+            #[tokio::test]
+            async fn a_refusing_store_is_an_outage_not_a_failure() {
+                let Some((store, _guard)) = $setup("completer_outage").await else { return };
+                let missing = store
+                    .clone()
+                    .with_requests_table(idem_sql::TableName::new("no_such_requests").expect("name"))
+                    .expect("table");
+                let c = completer(&missing, Arc::default());
+                assert!(c.pass().await.is_err(), "the table is missing");
+                let shutdown = tokio_util::sync::CancellationToken::new();
+                let task = tokio::spawn(c.clone().run(shutdown.clone()));
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                shutdown.cancel();
+                let stats = tokio::time::timeout(Duration::from_secs(5), task)
+                    .await
+                    .expect("stops on shutdown")
+                    .expect("no panic");
+                assert!(stats.outages >= 2, "{stats:?}");
+                assert_eq!((stats.passes, stats.failed, stats.abandoned), (0, 0, 0));
+            }
+
+            #[tokio::test]
             async fn an_unknown_operation_is_left_alone() {
                 let Some((store, _guard)) = $setup("completer_unknown").await else {
                     return;
