@@ -287,7 +287,9 @@ macro_rules! completer_tests {
 
             #[tokio::test]
             async fn run_finishes_stuck_operations_until_shutdown() {
-                let Some((store, _guard)) = $setup("completer_run").await else { return };
+                let Some((store, _guard)) = $setup("completer_run").await else {
+                    return;
+                };
                 crash(&store, "run-1").await;
                 tokio::time::sleep(PAST_SHORT).await;
                 let c = completer(&store, Arc::default());
@@ -310,10 +312,14 @@ macro_rules! completer_tests {
 
             #[tokio::test]
             async fn a_refusing_store_is_an_outage_not_a_failure() {
-                let Some((store, _guard)) = $setup("completer_outage").await else { return };
+                let Some((store, _guard)) = $setup("completer_outage").await else {
+                    return;
+                };
                 let missing = store
                     .clone()
-                    .with_requests_table(idem_sql::TableName::new("no_such_requests").expect("name"))
+                    .with_requests_table(
+                        idem_sql::TableName::new("no_such_requests").expect("name"),
+                    )
                     .expect("table");
                 let c = completer(&missing, Arc::default());
                 assert!(c.pass().await.is_err(), "the table is missing");
