@@ -3,6 +3,53 @@
 //! past their lease ([`Idempotency::take_stuck`]) and resumes each at its last recovery point
 //! with the operation's own `step` function ([`Idempotency::resume_phases`]), or, after too
 //! many attempts, gives it up with a compensation ([`Execution::give_up`]).
+//!
+//! ```
+//! use std::time::Duration;
+//!
+//! use idem_core::{BoxError, IdempotencyKey, RequestScope};
+//! use idem_request::{Completer, Idempotency, PhaseCtx, Step};
+//! use idem_sql::{SqliteOptions, SqliteStore};
+//! use tokio_util::sync::CancellationToken;
+//!
+//! #[derive(serde::Serialize, serde::Deserialize)]
+//! enum Phase { Reserve, Confirm }
+//!
+//! /// The operation's phases: the caller's `run_phases` and the completer use the same one.
+//! async fn step(phase: Phase, ctx: &mut PhaseCtx<SqliteStore>) -> Result<Step<Phase, String>, BoxError> {
+//!     Ok(match phase {
+//!         Phase::Reserve => Step::Next(Phase::Confirm),
+//!         Phase::Confirm => Step::Done(format!("confirmed on attempt {}", ctx.attempt())),
+//!     })
+//! }
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//! # let dir = tempfile::tempdir()?;
+//! let store = SqliteStore::open(dir.path().join("app.db"), SqliteOptions::default()).await?;
+//! idem_core::Migrate::migrate(&store).await?;
+//! let idem = Idempotency::builder(store.clone()).lease(Duration::from_secs(10)).build()?;
+//! let completer = Completer::builder(idem)
+//!     .interval(Duration::from_secs(5))
+//!     .batch(32)
+//!     .max_attempts(5)
+//!     .operation(
+//!         RequestScope::new(["reserve"]),
+//!         "reserve",
+//!         |idem, stuck| async move { idem.resume_phases(stuck, step).await.map(drop) },
+//!         |execution, _recovery| async move {
+//!             // Out of attempts: undo in `tx`, and store the answer every retry replays.
+//!             execution.give_up(br#""gave up""#, async |_tx| Ok::<(), BoxError>(())).await
+//!         },
+//!     )
+//!     .build()?;
+//! let shutdown = CancellationToken::new();
+//! let task = tokio::spawn(completer.clone().run(shutdown.clone()));
+//! shutdown.cancel();
+//! let stats = task.await?;
+//! assert_eq!(stats.abandoned, 0);
+//! # Ok(()) }
+//! ```
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
