@@ -90,7 +90,8 @@ pub struct CompleterStats {
     pub failed: u64,
     /// Stuck records of a scope no operation was registered for; left alone.
     pub unknown: u64,
-    /// Passes the store refused (an outage, a missing table), waited out.
+    /// Passes the store refused (an outage, a missing table) or failed under, waited out;
+    /// never counted as an operation's failure.
     pub outages: u64,
 }
 
@@ -286,9 +287,11 @@ impl<S: RecoveryStore + Clone + Send + Sync + 'static> Completer<S> {
     }
 
     /// One pass: takes over at most one batch of stuck records and resumes or gives up each.
-    /// Returns how many were taken; an error only when the store refused the take-over (the
-    /// records are then untouched). A failing operation does not stop the pass: it is
-    /// counted and logged, and keeps its recovery point.
+    /// Returns how many were taken; an error when the store refused the take-over (the
+    /// records are then untouched) or failed as a store ([`Error::is_outage`]) under one of
+    /// them (the pass stops there; the rest wait out the lease). An operation that fails
+    /// otherwise does not stop the pass: it is counted and logged, and keeps its recovery
+    /// point.
     pub async fn pass(&self) -> Result<usize, Error> {
         match self.pass_inner().await {
             Pass::Took(n) => Ok(n),
@@ -312,12 +315,18 @@ impl<S: RecoveryStore + Clone + Send + Sync + 'static> Completer<S> {
         });
         counter!("idem_completer_stuck_total").increment(n as u64);
         for stuck in taken {
-            self.one(stuck).await;
+            if let Some(outage) = self.one(stuck).await {
+                // The rest of the batch would fail the same way: their leases run out and a
+                // later pass takes them again.
+                self.count(|s| s.outages += 1);
+                return Pass::Outage(outage);
+            }
         }
         Pass::Took(n)
     }
 
-    async fn one(&self, stuck: Stuck) {
+    /// Resumes or gives up one record; the error when the store itself failed (an outage).
+    async fn one(&self, stuck: Stuck) -> Option<Error> {
         let inner = &self.inner;
         let Some(op) = inner.operations.get(&stuck.key.scope) else {
             self.count(|s| s.unknown += 1);
@@ -331,7 +340,7 @@ impl<S: RecoveryStore + Clone + Send + Sync + 'static> Completer<S> {
                 tracing::warn!(scope = ?stuck.key.scope, "stuck records of a scope no operation is registered for; left alone (register it, or run a completer that has it)");
             }
             // Its lease runs out by itself; not released, so it is not retaken every pass.
-            return;
+            return None;
         };
         let key = stuck.key.clone();
         let attempts = stuck.recovery.attempts;
@@ -346,9 +355,9 @@ impl<S: RecoveryStore + Clone + Send + Sync + 'static> Completer<S> {
                     counter!("idem_completer_abandoned_total").increment(1);
                     tracing::info!(operation = %op.name, key = %KeyDigest(&key), attempts, "stuck operation given up after its last attempt");
                 }
-                Err(e) => self.failed(&op.name, &key, attempts, &e),
+                Err(e) => return self.failed(&op.name, &key, attempts, e),
             }
-            return;
+            return None;
         }
         match (op.resume)(inner.idem.clone(), stuck).await {
             Ok(()) => {
@@ -356,14 +365,26 @@ impl<S: RecoveryStore + Clone + Send + Sync + 'static> Completer<S> {
                 counter!("idem_completer_resumed_total").increment(1);
                 tracing::debug!(operation = %op.name, key = %KeyDigest(&key), attempts, "stuck operation finished");
             }
-            Err(e) => self.failed(&op.name, &key, attempts, &e),
+            Err(e) => return self.failed(&op.name, &key, attempts, e),
         }
+        None
     }
 
-    fn failed(&self, name: &str, key: &idem_core::RequestKey, attempts: u32, e: &Error) {
+    fn failed(
+        &self,
+        name: &str,
+        key: &idem_core::RequestKey,
+        attempts: u32,
+        e: Error,
+    ) -> Option<Error> {
+        if e.is_outage() {
+            tracing::debug!(operation = %name, key = %KeyDigest(key), attempts, error = %e, "the store failed under a stuck operation; it keeps its recovery point");
+            return Some(e);
+        }
         self.count(|s| s.failed += 1);
         counter!("idem_completer_failed_total").increment(1);
         tracing::warn!(operation = %name, key = %KeyDigest(key), attempts, error = %e, "stuck operation not finished; it keeps its recovery point for a later attempt");
+        None
     }
 
     /// Runs passes until `shutdown` is cancelled, and returns the counts. A pass that took a

@@ -336,6 +336,54 @@ macro_rules! completer_tests {
             }
 
             #[tokio::test]
+            async fn a_store_failing_under_an_operation_stops_the_pass_as_an_outage() {
+                let Some((store, _guard)) = $setup("completer_midoutage").await else {
+                    return;
+                };
+                crash(&store, "mid-1").await;
+                crash(&store, "mid-2").await;
+                tokio::time::sleep(PAST_SHORT).await;
+                let calls = Arc::new(AtomicU32::new(0));
+                let seen = Arc::clone(&calls);
+                let idem2 = Idempotency::builder(store.clone())
+                    .lease(SHORT)
+                    .build()
+                    .expect("idempotency");
+                let c = Completer::builder(idem2)
+                    .max_attempts(5)
+                    .operation(
+                        scope(),
+                        "create_order",
+                        move |_: Idempotency<S>, _stuck| {
+                            seen.fetch_add(1, Ordering::SeqCst);
+                            async {
+                                Err(idem_core::Error::new(
+                                    idem_core::ErrorKind::Unavailable,
+                                    "the database went away",
+                                ))
+                            }
+                        },
+                        |_: idem_request::Execution<S>, _| async {
+                            panic!("never given up for an outage")
+                        },
+                    )
+                    .build()
+                    .expect("completer");
+                assert!(c.pass().await.is_err(), "an outage, not a pass");
+                let stats = c.stats();
+                assert_eq!(
+                    calls.load(Ordering::SeqCst),
+                    1,
+                    "the pass stops at the first"
+                );
+                assert_eq!((stats.outages, stats.failed, stats.abandoned), (1, 0, 0));
+                assert_eq!(
+                    count(&store, "mid-1/record").await + count(&store, "mid-2/record").await,
+                    0
+                );
+            }
+
+            #[tokio::test]
             async fn an_unknown_operation_is_left_alone() {
                 let Some((store, _guard)) = $setup("completer_unknown").await else {
                     return;
