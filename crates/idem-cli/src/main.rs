@@ -2,9 +2,10 @@
 //!
 //! `idem demo` runs the payments scenario on the embedded SQLite store; `migrate`, `prune` and
 //! `stats` administer a claims table on any SQL store, `reap-requests` removes expired
-//! idempotent-request records, `relay` publishes a store's outbox through a broker.
+//! idempotent-request records, `complete` lists or gives up stuck operations of phases, `relay` publishes a store's outbox through a broker.
 
 mod admin;
+mod complete;
 mod demo;
 mod format;
 mod relay;
@@ -33,6 +34,9 @@ enum Command {
     Stats(admin::StatsArgs),
     /// Delete expired idempotent-request records, in bounded batches.
     ReapRequests(admin::ReapRequestsArgs),
+    /// List stuck operations of phases, or give up those out of attempts (resuming them is the
+    /// application's `idem_request::Completer`).
+    Complete(complete::CompleteArgs),
     /// Publish a store's outbox through a broker until SIGINT/SIGTERM (at least once, FIFO per ordering key).
     Relay(relay::RelayArgs),
 }
@@ -56,6 +60,7 @@ fn main() -> ExitCode {
             Command::Prune(args) => admin::prune(args).await,
             Command::Stats(args) => admin::stats(args).await,
             Command::ReapRequests(args) => admin::reap_requests(args).await,
+            Command::Complete(args) => complete::complete(args).await,
             Command::Relay(args) => relay::relay(args).await,
         }
     });

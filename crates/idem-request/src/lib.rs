@@ -60,7 +60,7 @@
 //! its transaction. [`Idempotency::run_phases`] runs it as a sequence of phases — the
 //! variants of your serde enum — and commits each boundary as **one** transaction: the
 //! phase's local writes and the record's new recovery point. A retry, a takeover after a
-//! crash or the completer ([`Idempotency::take_stuck`], [`Idempotency::resume_phases`])
+//! crash or the [`Completer`] (built on [`Idempotency::take_stuck`], [`Idempotency::resume_phases`])
 //! resumes at the last point, so a committed local phase never runs again, and an external
 //! call repeats only with the same key ([`PhaseCtx::foreign_key`], derived from the record's
 //! scope, key and the phase's name), which the third party deduplicates.
@@ -144,8 +144,10 @@
 //! ```
 
 mod call;
+pub mod completer;
 mod engine;
 mod phases;
 
+pub use completer::{Completer, CompleterBuilder, CompleterStats};
 pub use engine::{Execution, Idempotency, IdempotencyBuilder, KeyDigest, Start};
 pub use phases::{PhaseCtx, Step};
