@@ -401,10 +401,11 @@ async fn nats_resend_after_the_duplicate_window_is_one_effect_downstream() {
     };
     let relay = Relay::builder(format!("{name}_relay"))
         .poll_interval(Duration::from_millis(50))
-        // JetStream forgets a message ID on a timer that runs once per window, so an ID can
-        // outlive its window by up to one more window: 1.5 s after the first publish was
-        // sometimes still inside it on a loaded host. Three windows is past it for sure.
-        .retry_backoff(Duration::from_secs(3), Duration::from_secs(3))
+        // The wait is jittered within [base/2, base], and JetStream forgets a message ID on a
+        // timer that runs once per window, so an ID can outlive its 1 s window by up to one
+        // more. 1.5 s waited 0.75..1.5 s, sometimes still inside (CI failed on it once); 5 s
+        // waits 2.5..5 s, past two windows.
+        .retry_backoff(Duration::from_secs(5), Duration::from_secs(5))
         .build(outbox.store.clone(), publisher)
         .expect("relay");
     let stop = CancellationToken::new();
