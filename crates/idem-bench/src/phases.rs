@@ -9,6 +9,8 @@
 //! - `hand`: what a careful user writes without idem, with a recovery point: take the key
 //!   (insert into a key table), commit; A's insert and the point's UPDATE, commit; the call;
 //!   C's insert and the final UPDATE (the response), commit.
+//! - `hand-5`: by hand with idem's five commits: the key; the first point alone; A and the
+//!   point; the call's answer as a point of its own; C and the response.
 //! - `hand-min`: the fewest commits a correct version needs: the key, A and the point in one
 //!   commit; the call; C and the response in one commit.
 //!
@@ -40,16 +42,18 @@ const COUNT_OPS: u64 = 200;
 enum Way {
     Idem,
     Hand,
+    HandFive,
     HandMin,
 }
 
 impl Way {
-    const ALL: [Way; 3] = [Way::Idem, Way::Hand, Way::HandMin];
+    const ALL: [Way; 4] = [Way::Idem, Way::Hand, Way::HandFive, Way::HandMin];
 
     fn label(self) -> &'static str {
         match self {
             Way::Idem => "idem run_phases (A, B foreign, C)",
             Way::Hand => "by hand, same points (3 commits)",
+            Way::HandFive => "by hand, idem's commits (5)",
             Way::HandMin => "by hand, fewest commits (2)",
         }
     }
@@ -121,6 +125,8 @@ const CHARGE: &str = "INSERT INTO phase_charges (order_id, charge) VALUES ($1, $
 const TAKE: &str = "INSERT INTO phase_keys (key, point) VALUES ($1, 'order')";
 const TAKE_AT: &str = "INSERT INTO phase_keys (key, point, order_id) VALUES ($1, 'charge', $2)";
 const POINT: &str = "UPDATE phase_keys SET point = 'charge', order_id = $1 WHERE key = $2";
+const FIRST: &str = "UPDATE phase_keys SET point = 'order' WHERE key = $1";
+const ANSWER: &str = "UPDATE phase_keys SET point = 'record', response = $1 WHERE key = $2";
 const FINISH: &str = "UPDATE phase_keys SET point = 'done', response = $1 WHERE key = $2";
 
 /// One operation of each way, on one store type (the SQL is the same on both).
@@ -187,6 +193,45 @@ macro_rules! ways {
                         .await?;
                     tx.commit().await?;
                     let charge = call(http, url, &foreign).await?;
+                    let mut tx = store.begin_tx().await?;
+                    sqlx::query(CHARGE)
+                        .bind(order)
+                        .bind(&charge)
+                        .execute(&mut *tx)
+                        .await?;
+                    sqlx::query(FINISH)
+                        .bind(&charge)
+                        .bind(op)
+                        .execute(&mut *tx)
+                        .await?;
+                    tx.commit().await?;
+                }
+                Way::HandFive => {
+                    let mut tx = store.begin_tx().await?;
+                    sqlx::query(TAKE).bind(op).execute(&mut *tx).await?;
+                    tx.commit().await?;
+                    let mut tx = store.begin_tx().await?;
+                    sqlx::query(FIRST).bind(op).execute(&mut *tx).await?;
+                    tx.commit().await?;
+                    let mut tx = store.begin_tx().await?;
+                    let order: i64 = sqlx::query_scalar(ORDER)
+                        .bind(op)
+                        .fetch_one(&mut *tx)
+                        .await?;
+                    sqlx::query(POINT)
+                        .bind(order)
+                        .bind(op)
+                        .execute(&mut *tx)
+                        .await?;
+                    tx.commit().await?;
+                    let charge = call(http, url, &foreign).await?;
+                    let mut tx = store.begin_tx().await?;
+                    sqlx::query(ANSWER)
+                        .bind(&charge)
+                        .bind(op)
+                        .execute(&mut *tx)
+                        .await?;
+                    tx.commit().await?;
                     let mut tx = store.begin_tx().await?;
                     sqlx::query(CHARGE)
                         .bind(order)
@@ -377,7 +422,25 @@ impl Report {
                     out,
                     "- idem ÷ by hand (same points): {:.2} ops/s, {:.2} p50",
                     i.rate() / h.rate(),
-                    if h.pct(0.5) > 0.0 { i.pct(0.5) / h.pct(0.5) } else { 0.0 }
+                    if h.pct(0.5) > 0.0 {
+                        i.pct(0.5) / h.pct(0.5)
+                    } else {
+                        0.0
+                    }
+                );
+            }
+            if let (Some(i), Some(h)) = (t.rows.first(), t.rows.get(2))
+                && h.rate() > 0.0
+            {
+                let _ = writeln!(
+                    out,
+                    "- idem ÷ by hand with idem's commits: {:.2} ops/s, {:.2} p50",
+                    i.rate() / h.rate(),
+                    if h.pct(0.5) > 0.0 {
+                        i.pct(0.5) / h.pct(0.5)
+                    } else {
+                        0.0
+                    }
                 );
             }
         }
@@ -565,14 +628,19 @@ async fn pg_store(url: &str, max: u32) -> anyhow::Result<(PostgresStore, sqlx::P
     .await?;
     let store = PostgresStore::from_pool(schema_pool(url, max).await?);
     store.migrate().await?;
-    sqlx::raw_sql(&TABLES.replace("{AUTO}", " GENERATED ALWAYS AS IDENTITY").replace("id INTEGER", "id BIGINT"))
-        .execute(store.pool())
-        .await?;
+    sqlx::raw_sql(
+        &TABLES
+            .replace("{AUTO}", " GENERATED ALWAYS AS IDENTITY")
+            .replace("id INTEGER", "id BIGINT"),
+    )
+    .execute(store.pool())
+    .await?;
     Ok((store, admin))
 }
 
 async fn schema_pool(url: &str, max: u32) -> anyhow::Result<sqlx::PgPool> {
-    let options: PgConnectOptions = url.parse::<PgConnectOptions>()?
+    let options: PgConnectOptions = url
+        .parse::<PgConnectOptions>()?
         .options([("search_path", SCHEMA)])
         .disable_statement_logging();
     Ok(PgPoolOptions::new()
@@ -599,7 +667,9 @@ async fn pg_commits(
         let store = PostgresStore::from_pool(pool.clone());
         let backend = Backend::Pg(store.clone(), Idempotency::builder(store).build()?);
         for _ in 0..COUNT_OPS {
-            backend.run(way, http, call_url, &next_op(settings.run)).await?;
+            backend
+                .run(way, http, call_url, &next_op(settings.run))
+                .await?;
         }
         // A backend reports its counts when it exits.
         pool.close().await;
