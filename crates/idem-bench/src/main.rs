@@ -11,6 +11,7 @@
 //! on the disk's fsync latency and the core count far more than on idem.
 
 mod measure;
+mod phases;
 mod postgres;
 mod sqlite;
 mod workload;
@@ -64,6 +65,7 @@ impl std::fmt::Debug for BenchArgs {
             .field("outbox_latency_seconds", &self.outbox_latency_seconds)
             .field("outbox_pipeline", &self.outbox_pipeline)
             .field("outbox_size", &self.outbox_size)
+            .field("phases_workers", &self.phases_workers)
             .finish()
     }
 }
@@ -87,7 +89,8 @@ struct BenchArgs {
     /// prune (a large claims table pruned under a running consumer, PostgreSQL; minutes, so
     /// only when asked for); outbox (the transactional outbox on PostgreSQL: relay throughput
     /// next to the broker's own, enqueue cost in a set batch, commit → confirm latency; needs
-    /// the brokers of --outbox-brokers; only when asked for).
+    /// the brokers of --outbox-brokers; only when asked for); phases (recovery points through
+    /// `run_phases` against the same work by hand, PostgreSQL and SQLite; only when asked for).
     #[arg(long, value_delimiter = ',', default_value = "p1,p2,p3")]
     only: Vec<Scenario>,
     /// Counted seconds per measurement (a short warm-up runs before each) [default: 3]; for
@@ -162,6 +165,9 @@ struct BenchArgs {
     outbox_pipeline: Option<usize>,
     #[command(flatten)]
     outbox_size: postgres::OutboxSizeArgs,
+    /// Phases: concurrent workers, one table per count and database.
+    #[arg(long, value_delimiter = ',', default_value = "1,8")]
+    phases_workers: Vec<usize>,
 }
 
 fn main() -> ExitCode {
@@ -193,6 +199,7 @@ enum Scenario {
     P3,
     Prune,
     Outbox,
+    Phases,
 }
 
 /// What every scenario needs to know about the run.
@@ -457,6 +464,7 @@ async fn run(args: BenchArgs) -> anyhow::Result<()> {
         ("--p1-workers", &args.p1_workers),
         ("--p2-workers", &args.p2_workers),
         ("--p3-workers", &args.p3_workers),
+        ("--phases-workers", &args.phases_workers),
     ] {
         if counts.iter().any(|&w| w == 0 || w > 256) {
             bail!("{flag}: worker counts must be between 1 and 256");
@@ -587,6 +595,16 @@ async fn run(args: BenchArgs) -> anyhow::Result<()> {
             }
         }
     }
+    let phased = if wants(Scenario::Phases) {
+        let url = args
+            .postgres
+            .clone()
+            .or_else(|| std::env::var("IDEM_TEST_POSTGRES_URL").ok())
+            .unwrap_or_else(|| DEFAULT_POSTGRES.to_string());
+        Some(phases::run(&url, &settings, &args.phases_workers).await?)
+    } else {
+        None
+    };
     if wants(Scenario::P3) {
         let bench = sqlite::Bench::open(args.sqlite.clone(), &settings).await?;
         env.sqlite = Some(bench.describe().to_string());
@@ -615,6 +633,13 @@ async fn run(args: BenchArgs) -> anyhow::Result<()> {
             outboxed.markdown()
         } else {
             outboxed.plain()
+        });
+    }
+    if let Some(phased) = &phased {
+        report.push_str(&if args.markdown {
+            phased.markdown()
+        } else {
+            phased.plain()
         });
     }
     print!("{report}");
