@@ -46,6 +46,29 @@ fn record(r: &tokio_postgres::Row) -> Result<RecordRow, tokio_postgres::Error> {
     ))
 }
 
+/// Ends a held record with its result (completed or abandoned: the two statements take the same
+/// parameters), in the handler's transaction; a record the fence no longer holds is `LeaseLost`.
+async fn end_in(
+    tx: &mut PgTx,
+    statement: &str,
+    doing: &'static str,
+    key: &RequestKey,
+    fence: Fence,
+    result: &[u8],
+    ttl: Duration,
+) -> Result<(), Error> {
+    let err = |e| store_error(doing, e);
+    let end = tx.prepare_cached(statement).await.map_err(err)?;
+    let (scope, id) = (&key.scope.as_bytes()[..], key.key.as_str().as_bytes());
+    let (ttl, fence_bound) = (span(ttl), bound_fence(fence));
+    let params: [&(dyn ToSql + Sync); 5] = [&result, &ttl, &scope, &id, &fence_bound];
+    if tx.execute(&end, &params).await.map_err(err)? == 1 {
+        Ok(())
+    } else {
+        Err(lease_lost(fence))
+    }
+}
+
 /// A row of the `recovery` or `stuck` statement.
 fn recovery_row(r: &tokio_postgres::Row) -> Result<RecoveryRow, tokio_postgres::Error> {
     Ok((
@@ -135,16 +158,8 @@ impl RequestStore for PgStore {
         result: &[u8],
         ttl: Duration,
     ) -> Result<(), Error> {
-        let err = |e| store_error("completing an idempotent request", e);
-        let complete = tx.prepare_cached(&self.rsql.complete).await.map_err(err)?;
-        let (scope, id) = (&key.scope.as_bytes()[..], key.key.as_str().as_bytes());
-        let (ttl, fence_bound) = (span(ttl), bound_fence(fence));
-        let params: [&(dyn ToSql + Sync); 5] = [&result, &ttl, &scope, &id, &fence_bound];
-        if tx.execute(&complete, &params).await.map_err(err)? == 1 {
-            Ok(())
-        } else {
-            Err(lease_lost(fence))
-        }
+        let (statement, doing) = (&self.rsql.complete, "completing an idempotent request");
+        end_in(tx, statement, doing, key, fence, result, ttl).await
     }
 
     /// Deletes a record without a recovery point; ends the lease of one with a point.
@@ -229,16 +244,8 @@ impl RecoveryStore for PgStore {
         result: &[u8],
         ttl: Duration,
     ) -> Result<(), Error> {
-        let err = |e| store_error("abandoning an idempotent request", e);
-        let abandon = tx.prepare_cached(&self.rsql.abandon).await.map_err(err)?;
-        let (scope, id) = (&key.scope.as_bytes()[..], key.key.as_str().as_bytes());
-        let (ttl, fence_bound) = (span(ttl), bound_fence(fence));
-        let params: [&(dyn ToSql + Sync); 5] = [&result, &ttl, &scope, &id, &fence_bound];
-        if tx.execute(&abandon, &params).await.map_err(err)? == 1 {
-            Ok(())
-        } else {
-            Err(lease_lost(fence))
-        }
+        let (statement, doing) = (&self.rsql.abandon, "abandoning an idempotent request");
+        end_in(tx, statement, doing, key, fence, result, ttl).await
     }
 
     async fn take_stuck(&self, limit: u32, lease: Duration) -> Result<Vec<Stuck>, Error> {

@@ -137,21 +137,8 @@ impl<E: Engine> RequestStore for SqlStore<E> {
         result: &[u8],
         ttl: Duration,
     ) -> Result<(), Error> {
-        let params = Clocked::<E>::now().params([
-            Param::Bytes(result),
-            Param::Int(span(ttl)),
-            Param::Bytes(&key.scope.as_bytes()[..]),
-            Param::Bytes(key.key.as_str().as_bytes()),
-            Param::Int(bound_fence(fence)),
-        ]);
-        let updated = E::complete_request(tx, &self.rsql.complete, &params)
-            .await
-            .map_err(|e| store_error::<E>("completing an idempotent request", e))?;
-        if updated == 1 {
-            Ok(())
-        } else {
-            Err(lease_lost(fence))
-        }
+        let (statement, doing) = (&self.rsql.complete, "completing an idempotent request");
+        end_in::<E>(tx, statement, doing, key, fence, result, ttl).await
     }
 
     /// Deletes a record without a recovery point; ends the lease of one with a point.
@@ -201,6 +188,35 @@ impl<E: Engine> RequestStore for SqlStore<E> {
                  holds the database's write lock",
             )),
         }
+    }
+}
+
+/// Ends a held record with its result (completed or abandoned: the two statements take the same
+/// parameters), in the handler's transaction; a record the fence no longer holds is `LeaseLost`.
+async fn end_in<E: Engine>(
+    tx: &mut Tx<E>,
+    statement: &str,
+    doing: &'static str,
+    key: &RequestKey,
+    fence: Fence,
+    result: &[u8],
+    ttl: Duration,
+) -> Result<(), Error> {
+    let [scope, id, fence_bound] = held(key, fence);
+    let params = Clocked::<E>::now().params([
+        Param::Bytes(result),
+        Param::Int(span(ttl)),
+        scope,
+        id,
+        fence_bound,
+    ]);
+    let updated = E::complete_request(tx, statement, &params)
+        .await
+        .map_err(|e| store_error::<E>(doing, e))?;
+    if updated == 1 {
+        Ok(())
+    } else {
+        Err(lease_lost(fence))
     }
 }
 
@@ -262,22 +278,8 @@ impl<E: Engine> RecoveryStore for SqlStore<E> {
         result: &[u8],
         ttl: Duration,
     ) -> Result<(), Error> {
-        let [scope, id, fence_bound] = held(key, fence);
-        let params = Clocked::<E>::now().params([
-            Param::Bytes(result),
-            Param::Int(span(ttl)),
-            scope,
-            id,
-            fence_bound,
-        ]);
-        let updated = E::complete_request(tx, &self.rsql.abandon, &params)
-            .await
-            .map_err(|e| store_error::<E>("abandoning an idempotent request", e))?;
-        if updated == 1 {
-            Ok(())
-        } else {
-            Err(lease_lost(fence))
-        }
+        let (statement, doing) = (&self.rsql.abandon, "abandoning an idempotent request");
+        end_in::<E>(tx, statement, doing, key, fence, result, ttl).await
     }
 
     async fn take_stuck(&self, limit: u32, lease: Duration) -> Result<Vec<Stuck>, Error> {
