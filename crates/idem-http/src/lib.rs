@@ -364,10 +364,12 @@ mod extract;
 mod future;
 mod key;
 mod layer;
+pub mod phases;
 pub mod policy;
 mod principal;
 pub mod problem;
 pub mod record;
+mod run;
 mod service;
 mod tx;
 
@@ -380,6 +382,7 @@ pub use layer::{
     DEFAULT_BODY_LIMIT, DEFAULT_RETRY_AFTER, IDEMPOTENT_BODY_OMITTED, IDEMPOTENT_REPLAYED,
     IdempotencyLayer, KeyRequirement, default_fingerprint,
 };
+pub use phases::{IdemPhases, PhaseResponse, Phases, PhasesError};
 pub use policy::{StorePolicy, stored_by_default};
 pub use principal::{MakePrincipal, Principal, PrincipalFn, SharedScope};
 pub use service::IdempotencyService;
