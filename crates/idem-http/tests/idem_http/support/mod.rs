@@ -6,3 +6,4 @@ pub(crate) mod grpc;
 pub(crate) mod hang;
 pub(crate) mod suite;
 pub(crate) mod write_lock;
+pub(crate) mod phases;
