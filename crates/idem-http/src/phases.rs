@@ -338,7 +338,11 @@ impl fmt::Debug for PhasesError {
 
 impl fmt::Display for PhasesError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "the request's phases ended without a response: {}", self.error)
+        write!(
+            f,
+            "the request's phases ended without a response: {}",
+            self.error
+        )
     }
 }
 

@@ -393,8 +393,8 @@ mod phases {
         };
         let failed = test::call_service(&app, post()).await;
         assert_eq!(failed.status(), 503);
-        let problem: serde_json::Value = serde_json::from_slice(&test::read_body(failed).await)
-            .expect("a problem");
+        let problem: serde_json::Value =
+            serde_json::from_slice(&test::read_body(failed).await).expect("a problem");
         assert_eq!(problem["code"], "phase-failed");
         assert_eq!(fx.count_effects("t1:record").await, 0, "rolled back");
         assert_eq!(fx.count_effects("t1:charge").await, 1, "committed");
@@ -407,7 +407,11 @@ mod phases {
         assert_eq!(replay.status(), 201);
         assert_eq!(replay.headers().get("idempotent-replayed").unwrap(), "true");
         assert_eq!(test::read_body(replay).await, "paid t1");
-        assert_eq!(calls.lock().unwrap().len(), 1, "the committed phase ran again");
+        assert_eq!(
+            calls.lock().unwrap().len(),
+            1,
+            "the committed phase ran again"
+        );
         assert_eq!(fx.count_effects("t1:charge").await, 1);
         assert_eq!(fx.count_effects("t1:record").await, 1);
         drop(app);

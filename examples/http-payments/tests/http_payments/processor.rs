@@ -215,7 +215,10 @@ async fn crash_then(store: Store, test: &str, completer: bool) {
     };
     let processor_id = recorded(&http, &server, &me, &answer).await;
     if completer {
-        assert!(answer.replayed(), "the completer's charge is replayed: {answer:?}");
+        assert!(
+            answer.replayed(),
+            "the completer's charge is replayed: {answer:?}"
+        );
     }
     let stats = fake.stats();
     one_effect(&stats);

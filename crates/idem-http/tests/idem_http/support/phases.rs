@@ -20,8 +20,8 @@ use http::request::Parts;
 use http_body_util::BodyExt;
 use idem_core::store::RecoveryStore;
 use idem_core::{BoxError, Migrate};
-use idem_http::phases::{IdemPhases, PhaseResponse, Phases, PhasesError};
 use idem_http::IdempotencyLayer;
+use idem_http::phases::{IdemPhases, PhaseResponse, Phases, PhasesError};
 use idem_request::{Completer, Idempotency, PhaseCtx, Step};
 use idem_testkit::http::HttpFixture;
 use serde_json::json;
@@ -135,12 +135,10 @@ where
                     .record_effect(ctx.tx(), &format!("{tag}:record"))
                     .await?;
                 let body = json!({ "tag": tag, "cents": cents, "processor_id": processor_id });
-                Step::Done(
-                    PhaseResponse::json(StatusCode::CREATED, &body)?.header(
-                        http::header::LOCATION,
-                        http::HeaderValue::from_str(&format!("/payments/{tag}"))?,
-                    ),
-                )
+                Step::Done(PhaseResponse::json(StatusCode::CREATED, &body)?.header(
+                    http::header::LOCATION,
+                    http::HeaderValue::from_str(&format!("/payments/{tag}"))?,
+                ))
             }
         })
     }
@@ -250,18 +248,16 @@ where
                 "payments",
                 move |idem, stuck| {
                     let op = op.clone();
-                    async move {
-                        idem_http::phases::resume(&idem, stuck, op)
-                            .await
-                            .map(drop)
-                    }
+                    async move { idem_http::phases::resume(&idem, stuck, op).await.map(drop) }
                 },
                 |execution, _recovery| async move {
                     let gone = PhaseResponse::json(
                         StatusCode::GONE,
                         &json!({ "error": "given up after its attempts" }),
                     )
-                    .map_err(|e| idem_core::Error::new(idem_core::ErrorKind::Store, e.to_string()))?;
+                    .map_err(|e| {
+                        idem_core::Error::new(idem_core::ErrorKind::Store, e.to_string())
+                    })?;
                     idem_http::phases::give_up(execution, &gone).await
                 },
             )
@@ -326,8 +322,18 @@ where
     let retry = bench.post("k-1", "p1", "ok").await;
     assert!(retry.replayed);
     assert_eq!(
-        (retry.status, &retry.location, &retry.content_type, &retry.body),
-        (first.status, &first.location, &first.content_type, &first.body)
+        (
+            retry.status,
+            &retry.location,
+            &retry.content_type,
+            &retry.body
+        ),
+        (
+            first.status,
+            &first.location,
+            &first.content_type,
+            &first.body
+        )
     );
     assert_eq!(bench.calls("p1").len(), 1);
     assert_eq!(bench.effects("p1", "charge").await, 1);
@@ -431,8 +437,18 @@ where
     let retry = bench.post("k-4", "p4", "block").await;
     assert!(retry.replayed, "{retry:?}");
     assert_eq!(
-        (retry.status, &retry.location, &retry.content_type, &retry.body),
-        (normal.status, &normal.location, &normal.content_type, &normal.body),
+        (
+            retry.status,
+            &retry.location,
+            &retry.content_type,
+            &retry.body
+        ),
+        (
+            normal.status,
+            &normal.location,
+            &normal.content_type,
+            &normal.body
+        ),
         "the completer's stored response differs from a normal finish"
     );
     bench.op.shared.release.notify_one();
@@ -487,7 +503,12 @@ where
 {
     let bench = bench!(test, LONG);
     let first = bench.post("k-6", "p6", "abandon").await;
-    assert_eq!(first.status, StatusCode::PAYMENT_REQUIRED, "{:?}", first.body);
+    assert_eq!(
+        first.status,
+        StatusCode::PAYMENT_REQUIRED,
+        "{:?}",
+        first.body
+    );
     assert!(!first.replayed);
     let retry = bench.post("k-6", "p6", "abandon").await;
     assert!(retry.replayed);
