@@ -411,6 +411,9 @@ where
     ///
     /// Marks the execution started. The handler must not hold an [`IdemTx`](crate::IdemTx)
     /// while it runs (the phases need the transaction: `500`).
+    // Not an `async fn`: the `+ Send` bound is the point — checked here, for every `O`, so a
+    // handler's future is `Send` without the user proving it.
+    #[allow(clippy::manual_async_fn)]
     pub fn run<O>(
         self,
         first: O::Phase,

@@ -319,7 +319,7 @@ mod phases {
             Ok(match phase {
                 Pay::Charge { tag } => {
                     let key = ctx.foreign_key("charge").to_uuid_string();
-                    self.calls.lock().unwrap().push(key);
+                    self.calls.lock().expect("the test's lock").push(key);
                     self.fx
                         .record_effect(ctx.tx(), &format!("{tag}:charge"))
                         .await?;
@@ -405,10 +405,16 @@ mod phases {
         assert_eq!(test::read_body(resumed).await, "paid t1");
         let replay = test::call_service(&app, post()).await;
         assert_eq!(replay.status(), 201);
-        assert_eq!(replay.headers().get("idempotent-replayed").unwrap(), "true");
+        assert_eq!(
+            replay
+                .headers()
+                .get("idempotent-replayed")
+                .expect("the replay header"),
+            "true"
+        );
         assert_eq!(test::read_body(replay).await, "paid t1");
         assert_eq!(
-            calls.lock().unwrap().len(),
+            calls.lock().expect("the test's lock").len(),
             1,
             "the committed phase ran again"
         );

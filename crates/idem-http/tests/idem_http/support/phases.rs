@@ -86,7 +86,7 @@ where
                 self.shared
                     .calls
                     .lock()
-                    .unwrap()
+                    .expect("the test's lock")
                     .entry(tag.clone())
                     .or_default()
                     .push(key);
@@ -230,7 +230,7 @@ where
             .shared
             .calls
             .lock()
-            .unwrap()
+            .expect("the test's lock")
             .get(tag)
             .cloned()
             .unwrap_or_default()
@@ -317,7 +317,7 @@ where
     assert_eq!(first.status, StatusCode::CREATED, "{:?}", first.body);
     assert!(!first.replayed);
     assert_eq!(first.location.as_deref(), Some("/payments/p1"));
-    let body: serde_json::Value = serde_json::from_slice(&first.body).unwrap();
+    let body: serde_json::Value = serde_json::from_slice(&first.body).expect("a JSON body");
     assert_eq!(body["processor_id"], "pr_p1");
     let retry = bench.post("k-1", "p1", "ok").await;
     assert!(retry.replayed);
@@ -353,7 +353,7 @@ where
     let failed = bench.post("k-2", "p2", "fail-once").await;
     assert_eq!(failed.status, StatusCode::SERVICE_UNAVAILABLE);
     assert!(!failed.replayed);
-    let problem: serde_json::Value = serde_json::from_slice(&failed.body).unwrap();
+    let problem: serde_json::Value = serde_json::from_slice(&failed.body).expect("a JSON body");
     assert_eq!(problem["code"], "phase-failed");
     // The failed phase's row rolled back; the committed phase's stands.
     assert_eq!(bench.effects("p2", "record").await, 0);
@@ -387,7 +387,7 @@ where
     bench.op.shared.entered.notified().await;
     let duplicate = bench.post("k-3", "p3", "block").await;
     assert_eq!(duplicate.status, StatusCode::CONFLICT);
-    let problem: serde_json::Value = serde_json::from_slice(&duplicate.body).unwrap();
+    let problem: serde_json::Value = serde_json::from_slice(&duplicate.body).expect("a JSON body");
     assert_eq!(problem["code"], "conflict");
 
     lease_runs_out().await;
@@ -397,7 +397,7 @@ where
     bench.op.shared.release.notify_one();
     let late = holder.await.expect("the holder's request");
     assert_eq!(late.status, StatusCode::CONFLICT, "{:?}", late.body);
-    let problem: serde_json::Value = serde_json::from_slice(&late.body).unwrap();
+    let problem: serde_json::Value = serde_json::from_slice(&late.body).expect("a JSON body");
     assert_eq!(problem["code"], "lease-lost");
 
     let replay = bench.post("k-3", "p3", "block").await;
