@@ -14,7 +14,8 @@
 //! 3. [`Keyed::start`] fingerprints the request and asks the engine: [`Decision::Respond`]
 //!    (a replay, `409 conflict`, `422 fingerprint-mismatch`, `503`) or [`Decision::Execute`];
 //! 4. the framework puts the execution in the request ([`Execution::attach`]: the transaction
-//!    for [`IdemTx`](crate::IdemTx), the [`IdemRequest`]), runs its handler, and hands the
+//!    for [`IdemTx`](crate::IdemTx), the execution for [`IdemPhases`](crate::IdemPhases), the
+//!    [`IdemRequest`]), runs its handler, and hands the
 //!    response's head and body to [`Execution::finish`], which stores it (or not) and returns
 //!    what goes to the client; a handler that failed or panicked gets
 //!    [`Execution::abandon`] instead.

@@ -553,3 +553,33 @@ where
         })
         .await
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The completer's record is what the layer would store of the same response: the
+    /// allow-listed headers kept, `Set-Cookie` and framing headers never, the body whole.
+    #[test]
+    fn the_completers_record_keeps_what_the_layer_keeps() {
+        let response = PhaseResponse::json(StatusCode::CREATED, &serde_json::json!({ "id": 7 }))
+            .expect("JSON")
+            .header(
+                http::header::LOCATION,
+                HeaderValue::from_static("/charges/7"),
+            )
+            .header(http::header::SET_COOKIE, HeaderValue::from_static("s=1"))
+            .header(http::header::CONTENT_LENGTH, HeaderValue::from_static("8"))
+            .header(
+                HeaderName::from_static("x-internal"),
+                HeaderValue::from_static("1"),
+            );
+        let stored =
+            StoredResponse::decode(Bytes::from(response.to_stored().encode())).expect("a record");
+        assert_eq!(stored.status, StatusCode::CREATED);
+        assert_eq!(stored.headers.len(), 2, "{:?}", stored.headers);
+        assert_eq!(stored.headers[CONTENT_TYPE], "application/json");
+        assert_eq!(stored.headers[http::header::LOCATION], "/charges/7");
+        assert_eq!(stored.body.as_deref(), Some(&b"{\"id\":7}"[..]));
+    }
+}
