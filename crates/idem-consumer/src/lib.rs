@@ -66,6 +66,8 @@ mod id_source;
 #[cfg(feature = "test-util")]
 mod in_memory;
 pub mod metrics;
+#[cfg(feature = "phases")]
+pub mod phased;
 mod prune;
 mod retry;
 mod runner;

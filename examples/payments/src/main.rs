@@ -13,6 +13,7 @@
 
 mod bench;
 mod brokers;
+mod card;
 mod charge_batch;
 mod cli;
 mod database;
@@ -55,7 +56,20 @@ pub(crate) struct Settings {
     pub(crate) emit: Option<Emitting>,
     /// `--receipts`: record `PaymentCharged` events instead of charging.
     pub(crate) receipts: bool,
+    /// `--card-processor`: charge through a card processor, as recovery points.
+    pub(crate) card: Option<CardSettings>,
     pub(crate) shutdown: CancellationToken,
+}
+
+/// `--card-processor URL` and its options.
+#[derive(Debug, Clone)]
+pub(crate) struct CardSettings {
+    /// The processor's base URL (may hold credentials; logged only redacted).
+    pub(crate) url: String,
+    /// `--phase-lease`.
+    pub(crate) lease: std::time::Duration,
+    /// `--test-pause-after-charge`.
+    pub(crate) pause_after_charge: Option<std::time::Duration>,
 }
 
 fn main() {
@@ -132,6 +146,7 @@ async fn run(cli: Cli) -> Result<()> {
                 static_membership: true,
                 emit: None,
                 receipts: false,
+                card: None,
                 shutdown: CancellationToken::new(),
             };
             brokers::teardown(&broker, &settings).await
@@ -150,6 +165,7 @@ async fn run(cli: Cli) -> Result<()> {
                 static_membership: true,
                 emit: None,
                 receipts: false,
+                card: None,
                 shutdown: CancellationToken::new(),
             };
             let r = bench::run(&broker, &settings, &b.database, b.messages).await?;
@@ -219,6 +235,11 @@ async fn serve(args: ServeArgs) -> Result<()> {
             relay: !args.no_relay,
         }),
         receipts: args.receipts,
+        card: args.card_processor.map(|url| CardSettings {
+            url,
+            lease: args.phase_lease,
+            pause_after_charge: args.test_pause_after_charge,
+        }),
         shutdown: idem_consumer::shutdown::on_signal(),
     };
     let Some(db) = Database::open_when_up(&args.database, &settings.shutdown).await? else {
