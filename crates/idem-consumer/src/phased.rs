@@ -262,14 +262,15 @@ where
             Ok(ours) => *ours,
             Err(e) => Error::reject(e),
         })?;
-        let mut ran = false;
+        // Whether a phase ran (a record that had ended runs none), and how the last ended.
+        let ran = Arc::new(AtomicBool::new(false));
         let abandoned = Arc::new(AtomicBool::new(false));
         let step = {
             let handler = Arc::clone(&self.handler);
             let abandoned = Arc::clone(&abandoned);
-            let ran = &mut ran;
+            let ran = Arc::clone(&ran);
             stepper::<S, H::Phase, H::Output, _>(move |phase, ctx| {
-                *ran = true;
+                ran.store(true, Ordering::Relaxed);
                 let (handler, abandoned) = (Arc::clone(&handler), Arc::clone(&abandoned));
                 Box::pin(async move {
                     let step = handler.step(phase, ctx).await?;
@@ -285,7 +286,7 @@ where
             .run_phases(self.scope, &key, &input, first, step)
             .await;
         match result {
-            Ok(_) if !ran => Ok(PhasedOutcome::Duplicate),
+            Ok(_) if !ran.load(Ordering::Relaxed) => Ok(PhasedOutcome::Duplicate),
             Ok(out) if abandoned.load(Ordering::Relaxed) => Ok(PhasedOutcome::Abandoned(out)),
             Ok(out) => Ok(PhasedOutcome::Done(out)),
             Err(e) if e.request_kind() == Some(RequestErrorKind::InvalidKey) => {

@@ -136,7 +136,7 @@ macro_rules! phased_tests {
                             Step::Next(Phase::Charge { n })
                         }
                         Phase::Charge { n } => {
-                            let charge = self.0.charge(ctx.foreign_key("charge").as_str());
+                            let charge = self.0.charge(&ctx.foreign_key("charge").to_uuid_string());
                             if n == ABANDON {
                                 return Ok(Step::Abandon("declined".into()));
                             }
