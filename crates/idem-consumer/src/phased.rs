@@ -166,8 +166,7 @@ impl<S: RecoveryStore + Clone + 'static, H> Clone for Phased<S, H> {
 }
 
 /// The boxed future of one phase: boxed so the operation's future is provably `Send`.
-type StepFuture<'a, P, R> =
-    Pin<Box<dyn Future<Output = Result<Step<P, R>, BoxError>> + Send + 'a>>;
+type StepFuture<'a, P, R> = Pin<Box<dyn Future<Output = Result<Step<P, R>, BoxError>> + Send + 'a>>;
 
 /// Pins a step closure's signature: the future borrows only the phase's context.
 fn stepper<S, P, R, F>(f: F) -> F
@@ -258,10 +257,13 @@ where
         // The payload as published, fingerprinted by the runner: the same bytes are the same
         // message, any other bytes a conflict.
         let input = idem_core::hex::encode(msg.fingerprint().as_bytes());
-        let first = self.handler.first(msg).map_err(|e| match e.downcast::<Error>() {
-            Ok(ours) => *ours,
-            Err(e) => Error::reject(e),
-        })?;
+        let first = self
+            .handler
+            .first(msg)
+            .map_err(|e| match e.downcast::<Error>() {
+                Ok(ours) => *ours,
+                Err(e) => Error::reject(e),
+            })?;
         // Whether a phase ran (a record that had ended runs none), and how the last ended.
         let ran = Arc::new(AtomicBool::new(false));
         let abandoned = Arc::new(AtomicBool::new(false));
@@ -289,9 +291,7 @@ where
             Ok(_) if !ran.load(Ordering::Relaxed) => Ok(PhasedOutcome::Duplicate),
             Ok(out) if abandoned.load(Ordering::Relaxed) => Ok(PhasedOutcome::Abandoned(out)),
             Ok(out) => Ok(PhasedOutcome::Done(out)),
-            Err(e) if e.request_kind() == Some(RequestErrorKind::InvalidKey) => {
-                Err(invalid_id(e))
-            }
+            Err(e) if e.request_kind() == Some(RequestErrorKind::InvalidKey) => Err(invalid_id(e)),
             Err(e) => Err(e),
         }
     }

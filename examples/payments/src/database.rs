@@ -16,10 +16,10 @@ use idem_core::store::RecoveryStore;
 use idem_request::{Completer, Idempotency};
 
 use crate::card::{CardCharge, CardProcessor, RecordCharge};
-use crate::{CardSettings, Settings};
 use crate::charge_batch::ChargeBatch;
 use crate::ledger::{self, Charge, Emit, PaymentRequested};
 use crate::receipts::{PaymentCharged, Receipt};
+use crate::{CardSettings, Settings};
 
 /// How often the service prunes claims older than the retention.
 const PRUNE_EVERY: std::time::Duration = std::time::Duration::from_secs(3600);

@@ -141,9 +141,10 @@ pub(crate) async fn create_mysql(pool: &sqlx::MySqlPool) -> Result<(), sqlx::Err
     .fetch_one(pool)
     .await?;
     if has == 0 {
-        let added = sqlx::query("ALTER TABLE charges ADD COLUMN processor_charge_id VARBINARY(255) NULL")
-            .execute(pool)
-            .await;
+        let added =
+            sqlx::query("ALTER TABLE charges ADD COLUMN processor_charge_id VARBINARY(255) NULL")
+                .execute(pool)
+                .await;
         match added {
             Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42S21") => {}
             other => {

@@ -296,7 +296,8 @@ where
             let wait = if verdict.held {
                 // Not sooner than backoff, not later than the holder's lease runs out.
                 let backoff = self.retry.delay(held_waits.saturating_add(1));
-                e.retry_after().map_or(backoff, |at_most| backoff.min(at_most))
+                e.retry_after()
+                    .map_or(backoff, |at_most| backoff.min(at_most))
             } else if verdict.outage {
                 self.retry.delay(outage_waits.saturating_add(1))
             } else {

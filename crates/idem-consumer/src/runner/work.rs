@@ -211,7 +211,10 @@ where
             PhasedOutcome::Abandoned(_) => {
                 instruments.handler_time(started.elapsed());
                 instruments.operation_abandoned();
-                tracing::debug!(outcome = "abandoned", "the operation gave up (Step::Abandon); its record is stored abandoned");
+                tracing::debug!(
+                    outcome = "abandoned",
+                    "the operation gave up (Step::Abandon); its record is stored abandoned"
+                );
                 Outcome::Processed(())
             }
             PhasedOutcome::Duplicate => Outcome::Duplicate,

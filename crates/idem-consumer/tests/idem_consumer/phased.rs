@@ -85,7 +85,11 @@ fn publish(broker: &InMemoryBroker, id: &str, n: i64) {
 }
 
 fn quick(attempts: u32) -> RetryPolicy {
-    RetryPolicy::exponential(attempts, Duration::from_millis(20), Duration::from_millis(200))
+    RetryPolicy::exponential(
+        attempts,
+        Duration::from_millis(20),
+        Duration::from_millis(200),
+    )
 }
 
 macro_rules! phased_tests {
@@ -391,7 +395,11 @@ async fn reopen_sqlite(path: &str) -> idem_sql::SqliteStore {
 
 async fn postgres(
     test: &str,
-) -> Option<(idem_sql::PostgresStore, idem_testkit::isolated::PgSchema, String)> {
+) -> Option<(
+    idem_sql::PostgresStore,
+    idem_testkit::isolated::PgSchema,
+    String,
+)> {
     let schema = idem_testkit::isolated::PgSchema::create("idem_phc", test).await?;
     let store = idem_sql::PostgresStore::from_pool(schema.pool(10).await);
     idem_core::Migrate::migrate(&store).await.expect("migrate");
@@ -414,7 +422,11 @@ async fn reopen_postgres(url: &str) -> idem_sql::PostgresStore {
 
 async fn mysql(
     test: &str,
-) -> Option<(idem_sql::MySqlStore, idem_testkit::isolated::MySqlDatabase, String)> {
+) -> Option<(
+    idem_sql::MySqlStore,
+    idem_testkit::isolated::MySqlDatabase,
+    String,
+)> {
     let db = idem_testkit::isolated::MySqlDatabase::create("idem_phc", test).await?;
     let store = idem_sql::MySqlStore::from_pool(db.pool(10).await);
     idem_core::Migrate::migrate(&store).await.expect("migrate");
@@ -432,5 +444,11 @@ async fn reopen_mysql(url: &str) -> idem_sql::MySqlStore {
 }
 
 phased_tests!(on_sqlite, idem_sql::SqliteStore, "?", sqlite, reopen_sqlite);
-phased_tests!(on_postgres, idem_sql::PostgresStore, "$1", postgres, reopen_postgres);
+phased_tests!(
+    on_postgres,
+    idem_sql::PostgresStore,
+    "$1",
+    postgres,
+    reopen_postgres
+);
 phased_tests!(on_mysql, idem_sql::MySqlStore, "?", mysql, reopen_mysql);
