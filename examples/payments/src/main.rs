@@ -10,6 +10,11 @@
 //! broker's ID slot; the charge row, the balance update and the claim commit together. A
 //! redelivery is acknowledged as a duplicate; a conflicting, undecodable or ID-less message goes
 //! to the dead-letter destination with its reason. SIGTERM stops gracefully.
+//!
+//! With `--card-processor URL` each payment is charged at a card processor (a foreign phase,
+//! its derived key as `Idempotency-Key`) and then recorded with the processor's charge ID (a
+//! local phase): recovery points resumed by the redelivery or the in-process completer after
+//! a crash (see `card`).
 
 mod bench;
 mod brokers;
