@@ -58,7 +58,7 @@ impl Probe {
         *self
             .calls
             .lock()
-            .unwrap()
+            .expect("calls")
             .entry(key.to_owned())
             .or_default() += 1;
         format!("ch-{}", &key[..12.min(key.len())])
@@ -66,7 +66,7 @@ impl Probe {
 
     /// (distinct keys charged, calls in all).
     fn counts(&self) -> (usize, u32) {
-        let calls = self.calls.lock().unwrap();
+        let calls = self.calls.lock().expect("calls");
         (calls.len(), calls.values().sum())
     }
 }
