@@ -18,7 +18,7 @@
 //! | redelivery while another live consumer holds the record | retried later with backoff, in place, spending no attempt; never dead-lettered, never acked as done |
 //! | same ID, different payload | dead-lettered, reason `conflict` |
 //! | a phase fails (`Err`) | its writes roll back, the record keeps its point; retried with backoff (an attempt each), resumed at the point; `retries-exhausted` after the last |
-//! | [`Step::Abandon`](idem_request::Step::Abandon) | the record is stored abandoned with the phase's writes; ack |
+//! | [`Step::Abandon`] | the record is stored abandoned with the phase's writes; ack |
 //! | the store is unreachable or refusing | an outage: waited out in place, never a dead letter |
 //!
 //! The step function sees only the phase and its context, never the message: the
