@@ -336,3 +336,33 @@ where
         )
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key_of(id: &[u8]) -> String {
+        let id = MessageId::with_limit(id, usize::MAX).expect("id");
+        message_key(&id).expect("key").as_str().to_owned()
+    }
+
+    #[test]
+    fn a_visible_ascii_id_is_its_own_key_and_any_other_is_hex() {
+        assert_eq!(key_of(b"pay-1"), "pay-1");
+        assert_eq!(
+            key_of(b"pay 1"),
+            "~x7061792031",
+            "a space is not visible ASCII"
+        );
+        assert_eq!(key_of("café".as_bytes()), "~x636166c3a9");
+        assert_eq!(key_of(&[0, 255]), "~x00ff");
+    }
+
+    #[test]
+    fn no_two_ids_share_a_key() {
+        // An ID that looks like another's hex form is itself hex-encoded.
+        let hexed = key_of(b"pay 1");
+        assert_ne!(key_of(hexed.as_bytes()), hexed);
+        assert_eq!(key_of(b"~x"), "~x7e78");
+    }
+}
