@@ -278,9 +278,10 @@ pub async fn a_record_whose_lease_is_live_is_not_taken<F: CompleterFixture>(test
         .build()
         .expect("idempotency with a heartbeat");
     let (in_charge, passed) = (AtomicBool::new(false), AtomicBool::new(false));
+    let heartbeat_key = key("heartbeat");
     let heartbeat = live.run_phases(
         scope(),
-        &key("heartbeat"),
+        &heartbeat_key,
         "input",
         Phase::Reserve,
         async |phase: Phase, ctx: &mut PhaseCtx<F::Store>| -> Result<Step<Phase, String>, BoxError> {

@@ -82,10 +82,10 @@ impl Plan {
 
 /// One phase the operation ran: the record's client key, the phase's name, the attempt.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Ran {
-    pub(crate) key: String,
-    pub(crate) point: String,
-    pub(crate) attempt: u32,
+struct Ran {
+    key: String,
+    point: String,
+    attempt: u32,
 }
 
 /// The fake card processor: deduplicates charges by the idempotency key it is sent, as a
@@ -167,11 +167,6 @@ impl<F: RecoveryFixture> Op<F> {
             .filter(|r| r.key == k)
             .map(|r| (r.point.clone(), r.attempt))
             .collect()
-    }
-
-    /// Every phase run of every record.
-    pub(crate) fn all_runs(&self) -> Vec<Ran> {
-        lock(&self.ran).clone()
     }
 
     /// Calls the processor got, per derived key.
@@ -265,10 +260,13 @@ impl<F: RecoveryFixture> Op<F> {
         idem: Idempotency<F::Store>,
         stuck: idem_core::Stuck,
     ) -> Result<String, idem_core::Error> {
-        idem.resume_phases(
-            stuck,
-            async |phase: Phase, ctx: &mut PhaseCtx<F::Store>| self.step(phase, ctx).await,
-        )
+        // Each call steps on an owned handle: a step borrowing the closure's capture would
+        // leave Rust unable to prove the completer's resume future `Send` for every borrow.
+        let op = self.clone();
+        idem.resume_phases(stuck, async move |phase: Phase, ctx: &mut PhaseCtx<F::Store>| {
+            let op = op.clone();
+            op.step_owned(phase, ctx).await
+        })
         .await
     }
 
@@ -280,12 +278,22 @@ impl<F: RecoveryFixture> Op<F> {
     ) -> Result<(), idem_core::Error> {
         let k = execution.key().key.as_str().to_owned();
         let refunded = serde_json::to_vec(REFUNDED).expect("json");
+        let op = self.clone();
         execution
-            .give_up(&refunded, async |tx| {
-                lock(&self.gave_up).push(k.clone());
-                self.fx.record_effect(tx, &format!("{k}/refund")).await
+            .give_up(&refunded, async move |tx| {
+                lock(&op.gave_up).push(k.clone());
+                op.fx.record_effect(tx, &format!("{k}/refund")).await
             })
             .await
+    }
+
+    /// [`step`](Self::step) on an owned handle.
+    async fn step_owned(
+        self,
+        phase: Phase,
+        ctx: &mut PhaseCtx<F::Store>,
+    ) -> Result<Step<Phase, String>, BoxError> {
+        self.step(phase, ctx).await
     }
 
     /// The operation's one step function: the caller's and the completer's.
