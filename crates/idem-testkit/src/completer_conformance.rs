@@ -474,7 +474,7 @@ pub async fn a_store_failing_under_an_operation_stops_the_pass_as_an_outage<
         .build()
         .expect("idempotency");
     let down = Completer::builder(idem_short)
-        .max_attempts(1)
+        .max_attempts(5)
         .operation(
             scope(),
             "conformance_order",
