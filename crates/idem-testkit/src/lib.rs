@@ -112,8 +112,9 @@ macro_rules! phases_conformance_tests {
 ///
 /// ```ignore
 /// impl idem_testkit::CompleterFixture for PgFixture {
-///     fn refusing_store(&self) -> PgStore {
-///         self.store().with_requests_table(TableName::new("no_such_requests")?)?
+///     fn refusing_store(&self) -> PostgresStore {
+///         let missing = TableName::new("no_such_requests").expect("valid");
+///         self.store().with_requests_table(missing).expect("plain table")
 ///     }
 /// }
 /// idem_testkit::completer_conformance_tests!(PgFixture);
