@@ -363,13 +363,15 @@ pub async fn stats_and_metrics_count_stuck_resumed_failed_and_abandoned<F: Compl
     // The check's future runs on this thread (`block_on`) and awaits every pass itself, so
     // the thread's own recorder sees the completer's counters and no other test's.
     let _guard = metrics::set_default_local_recorder(&recorder);
-    op.crash(SHORT, "h1.ok", Phase::Reserve).await;
+    // Three records in the first pass, so records and passes never count alike.
+    op.crash(SHORT, "h1.ok-1", Phase::Reserve).await;
+    op.crash(SHORT, "h1.ok-2", Phase::Reserve).await;
     op.run(&idem(op.store(), SHORT), "fail.bad", "input", Phase::Reserve)
         .await
         .expect_err("the charge fails");
     tokio::time::sleep(PAST_SHORT).await;
     let c = completer(&op, op.store(), SHORT, 2, 32);
-    assert_eq!(c.pass().await.expect("pass"), 2, "both are stuck");
+    assert_eq!(c.pass().await.expect("pass"), 3, "all three are stuck");
     tokio::time::sleep(PAST_SHORT).await;
     assert_eq!(c.pass().await.expect("pass"), 1, "the failed one again");
     tokio::time::sleep(PAST_SHORT).await;
@@ -378,8 +380,8 @@ pub async fn stats_and_metrics_count_stuck_resumed_failed_and_abandoned<F: Compl
         counts(&c.stats()),
         [
             ("passes", 3),
-            ("stuck_seen", 3),
-            ("resumed", 1),
+            ("stuck_seen", 4),
+            ("resumed", 2),
             ("abandoned", 1),
             ("failed", 1),
             ("unknown", 0),
@@ -388,8 +390,8 @@ pub async fn stats_and_metrics_count_stuck_resumed_failed_and_abandoned<F: Compl
     );
     let text = handle.render();
     for line in [
-        "idem_completer_stuck_total 3",
-        "idem_completer_resumed_total 1",
+        "idem_completer_stuck_total 4",
+        "idem_completer_resumed_total 2",
         "idem_completer_failed_total 1",
         "idem_completer_abandoned_total 1",
     ] {
