@@ -14,9 +14,7 @@ use idem_request::{Completer, CompleterStats, Execution, Idempotency, PhaseCtx, 
 use tokio_util::sync::CancellationToken;
 
 use crate::completer_fixture::CompleterFixture;
-use crate::phase_operation::{
-    LONG, Op, PAST_SHORT, Phase, REFUNDED, SHORT, idem, key, scope,
-};
+use crate::phase_operation::{LONG, Op, PAST_SHORT, Phase, REFUNDED, SHORT, idem, key, scope};
 
 /// How long a check waits for a running completer to get somewhere before it fails; never
 /// an assertion on speed.
@@ -179,7 +177,11 @@ pub async fn two_completers_resume_each_record_exactly_once<F: CompleterFixture>
         }
     };
     let (ta, tb) = tokio::join!(drain(&a), drain(&b));
-    assert_eq!(ta + tb, keys.len(), "each stuck record taken by one completer");
+    assert_eq!(
+        ta + tb,
+        keys.len(),
+        "each stuck record taken by one completer"
+    );
     let (sa, sb) = (a.stats(), b.stats());
     assert_eq!(sa.resumed + sb.resumed, keys.len() as u64, "{sa:?} {sb:?}");
     assert_eq!(sa.stuck_seen + sb.stuck_seen, keys.len() as u64);
@@ -252,7 +254,11 @@ pub async fn after_max_attempts_it_gives_up_with_the_compensation_in_the_same_co
         .give_up(execution)
         .await
         .expect_err("a give-up with a stale fence");
-    assert_eq!(err.request_kind(), Some(RequestErrorKind::LeaseLost), "{err}");
+    assert_eq!(
+        err.request_kind(),
+        Some(RequestErrorKind::LeaseLost),
+        "{err}"
+    );
     assert_eq!(op.gave_up(), [k, stale], "the compensation ran");
     assert_eq!(
         op.effects(&format!("{stale}/refund")).await,
@@ -284,7 +290,9 @@ pub async fn a_record_whose_lease_is_live_is_not_taken<F: CompleterFixture>(test
         &heartbeat_key,
         "input",
         Phase::Reserve,
-        async |phase: Phase, ctx: &mut PhaseCtx<F::Store>| -> Result<Step<Phase, String>, BoxError> {
+        async |phase: Phase,
+               ctx: &mut PhaseCtx<F::Store>|
+               -> Result<Step<Phase, String>, BoxError> {
             if phase == Phase::Reserve {
                 return op.step(phase, ctx).await;
             }
@@ -366,9 +374,14 @@ pub async fn stats_and_metrics_count_stuck_resumed_failed_and_abandoned<F: Compl
     // Three records in the first pass, so records and passes never count alike.
     op.crash(SHORT, "h1.ok-1", Phase::Reserve).await;
     op.crash(SHORT, "h1.ok-2", Phase::Reserve).await;
-    op.run(&idem(op.store(), SHORT), "fail.bad", "input", Phase::Reserve)
-        .await
-        .expect_err("the charge fails");
+    op.run(
+        &idem(op.store(), SHORT),
+        "fail.bad",
+        "input",
+        Phase::Reserve,
+    )
+    .await
+    .expect_err("the charge fails");
     tokio::time::sleep(PAST_SHORT).await;
     let c = completer(&op, op.store(), SHORT, 2, 32);
     assert_eq!(c.pass().await.expect("pass"), 3, "all three are stuck");
@@ -459,9 +472,7 @@ pub async fn a_refusing_store_is_an_outage_not_a_failure<F: CompleterFixture>(te
 /// An operation that fails as an outage (the store went away under it) stops the pass with
 /// the error, before the rest of the batch, counted as an outage and never as a failure or
 /// a reason to give up; the records keep their points and a later pass finishes them.
-pub async fn a_store_failing_under_an_operation_stops_the_pass_as_an_outage<
-    F: CompleterFixture,
->(
+pub async fn a_store_failing_under_an_operation_stops_the_pass_as_an_outage<F: CompleterFixture>(
     test: &str,
 ) {
     let op = op!(test);
@@ -495,7 +506,11 @@ pub async fn a_store_failing_under_an_operation_stops_the_pass_as_an_outage<
         .expect("completer");
     assert!(down.pass().await.is_err(), "an outage, not a pass");
     let s = down.stats();
-    assert_eq!(calls.load(Ordering::SeqCst), 1, "the pass stops at the first");
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        1,
+        "the pass stops at the first"
+    );
     assert_eq!((s.outages, s.failed, s.abandoned), (1, 0, 0), "{s:?}");
     assert_eq!(op.gave_up().len(), 0);
     tokio::time::sleep(PAST_SHORT).await;

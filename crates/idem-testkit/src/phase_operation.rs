@@ -263,10 +263,13 @@ impl<F: RecoveryFixture> Op<F> {
         // Each call steps on an owned handle: a step borrowing the closure's capture would
         // leave Rust unable to prove the completer's resume future `Send` for every borrow.
         let op = self.clone();
-        idem.resume_phases(stuck, async move |phase: Phase, ctx: &mut PhaseCtx<F::Store>| {
-            let op = op.clone();
-            op.step_owned(phase, ctx).await
-        })
+        idem.resume_phases(
+            stuck,
+            async move |phase: Phase, ctx: &mut PhaseCtx<F::Store>| {
+                let op = op.clone();
+                op.step_owned(phase, ctx).await
+            },
+        )
         .await
     }
 

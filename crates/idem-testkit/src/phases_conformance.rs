@@ -8,9 +8,7 @@
 
 use idem_core::RequestErrorKind;
 
-use crate::phase_operation::{
-    DECLINED, LONG, Op, PAST_SHORT, Phase, SHORT, idem, key,
-};
+use crate::phase_operation::{DECLINED, LONG, Op, PAST_SHORT, Phase, SHORT, idem, key};
 use crate::recovery_fixture::RecoveryFixture;
 
 macro_rules! op {
@@ -50,7 +48,13 @@ pub async fn a_committed_local_phase_never_runs_again_after_a_failure_or_a_takeo
         .expect("the takeover finishes");
     assert_eq!(
         points(&op.ran(k)),
-        [("Reserve", 1), ("Charge", 1), ("Charge", 2), ("Charge", 3), ("Record", 3)],
+        [
+            ("Reserve", 1),
+            ("Charge", 1),
+            ("Charge", 2),
+            ("Charge", 3),
+            ("Record", 3)
+        ],
         "each attempt must resume at the last committed point"
     );
     let replay = op
@@ -67,9 +71,7 @@ pub async fn a_committed_local_phase_never_runs_again_after_a_failure_or_a_takeo
 /// Every attempt of a foreign call sends the same derived key, so the processor charges
 /// once however often it is called; another record (another client key, or the same
 /// client key in another scope) derives another key.
-pub async fn a_foreign_call_repeats_only_with_the_same_derived_key<F: RecoveryFixture>(
-    test: &str,
-) {
+pub async fn a_foreign_call_repeats_only_with_the_same_derived_key<F: RecoveryFixture>(test: &str) {
     let op = op!(test);
     let idem = idem(op.store(), LONG);
     let k = "f1.f2.h3.order";
@@ -85,10 +87,18 @@ pub async fn a_foreign_call_repeats_only_with_the_same_derived_key<F: RecoveryFi
         .await
         .expect("attempt 4 finishes");
     let calls = op.calls();
-    assert_eq!(calls.len(), 1, "the attempts sent different keys: {calls:?}");
+    assert_eq!(
+        calls.len(),
+        1,
+        "the attempts sent different keys: {calls:?}"
+    );
     let (derived, n) = calls.iter().next().expect("one key");
     assert_eq!(*n, 4, "one call per attempt of the charge");
-    assert_eq!(op.charge_of(derived), Some(charge), "the response is the one charge");
+    assert_eq!(
+        op.charge_of(derived),
+        Some(charge),
+        "the response is the one charge"
+    );
     let derived = derived.clone();
 
     let other = "another-order";
@@ -106,7 +116,11 @@ pub async fn a_foreign_call_repeats_only_with_the_same_derived_key<F: RecoveryFi
     .await
     .expect_err("f1: the other tenant's first attempt fails too");
     let calls = op.calls();
-    assert_eq!(calls.len(), 3, "three records, three derived keys: {calls:?}");
+    assert_eq!(
+        calls.len(),
+        3,
+        "three records, three derived keys: {calls:?}"
+    );
     let mut counts: Vec<u32> = calls.values().copied().collect();
     counts.sort_unstable();
     assert_eq!(counts, [1, 1, 4]);
@@ -135,9 +149,16 @@ pub async fn the_first_point_commits_before_the_first_phase<F: RecoveryFixture>(
     assert_eq!(resume.point, "Charge");
     assert_eq!(stuck.recovery.attempts, 2);
     let charge = op.resume(idem, stuck).await.expect("resumed");
-    assert_eq!(points(&op.ran(k)), [("Charge", 1), ("Charge", 2), ("Record", 2)]);
+    assert_eq!(
+        points(&op.ran(k)),
+        [("Charge", 1), ("Charge", 2), ("Record", 2)]
+    );
     let calls = op.calls();
-    assert_eq!(calls.values().copied().collect::<Vec<_>>(), [2], "{calls:?}");
+    assert_eq!(
+        calls.values().copied().collect::<Vec<_>>(),
+        [2],
+        "{calls:?}"
+    );
     let derived = calls.keys().next().expect("one key");
     assert_eq!(op.charge_of(derived), Some(charge));
     op.teardown().await;
@@ -187,7 +208,11 @@ pub async fn a_fingerprint_conflict_is_refused<F: RecoveryFixture>(test: &str) {
         .run(&idem, done, "another input", Phase::Reserve)
         .await
         .expect_err("another input under a used key");
-    assert_eq!(err.request_kind(), Some(RequestErrorKind::KeyReused), "{err}");
+    assert_eq!(
+        err.request_kind(),
+        Some(RequestErrorKind::KeyReused),
+        "{err}"
+    );
 
     let stuck = "h1.stuck-order";
     op.crash(SHORT, stuck, Phase::Reserve).await;
@@ -196,8 +221,16 @@ pub async fn a_fingerprint_conflict_is_refused<F: RecoveryFixture>(test: &str) {
         .run(&idem, stuck, "another input", Phase::Reserve)
         .await
         .expect_err("another input under a stuck key");
-    assert_eq!(err.request_kind(), Some(RequestErrorKind::KeyReused), "{err}");
-    assert_eq!(points(&op.ran(done)).len(), 3, "a refused request ran a phase");
+    assert_eq!(
+        err.request_kind(),
+        Some(RequestErrorKind::KeyReused),
+        "{err}"
+    );
+    assert_eq!(
+        points(&op.ran(done)).len(),
+        3,
+        "a refused request ran a phase"
+    );
     assert_eq!(points(&op.ran(stuck)), [("Reserve", 1), ("Charge", 1)]);
     let finished = op
         .run(&idem, stuck, "input", Phase::Reserve)
