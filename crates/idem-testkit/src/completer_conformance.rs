@@ -1,8 +1,8 @@
 //! The completer conformance checks: [`Completer`] (builder, `pass`, `run`, `stats`, its
 //! metrics) finishing operations of phases on a real store, through the public API only.
-//! Each takes a fresh fixture, leaves operations of
-//! [`phase_operation`](crate::phase_operation) stuck (a "crash" drops a run hanging in its
-//! charge, after its first phase committed) and counts what the completer ran.
+//! Each takes a fresh fixture, leaves the testkit's operation (a reservation, a charge at a
+//! fake processor, a record) stuck — a "crash" drops a run hanging in its charge, after its
+//! first phase committed — and counts what the completer ran.
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -2,9 +2,9 @@
 //! ([`Idempotency::run_phases`](idem_request::Idempotency::run_phases),
 //! [`take_stuck`](idem_request::Idempotency::take_stuck),
 //! [`resume_phases`](idem_request::Idempotency::resume_phases)) end to end on a real store,
-//! through the public API only. Each takes a fresh fixture, runs the operation of
-//! [`phase_operation`](crate::phase_operation) and counts what it ran and what the fake
-//! processor was sent. The store-level contract under them is `recovery_conformance`'s.
+//! through the public API only. Each takes a fresh fixture, runs the testkit's operation (a
+//! reservation, a charge at a fake processor, a record) and counts the phases it ran and the
+//! calls the processor got. The store-level contract under them is `recovery_conformance`'s.
 
 use idem_core::RequestErrorKind;
 
