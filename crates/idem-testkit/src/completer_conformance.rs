@@ -20,6 +20,9 @@ use crate::phase_operation::{LONG, Op, PAST_SHORT, Phase, REFUNDED, SHORT, idem,
 /// an assertion on speed.
 const PATIENCE: Duration = Duration::from_secs(30);
 
+/// The lease of the operation a heartbeat keeps alive past it.
+const HEARTBEAT_LEASE: Duration = Duration::from_millis(1500);
+
 macro_rules! op {
     ($test:expr) => {
         match F::setup($test).await {
@@ -279,8 +282,9 @@ pub async fn after_max_attempts_it_gives_up_with_the_compensation_in_the_same_co
 pub async fn a_record_whose_lease_is_live_is_not_taken<F: CompleterFixture>(test: &str) {
     let op = op!(test);
     let c = completer(&op, op.store(), LONG, 5, 32);
+    // A lease the heartbeat (every third of it) keeps even on a loaded machine.
     let live = Idempotency::builder(op.store())
-        .lease(SHORT)
+        .lease(HEARTBEAT_LEASE)
         .build()
         .expect("idempotency with a heartbeat");
     let (in_charge, passed) = (AtomicBool::new(false), AtomicBool::new(false));
@@ -312,9 +316,9 @@ pub async fn a_record_whose_lease_is_live_is_not_taken<F: CompleterFixture>(test
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         // Past the heartbeat's first lease, and again a lease later.
-        tokio::time::sleep(PAST_SHORT).await;
+        tokio::time::sleep(HEARTBEAT_LEASE + SHORT).await;
         let first = c.pass().await.expect("pass");
-        tokio::time::sleep(PAST_SHORT).await;
+        tokio::time::sleep(HEARTBEAT_LEASE).await;
         let second = c.pass().await.expect("pass");
         passed.store(true, Ordering::SeqCst);
         first + second
