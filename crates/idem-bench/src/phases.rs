@@ -740,11 +740,9 @@ async fn report_all(pool: &sqlx::PgPool) -> anyhow::Result<()> {
 
 /// The committed transactions of [`COUNT_DB`] so far, read from another database.
 async fn xact_commit(admin: &mut sqlx::PgConnection) -> anyhow::Result<u64> {
-    let n: i64 = sqlx::query_scalar(
-        "SELECT xact_commit FROM pg_stat_database WHERE datname = $1",
-    )
-    .bind(COUNT_DB)
-    .fetch_one(admin)
-    .await?;
+    let n: i64 = sqlx::query_scalar("SELECT xact_commit FROM pg_stat_database WHERE datname = $1")
+        .bind(COUNT_DB)
+        .fetch_one(admin)
+        .await?;
     Ok(u64::try_from(n)?)
 }

@@ -22,9 +22,7 @@ use idem_core::request_record::{
     recovery_of, span, stored_fence,
 };
 use idem_core::store::{ReapRequests, RecoveryStore, RequestStore};
-use idem_core::{
-    Begin, Error, ErrorKind, Fence, Fingerprint, Recovery, RequestKey, Resume, Stuck,
-};
+use idem_core::{Begin, Error, ErrorKind, Fence, Fingerprint, Recovery, RequestKey, Resume, Stuck};
 use tokio_postgres::types::ToSql;
 
 use crate::errors::store_error;

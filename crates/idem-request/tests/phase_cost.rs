@@ -96,9 +96,9 @@ async fn step(
             .fetch_optional(store.pool())
             .await?
             .flatten();
-            third.committed_before_call.lock().unwrap().push(point);
+            third.committed_before_call.lock().expect("seen").push(point);
             let key = ctx.foreign_key("charge").to_string();
-            third.calls.lock().unwrap().push(key.clone());
+            third.calls.lock().expect("seen").push(key.clone());
             if third.hang_on_first_attempt && ctx.attempt() == 1 {
                 third.hung.notify_one();
                 std::future::pending::<()>().await;
@@ -131,12 +131,21 @@ fn scope() -> RequestScope {
     RequestScope::new(["phase_cost"])
 }
 
-async fn run(store: &S, third: &Third, key: &str, first: Phase) -> Result<String, idem_core::Error> {
+async fn run(
+    store: &S,
+    third: &Third,
+    key: &str,
+    first: Phase,
+) -> Result<String, idem_core::Error> {
     let key = IdempotencyKey::new(key).expect("key");
     idem(store)
-        .run_phases(scope(), &key, &(), first, async |phase, ctx: &mut PhaseCtx<S>| {
-            step(store, third, phase, ctx).await
-        })
+        .run_phases(
+            scope(),
+            &key,
+            &(),
+            first,
+            async |phase, ctx: &mut PhaseCtx<S>| step(store, third, phase, ctx).await,
+        )
         .await
 }
 
@@ -155,7 +164,9 @@ async fn each_boundary_is_one_commit_and_the_first_point_rides_on_the_take() {
     let (store, commits) = counted_store(&dir).await;
     let third = Third::default();
     let before = commits.load(Ordering::SeqCst);
-    let charge = run(&store, &third, "op-1", Phase::Order).await.expect("run");
+    let charge = run(&store, &third, "op-1", Phase::Order)
+        .await
+        .expect("run");
     let spent = commits.load(Ordering::SeqCst) - before;
     assert_eq!(
         spent, 4,
@@ -164,12 +175,18 @@ async fn each_boundary_is_one_commit_and_the_first_point_rides_on_the_take() {
     );
     // The first phase ran from a point already committed with the take.
     let before = commits.load(Ordering::SeqCst);
-    let again = run(&store, &third, "op-1", Phase::Order).await.expect("replay");
+    let again = run(&store, &third, "op-1", Phase::Order)
+        .await
+        .expect("replay");
     assert_eq!(again, charge);
-    assert_eq!(commits.load(Ordering::SeqCst) - before, 0, "a replay writes");
+    assert_eq!(
+        commits.load(Ordering::SeqCst) - before,
+        0,
+        "a replay writes"
+    );
     assert_eq!(count(&store, "SELECT count(*) FROM orders").await, 1);
     assert_eq!(count(&store, "SELECT count(*) FROM charges").await, 1);
-    assert_eq!(third.calls.lock().unwrap().len(), 1);
+    assert_eq!(third.calls.lock().expect("seen").len(), 1);
 }
 
 /// A first phase that calls out finds its point committed before the call (another connection
@@ -192,7 +209,7 @@ async fn a_foreign_first_phase_calls_from_a_committed_point_the_completer_resume
     }
     drop(first);
     assert_eq!(
-        third.committed_before_call.lock().unwrap().as_slice(),
+        third.committed_before_call.lock().expect("seen").as_slice(),
         [Some("Charge".to_owned())],
         "the first point was not committed before the call"
     );
@@ -204,7 +221,11 @@ async fn a_foreign_first_phase_calls_from_a_committed_point_the_completer_resume
     tokio::time::sleep(PAST_SHORT).await;
     let idem = idem(&store);
     let stuck = idem.take_stuck(10).await.expect("take stuck");
-    assert_eq!(stuck.len(), 1, "the completer does not see the crashed operation");
+    assert_eq!(
+        stuck.len(),
+        1,
+        "the completer does not see the crashed operation"
+    );
     let done: String = idem
         .resume_phases(
             stuck.into_iter().next().expect("one"),
@@ -212,7 +233,7 @@ async fn a_foreign_first_phase_calls_from_a_committed_point_the_completer_resume
         )
         .await
         .expect("resumed");
-    let calls = third.calls.lock().unwrap().clone();
+    let calls = third.calls.lock().expect("seen").clone();
     assert_eq!(calls.len(), 2, "{calls:?}");
     assert_eq!(calls[0], calls[1], "the repeated call changed its key");
     assert_eq!(done, format!("ch_{}", &calls[0][..8]));

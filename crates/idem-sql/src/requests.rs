@@ -29,9 +29,7 @@ use idem_core::request_record::{
 };
 pub(crate) use idem_core::request_record::{RecordRow, RecoveryRow};
 use idem_core::store::{ReapRequests, RecoveryStore, RequestStore};
-use idem_core::{
-    Begin, Error, ErrorKind, Fence, Fingerprint, Recovery, RequestKey, Resume, Stuck,
-};
+use idem_core::{Begin, Error, ErrorKind, Fence, Fingerprint, Recovery, RequestKey, Resume, Stuck};
 
 use crate::engine::{Engine, Param};
 use crate::errors::store_error;

@@ -583,7 +583,9 @@ pub async fn a_phased_take_writes_the_first_point_and_returns_it<F: RecoveryFixt
     let k = key("alice", "k-born");
     let (point, state) = encode(&Phase::Reserve);
     let at = |recovery: &Option<idem_core::Recovery>| {
-        let r = recovery.as_ref().expect("a take tells where the record stands");
+        let r = recovery
+            .as_ref()
+            .expect("a take tells where the record stands");
         let resume = r.resume.as_ref().expect("a point");
         (r.attempts, resume.point.clone(), resume.state.clone())
     };
@@ -600,7 +602,11 @@ pub async fn a_phased_take_writes_the_first_point_and_returns_it<F: RecoveryFixt
     };
     assert_eq!(at(&recovery), (1, point.clone(), state.clone()));
     let stored = s.recovery(&k, first).await.expect("recovery");
-    assert_eq!(Some(stored), recovery, "the take's answer is what the record holds");
+    assert_eq!(
+        Some(stored),
+        recovery,
+        "the take's answer is what the record holds"
+    );
     // Live: in progress, nothing taken, nothing told.
     let (begin, recovery) = s
         .begin_phases(&k, &unit_fp(), LONG, DAY, &point, &state)
@@ -612,8 +618,15 @@ pub async fn a_phased_take_writes_the_first_point_and_returns_it<F: RecoveryFixt
     // at its first point.
     tokio::time::sleep(PAST_SHORT).await;
     let stuck = s.take_stuck(10, SHORT).await.expect("take stuck");
-    assert_eq!(stuck.len(), 1, "the first point was not committed with the take");
-    assert_eq!(stuck[0].recovery.resume.as_ref().expect("a point").point, point);
+    assert_eq!(
+        stuck.len(),
+        1,
+        "the first point was not committed with the take"
+    );
+    assert_eq!(
+        stuck[0].recovery.resume.as_ref().expect("a point").point,
+        point
+    );
     // Taken over again: at its own point (not the caller's first), one attempt more.
     tokio::time::sleep(PAST_SHORT).await;
     let (other_point, other_state) = encode(&Phase::Record { charge: "x".into() });
