@@ -89,6 +89,18 @@ pub fn request_statements(t: &TableName) -> RequestStatements {
              WHERE scope = ? AND idem_key = ? AND fence = ? AND expires_at <= {now} \
              AND (state <> 0 OR (lease_until <= {now} AND recovery_point IS NULL))"
         ),
+        insert_at: format!(
+            "INSERT INTO {t} (scope, idem_key, fingerprint, state, fence, lease_until, expires_at, \
+             attempts, recovery_point, phase_state) \
+             VALUES (?, ?, ?, 0, ?, {now} + ?, {now} + ?, 1, ?, ?)"
+        ),
+        reset_at: format!(
+            "UPDATE {t} SET fingerprint = ?, state = 0, fence = fence + 1, \
+             lease_until = {now} + ?, expires_at = {now} + ?, result = NULL, \
+             recovery_point = ?, phase_state = ?, attempts = 1 \
+             WHERE scope = ? AND idem_key = ? AND fence = ? AND expires_at <= {now} \
+             AND (state <> 0 OR (lease_until <= {now} AND recovery_point IS NULL))"
+        ),
         take_over: format!(
             "UPDATE {t} SET fence = fence + 1, lease_until = {now} + ?, attempts = attempts + 1 \
              WHERE scope = ? AND idem_key = ? AND fence = ? AND state = 0 \

@@ -69,6 +69,19 @@ pub fn request_statements(t: &TableName) -> RequestStatements {
              WHERE scope = ?4 AND idem_key = ?5 AND fence = ?6 AND expires_at <= ?7 \
              AND (state <> 0 OR (lease_until <= ?7 AND recovery_point IS NULL))"
         ),
+        insert_at: format!(
+            "INSERT INTO {t} (scope, idem_key, fingerprint, state, fence, lease_until, expires_at, \
+             attempts, recovery_point, phase_state) \
+             VALUES (?1, ?2, ?3, 0, ?4, ?9 + ?5, ?9 + ?6, 1, ?7, ?8) \
+             ON CONFLICT (scope, idem_key) DO NOTHING"
+        ),
+        reset_at: format!(
+            "UPDATE {t} SET fingerprint = ?1, state = 0, fence = fence + 1, lease_until = ?9 + ?2, \
+             expires_at = ?9 + ?3, result = NULL, recovery_point = ?4, phase_state = ?5, \
+             attempts = 1 \
+             WHERE scope = ?6 AND idem_key = ?7 AND fence = ?8 AND expires_at <= ?9 \
+             AND (state <> 0 OR (lease_until <= ?9 AND recovery_point IS NULL))"
+        ),
         take_over: format!(
             "UPDATE {t} SET fence = fence + 1, lease_until = ?5 + ?1, attempts = attempts + 1 \
              WHERE scope = ?2 AND idem_key = ?3 AND fence = ?4 AND state = 0 AND lease_until <= ?5"

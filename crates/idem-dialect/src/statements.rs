@@ -51,6 +51,13 @@ pub struct RequestStatements {
     /// fingerprint, lease, ttl, scope, key, fence: an expired record without a recovery point
     /// started afresh (attempts back to 1).
     pub reset: String,
+    /// scope, key, fingerprint, fence, lease, ttl, point, state: [`insert`](Self::insert) of
+    /// a record born at its first recovery point (an operation of phases: the point commits
+    /// with the take, not on its own).
+    pub insert_at: String,
+    /// fingerprint, lease, ttl, point, state, scope, key, fence: [`reset`](Self::reset) to a
+    /// first recovery point.
+    pub reset_at: String,
     /// lease, scope, key, fence: a lapsed lease taken over (one more attempt).
     pub take_over: String,
     /// result, ttl, scope, key, fence.

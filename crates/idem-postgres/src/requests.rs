@@ -22,7 +22,7 @@ use idem_core::request_record::{
     recovery_of, span, stored_fence,
 };
 use idem_core::store::{ReapRequests, RecoveryStore, RequestStore};
-use idem_core::{Begin, Error, ErrorKind, Fence, Fingerprint, Recovery, RequestKey, Stuck};
+use idem_core::{Begin, Error, ErrorKind, Fence, Fingerprint, Recovery, RequestKey, Resume, Stuck};
 use tokio_postgres::types::ToSql;
 
 use crate::errors::store_error;
@@ -81,6 +81,126 @@ fn recovery_row(r: &tokio_postgres::Row) -> Result<RecoveryRow, tokio_postgres::
     ))
 }
 
+/// The lookup and take of [`RequestStore::begin_request`] and, with a first recovery point
+/// (`first`: point, state), of [`RecoveryStore::begin_phases`]: a record inserted or reset is
+/// born at that point by the statement that takes it. With the record taken comes where it
+/// stands: known without a read when inserted or reset; read after a takeover (with the new
+/// fence, which no earlier holder's write can match any more) only when `first` is given.
+async fn take(
+    store: &PgStore,
+    key: &RequestKey,
+    fingerprint: &Fingerprint,
+    lease: Duration,
+    ttl: Duration,
+    first: Option<(&str, &[u8])>,
+) -> Result<(Begin, Option<Recovery>), Error> {
+    let what = "beginning an idempotent request";
+    let err = |e| store_error(what, e);
+    let (scope, id) = (&key.scope.as_bytes()[..], key.key.as_str().as_bytes());
+    let fp = &fingerprint.as_bytes()[..];
+    let (lease, ttl) = (span(lease), span(ttl));
+    let born = Recovery {
+        attempts: 1,
+        resume: first.map(|(point, state)| Resume {
+            point: point.to_owned(),
+            state: state.to_vec(),
+        }),
+    };
+    // One connection for the whole lookup; each statement commits on its own.
+    let conn = store.lease().await?;
+    let client = conn.client();
+    let read = conn.prepare(&store.rsql.read).await.map_err(err)?;
+    for _ in 0..MAX_ATTEMPTS {
+        let row = client
+            .query_one(&read, &[&fp, &scope, &id])
+            .await
+            .map_err(err)?;
+        let record = record(&row).map_err(err)?;
+        match decide(record, fingerprint)? {
+            Next::Answer(answer) => return Ok((answer, None)),
+            Next::Insert { fence } => {
+                let inserted = match first {
+                    None => {
+                        let insert = conn.prepare(&store.rsql.insert).await.map_err(err)?;
+                        let params: [&(dyn ToSql + Sync); 6] =
+                            [&scope, &id, &fp, &fence, &lease, &ttl];
+                        client.execute(&insert, &params).await.map_err(err)?
+                    }
+                    Some((point, state)) => {
+                        let insert = conn.prepare(&store.rsql.insert_at).await.map_err(err)?;
+                        let params: [&(dyn ToSql + Sync); 8] =
+                            [&scope, &id, &fp, &fence, &lease, &ttl, &point, &state];
+                        client.execute(&insert, &params).await.map_err(err)?
+                    }
+                };
+                if inserted == 1 {
+                    let fence = stored_fence(fence)?;
+                    let taken = Begin::Acquired {
+                        fence,
+                        takeover: false,
+                    };
+                    return Ok((taken, Some(born)));
+                }
+            }
+            Next::Reset { fence, takeover } => {
+                let reset = match first {
+                    None => {
+                        let reset = conn.prepare(&store.rsql.reset).await.map_err(err)?;
+                        let params: [&(dyn ToSql + Sync); 6] =
+                            [&fp, &lease, &ttl, &scope, &id, &fence];
+                        client.execute(&reset, &params).await.map_err(err)?
+                    }
+                    Some((point, state)) => {
+                        let reset = conn.prepare(&store.rsql.reset_at).await.map_err(err)?;
+                        let params: [&(dyn ToSql + Sync); 8] =
+                            [&fp, &lease, &ttl, &point, &state, &scope, &id, &fence];
+                        client.execute(&reset, &params).await.map_err(err)?
+                    }
+                };
+                if reset == 1 {
+                    let fence = next_fence(fence)?;
+                    return Ok((Begin::Acquired { fence, takeover }, Some(born)));
+                }
+            }
+            Next::TakeOver { fence } => {
+                // A row lock it meets is the old executor's completion about to commit,
+                // so waiting is short.
+                let take_over = conn.prepare(&store.rsql.take_over).await.map_err(err)?;
+                let params: [&(dyn ToSql + Sync); 4] = [&lease, &scope, &id, &fence];
+                if client.execute(&take_over, &params).await.map_err(err)? == 1 {
+                    let fence = next_fence(fence)?;
+                    let taken = Begin::Acquired {
+                        fence,
+                        takeover: true,
+                    };
+                    if first.is_none() {
+                        return Ok((taken, None));
+                    }
+                    // Rare (a crash, a lapsed lease): the point is read after the take, under
+                    // the new fence, so no earlier holder's late write can change it.
+                    let recovery = conn.prepare(&store.rsql.recovery).await.map_err(err)?;
+                    let fence_bound = bound_fence(fence);
+                    let row = client
+                        .query_opt(&recovery, &[&scope, &id, &fence_bound])
+                        .await
+                        .map_err(err)?;
+                    return match row {
+                        Some(row) => {
+                            let (_, _, recovery) = recovery_of(recovery_row(&row).map_err(err)?)?;
+                            Ok((taken, Some(recovery)))
+                        }
+                        None => Err(lease_lost(fence)),
+                    };
+                }
+            }
+        }
+    }
+    Err(Error::new(
+        ErrorKind::Transient,
+        "the request record kept changing under concurrent lookups; retry",
+    ))
+}
+
 impl RequestStore for PgStore {
     fn max_key_len(&self) -> usize {
         MAX_REQUEST_KEY_LEN
@@ -93,61 +213,9 @@ impl RequestStore for PgStore {
         lease: Duration,
         ttl: Duration,
     ) -> Result<Begin, Error> {
-        let what = "beginning an idempotent request";
-        let err = |e| store_error(what, e);
-        let (scope, id) = (&key.scope.as_bytes()[..], key.key.as_str().as_bytes());
-        let fp = &fingerprint.as_bytes()[..];
-        let (lease, ttl) = (span(lease), span(ttl));
-        // One connection for the whole lookup; each statement commits on its own.
-        let conn = self.lease().await?;
-        let client = conn.client();
-        let read = conn.prepare(&self.rsql.read).await.map_err(err)?;
-        for _ in 0..MAX_ATTEMPTS {
-            let row = client
-                .query_one(&read, &[&fp, &scope, &id])
-                .await
-                .map_err(err)?;
-            let record = record(&row).map_err(err)?;
-            match decide(record, fingerprint)? {
-                Next::Answer(answer) => return Ok(answer),
-                Next::Insert { fence } => {
-                    let insert = conn.prepare(&self.rsql.insert).await.map_err(err)?;
-                    let params: [&(dyn ToSql + Sync); 6] = [&scope, &id, &fp, &fence, &lease, &ttl];
-                    if client.execute(&insert, &params).await.map_err(err)? == 1 {
-                        return Ok(Begin::Acquired {
-                            fence: stored_fence(fence)?,
-                            takeover: false,
-                        });
-                    }
-                }
-                Next::Reset { fence, takeover } => {
-                    let reset = conn.prepare(&self.rsql.reset).await.map_err(err)?;
-                    let params: [&(dyn ToSql + Sync); 6] = [&fp, &lease, &ttl, &scope, &id, &fence];
-                    if client.execute(&reset, &params).await.map_err(err)? == 1 {
-                        return Ok(Begin::Acquired {
-                            fence: next_fence(fence)?,
-                            takeover,
-                        });
-                    }
-                }
-                Next::TakeOver { fence } => {
-                    // A row lock it meets is the old executor's completion about to commit,
-                    // so waiting is short.
-                    let take_over = conn.prepare(&self.rsql.take_over).await.map_err(err)?;
-                    let params: [&(dyn ToSql + Sync); 4] = [&lease, &scope, &id, &fence];
-                    if client.execute(&take_over, &params).await.map_err(err)? == 1 {
-                        return Ok(Begin::Acquired {
-                            fence: next_fence(fence)?,
-                            takeover: true,
-                        });
-                    }
-                }
-            }
-        }
-        Err(Error::new(
-            ErrorKind::Transient,
-            "the request record kept changing under concurrent lookups; retry",
-        ))
+        take(self, key, fingerprint, lease, ttl, None)
+            .await
+            .map(|(begin, _)| begin)
     }
 
     async fn complete_in(
@@ -199,6 +267,18 @@ impl RequestStore for PgStore {
 }
 
 impl RecoveryStore for PgStore {
+    async fn begin_phases(
+        &self,
+        key: &RequestKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+        point: &str,
+        state: &[u8],
+    ) -> Result<(Begin, Option<Recovery>), Error> {
+        take(self, key, fingerprint, lease, ttl, Some((point, state))).await
+    }
+
     async fn recovery(&self, key: &RequestKey, fence: Fence) -> Result<Recovery, Error> {
         let err = |e| store_error("reading a request's recovery point", e);
         let (scope, id) = (&key.scope.as_bytes()[..], key.key.as_str().as_bytes());

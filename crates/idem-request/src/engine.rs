@@ -1,11 +1,14 @@
 //! The engine: take a record, run under its lease (with a heartbeat), complete or abandon.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use idem_core::store::RequestStore;
-use idem_core::{Begin, Error, ErrorKind, Fence, Fingerprint, RequestErrorKind, RequestKey};
+use idem_core::{
+    Begin, Error, ErrorKind, Fence, Fingerprint, Recovery, RequestErrorKind, RequestKey,
+};
 use tokio::task::JoinHandle;
 
 /// Idempotent execution of operations keyed by client keys, on a [`RequestStore`].
@@ -164,6 +167,26 @@ impl<S: RequestStore + Clone + 'static> Idempotency<S> {
         key: RequestKey,
         fingerprint: Fingerprint,
     ) -> Result<Start<S>, Error> {
+        let (lease, ttl) = (self.inner.lease, self.inner.ttl);
+        let lookup = move |store: S, key: RequestKey| async move {
+            let begin = store.begin_request(&key, &fingerprint, lease, ttl).await;
+            begin.map(|begin| (begin, None))
+        };
+        self.take(key, lookup).await.map(|(start, _)| start)
+    }
+
+    /// [`start`](Self::start) with the store's lookup given: `lookup` takes the record (and
+    /// may tell where it stands, see
+    /// [`RecoveryStore::begin_phases`](idem_core::store::RecoveryStore::begin_phases)).
+    pub(crate) async fn take<L, F>(
+        &self,
+        key: RequestKey,
+        lookup: L,
+    ) -> Result<(Start<S>, Option<Recovery>), Error>
+    where
+        L: FnOnce(S, RequestKey) -> F,
+        F: Future<Output = Result<(Begin, Option<Recovery>), Error>> + Send + 'static,
+    {
         let me = &self.inner;
         if key.key.as_str().len() > me.store.max_key_len() {
             return Err(Error::request(
@@ -187,11 +210,9 @@ impl<S: RequestStore + Clone + 'static> Idempotency<S> {
         let (hand_over, taken) = tokio::sync::oneshot::channel();
         let lookup = {
             let (idem, key) = (self.clone(), key.clone());
-            let (lease, ttl) = (me.lease, me.ttl);
+            let begin = lookup(me.store.clone(), key.clone());
             async move {
-                let store = &idem.inner.store;
-                let begin = store.begin_request(&key, &fingerprint, lease, ttl).await;
-                if let Err(Ok(Begin::Acquired { fence, .. })) = hand_over.send(begin) {
+                if let Err(Ok((Begin::Acquired { fence, .. }, _))) = hand_over.send(begin.await) {
                     idem.release_quietly(&key, fence, "a caller gone during the lookup")
                         .await;
                 }
@@ -204,11 +225,14 @@ impl<S: RequestStore + Clone + 'static> Idempotency<S> {
                 "the record lookup ended without an answer (its task panicked or the runtime is shutting down)",
             )
         })??;
+        let (begin, recovery) = begin;
         let (fence, takeover) = match begin {
             Begin::Acquired { fence, takeover } => (fence, takeover),
-            Begin::Completed { result } => return Ok(Start::Replay(result)),
-            Begin::InProgress { retry_after } => return Ok(Start::InProgress { retry_after }),
-            Begin::Mismatch => return Ok(Start::Mismatch),
+            Begin::Completed { result } => return Ok((Start::Replay(result), None)),
+            Begin::InProgress { retry_after } => {
+                return Ok((Start::InProgress { retry_after }, None));
+            }
+            Begin::Mismatch => return Ok((Start::Mismatch, None)),
             _ => {
                 return Err(Error::new(
                     ErrorKind::Store,
@@ -219,7 +243,8 @@ impl<S: RequestStore + Clone + 'static> Idempotency<S> {
         if takeover {
             tracing::info!(key = %KeyDigest(&key), fence = fence.0, "took over a record whose lease ran out (its executor likely crashed)");
         }
-        self.execution(key, fence, takeover).await.map(Start::Run)
+        let execution = self.execution(key, fence, takeover).await?;
+        Ok((Start::Run(execution), recovery))
     }
 
     /// The execution of a record this caller holds under `fence`: its transaction begun and

@@ -219,8 +219,12 @@ impl<S: RecoveryStore + Clone + 'static> Idempotency<S> {
     /// [`PhaseCtx::foreign_key`], the same on every attempt, so the third party deduplicates
     /// the repeat; what it answered goes into the next phase's state.
     ///
-    /// Before the first phase runs, the record's first recovery point (`first`) is committed
-    /// on its own, so even an operation whose first phase is an external call is resumable.
+    /// The record is born at its first recovery point (`first`): the statement that takes the
+    /// record writes it ([`RecoveryStore::begin_phases`]), so before the first phase runs the
+    /// operation is resumable — by a retry, a takeover or the completer, which knows no
+    /// `first` — whether that phase writes locally or calls a third party, and no commit is
+    /// spent on the point alone. A boundary thus costs one commit, the take none beyond its
+    /// own: an operation of n phases commits n times after its take.
     /// `input` is fingerprinted as in [`call`](Self::call). An error from `step` rolls the
     /// phase's writes back and is returned; the record keeps its last point and its lease
     /// ends, so the next attempt resumes there (it is not freed, as a plain
@@ -241,16 +245,28 @@ impl<S: RecoveryStore + Clone + 'static> Idempotency<S> {
         F: AsyncFnMut(P, &mut PhaseCtx<S>) -> Result<Step<P, R>, E>,
     {
         let request = RequestKey::new(scope, key.clone());
-        let start = self.start(request, fingerprint_of(input)?).await?;
+        let fingerprint = fingerprint_of(input)?;
+        // The record is born at the first point (one statement with the take), and the take
+        // tells where a record stands: no commit of the first point on its own, no read.
+        let (point, state) = encode_phase(&first)?;
+        let (lease, ttl) = (self.lease(), self.ttl());
+        let lookup = move |store: S, key: RequestKey| async move {
+            (store.begin_phases(&key, &fingerprint, lease, ttl, &point, &state)).await
+        };
+        let (start, taken) = self.take(request, lookup).await?;
         let execution = match run_or_not(start, key) {
             Ok(execution) => execution,
             Err(not_run) => return not_run.into_result(key),
         };
-        let recovery = match self
-            .store()
-            .recovery(execution.key(), execution.fence())
-            .await
-        {
+        let recovery = match taken {
+            Some(recovery) => Ok(recovery),
+            None => {
+                (self.store())
+                    .recovery(execution.key(), execution.fence())
+                    .await
+            }
+        };
+        let recovery = match recovery {
             Ok(recovery) => recovery,
             Err(e) => {
                 let _ = execution.abandon().await;
@@ -313,7 +329,9 @@ impl<S: RecoveryStore + Clone + 'static> Idempotency<S> {
     {
         let mut phase = match (recovery.resume, first) {
             (Some(resume), _) => {
-                tracing::debug!(key = %KeyDigest(execution.key()), point = %resume.point, attempt = recovery.attempts, "resuming at the last recovery point");
+                if recovery.attempts > 1 {
+                    tracing::debug!(key = %KeyDigest(execution.key()), point = %resume.point, attempt = recovery.attempts, "resuming at the last recovery point");
+                }
                 match decode_phase(&resume.point, &resume.state) {
                     Ok(phase) => phase,
                     Err(e) => {
@@ -322,6 +340,8 @@ impl<S: RecoveryStore + Clone + 'static> Idempotency<S> {
                     }
                 }
             }
+            // A record taken without its first point (by a plain `start`, or one that never had
+            // a point): the point commits on its own before the phase, which may call out.
             (None, Some(first)) => {
                 let started = match encode_phase(&first) {
                     Ok((point, state)) => execution.advance(&point, &state).await,

@@ -29,7 +29,7 @@ use idem_core::request_record::{
 };
 pub(crate) use idem_core::request_record::{RecordRow, RecoveryRow};
 use idem_core::store::{ReapRequests, RecoveryStore, RequestStore};
-use idem_core::{Begin, Error, ErrorKind, Fence, Fingerprint, Recovery, RequestKey, Stuck};
+use idem_core::{Begin, Error, ErrorKind, Fence, Fingerprint, Recovery, RequestKey, Resume, Stuck};
 
 use crate::engine::{Engine, Param};
 use crate::errors::store_error;
@@ -60,73 +60,9 @@ impl<E: Engine> RequestStore for SqlStore<E> {
         lease: Duration,
         ttl: Duration,
     ) -> Result<Begin, Error> {
-        let err = |e| store_error::<E>("beginning an idempotent request", e);
-        let (scope, id) = (&key.scope.as_bytes()[..], key.key.as_str().as_bytes());
-        let fp = &fingerprint.as_bytes()[..];
-        let (lease, ttl) = (Param::Int(span(lease)), Param::Int(span(ttl)));
-        let (scope, id, fp) = (Param::Bytes(scope), Param::Bytes(id), Param::Bytes(fp));
-        for _ in 0..MAX_ATTEMPTS {
-            let now = Clocked::<E>::now();
-            let row = E::fetch_record(&self.pool, &self.rsql.read, &now.params([fp, scope, id]))
-                .await
-                .map_err(err)?;
-            match decide(row, fingerprint)? {
-                Next::Answer(answer) => return Ok(answer),
-                Next::Insert { fence } => {
-                    let params = now.params([scope, id, fp, Param::Int(fence), lease, ttl]);
-                    let inserted =
-                        match E::execute_pool(&self.pool, &self.rsql.insert, &params).await {
-                            Ok(rows) => rows == 1,
-                            Err(e) if is_unique_violation(&e) => false,
-                            Err(e) => return Err(err(e)),
-                        };
-                    if inserted {
-                        return Ok(Begin::Acquired {
-                            fence: stored_fence(fence)?,
-                            takeover: false,
-                        });
-                    }
-                }
-                Next::Reset { fence, takeover } => {
-                    let params = now.params([fp, lease, ttl, scope, id, Param::Int(fence)]);
-                    let reset = E::execute_pool(&self.pool, &self.rsql.reset, &params)
-                        .await
-                        .map_err(err)?;
-                    if reset == 1 {
-                        return Ok(Begin::Acquired {
-                            fence: next_fence(fence)?,
-                            takeover,
-                        });
-                    }
-                }
-                Next::TakeOver { fence } => {
-                    let params = now.params([lease, scope, id, Param::Int(fence)]);
-                    match E::execute_unless_locked(&self.pool, &self.rsql.take_over, &params)
-                        .await
-                        .map_err(err)?
-                    {
-                        Some(1) => {
-                            return Ok(Begin::Acquired {
-                                fence: next_fence(fence)?,
-                                takeover: true,
-                            });
-                        }
-                        Some(_) => {}
-                        // The lease ran out, but its executor may still be writing: report it
-                        // in progress rather than wait for it.
-                        None => {
-                            return Ok(Begin::InProgress {
-                                retry_after: idem_core::retry_after(Duration::ZERO),
-                            });
-                        }
-                    }
-                }
-            }
-        }
-        Err(Error::new(
-            ErrorKind::Transient,
-            "the request record kept changing under concurrent lookups; retry",
-        ))
+        take(self, key, fingerprint, lease, ttl, None)
+            .await
+            .map(|(begin, _)| begin)
     }
 
     async fn complete_in(
@@ -191,6 +127,137 @@ impl<E: Engine> RequestStore for SqlStore<E> {
     }
 }
 
+/// The lookup and take of [`RequestStore::begin_request`] and, with a first recovery point
+/// (`first`: point, state), of [`RecoveryStore::begin_phases`]: a record inserted or reset is
+/// born at that point by the statement that takes it. With the record taken comes where it
+/// stands: known without a read when inserted or reset; read after a takeover (with the new
+/// fence, which no earlier holder's write can match any more) only when `first` is given.
+async fn take<E: Engine>(
+    store: &SqlStore<E>,
+    key: &RequestKey,
+    fingerprint: &Fingerprint,
+    lease: Duration,
+    ttl: Duration,
+    first: Option<(&str, &[u8])>,
+) -> Result<(Begin, Option<Recovery>), Error> {
+    let err = |e| store_error::<E>("beginning an idempotent request", e);
+    let (scope, id) = (&key.scope.as_bytes()[..], key.key.as_str().as_bytes());
+    let fp = &fingerprint.as_bytes()[..];
+    let (lease, ttl) = (Param::Int(span(lease)), Param::Int(span(ttl)));
+    let (scope, id, fp) = (Param::Bytes(scope), Param::Bytes(id), Param::Bytes(fp));
+    let born = Recovery {
+        attempts: 1,
+        resume: first.map(|(point, state)| Resume {
+            point: point.to_owned(),
+            state: state.to_vec(),
+        }),
+    };
+    for _ in 0..MAX_ATTEMPTS {
+        let now = Clocked::<E>::now();
+        let row = E::fetch_record(&store.pool, &store.rsql.read, &now.params([fp, scope, id]))
+            .await
+            .map_err(err)?;
+        match decide(row, fingerprint)? {
+            Next::Answer(answer) => return Ok((answer, None)),
+            Next::Insert { fence } => {
+                let params = match first {
+                    None => now.params([scope, id, fp, Param::Int(fence), lease, ttl]),
+                    Some((point, state)) => now.params([
+                        scope,
+                        id,
+                        fp,
+                        Param::Int(fence),
+                        lease,
+                        ttl,
+                        Param::Text(point),
+                        Param::Bytes(state),
+                    ]),
+                };
+                let statement = match first {
+                    None => &store.rsql.insert,
+                    Some(_) => &store.rsql.insert_at,
+                };
+                let inserted = match E::execute_pool(&store.pool, statement, &params).await {
+                    Ok(rows) => rows == 1,
+                    Err(e) if is_unique_violation(&e) => false,
+                    Err(e) => return Err(err(e)),
+                };
+                if inserted {
+                    let fence = stored_fence(fence)?;
+                    let taken = Begin::Acquired {
+                        fence,
+                        takeover: false,
+                    };
+                    return Ok((taken, Some(born)));
+                }
+            }
+            Next::Reset { fence, takeover } => {
+                let (statement, params) = match first {
+                    None => (
+                        &store.rsql.reset,
+                        now.params([fp, lease, ttl, scope, id, Param::Int(fence)]),
+                    ),
+                    Some((point, state)) => (
+                        &store.rsql.reset_at,
+                        now.params([
+                            fp,
+                            lease,
+                            ttl,
+                            Param::Text(point),
+                            Param::Bytes(state),
+                            scope,
+                            id,
+                            Param::Int(fence),
+                        ]),
+                    ),
+                };
+                let reset = E::execute_pool(&store.pool, statement, &params)
+                    .await
+                    .map_err(err)?;
+                if reset == 1 {
+                    let fence = next_fence(fence)?;
+                    return Ok((Begin::Acquired { fence, takeover }, Some(born)));
+                }
+            }
+            Next::TakeOver { fence } => {
+                let params = now.params([lease, scope, id, Param::Int(fence)]);
+                match E::execute_unless_locked(&store.pool, &store.rsql.take_over, &params)
+                    .await
+                    .map_err(err)?
+                {
+                    Some(1) => {
+                        let fence = next_fence(fence)?;
+                        let taken = Begin::Acquired {
+                            fence,
+                            takeover: true,
+                        };
+                        // Rare (a crash, a lapsed lease): the point is read after the take,
+                        // under the new fence, so no earlier holder's late write can change it.
+                        let recovery = match first {
+                            Some(_) => Some(store.recovery(key, fence).await?),
+                            None => None,
+                        };
+                        return Ok((taken, recovery));
+                    }
+                    Some(_) => {}
+                    // The lease ran out, but its executor may still be writing: report it
+                    // in progress rather than wait for it.
+                    None => {
+                        let busy = Begin::InProgress {
+                            retry_after: idem_core::retry_after(Duration::ZERO),
+                        };
+                        return Ok((busy, None));
+                    }
+                }
+            }
+        }
+    }
+    Err(Error::new(
+        ErrorKind::Transient,
+        "the request record kept changing under concurrent lookups; retry",
+    ))
+}
+
 /// Ends a held record with its result (completed or abandoned: the two statements take the same
 /// parameters), in the handler's transaction; a record the fence no longer holds is `LeaseLost`.
 async fn end_in<E: Engine>(
@@ -230,6 +297,18 @@ fn held<'a>(key: &'a RequestKey, fence: Fence) -> [Param<'a>; 3] {
 }
 
 impl<E: Engine> RecoveryStore for SqlStore<E> {
+    async fn begin_phases(
+        &self,
+        key: &RequestKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+        point: &str,
+        state: &[u8],
+    ) -> Result<(Begin, Option<Recovery>), Error> {
+        take(self, key, fingerprint, lease, ttl, Some((point, state))).await
+    }
+
     async fn recovery(&self, key: &RequestKey, fence: Fence) -> Result<Recovery, Error> {
         let err = |e| store_error::<E>("reading a request's recovery point", e);
         let mut conn = self.pool.acquire().await.map_err(err)?;

@@ -58,6 +58,7 @@ macro_rules! recovery_conformance_tests {
             two_completers_skip_each_others_records,
             expiry_never_resets_a_record_with_a_recovery_point,
             migration_adds_recovery_columns_to_an_old_table,
+            a_phased_take_writes_the_first_point_and_returns_it,
         );
     };
     (@tests $fixture:ty; $($name:ident),* $(,)?) => {

@@ -572,3 +572,97 @@ pub async fn migration_adds_recovery_columns_to_an_old_table<F: RecoveryFixture>
     let _ = old.reap_batch(1).await.expect("reap on the migrated table");
     fx.teardown().await;
 }
+
+/// `begin_phases` takes a record born at the operation's first point — committed with the take,
+/// so a completer finds it before any phase commits — and says where a taken record stands
+/// without another read: a new or reset record at the first point, attempt 1; one taken over
+/// at its own last point, attempts counted; nothing with an answer that is not a take.
+pub async fn a_phased_take_writes_the_first_point_and_returns_it<F: RecoveryFixture>(test: &str) {
+    let fx = fixture!(test);
+    let s = fx.store();
+    let k = key("alice", "k-born");
+    let (point, state) = encode(&Phase::Reserve);
+    let at = |recovery: &Option<idem_core::Recovery>| {
+        let r = recovery
+            .as_ref()
+            .expect("a take tells where the record stands");
+        let resume = r.resume.as_ref().expect("a point");
+        (r.attempts, resume.point.clone(), resume.state.clone())
+    };
+    let (begin, recovery) = s
+        .begin_phases(&k, &unit_fp(), SHORT, DAY, &point, &state)
+        .await
+        .expect("take");
+    let Begin::Acquired {
+        fence: first,
+        takeover: false,
+    } = begin
+    else {
+        panic!("expected a new record, got {begin:?}");
+    };
+    assert_eq!(at(&recovery), (1, point.clone(), state.clone()));
+    let stored = s.recovery(&k, first).await.expect("recovery");
+    assert_eq!(
+        Some(stored),
+        recovery,
+        "the take's answer is what the record holds"
+    );
+    // Live: in progress, nothing taken, nothing told.
+    let (begin, recovery) = s
+        .begin_phases(&k, &unit_fp(), LONG, DAY, &point, &state)
+        .await
+        .expect("lookup");
+    assert!(matches!(begin, Begin::InProgress { .. }), "{begin:?}");
+    assert_eq!(recovery, None);
+    // The executor crashed before its first phase committed: the completer finds the record
+    // at its first point.
+    tokio::time::sleep(PAST_SHORT).await;
+    let stuck = s.take_stuck(10, SHORT).await.expect("take stuck");
+    assert_eq!(
+        stuck.len(),
+        1,
+        "the first point was not committed with the take"
+    );
+    assert_eq!(
+        stuck[0].recovery.resume.as_ref().expect("a point").point,
+        point
+    );
+    // Taken over again: at its own point (not the caller's first), one attempt more.
+    tokio::time::sleep(PAST_SHORT).await;
+    let (other_point, other_state) = encode(&Phase::Record { charge: "x".into() });
+    let (begin, recovery) = s
+        .begin_phases(&k, &unit_fp(), LONG, DAY, &other_point, &other_state)
+        .await
+        .expect("takeover");
+    let Begin::Acquired {
+        fence: taken,
+        takeover: true,
+    } = begin
+    else {
+        panic!("expected a takeover, got {begin:?}");
+    };
+    assert!(taken > stuck[0].fence);
+    assert_eq!(at(&recovery), (3, point.clone(), state.clone()));
+    // An ended record past its TTL starts afresh at the new first point.
+    let mut tx = s.begin_execution().await.expect("tx");
+    s.complete_in(&mut tx, &k, taken, b"done", SHORT)
+        .await
+        .expect("complete");
+    s.commit(tx).await.expect("commit");
+    tokio::time::sleep(PAST_SHORT).await;
+    let (begin, recovery) = s
+        .begin_phases(&k, &unit_fp(), LONG, DAY, &other_point, &other_state)
+        .await
+        .expect("reset");
+    let Begin::Acquired {
+        fence: reset,
+        takeover: false,
+    } = begin
+    else {
+        panic!("expected an expired record started afresh, got {begin:?}");
+    };
+    assert!(reset > taken);
+    assert_eq!(at(&recovery), (1, other_point, other_state));
+    assert_eq!(s.recovery(&k, reset).await.ok(), recovery);
+    fx.teardown().await;
+}

@@ -10,6 +10,12 @@
 //! ([`DerivedKey::for_phase`](crate::DerivedKey::for_phase)), so the third party
 //! deduplicates it.
 //!
+//! The first point costs no commit of its own: [`RecoveryStore::begin_phases`] takes the
+//! record and writes the operation's first point in the same statement, so an operation is
+//! resumable — by the completer too, which knows no first phase — before its first phase
+//! runs, whether that phase writes locally or calls a third party; and it returns where a
+//! taken record stands, so nothing reads it in another round trip.
+//!
 //! Only a store whose transaction carries both the operation's writes and the record
 //! implements [`RecoveryStore`]: the SQL stores. Redis does not — it shares no transaction
 //! with the business database, so a point written there could commit while the phase's writes
@@ -18,8 +24,9 @@
 use std::future::Future;
 use std::time::Duration;
 
-use super::{Fence, RequestKey};
+use super::{Begin, Fence, RequestKey};
 use crate::error::Error;
+use crate::fingerprint::Fingerprint;
 use crate::request::store::RequestStore;
 
 /// Where a held record's last committed phase boundary left it, as the executor holding it
@@ -69,6 +76,28 @@ pub struct Stuck {
 ///   have a point, skipping those another transaction holds, so several completers share the
 ///   work.
 pub trait RecoveryStore: RequestStore {
+    /// [`begin_request`](RequestStore::begin_request) for an operation of phases whose first
+    /// recovery point is `point` with `state`: a record it inserts (or starts afresh, being
+    /// expired) is born at that point, written by the statement that takes it — so the first
+    /// point is committed before the first phase runs at no commit of its own. With an
+    /// [`Acquired`](Begin::Acquired) record comes where it stands (`Some`): a new one at
+    /// `point`, attempt 1; one taken over at its own last point (or none, if it never had
+    /// one), attempts counted. `None` with every other answer.
+    ///
+    /// The engine resumes from what this returns without reading the record again
+    /// ([`recovery`](Self::recovery) stays for a store that answers `None` with an acquired
+    /// record).
+    #[allow(clippy::too_many_arguments)]
+    fn begin_phases(
+        &self,
+        key: &RequestKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+        point: &str,
+        state: &[u8],
+    ) -> impl Future<Output = Result<(Begin, Option<Recovery>), Error>> + Send;
+
     /// The recovery state of the record `fence` holds in progress; `LeaseLost` when it no
     /// longer does.
     fn recovery(
