@@ -5,6 +5,7 @@
 use std::panic::AssertUnwindSafe;
 
 use futures_util::FutureExt;
+use idem_core::crash::{self, CrashPoint};
 use idem_core::store::RecoveryStore;
 use idem_core::{
     BoxError, DerivedKey, Error, ErrorKind, IdempotencyKey, Recovery, RequestErrorKind, RequestKey,
@@ -346,6 +347,9 @@ impl<S: RecoveryStore + Clone + 'static> Idempotency<S> {
             if let Some(tx) = ctx.tx.take() {
                 execution.put_tx(tx);
             }
+            if matches!(outcome, Ok(Ok(_))) {
+                crash::reached(CrashPoint::PhaseReturned);
+            }
             match outcome {
                 Ok(Ok(Step::Next(next))) => {
                     let advanced = match encode_phase(&next) {
@@ -360,6 +364,7 @@ impl<S: RecoveryStore + Clone + 'static> Idempotency<S> {
                         }
                         return Err(e);
                     }
+                    crash::reached(CrashPoint::PointCommitted);
                     phase = next;
                 }
                 Ok(Ok(Step::Done(response))) => {
@@ -371,6 +376,7 @@ impl<S: RecoveryStore + Clone + 'static> Idempotency<S> {
                         }
                     };
                     execution.complete(&bytes).await?;
+                    crash::reached(CrashPoint::ResponseCommitted);
                     return Ok(response);
                 }
                 Ok(Ok(Step::Abandon(response))) => {
@@ -384,6 +390,7 @@ impl<S: RecoveryStore + Clone + 'static> Idempotency<S> {
                     execution
                         .give_up(&bytes, async |_: &mut S::Tx| Ok::<(), Error>(()))
                         .await?;
+                    crash::reached(CrashPoint::ResponseCommitted);
                     return Ok(response);
                 }
                 Ok(Err(e)) => {
