@@ -315,6 +315,39 @@ impl RunDatabase {
         Ok(check)
     }
 
+    /// `--phases`: the charge rows, as (account, processor's charge ID), none before the
+    /// services created the table.
+    pub(crate) async fn processor_charge_rows(&self) -> Result<Vec<(String, Option<String>)>> {
+        let mut conn = self.reader().await?;
+        if !conn.table_exists("charges").await? {
+            return Ok(Vec::new());
+        }
+        conn.account_and_processor_id()
+            .await
+            .context("reading charges")
+    }
+
+    /// `--phases`: the idempotency records of `table` by state: (in progress, finished,
+    /// abandoned), zeros before the services created the table. A record in progress at the
+    /// end of a run, after the completers' pass, is stuck.
+    pub(crate) async fn request_states(&self, table: &str) -> Result<(u64, u64, u64)> {
+        let mut conn = self.reader().await?;
+        if !conn.table_exists(table).await? {
+            return Ok((0, 0, 0));
+        }
+        let mut by_state = [0u64; 3];
+        for (state, n) in by_state.iter_mut().enumerate() {
+            let rows = conn
+                .integers(&format!(
+                    "SELECT count(*) FROM {table} WHERE state = {state}"
+                ))
+                .await
+                .with_context(|| format!("reading {table}"))?;
+            *n = rows.first().copied().unwrap_or(0).max(0) as u64;
+        }
+        Ok((by_state[0], by_state[1], by_state[2]))
+    }
+
     /// Drops the run's database.
     pub(crate) async fn drop_database(self) -> Result<()> {
         match &self.server {
@@ -381,6 +414,24 @@ impl Reader {
             Reader::Postgres(c) => sqlx::query_scalar(sql).fetch_all(c).await?,
             Reader::MySql(c) => sqlx::query_scalar(sql).fetch_all(c).await?,
             Reader::Sqlite(c) => sqlx::query_scalar(sql).fetch_all(c).await?,
+        })
+    }
+
+    /// The charge rows' (account, processor_charge_id); on MySQL the columns may be
+    /// `VARBINARY` (payments') or `VARCHAR` (http-payments'), both read as bytes.
+    async fn account_and_processor_id(&mut self) -> Result<Vec<(String, Option<String>)>> {
+        const SQL: &str = "SELECT account, processor_charge_id FROM charges";
+        Ok(match self {
+            Reader::Postgres(c) => sqlx::query_as(SQL).fetch_all(c).await?,
+            Reader::MySql(c) => {
+                let rows: Vec<(Vec<u8>, Option<Vec<u8>>)> =
+                    sqlx::query_as(SQL).fetch_all(c).await?;
+                let text = |b: Vec<u8>| String::from_utf8_lossy(&b).into_owned();
+                rows.into_iter()
+                    .map(|(account, id)| (text(account), id.map(text)))
+                    .collect()
+            }
+            Reader::Sqlite(c) => sqlx::query_as(SQL).fetch_all(c).await?,
         })
     }
 

@@ -58,7 +58,11 @@ pub(crate) async fn run(args: Args) -> Result<Report> {
         );
     }
 
-    let mut broker = Broker::parse(&args.broker)?;
+    let mut broker = Broker::parse(
+        args.broker
+            .as_deref()
+            .context("--broker is required (but with --phases http)")?,
+    )?;
     if broker.kind() == idem_any::Broker::Kafka {
         check_kafka_broker(broker.address()).await?;
     }

@@ -33,6 +33,11 @@ pub(crate) enum Reach {
     ConsumerAndRelay,
     /// A relay alone (`idem relay`).
     Relay,
+    /// A service whose operations run as recovery points (`http-payments --card-processor`):
+    /// the phase driver's points.
+    Phases,
+    /// A consumer whose handler runs recovery points (`payments --card-processor`).
+    ConsumerAndPhases,
 }
 
 impl Schedule {
@@ -77,12 +82,21 @@ impl Schedule {
             Reach::Consumer => self.consumer_points.clone(),
             Reach::ConsumerAndRelay => [&self.consumer_points[..], &self.relay_points[..]].concat(),
             Reach::Relay => self.relay_points.clone(),
+            Reach::Phases => CrashPoint::PHASES.to_vec(),
+            Reach::ConsumerAndPhases => {
+                [&self.consumer_points[..], &CrashPoint::PHASES[..]].concat()
+            }
         };
         let point = *points.choose(&mut self.rng)?;
         Some(CrashAt {
             point,
             hit: self.rng.gen_range(1..=self.crash_within),
         })
+    }
+
+    /// True with probability `share` (which `--phases` operations give up).
+    pub(crate) fn chance(&mut self, share: f64) -> bool {
+        self.rng.gen_bool(share.clamp(0.0, 1.0))
     }
 
     /// A seed for a component with its own generator (the cut proxy).
