@@ -138,8 +138,15 @@ impl Report {
     /// The summary of a `--phases` run.
     fn phases_summary(&self, p: &crate::phases::check::PhasesFigures) -> String {
         format!(
-            "idem-chaos phases {} {} seed {}: operations {} answered {} given up {} (not started {}) processor charges {} doubled {} charge rows {} doubled {} without the processor's charge {} records finished {} abandoned {} stuck {} client requests {} resends {} replays {} kills {} ({} at crash points) restarts {} in {:.1}s: {}",
+            "idem-chaos phases {}{} {} seed {}: operations {} answered {} given up {} (not started {}) processor charges {} doubled {} charge rows {} doubled {} without the processor's charge {} records finished {} abandoned {} stuck {} client requests {} resends {} replays {} kills {} ({} at crash points) restarts {} in {:.1}s: {}",
             p.service,
+            match p.service.as_str() {
+                "consumer" => format!(
+                    " {} (sent {}, lost {}, duplicated {}, dead-lettered {}, left {})",
+                    self.broker, self.sent, self.lost, self.duplicated, self.dead_lettered, self.backlog
+                ),
+                _ => String::new(),
+            },
             self.database,
             self.seed,
             p.operations,

@@ -6,8 +6,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
-use crate::Args;
 use crate::broker::{Broker, Names};
+use crate::phases::clients::Tally;
+use crate::phases::{Op, Processor, check};
+use crate::{Args, PhasesMode};
 use crate::faults::nats_cluster::NatsCluster;
 use crate::faults::postgres;
 use crate::faults::proxy::CutProxy;
@@ -19,6 +21,8 @@ use crate::schedule::{Reach, Schedule};
 
 /// The outbox the consumers write and the relays read (idem's default name).
 const OUTBOX_TABLE: &str = idem_core::DEFAULT_OUTBOX_TABLE;
+/// `--phases consumer`: the charges' records (payments keeps idem's default table).
+const REQUESTS_TABLE: &str = idem_core::DEFAULT_REQUESTS_TABLE;
 /// How often the run looks at its consumers and the ledger.
 const TICK: Duration = Duration::from_millis(100);
 /// How long a drain may make no progress, with messages left, before the harness checks
@@ -94,7 +98,16 @@ pub(crate) async fn run(args: Args) -> Result<Report> {
         source: format!("{tag}-charged"),
         consumer: format!("{tag}-receipts"),
     });
+    let phased = args.phases == Some(PhasesMode::Consumer);
+    if phased && args.two_hop {
+        bail!("--phases consumer runs one hop; leave --two-hop out");
+    }
     let db = RunDatabase::create(&args.database, &tag, &work).await?;
+    // --phases consumer: the card processor every consumer charges through.
+    let processor = match phased {
+        true => Some(Processor::start(args.scramble_foreign_keys).await?),
+        false => None,
+    };
     let mut sched = Schedule::new(
         args.seed,
         args.kill_every,
@@ -107,7 +120,7 @@ pub(crate) async fn run(args: Args) -> Result<Report> {
         false => None,
     };
     let consumer_db = db.service_url(proxy.as_ref().map(|p| p.port));
-    let sent = sched.messages(&tag, args.messages, args.duplicates);
+    let sent = sched.messages(&tag, args.messages, args.duplicates, phased);
 
     let common = |names: &Names| {
         let mut common = vec![
@@ -132,6 +145,14 @@ pub(crate) async fn run(args: Args) -> Result<Report> {
     };
     let mut service_args = common(&names);
     service_args.extend(["--batch".to_owned(), args.batch.to_string()]);
+    if let Some(p) = &processor {
+        service_args.extend([
+            "--card-processor".to_owned(),
+            p.url(),
+            "--phase-lease".to_owned(),
+            format!("{}ms", args.lease.as_millis()),
+        ]);
+    }
     if let Some(hop) = &hop {
         service_args.extend(["--emit".to_owned(), hop.source.clone()]);
         if idem.is_some() {
@@ -206,6 +227,7 @@ pub(crate) async fn run(args: Args) -> Result<Report> {
         receipts,
         relays,
         receipted: 0,
+        processor: processor.as_ref(),
         sent: &sent,
         report: Report {
             broker: broker.redacted(),
@@ -386,6 +408,8 @@ struct Run<'a> {
     relays: Option<Fleet>,
     /// `--two-hop`: distinct payments with a receipt, at the last count.
     receipted: u64,
+    /// `--phases consumer`: the card processor the consumers charge through.
+    processor: Option<&'a Processor>,
     sent: &'a Sent,
     report: Report,
     /// Replicas to start again, and when.
@@ -423,6 +447,7 @@ impl Run<'_> {
     /// Which crash points a replica of `role` can reach.
     fn reach(&self, role: Role) -> Reach {
         match role {
+            Role::Charge if self.processor.is_some() => Reach::ConsumerAndPhases,
             Role::Charge if self.hop.is_some() && self.relays.is_none() => Reach::ConsumerAndRelay,
             Role::Charge | Role::Receipts => Reach::Consumer,
             Role::Relay => Reach::Relay,
@@ -594,6 +619,10 @@ impl Run<'_> {
                 unsent = self.db.unsent_outbox_rows(OUTBOX_TABLE).await.ok();
             }
             let receipted = self.hop.is_none() || self.receipted >= self.report.unique;
+            // --phases consumer: and no record left in progress (a charge whose redelivery
+            // is still to come, or the completer's to finish).
+            let settled = self.processor.is_none()
+                || matches!(self.db.request_states(REQUESTS_TABLE).await, Ok((0, _, _)));
             // Progress on either hop.
             let done = self.charged + self.receipted;
             if done > progress.0 {
@@ -608,6 +637,7 @@ impl Run<'_> {
                 && receipted
                 && backlog == Some(0)
                 && unsent == Some(0)
+                && settled
             {
                 if self.broker.kind() != idem_any::Broker::Mqtt {
                     return Ok(());
@@ -867,6 +897,34 @@ impl Run<'_> {
             report
                 .anomalies
                 .push("account balances differ from the charges".into());
+        }
+        if let Some(processor) = self.processor {
+            // Each payment is an operation: its ID is its account (`Schedule::messages`).
+            let ops: Vec<Op> = self
+                .sent
+                .unique
+                .iter()
+                .enumerate()
+                .map(|(index, (id, amount))| Op {
+                    index,
+                    key: id.clone(),
+                    account: id.clone(),
+                    amount_cents: *amount,
+                    give_up: false,
+                })
+                .collect();
+            let mut figures = check::check(
+                self.db,
+                REQUESTS_TABLE,
+                &ops,
+                &processor.stats(),
+                &Tally::default(),
+                &mut report.anomalies,
+            )
+            .await?;
+            figures.service = "consumer".to_owned();
+            figures.scrambled_foreign_keys = self.args.scramble_foreign_keys;
+            report.phases = Some(figures);
         }
         if report.kills < self.args.kills {
             report.anomalies.push(format!(

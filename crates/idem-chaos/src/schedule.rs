@@ -105,13 +105,25 @@ impl Schedule {
     }
 
     /// The run's publishes: each of `n` IDs once, and `share` of them a second time, the
-    /// repeat at a random later position (a producer retrying after a lost confirm).
-    pub(crate) fn messages(&mut self, tag: &str, n: usize, share: f64) -> crate::ledger::Sent {
+    /// repeat at a random later position (a producer retrying after a lost confirm). With
+    /// `own_accounts` each payment charges an account of its own, named as its ID (`--phases`
+    /// counts the processor's charges per account), else one of 32.
+    pub(crate) fn messages(
+        &mut self,
+        tag: &str,
+        n: usize,
+        share: f64,
+        own_accounts: bool,
+    ) -> crate::ledger::Sent {
         let mut sent = crate::ledger::Sent::default();
         for i in 0..n {
             let id = format!("{tag}-{i:07}");
             let amount = 1 + (i as i64 * 7919) % 1000;
-            let payload = format!(r#"{{"account":"acct-{}","amount_cents":{amount}}}"#, i % 32);
+            let account = match own_accounts {
+                true => id.clone(),
+                false => format!("acct-{}", i % 32),
+            };
+            let payload = format!(r#"{{"account":"{account}","amount_cents":{amount}}}"#);
             sent.unique.push((id.clone(), amount));
             sent.publishes.push((id, payload.into_bytes()));
         }

@@ -23,13 +23,14 @@
 //! | `relay-after-mark` | a mark-sent transaction committed (a chunk of confirmed rows) |
 //! | `phase-returned` | a phase of recovery points returned: its writes are made, its foreign call answered (for a charge: the processor charged), the next recovery point or the response is not committed |
 //! | `point-committed` | a recovery point committed, the next phase not started |
-//! | `response-committed` | an operation of phases committed its response (or gave up), the caller not answered yet (no HTTP answer, no ack) |
+//! | `response-committed` | an idempotent request or an operation of phases committed its response (or gave up), the caller not answered yet (no HTTP answer) |
 //!
 //! The first four are a consumer's ([`CrashPoint::ALL`]); the `relay-*` points are the relay's
 //! ([`CrashPoint::RELAY`], in `idem-relay`), reached only in a process that runs a relay (the
 //! `idem relay` command, `payments --emit`); the last three are the phase driver's
-//! ([`CrashPoint::PHASES`], in idem-request's `run_phases`), reached only where operations
-//! run as phases (`http-payments --card-processor`, `payments --card-processor`).
+//! ([`CrashPoint::PHASES`], in idem-request: `run_phases`' loop, and the completion every
+//! idempotent request ends with), reached where operations run as phases
+//! (`http-payments --card-processor`, `payments --card-processor`).
 
 use std::fmt;
 use std::str::FromStr;
@@ -63,7 +64,8 @@ pub enum CrashPoint {
     PhaseReturned,
     /// A recovery point committed; the next phase has not started.
     PointCommitted,
-    /// An operation of phases committed its response; its caller is not answered yet.
+    /// An idempotent request (an operation of phases among them) committed its response, or
+    /// gave up; its caller is not answered yet.
     ResponseCommitted,
 }
 

@@ -189,6 +189,9 @@ impl<S: RecoveryStore + Clone + 'static> Execution<S> {
             let _ = self.idem.release(&self.key, self.fence).await;
         }
         self.settled = true;
+        if committed.is_ok() {
+            crash::reached(CrashPoint::ResponseCommitted);
+        }
         committed
     }
 }
@@ -376,7 +379,6 @@ impl<S: RecoveryStore + Clone + 'static> Idempotency<S> {
                         }
                     };
                     execution.complete(&bytes).await?;
-                    crash::reached(CrashPoint::ResponseCommitted);
                     return Ok(response);
                 }
                 Ok(Ok(Step::Abandon(response))) => {
@@ -390,7 +392,6 @@ impl<S: RecoveryStore + Clone + 'static> Idempotency<S> {
                     execution
                         .give_up(&bytes, async |_: &mut S::Tx| Ok::<(), Error>(()))
                         .await?;
-                    crash::reached(CrashPoint::ResponseCommitted);
                     return Ok(response);
                 }
                 Ok(Err(e)) => {

@@ -11,11 +11,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use idem_consumer::crash::CrashAt;
-use idem_testkit::fake_processor::FakeProcessor;
 
-use super::check;
 use super::clients::Clients;
-use super::scramble::Scrambler;
+use super::{Processor, check};
 use crate::Args;
 use crate::fleet::{Exit, Fleet};
 use crate::ledger::RunDatabase;
@@ -40,16 +38,7 @@ pub(crate) async fn run(args: Args) -> Result<Report> {
     std::fs::create_dir_all(&work).with_context(|| format!("creating {}", work.display()))?;
     let program = locate(args.http_payments.as_deref(), "http-payments")?;
     let db = RunDatabase::create(&args.database, &tag, &work).await?;
-    let processor = FakeProcessor::start()
-        .await
-        .context("starting the fake card processor")?;
-    let scrambler = match args.scramble_foreign_keys {
-        true => Some(Scrambler::start(&processor.url()).await?),
-        false => None,
-    };
-    let processor_url = scrambler
-        .as_ref()
-        .map_or_else(|| processor.url(), Scrambler::url);
+    let processor = Processor::start(args.scramble_foreign_keys).await?;
 
     let servers = args.servers.max(1);
     let ports = free_ports(servers)?;
@@ -57,7 +46,7 @@ pub(crate) async fn run(args: Args) -> Result<Report> {
         "--database".to_owned(),
         db.service_url(None),
         "--card-processor".to_owned(),
-        processor_url,
+        processor.url(),
         "--lease".to_owned(),
         format!("{}ms", args.lease.as_millis()),
         "--worker-threads".to_owned(),

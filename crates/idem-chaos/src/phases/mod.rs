@@ -21,6 +21,45 @@ pub(crate) mod clients;
 pub(crate) mod http;
 pub(crate) mod scramble;
 
+use anyhow::{Context, Result};
+use idem_testkit::fake_processor::{FakeProcessor, Stats};
+
+use scramble::Scrambler;
+
+/// The card processor of a run: idem's fake one, in this process (it is never killed), and,
+/// with `--scramble-foreign-keys`, the proxy the services reach it through.
+#[derive(Debug)]
+pub(crate) struct Processor {
+    fake: FakeProcessor,
+    scrambler: Option<Scrambler>,
+}
+
+impl Processor {
+    /// Starts the fake processor, behind a scrambling proxy if `scramble`.
+    pub(crate) async fn start(scramble: bool) -> Result<Self> {
+        let fake = FakeProcessor::start()
+            .await
+            .context("starting the fake card processor")?;
+        let scrambler = match scramble {
+            true => Some(Scrambler::start(&fake.url()).await?),
+            false => None,
+        };
+        Ok(Self { fake, scrambler })
+    }
+
+    /// The base URL the services are given (`--card-processor`).
+    pub(crate) fn url(&self) -> String {
+        self.scrambler
+            .as_ref()
+            .map_or_else(|| self.fake.url(), Scrambler::url)
+    }
+
+    /// What the processor charged.
+    pub(crate) fn stats(&self) -> Stats {
+        self.fake.stats()
+    }
+}
+
 /// One operation a run asks for: its Idempotency-Key (the HTTP client's) and its charge,
 /// to an account no other operation uses.
 #[derive(Debug, Clone)]
