@@ -14,6 +14,13 @@
 //! and the checker wants one effect per ID at each hop. The database is PostgreSQL's, MySQL's
 //! or an SQLite file (`--database sqlite:`); the database faults need PostgreSQL.
 //!
+//! `--phases http|consumer` proves recovery points the same way (module `phases`): every
+//! operation charges the test kit's fake card processor (in this process, counting charges
+//! per account) and then records the charge, as two phases; `http` runs `http-payments
+//! --card-processor` servers behind clients retrying with idem-client, `consumer` runs
+//! `payments --card-processor` consumers; kills arm the phase driver's crash points too, and
+//! the checker wants one processor charge and one charge row per operation, none stuck.
+//!
 //! On MQTT (`--broker mqtt://…`) the run starts a Mosquitto of its own (`--mosquitto`) with no
 //! cap on what a disconnected session keeps, creates every consumer's persistent session
 //! before publishing, and reads the backlog from the broker's `$SYS` store count.
@@ -23,6 +30,11 @@
 //! target/debug/idem-chaos --broker nats://127.0.0.1:4222 \
 //!     --database postgres://postgres@127.0.0.1:5432/postgres \
 //!     --messages 5000 --kills 100 --consumers 3 --seed 7
+//! ```
+//!
+//! ```text
+//! cargo build -p http-payments -p idem-chaos
+//! target/debug/idem-chaos --phases http --database sqlite: --messages 300 --kills 35
 //! ```
 //!
 //! A fixed `--seed` reproduces the same schedule of faults (which consumer, which crash
