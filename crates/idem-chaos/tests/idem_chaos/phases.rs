@@ -22,20 +22,24 @@ use serde_json::Value;
 
 use super::chaos::{ONE_AT_A_TIME, tail};
 
-/// Runs `idem-chaos --phases http` on `database` with `args`; its exit status and JSON
-/// report.
-fn phases_http(test: &str, database: &str, args: &[&str]) -> (bool, Value) {
+/// Runs `idem-chaos --phases <service>` on `database` with `args`; its exit status and JSON
+/// report. `service` is `http` (http-payments) or `consumer` (payments).
+fn phases_run(test: &str, service: &str, database: &str, args: &[&str]) -> (bool, Value) {
     let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let exe = env!("CARGO_BIN_EXE_idem-chaos");
-    let server = std::path::Path::new(exe).with_file_name("http-payments");
+    let binary = match service {
+        "http" => "http-payments",
+        _ => "payments",
+    };
+    let server = std::path::Path::new(exe).with_file_name(binary);
     assert!(
         server.is_file(),
         "{test}: no {} — run the workspace's tests (`cargo test --workspace`) so the \
-         http-payments binary is built next to idem-chaos",
+         {binary} binary is built next to idem-chaos",
         server.display()
     );
     let out = Command::new(exe)
-        .args(["--phases", "http", "--database", database])
+        .args(["--phases", service, "--database", database])
         .args(args)
         .output()
         .expect("run idem-chaos");
@@ -59,8 +63,7 @@ fn count(v: &Value, field: &str) -> u64 {
     v[field].as_u64().unwrap_or(0)
 }
 
-/// A run that must prove the point: no anomaly, one charge and one row per operation, kills
-/// as asked with some at the phase driver's crash points.
+/// An HTTP run that must prove the point: [`proven`], with every client answered.
 fn proves(test: &str, database: &str, kills: u64, seed: &str) {
     let kills_arg = kills.to_string();
     let args = [
@@ -81,7 +84,14 @@ fn proves(test: &str, database: &str, kills: u64, seed: &str) {
         "--seed",
         seed,
     ];
-    let (ok, r) = phases_http(test, database, &args);
+    let (ok, r) = phases_run(test, "http", database, &args);
+    proven(test, ok, &r, 300, kills);
+    assert_eq!(count(&r["phases"], "answered"), 300, "{test}: {r:#}");
+}
+
+/// What every proving run must show: no anomaly, one processor charge and one charge row per
+/// operation, every record ended, kills as asked with some at the phase driver's crash points.
+fn proven(test: &str, ok: bool, r: &Value, operations: u64, kills: u64) {
     let p = &r["phases"];
     assert!(
         ok && r["anomalies"].as_array().is_some_and(|a| a.is_empty()),
@@ -99,18 +109,17 @@ fn proves(test: &str, database: &str, kills: u64, seed: &str) {
     ] {
         assert_eq!(p[zero], 0, "{test}: {zero} in {r:#}");
     }
-    // Every client retried to an answer: every operation charged once and recorded once.
-    assert_eq!(count(p, "answered"), 300, "{test}: {r:#}");
-    assert_eq!(count(p, "processor_effects"), 300, "{test}: {r:#}");
-    assert_eq!(count(p, "charge_rows"), 300, "{test}: {r:#}");
+    // Every operation charged once and recorded once.
+    assert_eq!(count(p, "processor_effects"), operations, "{test}: {r:#}");
+    assert_eq!(count(p, "charge_rows"), operations, "{test}: {r:#}");
     assert_eq!(
         count(p, "finished") + count(p, "abandoned"),
-        300,
+        operations,
         "{test}: {r:#}"
     );
-    assert!(count(&r, "kills") >= kills, "{test}: {r:#}");
+    assert!(count(r, "kills") >= kills, "{test}: {r:#}");
     assert!(
-        count(&r, "crash_point_aborts") > 0,
+        count(r, "crash_point_aborts") > 0,
         "{test}: no server aborted at a crash point (built without crash points?): {r:#}"
     );
 }
@@ -159,7 +168,7 @@ fn phases_http_scrambled_foreign_keys_are_caught_doubling() {
         "--seed",
         "304",
     ];
-    let (ok, r) = phases_http(test, "sqlite:", &args);
+    let (ok, r) = phases_run(test, "http", "sqlite:", &args);
     assert!(!ok, "{test}: a run with scrambled keys passed: {r:#}");
     assert!(
         count(&r["phases"], "doubled_effects") > 0,
