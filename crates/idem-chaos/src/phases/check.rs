@@ -28,6 +28,8 @@ pub(crate) struct PhasesFigures {
     pub(crate) answered: u64,
     /// Operations whose client gave up after a failed first attempt (`--give-up-share`).
     pub(crate) given_up: u64,
+    /// Operations answered as given up by the service (its completer ran out of attempts).
+    pub(crate) answered_abandoned: u64,
     /// Operations never answered (the run stopped their clients at its drain timeout).
     pub(crate) unanswered: u64,
     /// Calls the processor received (every attempt).
@@ -47,6 +49,8 @@ pub(crate) struct PhasesFigures {
     pub(crate) answers_mismatched: u64,
     /// Operations charged at the processor with no charge row.
     pub(crate) charged_unrecorded: u64,
+    /// Operations answered as given up that have a charge row all the same.
+    pub(crate) abandoned_with_row: u64,
     /// Charges and rows for accounts no operation has.
     pub(crate) unexpected: u64,
     /// Records by state at the end.
@@ -89,6 +93,7 @@ pub(crate) async fn check(
         operations: ops.len() as u64,
         answered: tally.answered.len() as u64,
         given_up: tally.given_up.len() as u64,
+        answered_abandoned: tally.abandoned.len() as u64,
         unanswered: tally.unanswered,
         processor_calls: stats.calls,
         processor_effects: stats.total_effects(),
@@ -126,6 +131,9 @@ pub(crate) async fn check(
             with_row += 1;
         } else if !effects.is_empty() {
             f.charged_unrecorded += 1;
+        }
+        if tally.abandoned.contains(&op.account) && !op_rows.is_empty() {
+            f.abandoned_with_row += 1;
         }
         if let Some(answer) = tally.answered.get(&op.account) {
             if effects.is_empty() || op_rows.is_empty() {
@@ -165,6 +173,10 @@ pub(crate) async fn check(
         ),
         ("charges or rows for unknown operations", f.unexpected),
         ("records stuck in progress", f.stuck),
+        (
+            "operations answered as abandoned with a charge row",
+            f.abandoned_with_row,
+        ),
         ("operations never answered", f.unanswered),
         ("answers refused (4xx)", tally.refused.len() as u64),
     ] {
@@ -190,6 +202,12 @@ pub(crate) async fn check(
         anomalies.push(format!(
             "{} operations have no record, and only {} clients gave up",
             f.not_started, f.given_up
+        ));
+    }
+    if f.answered_abandoned > abandoned {
+        anomalies.push(format!(
+            "{} operations answered as abandoned, and only {abandoned} records abandoned",
+            f.answered_abandoned
         ));
     }
     if finished + abandoned + stuck > f.operations {

@@ -30,6 +30,9 @@ pub(crate) struct Tally {
     pub(crate) answered: HashMap<String, Option<String>>,
     /// Operations whose client gave up after a failed first attempt.
     pub(crate) given_up: HashSet<String>,
+    /// Operations answered that the service gave them up (http-payments' `charge-abandoned`
+    /// problem: its completer ran out of attempts): a final answer, no charge row.
+    pub(crate) abandoned: HashSet<String>,
     /// Operations still unanswered when the run stopped the clients.
     pub(crate) unanswered: u64,
     /// HTTP requests sent, retries by the middleware included.
@@ -71,12 +74,18 @@ impl Shared {
     }
 }
 
-/// The answer's body, as far as the check reads it.
+/// The answer's body, as far as the check reads it: a charge, or a problem.
 #[derive(Debug, Deserialize)]
 struct Answer {
     #[serde(default)]
     processor_charge_id: Option<String>,
+    /// A problem's code (`charge-abandoned`).
+    #[serde(default)]
+    code: Option<String>,
 }
+
+/// The problem code of an operation the service gave up: stored, so every retry gets it.
+const ABANDONED: &str = "charge-abandoned";
 
 impl Clients {
     /// Starts `concurrency` clients over `servers` (base URLs); operation `i` of `n` is
@@ -207,6 +216,14 @@ async fn run(shared: &Shared, op: &Op) {
                     tally.replays += u64::from(o.replayed);
                 } else {
                     tally.requests += 1;
+                }
+                let answer = body
+                    .as_ref()
+                    .ok()
+                    .and_then(|b| serde_json::from_slice::<Answer>(b).ok());
+                if answer.as_ref().and_then(|a| a.code.as_deref()) == Some(ABANDONED) {
+                    tally.abandoned.insert(op.account.clone());
+                    return;
                 }
                 if status.is_success() {
                     if let Ok(body) = body {
