@@ -1,4 +1,5 @@
-//! The extractors: the execution's transaction ([`IdemTx`]) and request ([`IdemRequest`]),
+//! The extractors: the execution's transaction ([`IdemTx`]), request ([`IdemRequest`]) and
+//! phases ([`IdemPhases`]),
 //! read from the slot the middleware put in the request's extensions (the actix-session
 //! pattern). Both are taken at once, never across an `.await`.
 
@@ -10,7 +11,9 @@ use actix_web::dev::Payload;
 use actix_web::http::StatusCode;
 use actix_web::{FromRequest, HttpMessage, HttpRequest, HttpResponse, ResponseError};
 use idem_core::TransactionalStore;
+use idem_core::store::RecoveryStore;
 use idem_http::TxError;
+use idem_http::phases::{PhaseResponse, Phases, PhasesError};
 use idem_http::problem::{DEFAULT_TYPE_BASE, ProblemCode, problem_response};
 
 use crate::convert;
@@ -141,5 +144,98 @@ impl ResponseError for TxRejection {
             DEFAULT_TYPE_BASE,
         );
         convert::response(problem.map(http_body_util::Full::new))
+    }
+}
+
+/// The phases of the execution, for an actix-web handler: runs the request as recovery
+/// points in the middleware's own execution — the same as [`idem_http::IdemPhases`] (see it,
+/// and [`idem_http::phases`], for the rules): the first point commits before the first
+/// phase, a retry, a takeover or the completer resumes at the last point, and the last
+/// phase's writes commit with the stored response.
+///
+/// Taken from the slot the middleware put in the request's extensions, at once (never held
+/// across an `.await`). Outside an idempotent execution it fails with `500 internal-error`.
+pub struct IdemPhases<S: RecoveryStore + Clone + 'static>(idem_http::IdemPhases<S>);
+
+impl<S: RecoveryStore + Clone + 'static> fmt::Debug for IdemPhases<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("IdemPhases").field(&self.0).finish()
+    }
+}
+
+impl<S> IdemPhases<S>
+where
+    S: RecoveryStore + Clone + 'static,
+    S::Tx: 'static,
+{
+    /// Takes the phases of the execution the middleware left in `req`'s extensions.
+    pub fn take(req: &HttpRequest) -> Result<Self, TxRejection> {
+        let extensions = req.extensions();
+        let attached = extensions
+            .get::<Attached>()
+            .ok_or(TxRejection(TxError::NotIdempotent))?;
+        idem_http::IdemPhases::take(&attached.0)
+            .map(Self)
+            .map_err(TxRejection)
+    }
+
+    /// Runs the phases ([`idem_http::IdemPhases::run`]) and answers the last phase's response
+    /// as actix-web's, for the handler to return as it is (the middleware stores it with the
+    /// last phase's writes); or the [`PhasesRejection`] (`503 phase-failed`, `409 lease-lost`,
+    /// …), sent but not stored — the record keeps its last point.
+    pub async fn run<O>(self, first: O::Phase, op: O) -> Result<HttpResponse, PhasesRejection>
+    where
+        O: Phases<S>,
+    {
+        match self.0.run(first, op).await {
+            Ok(response) => Ok(phase_response(response)),
+            Err(e) => Err(PhasesRejection(e)),
+        }
+    }
+
+    /// The phases as idem-http's type.
+    pub fn into_inner(self) -> idem_http::IdemPhases<S> {
+        self.0
+    }
+}
+
+impl<S> FromRequest for IdemPhases<S>
+where
+    S: RecoveryStore + Clone + 'static,
+    S::Tx: 'static,
+{
+    type Error = TxRejection;
+    type Future = Ready<Result<Self, TxRejection>>;
+
+    fn from_request(req: &HttpRequest, _: &mut Payload) -> Self::Future {
+        ready(Self::take(req))
+    }
+}
+
+/// A [`PhaseResponse`] as actix-web's response: its status, headers and body, nothing added.
+pub fn phase_response(response: PhaseResponse) -> HttpResponse {
+    convert::response(response.into_http().map(http_body_util::Full::new))
+}
+
+/// Why [`IdemPhases::run`] ended without a response ([`PhasesError`]): answered with the
+/// layer's problem (`503 phase-failed`, `409 lease-lost`, `503 store-unavailable`, `500`).
+#[derive(Debug)]
+pub struct PhasesRejection(pub PhasesError);
+
+impl fmt::Display for PhasesRejection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl ResponseError for PhasesRejection {
+    fn status_code(&self) -> StatusCode {
+        StatusCode::from_u16(self.0.to_response().status().as_u16())
+            .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+    }
+
+    fn error_response(&self) -> HttpResponse {
+        tracing::debug!(error = %self.0, "the request's phases ended without a response");
+        convert::response(self.0.to_response().map(http_body_util::Full::new))
     }
 }

@@ -91,6 +91,12 @@
 //!   [`Executed`] in the response's extensions
 //!   (`response.extensions_mut().insert(Executed)`). An extractor's rejection (the `Json`
 //!   extractor's `400`) is never stored, so the corrected retry runs.
+//! - **Recovery points.** [`IdemPhases`] runs a request as phases in the middleware's
+//!   execution, as [`idem_http::IdemPhases`] does under the tower layer (see
+//!   [`idem_http::phases`]); its [`run`](IdemPhases::run) answers actix-web's response, or a
+//!   [`PhasesRejection`]. actix-web handlers need not be `Send`; the [`Phases`](idem_http::Phases)
+//!   trait is the same for both, so one implementation serves either framework and the
+//!   completer ([`idem_http::phases::resume`]).
 //! - **Trailers** are not sent by actix-web; a stored response keeps none.
 //! - **Nested paths.** `web::scope` keeps the whole path in the request, so `/v1/charges`
 //!   and `/v2/charges` are two scopes, as under axum's `Router::nest`.
@@ -103,6 +109,6 @@ mod extract;
 mod middleware;
 
 pub use body::BodyError;
-pub use extract::{IdemRequest, IdemTx, TxRejection};
+pub use extract::{IdemPhases, IdemRequest, IdemTx, PhasesRejection, TxRejection, phase_response};
 pub use idem_http::{Executed, IdempotencyLayer};
 pub use middleware::{IdempotencyMiddleware, IdempotencyService};

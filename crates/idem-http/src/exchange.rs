@@ -14,7 +14,8 @@
 //! 3. [`Keyed::start`] fingerprints the request and asks the engine: [`Decision::Respond`]
 //!    (a replay, `409 conflict`, `422 fingerprint-mismatch`, `503`) or [`Decision::Execute`];
 //! 4. the framework puts the execution in the request ([`Execution::attach`]: the transaction
-//!    for [`IdemTx`](crate::IdemTx), the [`IdemRequest`]), runs its handler, and hands the
+//!    for [`IdemTx`](crate::IdemTx), the execution for [`IdemPhases`](crate::IdemPhases), the
+//!    [`IdemRequest`]), runs its handler, and hands the
 //!    response's head and body to [`Execution::finish`], which stores it (or not) and returns
 //!    what goes to the client; a handler that failed or panicked gets
 //!    [`Execution::abandon`] instead.
@@ -101,6 +102,7 @@ use crate::layer::{Config, KeyRequirement, client_uri};
 use crate::principal::{MakePrincipal, Principal};
 use crate::problem::{Problem, ProblemCode};
 use crate::record::{NEVER_STORED, StoredResponse, storable};
+use crate::run::{RunSlot, RunState};
 use crate::tx::TxSlot;
 
 const TRUE: HeaderValue = HeaderValue::from_static("true");
@@ -372,7 +374,7 @@ impl<S: RequestStore + Clone + 'static> Keyed<S> {
         let started = StartMark::default();
         let slot = TxSlot::new(execution.take_tx(), started.clone());
         Decision::Execute(Execution {
-            execution,
+            run: RunSlot::new(execution, self.idem, Arc::clone(&config)),
             slot,
             request,
             key: self.key,
@@ -422,7 +424,8 @@ fn start_failed(config: &Config, e: &idem_core::Error) -> Problem {
 /// One execution the handler runs: its transaction, its [`IdemRequest`], and what
 /// [`finish`](Self::finish) needs to store the response.
 pub struct Execution<S: RequestStore + Clone + 'static> {
-    execution: idem_request::Execution<S>,
+    /// The engine's execution; the handler's phases borrow it ([`IdemPhases`](crate::IdemPhases)).
+    run: RunSlot<S>,
     slot: TxSlot<S::Tx>,
     request: RequestKey,
     key: IdempotencyKey,
@@ -445,17 +448,23 @@ impl<S: RequestStore + Clone + 'static> Execution<S> {
     /// [`IdempotencyKey`].
     pub fn attach(&self, extensions: &mut Extensions) {
         extensions.insert(self.slot.clone());
+        extensions.insert(self.run.clone());
         extensions.insert(IdemRequest::new(self.request.clone(), self.started.clone()));
         extensions.insert(self.key.clone());
     }
 
     /// The handler failed without a response, or panicked: its writes through the
-    /// transaction roll back and the key is freed.
+    /// transaction roll back and the key is freed (a record whose phases committed a
+    /// recovery point keeps it; only its lease ends).
     pub async fn abandon(self) {
-        let Self {
-            execution, slot, ..
-        } = self;
-        abandon(execution, &slot).await;
+        let Self { run, slot, .. } = self;
+        match run.take_back() {
+            RunState::Held(execution) | RunState::Ended(execution, _) => {
+                abandon(execution, &slot).await;
+            }
+            // The phases' driver ended it, or the handler still holds it (its drop frees it).
+            RunState::Gone | RunState::Lent => {}
+        }
     }
 
     /// Judges the handler's response (status or `grpc-status`, whether the handler started,
@@ -473,7 +482,7 @@ impl<S: RequestStore + Clone + 'static> Execution<S> {
         B::Error: Into<BoxError>,
     {
         let Self {
-            execution: mut run,
+            run,
             slot,
             request,
             started,
@@ -485,6 +494,23 @@ impl<S: RequestStore + Clone + 'static> Execution<S> {
         head.headers.remove(&config.replay_header);
         head.headers.remove(&config.omitted_header);
         let started = head.extensions.remove::<Executed>().is_some() || started.is_marked();
+        // After phases ended the operation, its response is stored whatever its status: the
+        // last phase's writes commit with it, as the completer would store it.
+        let (mut run, ender, ended) = match run.take_back() {
+            RunState::Held(execution) => (execution, None, false),
+            RunState::Ended(execution, ender) => (execution, ender, true),
+            RunState::Gone => {
+                // A phase failed (or the lease was lost): the driver ended the execution and
+                // the record keeps its last point; the handler's answer is not stored.
+                return Response::from_parts(head, ResponseBody::streaming(body));
+            }
+            RunState::Lent => {
+                return refuse(Problem::new(
+                    ProblemCode::InternalError,
+                    "the handler kept the request's phases running past its response; the response was not stored (the uncommitted phase rolls back; committed phases stand)",
+                ));
+            }
+        };
         // What the policy judges: the status, or a gRPC reply's `grpc-status` — in the head of
         // a Trailers-Only reply, else in the trailers, known once the body is read.
         let grpc = is_grpc(&head.headers);
@@ -494,6 +520,7 @@ impl<S: RequestStore + Clone + 'static> Execution<S> {
             Some(head.status)
         };
         if let Some(status) = outcome
+            && !ended
             && !config.stores(status, started)
         {
             abandon(run, &slot).await;
@@ -538,7 +565,7 @@ impl<S: RequestStore + Clone + 'static> Execution<S> {
             let status = trailers
                 .get(GRPC_STATUS)
                 .map_or(StatusCode::INTERNAL_SERVER_ERROR, grpc_outcome);
-            if !config.stores(status, started) {
+            if !ended && !config.stores(status, started) {
                 abandon(run, &slot).await;
                 return Response::from_parts(head, body);
             }
@@ -551,7 +578,11 @@ impl<S: RequestStore + Clone + 'static> Execution<S> {
         }
         let mut record = StoredResponse::new(head.status, kept, stored_body);
         record.trailers = trailers;
-        match run.complete(&record.encode()).await {
+        let stored = match ender {
+            None => run.complete(&record.encode()).await,
+            Some(give_up) => give_up(run, record.encode()).await,
+        };
+        match stored {
             Ok(()) => Response::from_parts(head, body),
             Err(e) if e.request_kind() == Some(RequestErrorKind::LeaseLost) => {
                 tracing::warn!(key = %KeyDigest(&request), "lease lost to a retry while the handler ran; its response was not stored");

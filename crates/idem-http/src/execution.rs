@@ -72,6 +72,10 @@ impl IdemRequest {
         Self { key, started }
     }
 
+    pub(crate) fn started(&self) -> &StartMark {
+        &self.started
+    }
+
     /// The request of an idempotent execution, from the request's extensions (hyper, a plain
     /// tower stack); `None` when the layer let the request through without a record.
     pub fn from_extensions(extensions: &Extensions) -> Option<Self> {

@@ -338,6 +338,21 @@
 //! | 422 | `fingerprint-mismatch` | the key was used, on this method and path, for a request with another query, `Content-Type` or body; the original record is untouched | not run |
 //! | 500 | `internal-error` | a stored response the layer cannot read, a handler that kept the transaction, a response body that failed | ran; not stored |
 //! | 503 | `store-unavailable` | the store is down, refusing work, or busy past its bound (SQLite's write lock, see below); with `Retry-After`; the key is free | not run, or ran and not stored |
+//! | 503 | `phase-failed` | a phase of a request run as [recovery points](phases) failed, with `Retry-After`; the record keeps its last point and the retry resumes there | ran up to that phase; not stored (that phase rolled back, earlier phases stand) |
+//!
+//! # Recovery points
+//!
+//! A handler that calls a third party (a card processor) cannot commit everything in one
+//! transaction. It runs its request as phases in the layer's own execution with
+//! [`IdemPhases`] (an axum extractor; [`IdemPhases::take`] elsewhere): each phase boundary
+//! commits the phase's writes and the record's new recovery point, a retry, a takeover or the
+//! completer resumes at the last point (a committed phase never runs again), and the last
+//! phase's writes commit together with the stored response, replayed with
+//! `Idempotent-Replayed: true`. A failed phase answers `503 phase-failed` and the record keeps
+//! its point. The phases are a type implementing [`Phases`] (its `step` future is `Send`, so a
+//! plain axum handler runs them), answering a [`PhaseResponse`]; the completer finishes a stuck
+//! request with the same type ([`phases::resume`]), storing the response the layer replays. See
+//! [`phases`] for the rules and a worked example.
 //!
 //! # Other frameworks
 //!
@@ -364,10 +379,12 @@ mod extract;
 mod future;
 mod key;
 mod layer;
+pub mod phases;
 pub mod policy;
 mod principal;
 pub mod problem;
 pub mod record;
+mod run;
 mod service;
 mod tx;
 
@@ -380,6 +397,7 @@ pub use layer::{
     DEFAULT_BODY_LIMIT, DEFAULT_RETRY_AFTER, IDEMPOTENT_BODY_OMITTED, IDEMPOTENT_REPLAYED,
     IdempotencyLayer, KeyRequirement, default_fingerprint,
 };
+pub use phases::{IdemPhases, PhaseResponse, Phases, PhasesError};
 pub use policy::{StorePolicy, stored_by_default};
 pub use principal::{MakePrincipal, Principal, PrincipalFn, SharedScope};
 pub use service::IdempotencyService;

@@ -64,6 +64,14 @@
 //! that kept the transaction past its end, a response body that failed while being stored.
 //! Nothing was stored; writes through `IdemTx` on a SQL store were rolled back, anything else
 //! the handler did stands.
+//!
+//! ### phase-failed
+//! `503`, with `Retry-After: 1`: the request runs as recovery points
+//! ([`IdemPhases`](crate::IdemPhases)) and one of its phases failed (a third party did not
+//! answer, a write was refused). That phase's writes through its transaction were rolled back;
+//! the phases before it committed and stand, and the record keeps their last recovery point:
+//! retry with the same key, and the request resumes there (a committed phase never runs
+//! again). Nothing was stored as the response.
 
 use bytes::Bytes;
 use http::header::{CONTENT_TYPE, HeaderValue, RETRY_AFTER};
@@ -101,11 +109,14 @@ pub enum ProblemCode {
     StoreUnavailable,
     /// `500 internal-error`.
     InternalError,
+    /// `503 phase-failed`: a phase of a request run as recovery points failed; its committed
+    /// phases stand and the retry resumes after them.
+    PhaseFailed,
 }
 
 impl ProblemCode {
     /// Every code, in the order of the documentation.
-    pub const ALL: [ProblemCode; 10] = [
+    pub const ALL: [ProblemCode; 11] = [
         Self::MissingKey,
         Self::InvalidKey,
         Self::MissingPrincipal,
@@ -116,6 +127,7 @@ impl ProblemCode {
         Self::LeaseLost,
         Self::StoreUnavailable,
         Self::InternalError,
+        Self::PhaseFailed,
     ];
 
     /// The `code` member, e.g. `"missing-key"`.
@@ -131,6 +143,7 @@ impl ProblemCode {
             Self::LeaseLost => "lease-lost",
             Self::StoreUnavailable => "store-unavailable",
             Self::InternalError => "internal-error",
+            Self::PhaseFailed => "phase-failed",
         }
     }
 
@@ -142,7 +155,7 @@ impl ProblemCode {
             Self::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::FingerprintMismatch => StatusCode::UNPROCESSABLE_ENTITY,
             Self::Conflict | Self::LeaseLost => StatusCode::CONFLICT,
-            Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            Self::StoreUnavailable | Self::PhaseFailed => StatusCode::SERVICE_UNAVAILABLE,
             Self::InternalError => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -160,6 +173,7 @@ impl ProblemCode {
             Self::LeaseLost => "Lease lost to a retry",
             Self::StoreUnavailable => "Idempotency store unavailable",
             Self::InternalError => "Idempotent request failed",
+            Self::PhaseFailed => "A phase of the request failed",
         }
     }
 }

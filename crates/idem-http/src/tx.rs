@@ -44,6 +44,11 @@ impl<T> TxSlot<T> {
     pub(crate) fn take(&self) -> Option<T> {
         self.lock().take()
     }
+
+    /// Puts a transaction (back) in the slot, for the layer to commit with the response.
+    pub(crate) fn put(&self, tx: T) {
+        *self.lock() = Some(tx);
+    }
 }
 
 /// Why [`IdemTx::take`] found no transaction.

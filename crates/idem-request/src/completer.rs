@@ -103,6 +103,7 @@ pub struct CompleterBuilder<S: RecoveryStore + Clone + 'static> {
     max_attempts: u32,
     max_backoff: Duration,
     operations: HashMap<RequestScope, Operation<S>>,
+    any_scope: Option<Operation<S>>,
 }
 
 impl<S: RecoveryStore + Clone + 'static> std::fmt::Debug for CompleterBuilder<S> {
@@ -183,10 +184,35 @@ impl<S: RecoveryStore + Clone + Send + Sync + 'static> CompleterBuilder<S> {
         self
     }
 
+    /// Registers the operation of every stuck record whose scope no
+    /// [`operation`](Self::operation) names: for records whose scopes cannot be listed in
+    /// advance, such as idem-http's, one scope per principal and route. Right when one
+    /// operation of phases writes to this store (take care: every stuck record of another
+    /// scope is handed to it).
+    pub fn any_scope_operation<R, RF, G, GF>(
+        mut self,
+        name: impl Into<String>,
+        resume: R,
+        give_up: G,
+    ) -> Self
+    where
+        R: Fn(Idempotency<S>, Stuck) -> RF + Send + Sync + 'static,
+        RF: Future<Output = Result<(), Error>> + Send + 'static,
+        G: Fn(Execution<S>, Recovery) -> GF + Send + Sync + 'static,
+        GF: Future<Output = Result<(), Error>> + Send + 'static,
+    {
+        self.any_scope = Some(Operation {
+            name: name.into(),
+            resume: Arc::new(move |idem, stuck| Box::pin(resume(idem, stuck))),
+            give_up: Arc::new(move |execution, recovery| Box::pin(give_up(execution, recovery))),
+        });
+        self
+    }
+
     /// The completer; [`InvalidConfig`](ErrorKind::InvalidConfig) when no operation is
     /// registered (it could only take records over and leave them).
     pub fn build(self) -> Result<Completer<S>, Error> {
-        if self.operations.is_empty() {
+        if self.operations.is_empty() && self.any_scope.is_none() {
             return Err(Error::new(
                 ErrorKind::InvalidConfig,
                 "a completer needs at least one operation to resume",
@@ -200,6 +226,7 @@ impl<S: RecoveryStore + Clone + Send + Sync + 'static> CompleterBuilder<S> {
                 max_attempts: self.max_attempts,
                 max_backoff: self.max_backoff,
                 operations: self.operations,
+                any_scope: self.any_scope,
                 stats: Mutex::new(CompleterStats::default()),
                 warned_unknown: Mutex::new(HashSet::new()),
             }),
@@ -214,6 +241,7 @@ struct Inner<S: RecoveryStore + Clone + 'static> {
     max_attempts: u32,
     max_backoff: Duration,
     operations: HashMap<RequestScope, Operation<S>>,
+    any_scope: Option<Operation<S>>,
     stats: Mutex<CompleterStats>,
     warned_unknown: Mutex<HashSet<RequestScope>>,
 }
@@ -266,6 +294,7 @@ impl<S: RecoveryStore + Clone + Send + Sync + 'static> Completer<S> {
             max_attempts: 5,
             max_backoff: Duration::from_secs(60),
             operations: HashMap::new(),
+            any_scope: None,
         }
     }
 
@@ -328,7 +357,8 @@ impl<S: RecoveryStore + Clone + Send + Sync + 'static> Completer<S> {
     /// Resumes or gives up one record; the error when the store itself failed (an outage).
     async fn one(&self, stuck: Stuck) -> Option<Error> {
         let inner = &self.inner;
-        let Some(op) = inner.operations.get(&stuck.key.scope) else {
+        let op = inner.operations.get(&stuck.key.scope);
+        let Some(op) = op.or(inner.any_scope.as_ref()) else {
             self.count(|s| s.unknown += 1);
             counter!("idem_completer_unknown_total").increment(1);
             let first = inner

@@ -150,4 +150,4 @@ mod phases;
 
 pub use completer::{Completer, CompleterBuilder, CompleterStats};
 pub use engine::{Execution, Idempotency, IdempotencyBuilder, KeyDigest, Start};
-pub use phases::{PhaseCtx, Step};
+pub use phases::{Finish, PhaseCtx, Step};

@@ -31,6 +31,18 @@ pub enum Step<P, R> {
     Abandon(R),
 }
 
+/// How an operation's last phase ended it, as [`Idempotency::drive_phases`] hands it back
+/// with the execution, whose transaction still holds that phase's writes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Finish<R> {
+    /// [`Step::Done`]: store the response as completed, with the last phase's writes.
+    Done(R),
+    /// [`Step::Abandon`]: store the response as abandoned
+    /// ([`Execution::give_up`]), with the last phase's writes.
+    Abandon(R),
+}
+
 /// What a phase sees: the transaction its local writes go through, the derived key of each
 /// foreign call, and which attempt this is.
 #[derive(Debug)]
@@ -281,16 +293,25 @@ impl<S: RecoveryStore + Clone + 'static> Idempotency<S> {
         self.drive(execution, recovery, None, step).await
     }
 
-    async fn drive<P, R, E, F>(
+    /// Runs the phases of `execution` (a record this caller holds, its recovery state
+    /// `recovery`) from its last recovery point — or, when it has none, from `first`, whose
+    /// point is committed before it runs — until a phase answers [`Step::Done`] or
+    /// [`Step::Abandon`], and hands the execution back with that answer: the last phase's
+    /// writes are still uncommitted in its transaction, for the caller to commit with the
+    /// response it stores ([`Execution::complete`], or [`Execution::give_up`] for
+    /// [`Finish::Abandon`]). This is the loop of [`run_phases`](Self::run_phases) for an
+    /// integration that stores the response in its own format (idem-http's layer stores the
+    /// HTTP response). A phase's error, a lost lease or a store failure ends the execution
+    /// here, as in `run_phases`: the record keeps its last point.
+    pub async fn drive_phases<P, R, E, F>(
         &self,
         mut execution: Execution<S>,
         recovery: Recovery,
         first: Option<P>,
         mut step: F,
-    ) -> Result<R, Error>
+    ) -> Result<(Execution<S>, Finish<R>), Error>
     where
         P: Serialize + DeserializeOwned,
-        R: Serialize + DeserializeOwned,
         E: Into<BoxError>,
         F: AsyncFnMut(P, &mut PhaseCtx<S>) -> Result<Step<P, R>, E>,
     {
@@ -370,29 +391,9 @@ impl<S: RecoveryStore + Clone + 'static> Idempotency<S> {
                     crash::reached(CrashPoint::PointCommitted);
                     phase = next;
                 }
-                Ok(Ok(Step::Done(response))) => {
-                    let bytes = match encode_response(&response) {
-                        Ok(bytes) => bytes,
-                        Err(e) => {
-                            let _ = execution.abandon().await;
-                            return Err(e);
-                        }
-                    };
-                    execution.complete(&bytes).await?;
-                    return Ok(response);
-                }
+                Ok(Ok(Step::Done(response))) => return Ok((execution, Finish::Done(response))),
                 Ok(Ok(Step::Abandon(response))) => {
-                    let bytes = match encode_response(&response) {
-                        Ok(bytes) => bytes,
-                        Err(e) => {
-                            let _ = execution.abandon().await;
-                            return Err(e);
-                        }
-                    };
-                    execution
-                        .give_up(&bytes, async |_: &mut S::Tx| Ok::<(), Error>(()))
-                        .await?;
-                    return Ok(response);
+                    return Ok((execution, Finish::Abandon(response)));
                 }
                 Ok(Err(e)) => {
                     // Rolled back; the record keeps its last point, its lease ends.
@@ -405,6 +406,45 @@ impl<S: RecoveryStore + Clone + 'static> Idempotency<S> {
                 }
             }
         }
+    }
+}
+
+impl<S: RecoveryStore + Clone + 'static> Idempotency<S> {
+    /// [`drive_phases`](Self::drive_phases), then stores the response as JSON with the last
+    /// phase's writes: completed, or abandoned.
+    async fn drive<P, R, E, F>(
+        &self,
+        execution: Execution<S>,
+        recovery: Recovery,
+        first: Option<P>,
+        step: F,
+    ) -> Result<R, Error>
+    where
+        P: Serialize + DeserializeOwned,
+        R: Serialize + DeserializeOwned,
+        E: Into<BoxError>,
+        F: AsyncFnMut(P, &mut PhaseCtx<S>) -> Result<Step<P, R>, E>,
+    {
+        let (execution, finish) = self.drive_phases(execution, recovery, first, step).await?;
+        let (response, abandoned) = match finish {
+            Finish::Done(response) => (response, false),
+            Finish::Abandon(response) => (response, true),
+        };
+        let bytes = match encode_response(&response) {
+            Ok(bytes) => bytes,
+            Err(e) => {
+                let _ = execution.abandon().await;
+                return Err(e);
+            }
+        };
+        if abandoned {
+            execution
+                .give_up(&bytes, async |_: &mut S::Tx| Ok::<(), Error>(()))
+                .await?;
+        } else {
+            execution.complete(&bytes).await?;
+        }
+        Ok(response)
     }
 }
 

@@ -45,7 +45,7 @@ pub(crate) fn engine<S: RequestStore + Clone + 'static>(
 }
 
 /// How the layer finds a request's principal.
-type PrincipalOf = fn(&Parts) -> Option<String>;
+pub(crate) type PrincipalOf = fn(&Parts) -> Option<String>;
 
 /// The principal the authentication middleware established: records are scoped to it.
 fn principal_of(parts: &Parts) -> Option<String> {
@@ -53,7 +53,7 @@ fn principal_of(parts: &Parts) -> Option<String> {
 }
 
 /// The layer: records per principal, and `POST /charges` requires a key.
-fn layer<S: RequestStore + Clone + 'static>(
+pub(crate) fn layer<S: RequestStore + Clone + 'static>(
     idem: Idempotency<S>,
 ) -> IdempotencyLayer<S, idem_http::PrincipalFn<PrincipalOf>> {
     IdempotencyLayer::per_principal(idem, principal_of as PrincipalOf).require_key()

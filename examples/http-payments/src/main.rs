@@ -18,8 +18,9 @@
 //! publishes it to `NAME`.
 //!
 //! With `--card-processor URL` (SQL stores only) each charge first calls the card processor
-//! (`POST URL/v1/charges`) with a key derived from the request's, as a recovery point of
-//! `Idempotency::run_phases`, then writes the row with the processor's charge ID.
+//! (`POST URL/v1/charges`) with a key derived from the request's, as a recovery point behind
+//! the layer (idem-http's `IdemPhases`), then writes the row with the processor's charge ID;
+//! a completer in this process finishes charges whose client gave up.
 
 mod app;
 mod bench;
@@ -85,12 +86,26 @@ pub(crate) struct ServeArgs {
     pub(crate) relay_name: String,
     /// Charge through a card processor at URL (`POST URL/v1/charges` with an
     /// `Idempotency-Key`, as `idem-fake-processor` and Stripe take it) before writing the
-    /// charge row. The request then runs as two recovery points (`Idempotency::run_phases`):
+    /// charge row. The request then runs as two recovery points behind the idempotency layer:
     /// the processor call, whose key is derived from the request's and is the same on every
     /// attempt, then the row with the processor's charge ID. SQL --database only; not with
     /// --emit.
     #[arg(long, value_name = "URL")]
     pub(crate) card_processor: Option<String>,
+    /// With --card-processor: how often the in-process completer looks for charges left
+    /// stuck mid-phase (their client gave up, their server died) once their lease ran out, and
+    /// finishes them so a later retry gets the stored charge; `off` runs none (another
+    /// process, or `idem complete`, must).
+    #[arg(long, value_name = "DURATION|off", default_value = "5s", value_parser = parse_heartbeat)]
+    pub(crate) completer_interval: Heartbeat,
+    /// With --card-processor: executions a charge gets (the client's first included) before
+    /// the completer gives it up, storing a `charge-abandoned` problem every retry gets.
+    #[arg(long, value_name = "N", default_value_t = 5)]
+    pub(crate) completer_max_attempts: u32,
+    /// With --card-processor: the status of the `charge-abandoned` problem a given-up charge
+    /// answers.
+    #[arg(long, value_name = "STATUS", default_value_t = 502, value_parser = clap::value_parser!(u16).range(400..600))]
+    pub(crate) completer_abandon_status: u16,
     /// How long a request holds its key without renewing it. After a crash, a retry takes
     /// over once the lease ran out.
     #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = parse_duration)]
@@ -150,6 +165,9 @@ impl std::fmt::Debug for ServeArgs {
                 "card_processor",
                 &self.card_processor.as_deref().map(idem_redact::redact_url),
             )
+            .field("completer_interval", &self.completer_interval)
+            .field("completer_max_attempts", &self.completer_max_attempts)
+            .field("completer_abandon_status", &self.completer_abandon_status)
             .field("lease", &self.lease)
             .field("heartbeat", &self.heartbeat)
             .field("ttl", &self.ttl)
@@ -159,6 +177,21 @@ impl std::fmt::Debug for ServeArgs {
             .field("test_hooks", &self.test_hooks)
             .field("mode", &self.mode)
             .finish()
+    }
+}
+
+impl ServeArgs {
+    /// The in-process completer's settings; `None` with `--completer-interval off`.
+    pub(crate) fn completer(&self) -> Option<processor::CompleterArgs> {
+        let Heartbeat::Every(interval) = self.completer_interval else {
+            return None;
+        };
+        Some(processor::CompleterArgs {
+            interval,
+            max_attempts: self.completer_max_attempts.max(1),
+            abandon_status: axum::http::StatusCode::from_u16(self.completer_abandon_status)
+                .unwrap_or(axum::http::StatusCode::BAD_GATEWAY),
+        })
     }
 }
 

@@ -1,54 +1,49 @@
 //! `--card-processor URL`: `POST /charges` charges a card processor, then writes the charge
-//! row, as two recovery points of [`Idempotency::run_phases`].
+//! row, as two recovery points of idem-http's layer ([`IdemPhases`]).
 //!
-//! The processor call cannot join the database's transaction, so the request runs as phases,
-//! each boundary one commit of the request's record:
+//! The processor call cannot join the database's transaction, so the request runs as phases
+//! in the layer's own execution, each boundary one commit of the request's record:
 //!
 //! 1. `Charge` (foreign): `POST URL/v1/charges` with the key [`PhaseCtx::foreign_key`] derives
-//!    from the request's scope, its `Idempotency-Key` and the phase — the same on every
-//!    attempt, a retry after a crash included — sent through idem-client's middleware, which
-//!    retries lost answers, `5xx` and `429` with that same key. The processor's charge ID
-//!    becomes the next phase's state.
+//!    from the request's scope (principal, route), its `Idempotency-Key` and the phase — the
+//!    same on every attempt, a retry after a crash included — sent through idem-client's
+//!    middleware, which retries lost answers, `5xx` and `429` with that same key. The
+//!    processor's charge ID becomes the next phase's state.
 //! 2. `Record` (local): the `charges` row with the processor's ID, committed with the stored
-//!    response.
+//!    response (the layer completes the record as for any handler), so a retry gets the
+//!    charge replayed with `Idempotent-Replayed: true`.
 //!
 //! A crash after the processor charged and before `Record`'s point committed resumes at
 //! `Charge`: the call is repeated with the same key and the processor answers the charge it
 //! already made. A crash after it resumes at `Record` without calling the processor again.
+//! A phase that fails (the processor unreachable) answers `503 phase-failed`; the record
+//! keeps its point and the retry resumes there.
 //!
-//! This route does not run behind idem-http's layer: the layer hands a handler one
-//! transaction and has no recovery points yet, so the handler reads `Idempotency-Key` itself
-//! (idem-http's parser) and calls the function-level [`Idempotency::run_phases`] with a scope
-//! of its own (principal and route). Replays answer the stored charge without the
-//! `Idempotent-Replayed` header.
+//! Each phase carries the whole charge (its ID, the principal, the amount), so the
+//! [`Completer`] running in this process finishes a request whose client gave up — after its
+//! lease ran out — from the record alone, and stores the same response the handler would
+//! have; after `--completer-max-attempts` executions it gives the request up with a
+//! `charge-abandoned` problem, which every retry then gets.
 
-use std::future::Future;
-use std::pin::Pin;
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::{Extension, State};
-use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use idem_client::{IdempotencyMiddleware, IdempotentRequestExt, RetryPolicy};
 use idem_core::store::RecoveryStore;
-use idem_core::{BoxError, DerivedKey, ErrorKind, RequestErrorKind, RequestScope};
-use idem_request::{Idempotency, PhaseCtx, Step};
+use idem_core::{BoxError, DerivedKey};
+use idem_http::phases::{IdemPhases, PhaseResponse, Phases, PhasesError};
+use idem_request::{Completer, Idempotency, PhaseCtx, Step};
 use serde::{Deserialize, Serialize};
 
 use crate::ServeArgs;
-use crate::app::{self, AppState, Principal, problem};
+use crate::app::{self, AppState, Principal};
 use crate::ledger::{Charge, Ledger, WriteCharge};
-
-/// The `Idempotency-Key` request header.
-const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
-
-/// The longest key accepted, as idem-http's layer.
-const MAX_KEY_LEN: usize = 255;
 
 /// How long one attempt of the processor call may take before it is retried.
 const CALL_TIMEOUT: Duration = Duration::from_secs(10);
@@ -151,39 +146,115 @@ impl Processor {
     }
 }
 
-/// The phases of a charge: the variant is the recovery point, its fields the state kept.
+/// The phases of a charge: the variant is the recovery point, its fields the state kept —
+/// all the completer needs to finish the charge without its request.
 #[derive(Debug, Serialize, Deserialize)]
 enum Phase {
     /// Call the processor (foreign).
-    Charge,
+    Charge {
+        /// Whose charge (the digest of the bearer token).
+        principal: String,
+        /// The charge to make, its ID and time fixed at the first attempt.
+        charge: Charge,
+        /// `X-Test-Sleep-Ms` (with `--test-hooks`): sleep after the processor answered, on
+        /// the first attempt only — where the crash test kills the server.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        test_sleep_ms: Option<u64>,
+    },
     /// Write the row (local), with what the processor answered.
     Record {
-        /// The processor's charge ID.
-        processor_charge_id: String,
+        /// Whose charge.
+        principal: String,
+        /// The charge, with the processor's charge ID.
+        charge: Charge,
     },
 }
 
-/// One phase's run, boxed so that the handler's future is provably `Send` (an `async`
-/// closure borrowing its captures is not, to axum's `Handler` bound).
-type StepFuture<'a> =
-    Pin<Box<dyn Future<Output = Result<Step<Phase, Charge>, BoxError>> + Send + 'a>>;
+/// The charge's phases: the handler and the completer run the same.
+struct Charging<S> {
+    processor: Processor,
+    _store: std::marker::PhantomData<fn() -> S>,
+}
 
-/// Pins the step closure's signature: the future borrows the phase's context.
-fn stepper<S, F>(f: F) -> F
+impl<S> Clone for Charging<S> {
+    fn clone(&self) -> Self {
+        Self {
+            processor: self.processor.clone(),
+            _store: std::marker::PhantomData,
+        }
+    }
+}
+
+impl<S> Phases<S> for Charging<S>
 where
-    S: RecoveryStore,
-    F: for<'a> FnMut(Phase, &'a mut PhaseCtx<S>) -> StepFuture<'a>,
+    S: RecoveryStore + Clone + 'static,
+    S::Tx: WriteCharge + Send + 'static,
 {
-    f
+    type Phase = Phase;
+    type Error = BoxError;
+
+    async fn step(
+        &self,
+        phase: Phase,
+        ctx: &mut PhaseCtx<S>,
+    ) -> Result<Step<Phase, PhaseResponse>, BoxError> {
+        Ok(match phase {
+            Phase::Charge {
+                principal,
+                charge,
+                test_sleep_ms,
+            } => {
+                let key = ctx.foreign_key("card-charge");
+                let id = self
+                    .processor
+                    .charge(key, &charge.account, charge.amount_cents)
+                    .await?;
+                if let Some(ms) = test_sleep_ms.filter(|_| ctx.attempt() == 1) {
+                    tracing::info!(
+                        ms,
+                        "test hook: processor charged, sleeping before the point commits"
+                    );
+                    tokio::time::sleep(Duration::from_millis(ms)).await;
+                }
+                Step::Next(Phase::Record {
+                    principal,
+                    charge: Charge {
+                        processor_charge_id: Some(id),
+                        ..charge
+                    },
+                })
+            }
+            Phase::Record { principal, charge } => {
+                ctx.tx().insert_charge(&principal, &charge).await?;
+                Step::Done(created(&charge)?)
+            }
+        })
+    }
+}
+
+/// `201 Created` with the charge, as the other modes answer it ([`app::created`]).
+fn created(charge: &Charge) -> Result<PhaseResponse, BoxError> {
+    let location = HeaderValue::try_from(format!("/charges/{}", charge.id))?;
+    Ok(PhaseResponse::json(StatusCode::CREATED, charge)?.header(header::LOCATION, location))
 }
 
 /// What the handler needs besides [`AppState`].
 struct Phased<S> {
-    idem: Idempotency<S>,
-    processor: Processor,
+    charging: Charging<S>,
 }
 
-/// The service on a SQL store with `--card-processor`.
+/// How the in-process completer runs (`--completer-*`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CompleterArgs {
+    /// Time between its passes.
+    pub(crate) interval: Duration,
+    /// Executions a charge gets before it is given up.
+    pub(crate) max_attempts: u32,
+    /// The status of the problem a given-up charge answers.
+    pub(crate) abandon_status: StatusCode,
+}
+
+/// The service on a SQL store with `--card-processor`, and its completer, started here.
 pub(crate) fn sql<S>(store: S, ledger: Ledger, args: &ServeArgs) -> Result<Router>
 where
     S: RecoveryStore + Clone + Send + Sync + 'static,
@@ -193,26 +264,82 @@ where
         .card_processor
         .as_deref()
         .context("--card-processor URL is required here")?;
-    let phased = Arc::new(Phased {
-        idem: crate::layer::engine(store, args)?,
+    let charging = Charging {
         processor: Processor::new(url)?,
-    });
+        _store: std::marker::PhantomData,
+    };
+    let idem = crate::layer::engine(store, args)?;
+    if let Some(completer) = args.completer() {
+        let completer = completer_for(idem.clone(), charging.clone(), completer)?;
+        tokio::spawn(completer.run(tokio_util::sync::CancellationToken::new()));
+    }
     let state = AppState {
         ledger,
         test_hooks: args.test_hooks,
         ttl: args.ttl,
     };
-    let route = post(post_charge_phased::<S>).layer(Extension(phased));
+    let route: axum::routing::MethodRouter<AppState> =
+        post(post_charge_phased::<S>).layer(crate::layer::layer(idem));
+    let route = route.layer(Extension(std::sync::Arc::new(Phased { charging })));
     Ok(app::router(state, route))
 }
 
-/// `POST /charges` with `--card-processor`: the processor call, then the row, as recovery
-/// points. `X-Test-Sleep-Ms` (with `--test-hooks`) sleeps after the processor answered and
-/// before the `Record` point commits — where the crash test kills the server.
+/// The completer of charges left stuck: the layer's records are one scope per principal, so
+/// it takes every stuck record of the store (only this route keeps recovery points).
+fn completer_for<S>(
+    idem: Idempotency<S>,
+    charging: Charging<S>,
+    args: CompleterArgs,
+) -> Result<Completer<S>>
+where
+    S: RecoveryStore + Clone + Send + Sync + 'static,
+    S::Tx: WriteCharge + Send + 'static,
+{
+    let max_attempts = args.max_attempts;
+    let completer = Completer::builder(idem)
+        .interval(args.interval)
+        .max_attempts(max_attempts)
+        .any_scope_operation(
+            "card charge",
+            move |idem, stuck| {
+                let charging = charging.clone();
+                async move {
+                    idem_http::phases::resume(&idem, stuck, charging)
+                        .await
+                        .map(drop)
+                }
+            },
+            move |execution, recovery| async move {
+                let body = serde_json::json!({
+                    "type": "https://github.com/idem-rs/idem/tree/main/examples/http-payments#charge-abandoned",
+                    "title": "The charge was given up",
+                    "status": args.abandon_status.as_u16(),
+                    "detail": format!(
+                        "the charge did not complete in {} attempts and was given up; if the card processor charged the card, the charge must be refunded (ask support); use a new Idempotency-Key to charge again",
+                        recovery.attempts.saturating_sub(1)
+                    ),
+                    "code": "charge-abandoned",
+                });
+                let response = PhaseResponse::new(args.abandon_status, body.to_string()).header(
+                    header::CONTENT_TYPE,
+                    HeaderValue::from_static("application/problem+json"),
+                );
+                tracing::warn!(attempts = recovery.attempts, "a stuck charge was given up");
+                idem_http::phases::give_up(execution, &response).await
+            },
+        )
+        .build()?;
+    Ok(completer)
+}
+
+/// `POST /charges` with `--card-processor`, behind the layer: the processor call, then the
+/// row, as recovery points. A body that does not validate is answered before any phase runs,
+/// so the layer does not store it and the corrected retry runs.
 async fn post_charge_phased<S>(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
-    Extension(phased): Extension<Arc<Phased<S>>>,
+    Extension(phased): Extension<std::sync::Arc<Phased<S>>>,
+    phases: IdemPhases<S>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response
@@ -220,124 +347,25 @@ where
     S: RecoveryStore + Clone + Send + Sync + 'static,
     S::Tx: WriteCharge + Send + 'static,
 {
-    let key = match idem_http::parse_key_header(&headers, &IDEMPOTENCY_KEY, MAX_KEY_LEN) {
-        Ok(Some(key)) => key,
-        Ok(None) => {
-            return problem(
-                StatusCode::BAD_REQUEST,
-                "idempotency-key-missing",
-                "Idempotency-Key is required",
-                "send an Idempotency-Key header with POST /charges",
-            );
-        }
-        Err(e) => {
-            return problem(
-                StatusCode::BAD_REQUEST,
-                "idempotency-key-invalid",
-                "The Idempotency-Key header is not valid",
-                &e.to_string(),
-            );
-        }
-    };
     let charge = match app::parse_charge(&body) {
         Ok(c) => c,
         Err(problem) => return problem.into_response(),
     };
-    let scope = RequestScope::new(["http-payments/charges", principal.0.as_str()]);
-    let input = (charge.account.clone(), charge.amount_cents);
-    let sleep = app::test_sleep(&state, &headers);
-    let processor = phased.processor.clone();
-    let step = stepper::<S, _>(move |phase, ctx| {
-        let (processor, charge, principal) = (processor.clone(), charge.clone(), principal.clone());
-        Box::pin(async move {
-            Ok(match phase {
-                Phase::Charge => {
-                    let key = ctx.foreign_key("card-charge");
-                    let id = processor
-                        .charge(key, &charge.account, charge.amount_cents)
-                        .await?;
-                    if let Some(d) = sleep {
-                        tracing::info!(
-                            ms = d.as_millis() as u64,
-                            "test hook: processor charged, sleeping before the point commits"
-                        );
-                        tokio::time::sleep(d).await;
-                    }
-                    Step::Next(Phase::Record {
-                        processor_charge_id: id,
-                    })
-                }
-                Phase::Record {
-                    processor_charge_id,
-                } => {
-                    let row = Charge {
-                        processor_charge_id: Some(processor_charge_id),
-                        ..charge
-                    };
-                    ctx.tx().insert_charge(&principal.0, &row).await?;
-                    Step::Done(row)
-                }
-            })
-        })
-    });
-    let result = phased
-        .idem
-        .run_phases(scope, &key, &input, Phase::Charge, step)
-        .await;
-    match result {
-        Ok(row) => app::created(&row),
-        Err(e) => phases_error(&e),
+    let first = Phase::Charge {
+        principal: principal.0,
+        charge,
+        test_sleep_ms: app::test_sleep(&state, &headers).map(|d| d.as_millis() as u64),
+    };
+    match phases.run(first, phased.charging.clone()).await {
+        Ok(response) => response.into_response(),
+        Err(e) => phases_error(e),
     }
 }
 
-/// A `run_phases` failure as a problem response. A failed phase keeps the record's last
-/// recovery point: the retry with the same key resumes there.
-fn phases_error(e: &idem_core::Error) -> Response {
-    let retry_soon = |mut response: Response| {
-        response
-            .headers_mut()
-            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-        response
-    };
-    match e.kind() {
-        ErrorKind::Request(RequestErrorKind::InProgress) => retry_soon(problem(
-            StatusCode::CONFLICT,
-            "request-in-progress",
-            "A request with this Idempotency-Key is in progress",
-            "retry after 1 s with the same Idempotency-Key",
-        )),
-        ErrorKind::Request(RequestErrorKind::KeyReused) => problem(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "key-reused",
-            "This Idempotency-Key was used with another charge",
-            "use a new Idempotency-Key for a new charge",
-        ),
-        ErrorKind::Handler => {
-            tracing::warn!(error = %e, "charging through the card processor failed");
-            retry_soon(problem(
-                StatusCode::BAD_GATEWAY,
-                "card-processor-failed",
-                "The card processor did not confirm the charge",
-                "retry with the same Idempotency-Key: the charge resumes where it stopped and is made at most once",
-            ))
-        }
-        ErrorKind::Transient | ErrorKind::Unavailable | ErrorKind::ConnectionLost => {
-            tracing::info!(error = %e, "charging refused for now");
-            retry_soon(problem(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "database-busy",
-                "The database is busy",
-                "retry after 1 s with the same Idempotency-Key",
-            ))
-        }
-        _ => {
-            tracing::warn!(error = %e, "charging failed");
-            problem(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "charge-failed",
-                "The charge could not be completed",
-                "retry with the same Idempotency-Key",
-            )
-        }
-    }
+/// A failed phase, a lost lease or a store failure: the layer's problem response (`503
+/// phase-failed`, `409 lease-lost`, `503 store-unavailable`), logged. The record keeps its
+/// last recovery point: the retry with the same key resumes there.
+fn phases_error(e: PhasesError) -> Response {
+    tracing::warn!(error = %e.error(), "charging through the card processor stopped; the retry resumes at the last recovery point");
+    e.into_response()
 }

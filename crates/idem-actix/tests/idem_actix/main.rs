@@ -274,3 +274,176 @@ fn a_principal_from_the_actix_request_scopes_the_records() {
         assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 2);
     });
 }
+
+/// Recovery points under the actix-web middleware ([`IdemPhases`]): a failed phase answers
+/// `503 phase-failed` and is rolled back alone, the retry resumes after the committed phase
+/// (which ran once), and the last phase's response is stored and replayed.
+mod phases {
+    use std::sync::Mutex;
+
+    use actix_web::{App, HttpRequest, HttpResponse, test, web};
+    use bytes::Bytes;
+    use idem_actix::{IdemPhases, IdempotencyMiddleware, PhasesRejection};
+    use idem_core::BoxError;
+    use idem_core::store::RecoveryStore;
+    use idem_http::phases::{PhaseResponse, Phases};
+    use idem_request::{Idempotency, PhaseCtx, Step};
+    use idem_testkit::http::HttpFixture;
+    use std::sync::Arc;
+
+    #[derive(serde::Serialize, serde::Deserialize)]
+    enum Pay {
+        Charge { tag: String },
+        Record { tag: String },
+    }
+
+    struct Payments<F> {
+        fx: Arc<F>,
+        /// Foreign keys sent, one per call of the `Charge` phase.
+        calls: Arc<Mutex<Vec<String>>>,
+    }
+
+    impl<F> Phases<F::Store> for Payments<F>
+    where
+        F: HttpFixture,
+        F::Store: RecoveryStore,
+    {
+        type Phase = Pay;
+        type Error = BoxError;
+
+        async fn step(
+            &self,
+            phase: Pay,
+            ctx: &mut PhaseCtx<F::Store>,
+        ) -> Result<Step<Pay, PhaseResponse>, BoxError> {
+            Ok(match phase {
+                Pay::Charge { tag } => {
+                    let key = ctx.foreign_key("charge").to_uuid_string();
+                    self.calls.lock().expect("the test's lock").push(key);
+                    self.fx
+                        .record_effect(ctx.tx(), &format!("{tag}:charge"))
+                        .await?;
+                    Step::Next(Pay::Record { tag })
+                }
+                Pay::Record { tag } => {
+                    self.fx
+                        .record_effect(ctx.tx(), &format!("{tag}:record"))
+                        .await?;
+                    if ctx.attempt() == 1 {
+                        return Err("the ledger refused the row".into());
+                    }
+                    Step::Done(PhaseResponse::new(
+                        http::StatusCode::CREATED,
+                        format!("paid {tag}"),
+                    ))
+                }
+            })
+        }
+    }
+
+    async fn pay<F>(
+        fx: web::Data<F>,
+        calls: web::Data<Mutex<Vec<String>>>,
+        phases: IdemPhases<F::Store>,
+        _req: HttpRequest,
+        body: Bytes,
+    ) -> Result<HttpResponse, PhasesRejection>
+    where
+        F: HttpFixture,
+        F::Store: RecoveryStore,
+    {
+        let op = Payments {
+            fx: fx.into_inner(),
+            calls: calls.into_inner(),
+        };
+        let tag = String::from_utf8_lossy(&body).into_owned();
+        phases.run(Pay::Charge { tag }, op).await
+    }
+
+    async fn a_failed_phase_resumes_and_the_response_replays<F>(test: &str)
+    where
+        F: HttpFixture,
+        F::Store: RecoveryStore,
+    {
+        let Some(fx) = F::setup(test).await else {
+            return;
+        };
+        let fx = web::Data::new(fx);
+        let calls = web::Data::new(Mutex::new(Vec::<String>::new()));
+        let idem = Idempotency::builder(fx.store()).build().expect("engine");
+        let app = test::init_service(
+            App::new()
+                .app_data(fx.clone())
+                .app_data(calls.clone())
+                .service(
+                    web::resource("/pay")
+                        .wrap(IdempotencyMiddleware::new(
+                            idem_http::IdempotencyLayer::shared_scope(idem).require_key(),
+                        ))
+                        .route(web::post().to(pay::<F>)),
+                ),
+        )
+        .await;
+        let post = || {
+            test::TestRequest::post()
+                .uri("/pay")
+                .insert_header(("idempotency-key", "k-1"))
+                .set_payload("t1")
+                .to_request()
+        };
+        let failed = test::call_service(&app, post()).await;
+        assert_eq!(failed.status(), 503);
+        let problem: serde_json::Value =
+            serde_json::from_slice(&test::read_body(failed).await).expect("a problem");
+        assert_eq!(problem["code"], "phase-failed");
+        assert_eq!(fx.count_effects("t1:record").await, 0, "rolled back");
+        assert_eq!(fx.count_effects("t1:charge").await, 1, "committed");
+
+        let resumed = test::call_service(&app, post()).await;
+        assert_eq!(resumed.status(), 201);
+        assert!(!resumed.headers().contains_key("idempotent-replayed"));
+        assert_eq!(test::read_body(resumed).await, "paid t1");
+        let replay = test::call_service(&app, post()).await;
+        assert_eq!(replay.status(), 201);
+        assert_eq!(
+            replay
+                .headers()
+                .get("idempotent-replayed")
+                .expect("the replay header"),
+            "true"
+        );
+        assert_eq!(test::read_body(replay).await, "paid t1");
+        assert_eq!(
+            calls.lock().expect("the test's lock").len(),
+            1,
+            "the committed phase ran again"
+        );
+        assert_eq!(fx.count_effects("t1:charge").await, 1);
+        assert_eq!(fx.count_effects("t1:record").await, 1);
+        drop(app);
+        if let Some(fx) = Arc::into_inner(fx.into_inner()) {
+            fx.teardown().await;
+        }
+    }
+
+    macro_rules! on {
+        ($($name:ident: $fixture:ty),* $(,)?) => {
+            $(
+                #[test]
+                fn $name() {
+                    actix_web::rt::System::new().block_on(
+                        a_failed_phase_resumes_and_the_response_replays::<$fixture>(
+                            concat!(module_path!(), "::", stringify!($name)),
+                        ),
+                    );
+                }
+            )*
+        };
+    }
+
+    on!(
+        sqlite_a_failed_phase_resumes_and_the_response_replays: idem_testkit::http::fixtures::SqliteFx,
+        postgres_a_failed_phase_resumes_and_the_response_replays: idem_testkit::http::fixtures::PgFx,
+        mysql_a_failed_phase_resumes_and_the_response_replays: idem_testkit::http::fixtures::MySqlFx,
+    );
+}

@@ -84,3 +84,38 @@ mod sqlite_write_lock {
         the_heartbeat_does_not_queue_behind_its_own_write_lock,
     );
 }
+
+/// Recovery points behind the layer (issue 22): the phases of `support::phases` on every SQL
+/// store (Redis keeps no recovery points).
+#[cfg(feature = "axum")]
+mod phases {
+    macro_rules! phases_tests {
+        ($store:ident, $fixture:ty) => {
+            mod $store {
+                phases_tests!(@tests $fixture;
+                    a_first_execution_runs_each_phase_once_and_replays,
+                    a_retry_after_a_failed_phase_resumes_at_its_point,
+                    a_takeover_after_the_lease_resumes_at_the_last_point,
+                    the_completer_finishes_a_layer_record_and_the_retry_replays_it,
+                    the_completer_gives_a_layer_record_up_with_a_replayed_response,
+                    an_abandoned_operation_replays_its_response,
+                );
+            }
+        };
+        (@tests $fixture:ty; $($name:ident),* $(,)?) => {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $name() {
+                    crate::support::phases::$name::<$fixture>(
+                        concat!(module_path!(), "::", stringify!($name)),
+                    )
+                    .await;
+                }
+            )*
+        };
+    }
+
+    phases_tests!(sqlite, idem_testkit::http::fixtures::SqliteFx);
+    phases_tests!(postgres, idem_testkit::http::fixtures::PgFx);
+    phases_tests!(mysql, idem_testkit::http::fixtures::MySqlFx);
+}

@@ -68,6 +68,9 @@ async fn once_then_replay(store: Store, test: &str) {
         .await
         .expect("retry");
     assert_eq!(again.status, 201, "{again:?}");
+    assert!(again.replayed(), "the replay is marked: {again:?}");
+    assert!(!first.replayed());
+    assert_eq!(again.header("location"), first.header("location"));
     assert_eq!(
         again.body, first.body,
         "the retry replays the stored charge"
@@ -128,7 +131,13 @@ async fn through_faults(store: Store, test: &str, faults: &[Fault], calls: u64) 
 /// committed. The retry on a restarted server, once the lease ran out, resumes at `Charge`:
 /// it calls the processor again with the same derived key, the processor replays its charge,
 /// and one row is written with that charge's ID.
+/// The server is killed after the processor charged; `resume` brings the charge to its end
+/// on a new server (the client's retry, or the completer) and returns the client's answer.
 async fn crash_after_the_charge(store: Store, test: &str) {
+    crash_then(store, test, false).await;
+}
+
+async fn crash_then(store: Store, test: &str, completer: bool) {
     let Some(db) = TestDb::new(store, test).await else {
         return;
     };
@@ -136,12 +145,18 @@ async fn crash_after_the_charge(store: Store, test: &str) {
     let http = client();
     let me = token(test);
     let key = format!("\"{test}\"");
+    let url = fake.url();
+    // Without the completer the client's retry takes the charge over; with it (every 200 ms)
+    // the charge is finished before anyone retries.
+    let interval = if completer { "200ms" } else { "off" };
     let flags = [
         "--card-processor",
-        &fake.url(),
+        &url,
         "--test-hooks",
         "--lease",
         "2s",
+        "--completer-interval",
+        interval,
     ];
     let doomed = Server::start(&db, &flags);
     let in_flight = {
@@ -177,6 +192,17 @@ async fn crash_after_the_charge(store: Store, test: &str) {
 
     let server = Server::start(&db, &flags);
     let deadline = Instant::now() + Duration::from_secs(20);
+    if completer {
+        // No client retries: the completer finishes the charge once its lease ran out.
+        while db.count_charges(&me).await == 0 {
+            assert!(
+                Instant::now() < deadline,
+                "the completer never finished the charge: {:#?}",
+                server.log()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
     let answer = loop {
         let a = post(&http, &server.base, &Post::new(&me, &key, BODY))
             .await
@@ -188,6 +214,12 @@ async fn crash_after_the_charge(store: Store, test: &str) {
         tokio::time::sleep(Duration::from_millis(250)).await;
     };
     let processor_id = recorded(&http, &server, &me, &answer).await;
+    if completer {
+        assert!(
+            answer.replayed(),
+            "the completer's charge is replayed: {answer:?}"
+        );
+    }
     let stats = fake.stats();
     one_effect(&stats);
     assert_eq!(stats.calls, 2, "the resumed phase called again: {stats:?}");
@@ -255,6 +287,16 @@ async fn postgres_card_processor_crash_after_the_charge_resumes_with_the_same_ke
 
 /// A `charges` table made before `processor_charge_id` existed gets the column in place on
 /// start, its rows kept, and `--card-processor` records into it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_card_processor_crashed_charge_is_finished_by_the_completer() {
+    crash_then(Store::Sqlite, "sqlite_card_completer", true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_card_processor_crashed_charge_is_finished_by_the_completer() {
+    crash_then(Store::Postgres, "postgres_card_completer", true).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_old_charges_table_gets_the_processor_column() {
     let test = "sqlite_card_migrate";

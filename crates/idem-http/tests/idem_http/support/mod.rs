@@ -4,5 +4,6 @@
 pub(crate) mod app;
 pub(crate) mod grpc;
 pub(crate) mod hang;
+pub(crate) mod phases;
 pub(crate) mod suite;
 pub(crate) mod write_lock;
