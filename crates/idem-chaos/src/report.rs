@@ -138,7 +138,7 @@ impl Report {
     /// The summary of a `--phases` run.
     fn phases_summary(&self, p: &crate::phases::check::PhasesFigures) -> String {
         format!(
-            "idem-chaos phases {}{} {} seed {}: operations {} answered {} given up {} (not started {}) processor charges {} doubled {} charge rows {} doubled {} without the processor's charge {} records finished {} abandoned {} stuck {} client requests {} resends {} replays {} kills {} ({} at crash points) restarts {} in {:.1}s: {}",
+            "idem-chaos phases {}{} {} seed {}: operations {} answered {} given up {} (not started {}) processor charges {} doubled {} charge rows {} doubled {} without the processor's charge {} records finished {} abandoned {} stuck {} without a point {} client requests {} resends {} replays {} kills {} ({} at crash points) restarts {} in {:.1}s: {}",
             p.service,
             match p.service.as_str() {
                 "consumer" => format!(
@@ -161,6 +161,7 @@ impl Report {
             p.finished,
             p.abandoned,
             p.stuck,
+            p.in_progress_without_point,
             p.client_requests,
             p.client_resends,
             p.client_replays,

@@ -619,10 +619,16 @@ impl Run<'_> {
                 unsent = self.db.unsent_outbox_rows(OUTBOX_TABLE).await.ok();
             }
             let receipted = self.hop.is_none() || self.receipted >= self.report.unique;
-            // --phases consumer: and no record left in progress (a charge whose redelivery
-            // is still to come, or the completer's to finish).
-            let settled = self.processor.is_none()
-                || matches!(self.db.request_states(REQUESTS_TABLE).await, Ok((0, _, _)));
+            // --phases consumer: no record left in progress at a recovery point (a charge
+            // whose redelivery is still to come, or the completer's to finish); a payment
+            // whose operation was given up has no charge, and is done.
+            let (settled, abandoned) = match self.processor {
+                None => (true, 0),
+                Some(_) => match self.db.request_keys(REQUESTS_TABLE).await {
+                    Ok(keys) => (keys.stuck.is_empty(), keys.abandoned.len() as u64),
+                    Err(_) => (false, 0),
+                },
+            };
             // Progress on either hop.
             let done = self.charged + self.receipted;
             if done > progress.0 {
@@ -633,7 +639,7 @@ impl Run<'_> {
             }
             let all_kills = self.kill_all_done >= self.args.kill_all_at.len();
             if all_kills
-                && self.charged >= self.report.unique
+                && self.charged + abandoned >= self.report.unique
                 && receipted
                 && backlog == Some(0)
                 && unsent == Some(0)
@@ -844,7 +850,12 @@ impl Run<'_> {
                     .push(format!("{who} did not stop cleanly on SIGTERM: {exit:?}"));
             }
         }
-        let ledger = self.db.check(self.sent).await?;
+        // --phases consumer: a payment whose operation was given up has no charge by design.
+        let abandoned = match self.processor {
+            Some(_) => self.db.request_keys(REQUESTS_TABLE).await?.abandoned,
+            None => Default::default(),
+        };
+        let ledger = self.db.check(self.sent, &abandoned).await?;
         report.effects = ledger.effects;
         report.lost = ledger.lost;
         report.duplicated = ledger.duplicated;

@@ -1,12 +1,13 @@
 //! The check of a `--phases` run: what the processor charged, what the database recorded and
 //! what the clients were answered, against the operations asked for.
 //!
-//! Per operation (its account is its own): at most one processor charge and at most one
-//! charge row; a charge row carries the ID of the processor's charge for its operation; an
-//! answered operation has both, and was answered that ID. Over the records: none in progress
-//! (stuck) after the completers' pass; as many finished as operations with a charge row; an
-//! operation charged with no row only if as many records were abandoned; and a record for
-//! every operation but those whose client gave up before it took one.
+//! Per operation (its account is its own, its record's key is its key): at most one
+//! processor charge and at most one charge row; a charge row carries the ID of the
+//! processor's charge for its operation; an answered operation has both, and was answered
+//! that ID. Its record ended: finished (with its charge and row) or abandoned (no row; the
+//! processor's charge, if any, is the compensation's to undo); none in progress at a recovery
+//! point (stuck) after the completers' pass. Only an operation whose client gave up may have
+//! no ended record, and then nothing happened for it.
 
 use std::collections::{HashMap, HashSet};
 
@@ -47,18 +48,23 @@ pub(crate) struct PhasesFigures {
     pub(crate) answered_without_effect: u64,
     /// Answered operations whose answer names another processor charge than their row.
     pub(crate) answers_mismatched: u64,
-    /// Operations charged at the processor with no charge row.
+    /// Operations charged at the processor with no charge row (abandoned after the charge).
     pub(crate) charged_unrecorded: u64,
-    /// Operations answered as given up that have a charge row all the same.
-    pub(crate) abandoned_with_row: u64,
     /// Charges and rows for accounts no operation has.
     pub(crate) unexpected: u64,
     /// Records by state at the end.
     pub(crate) finished: u64,
     pub(crate) abandoned: u64,
     pub(crate) stuck: u64,
-    /// Operations with no record (their client gave up before one was taken).
+    /// Records in progress with no recovery point: taken, their executor died before the
+    /// first point committed, and their client gave up. Nothing happened and the completer
+    /// cannot resume them (no point); a retry with the key would take them over.
+    pub(crate) in_progress_without_point: u64,
+    /// Operations with no record at all (their client gave up before one was taken).
     pub(crate) not_started: u64,
+    /// Operations whose record's ending contradicts what happened (finished without its
+    /// charge and row, abandoned with a row, no ending though its client did not give up).
+    pub(crate) wrong_endings: u64,
     /// HTTP requests the clients sent, the middleware's retries included.
     pub(crate) client_requests: u64,
     /// Answers marked as replays.
@@ -81,7 +87,7 @@ pub(crate) async fn check(
     anomalies: &mut Vec<String>,
 ) -> Result<PhasesFigures> {
     let rows = db.processor_charge_rows().await?;
-    let (stuck, finished, abandoned) = db.request_states(requests_table).await?;
+    let records = db.request_keys(requests_table).await?;
     let mut rows_by_account: HashMap<&str, Vec<Option<&str>>> = HashMap::new();
     for (account, id) in &rows {
         rows_by_account
@@ -98,15 +104,16 @@ pub(crate) async fn check(
         processor_calls: stats.calls,
         processor_effects: stats.total_effects(),
         charge_rows: rows.len() as u64,
-        finished,
-        abandoned,
-        stuck,
+        finished: records.finished.len() as u64,
+        abandoned: records.abandoned.len() as u64,
+        stuck: records.stuck.len() as u64,
+        in_progress_without_point: records.unstarted.len() as u64,
         client_requests: tally.requests,
         client_replays: tally.replays,
         client_resends: tally.resends,
         ..Default::default()
     };
-    let mut with_row = 0u64;
+    let mut wrong_endings = Vec::new();
     for op in ops {
         let effects = stats.charges_to(&op.account);
         let op_rows = rows_by_account
@@ -127,19 +134,48 @@ pub(crate) async fn check(
                 f.rows_without_processor_charge += 1;
             }
         }
-        if !op_rows.is_empty() {
-            with_row += 1;
-        } else if !effects.is_empty() {
+        if op_rows.is_empty() && !effects.is_empty() {
             f.charged_unrecorded += 1;
-        }
-        if tally.abandoned.contains(&op.account) && !op_rows.is_empty() {
-            f.abandoned_with_row += 1;
         }
         if let Some(answer) = tally.answered.get(&op.account) {
             if effects.is_empty() || op_rows.is_empty() {
                 f.answered_without_effect += 1;
             } else if answer.as_deref() != op_rows[0] {
                 f.answers_mismatched += 1;
+            }
+        }
+        // How the operation's record ended, against what happened.
+        let key = op.key.as_str();
+        let wrong = if records.finished.contains(key) {
+            (effects.is_empty() || op_rows.is_empty()).then_some("finished without its charge and row")
+        } else if records.abandoned.contains(key) {
+            (!op_rows.is_empty()).then_some("abandoned with a charge row")
+        } else if records.stuck.contains(key) {
+            None // counted as stuck
+        } else {
+            // Taken and never at a point, or never taken: nothing may have happened, and only
+            // a client that gave up leaves an operation so.
+            if !records.unstarted.contains(key) {
+                f.not_started += 1;
+            }
+            if !effects.is_empty() || !op_rows.is_empty() {
+                Some("charged or recorded with no ended record")
+            } else if !tally.given_up.contains(&op.account) {
+                Some("never ended, and its client did not give up")
+            } else {
+                None
+            }
+        };
+        if let Some(why) = wrong {
+            f.wrong_endings += 1;
+            if wrong_endings.len() < 5 {
+                wrong_endings.push(format!("{key}: {why}"));
+            }
+        }
+        if tally.abandoned.contains(&op.account) && !records.abandoned.contains(key) {
+            f.wrong_endings += 1;
+            if wrong_endings.len() < 5 {
+                wrong_endings.push(format!("{key}: answered as abandoned, its record is not"));
             }
         }
     }
@@ -154,8 +190,13 @@ pub(crate) async fn check(
             .iter()
             .filter(|(account, _)| !known.contains(account.as_str()))
             .count() as u64;
-    f.not_started = f.operations.saturating_sub(finished + abandoned + stuck);
-
+    let records_total = f.finished + f.abandoned + f.stuck + f.in_progress_without_point;
+    if records_total > f.operations {
+        anomalies.push(format!(
+            "{records_total} records for {} operations",
+            f.operations
+        ));
+    }
     for (what, n) in [
         ("processor charges doubled", f.doubled_effects),
         ("charge rows doubled", f.doubled_rows),
@@ -172,11 +213,8 @@ pub(crate) async fn check(
             f.answers_mismatched,
         ),
         ("charges or rows for unknown operations", f.unexpected),
-        ("records stuck in progress", f.stuck),
-        (
-            "operations answered as abandoned with a charge row",
-            f.abandoned_with_row,
-        ),
+        ("records stuck in progress at a recovery point", f.stuck),
+        ("operations whose record ended wrong", f.wrong_endings),
         ("operations never answered", f.unanswered),
         ("answers refused (4xx)", tally.refused.len() as u64),
     ] {
@@ -184,38 +222,11 @@ pub(crate) async fn check(
             anomalies.push(format!("{n} {what}"));
         }
     }
+    if !wrong_endings.is_empty() {
+        anomalies.push(format!("first wrong endings: {}", wrong_endings.join(", ")));
+    }
     if let Some(first) = tally.refused.first() {
         anomalies.push(format!("first refusal: {first}"));
-    }
-    if finished != with_row {
-        anomalies.push(format!(
-            "{finished} records finished but {with_row} operations have a charge row"
-        ));
-    }
-    if f.charged_unrecorded > abandoned {
-        anomalies.push(format!(
-            "{} operations charged at the processor without a charge row, and only {abandoned} records abandoned",
-            f.charged_unrecorded
-        ));
-    }
-    if f.not_started > f.given_up {
-        anomalies.push(format!(
-            "{} operations have no record, and only {} clients gave up",
-            f.not_started, f.given_up
-        ));
-    }
-    if f.answered_abandoned > abandoned {
-        anomalies.push(format!(
-            "{} operations answered as abandoned, and only {abandoned} records abandoned",
-            f.answered_abandoned
-        ));
-    }
-    if finished + abandoned + stuck > f.operations {
-        anomalies.push(format!(
-            "{} records for {} operations",
-            finished + abandoned + stuck,
-            f.operations
-        ));
     }
     Ok(f)
 }

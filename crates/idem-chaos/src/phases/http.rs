@@ -51,6 +51,9 @@ pub(crate) async fn run(args: Args) -> Result<Report> {
         format!("{}ms", args.lease.as_millis()),
         "--worker-threads".to_owned(),
         "2".to_owned(),
+        // The completer looks for operations left in progress as often as a lease runs out.
+        "--completer-interval".to_owned(),
+        format!("{}ms", args.lease.as_millis()),
     ];
     let own = ports
         .iter()
@@ -84,7 +87,13 @@ pub(crate) async fn run(args: Args) -> Result<Report> {
         report: &mut report,
         restart_due: Vec::new(),
     };
-    for slot in 0..servers {
+    // The first server alone until it listens: it creates the tables, as a deployment
+    // migrates before it scales out (PostgreSQL refuses concurrent `CREATE TABLE IF NOT
+    // EXISTS` of one table with a unique violation on its catalog).
+    let first = h.arm();
+    h.fleet.start(0, first)?;
+    wait_listening(ports[0], Duration::from_secs(60)).await?;
+    for slot in 1..servers {
         let armed = h.arm();
         h.fleet.start(slot, armed)?;
     }
@@ -129,14 +138,14 @@ pub(crate) async fn run(args: Args) -> Result<Report> {
     }
 
     // The drain: every server unarmed (those armed still may abort), until every operation
-    // is answered or given up and no record is in progress.
+    // is answered or given up and no record is in progress at a recovery point.
     let drain_started = Instant::now();
     loop {
         tokio::time::sleep(TICK * 5).await;
         h.tend(false)?;
         if clients.done() {
-            match db.request_states(REQUESTS_TABLE).await {
-                Ok((0, _, _)) => break,
+            match db.request_keys(REQUESTS_TABLE).await {
+                Ok(keys) if keys.stuck.is_empty() => break,
                 Ok(_) => {}
                 Err(e) => eprintln!("idem-chaos: reading the records failed: {e:#}"),
             }
@@ -260,6 +269,20 @@ impl Harness<'_> {
             self.report.restarts += 1;
         }
         Ok(())
+    }
+}
+
+/// Waits until something accepts connections on loopback `port`.
+async fn wait_listening(port: u16, within: Duration) -> Result<()> {
+    let deadline = Instant::now() + within;
+    loop {
+        if tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok() {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("the first server did not listen on port {port} within {within:?}");
+        }
+        tokio::time::sleep(TICK).await;
     }
 }
 
