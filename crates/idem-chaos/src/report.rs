@@ -143,7 +143,12 @@ impl Report {
             match p.service.as_str() {
                 "consumer" => format!(
                     " {} (sent {}, lost {}, duplicated {}, dead-lettered {}, left {})",
-                    self.broker, self.sent, self.lost, self.duplicated, self.dead_lettered, self.backlog
+                    self.broker,
+                    self.sent,
+                    self.lost,
+                    self.duplicated,
+                    self.dead_lettered,
+                    self.backlog
                 ),
                 _ => String::new(),
             },

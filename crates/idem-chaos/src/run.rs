@@ -7,17 +7,17 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 
 use crate::broker::{Broker, Names};
-use crate::phases::clients::Tally;
-use crate::phases::{Op, Processor, check};
-use crate::{Args, PhasesMode};
 use crate::faults::nats_cluster::NatsCluster;
 use crate::faults::postgres;
 use crate::faults::proxy::CutProxy;
 use crate::fleet::{Exit, Fleet};
 use crate::ledger::{RunDatabase, Sent};
 use crate::mosquitto::Mosquitto;
+use crate::phases::clients::Tally;
+use crate::phases::{Op, Processor, check};
 use crate::report::Report;
 use crate::schedule::{Reach, Schedule};
+use crate::{Args, PhasesMode};
 
 /// The outbox the consumers write and the relays read (idem's default name).
 const OUTBOX_TABLE: &str = idem_core::DEFAULT_OUTBOX_TABLE;

@@ -147,7 +147,8 @@ pub(crate) async fn check(
         // How the operation's record ended, against what happened.
         let key = op.key.as_str();
         let wrong = if records.finished.contains(key) {
-            (effects.is_empty() || op_rows.is_empty()).then_some("finished without its charge and row")
+            (effects.is_empty() || op_rows.is_empty())
+                .then_some("finished without its charge and row")
         } else if records.abandoned.contains(key) {
             (!op_rows.is_empty()).then_some("abandoned with a charge row")
         } else if records.stuck.contains(key) {

@@ -234,7 +234,9 @@ async fn run(shared: &Shared, op: &Op) {
                         return;
                     }
                     // The body was lost on the way: as good as no answer; send again.
-                } else if status.is_client_error() && !matches!(status.as_u16(), 408 | 409 | 425 | 429) {
+                } else if status.is_client_error()
+                    && !matches!(status.as_u16(), 408 | 409 | 425 | 429)
+                {
                     let text = body
                         .map(|b| String::from_utf8_lossy(&b).into_owned())
                         .unwrap_or_default();

@@ -102,7 +102,10 @@ pub(crate) async fn run(args: Args) -> Result<Report> {
         .kill_every
         .mul_f64(args.kills as f64)
         .max(args.min_fault_time);
-    let urls = ports.iter().map(|p| format!("http://127.0.0.1:{p}")).collect();
+    let urls = ports
+        .iter()
+        .map(|p| format!("http://127.0.0.1:{p}"))
+        .collect();
     let clients = Clients::start(ops.clone(), urls, args.clients, planned.mul_f64(0.9))?;
 
     // The fault phase.
@@ -165,9 +168,9 @@ pub(crate) async fn run(args: Args) -> Result<Report> {
     let tails = h.fleet.log_tails(15);
     for (slot, exit) in stops {
         if !matches!(exit, Exit::Clean) {
-            report
-                .anomalies
-                .push(format!("server {slot} did not stop cleanly on SIGTERM: {exit:?}"));
+            report.anomalies.push(format!(
+                "server {slot} did not stop cleanly on SIGTERM: {exit:?}"
+            ));
         }
     }
     let stats = processor.stats();
@@ -276,7 +279,10 @@ impl Harness<'_> {
 async fn wait_listening(port: u16, within: Duration) -> Result<()> {
     let deadline = Instant::now() + within;
     loop {
-        if tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok() {
+        if tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_ok()
+        {
             return Ok(());
         }
         if Instant::now() > deadline {

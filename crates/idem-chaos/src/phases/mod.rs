@@ -84,11 +84,7 @@ impl Op {
 
 /// `n` operations of run `tag`, the share `give_up` of them (drawn by `draw`) given up after a
 /// failed first attempt.
-pub(crate) fn operations(
-    tag: &str,
-    n: usize,
-    mut draw: impl FnMut() -> bool,
-) -> Vec<Op> {
+pub(crate) fn operations(tag: &str, n: usize, mut draw: impl FnMut() -> bool) -> Vec<Op> {
     (0..n)
         .map(|i| {
             let key = format!("{tag}-op-{i:06}");

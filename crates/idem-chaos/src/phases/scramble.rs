@@ -61,7 +61,11 @@ impl Scrambler {
 
 /// Forwards one charge with a random key (the caller's with a random suffix) and answers
 /// what the processor answered; `502` when the processor could not be reached.
-async fn forward(State(up): State<Upstream>, headers: HeaderMap, body: Bytes) -> (StatusCode, Bytes) {
+async fn forward(
+    State(up): State<Upstream>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> (StatusCode, Bytes) {
     let key = headers
         .get("idempotency-key")
         .and_then(|v| v.to_str().ok())
@@ -78,7 +82,8 @@ async fn forward(State(up): State<Upstream>, headers: HeaderMap, body: Bytes) ->
     let Ok(response) = sent else {
         return (StatusCode::BAD_GATEWAY, Bytes::new());
     };
-    let status = StatusCode::from_u16(response.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+    let status =
+        StatusCode::from_u16(response.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
     match response.bytes().await {
         Ok(bytes) => (status, bytes),
         Err(_) => (StatusCode::BAD_GATEWAY, Bytes::new()),

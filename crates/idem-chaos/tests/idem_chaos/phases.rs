@@ -137,7 +137,11 @@ fn proven(test: &str, ok: bool, r: &Value, operations: u64, kills: u64) {
         count(p, "in_progress_without_point") + count(p, "not_started") <= count(p, "given_up"),
         "{test}: {r:#}"
     );
-    assert_eq!(count(p, "charge_rows"), count(p, "finished"), "{test}: {r:#}");
+    assert_eq!(
+        count(p, "charge_rows"),
+        count(p, "finished"),
+        "{test}: {r:#}"
+    );
     assert_eq!(
         count(p, "processor_effects"),
         count(p, "charge_rows") + count(p, "charged_unrecorded"),
@@ -201,11 +205,9 @@ fn phases_http_scrambled_foreign_keys_are_caught_doubling() {
         "{test}: no doubled charge found: {r:#}"
     );
     assert!(
-        r["anomalies"]
-            .as_array()
-            .is_some_and(|a| a.iter().any(|s| s
-                .as_str()
-                .is_some_and(|s| s.contains("processor charges doubled")))),
+        r["anomalies"].as_array().is_some_and(|a| a.iter().any(|s| s
+            .as_str()
+            .is_some_and(|s| s.contains("processor charges doubled")))),
         "{test}: {r:#}"
     );
 }
