@@ -116,6 +116,10 @@ impl DeadLetter {
         } else {
             match err.kind() {
                 ErrorKind::InvalidMessageId => DeadLetterReason::InvalidId,
+                // A phased message's record was written for another payload.
+                ErrorKind::Request(idem_core::RequestErrorKind::KeyReused) => {
+                    DeadLetterReason::Conflict
+                }
                 _ => DeadLetterReason::Rejected,
             }
         };

@@ -18,7 +18,11 @@
 //!   [`RetryPolicy::outage_limit`](crate::RetryPolicy::outage_limit)
 //! - `idem_connections_lost_total`: lost database connections counted against the message that
 //!   was running (the store answered a probe right after, or the outage was past its limit)
-//! - `idem_handler_seconds`: handler latency, inside the transaction
+//! - `idem_phased_held_elsewhere_total`: retries of a phased message (`phased`, feature
+//!   `phases`) that waited because another consumer held its record (a live lease)
+//! - `idem_phased_abandoned_total`: phased operations that ended with `Step::Abandon` (acked)
+//! - `idem_handler_seconds`: handler latency, inside the transaction (a phased message's
+//!   whole operation)
 //! - `idem_commit_seconds`: from the handler's return to the commit's return
 //!
 //! Without an installed recorder the `metrics` calls are no-ops; [`RunStats`] counts the same
@@ -66,6 +70,10 @@ pub struct RunStats {
     pub outage_limit_exceeded: u64,
     /// Lost database connections counted against the message that was running.
     pub connections_lost: u64,
+    /// Retries of a phased message that waited because another consumer held its record.
+    pub held_elsewhere: u64,
+    /// Phased operations that ended with `Step::Abandon`; acknowledged, stored abandoned.
+    pub operations_abandoned: u64,
 }
 
 #[derive(Debug, Default)]
@@ -81,6 +89,8 @@ struct Counts {
     store_outages: AtomicU64,
     outage_limit_exceeded: AtomicU64,
     connections_lost: AtomicU64,
+    held_elsewhere: AtomicU64,
+    operations_abandoned: AtomicU64,
     /// Messages waiting out a store outage right now.
     waiting_on_store: AtomicU64,
     /// Whether the current outage's overrun was reported.
@@ -105,6 +115,8 @@ pub(crate) struct Instruments {
     store_outages: Counter,
     outage_limit_exceeded: Counter,
     connections_lost: Counter,
+    held_elsewhere: Counter,
+    operations_abandoned: Counter,
     store_unavailable: Gauge,
     handler: Histogram,
     commit: Histogram,
@@ -133,6 +145,8 @@ impl Instruments {
             store_outages: plain("idem_store_outages_total"),
             outage_limit_exceeded: plain("idem_store_outage_limit_exceeded_total"),
             connections_lost: plain("idem_connections_lost_total"),
+            held_elsewhere: plain("idem_phased_held_elsewhere_total"),
+            operations_abandoned: plain("idem_phased_abandoned_total"),
             store_unavailable: gauge!("idem_store_unavailable", "consumer" => consumer.to_owned(), "broker" => broker),
             handler: histogram!("idem_handler_seconds", "consumer" => consumer.to_owned(), "broker" => broker),
             commit: histogram!("idem_commit_seconds", "consumer" => consumer.to_owned(), "broker" => broker),
@@ -204,6 +218,18 @@ impl Instruments {
     }
 
     /// A message that waited on the store got past the outage (or gave up at shutdown).
+    pub(crate) fn held_elsewhere(&self) {
+        bump(&self.counts.held_elsewhere);
+        self.held_elsewhere.increment(1);
+    }
+
+    // Counted only by the phased mode.
+    #[cfg_attr(not(feature = "phases"), allow(dead_code))]
+    pub(crate) fn operation_abandoned(&self) {
+        bump(&self.counts.operations_abandoned);
+        self.operations_abandoned.increment(1);
+    }
+
     pub(crate) fn outage_ended(&self) {
         if self.counts.waiting_on_store.fetch_sub(1, Ordering::SeqCst) == 1 {
             self.store_unavailable.set(0.0);
@@ -233,6 +259,8 @@ impl Instruments {
             store_outages: get(&c.store_outages),
             outage_limit_exceeded: get(&c.outage_limit_exceeded),
             connections_lost: get(&c.connections_lost),
+            held_elsewhere: get(&c.held_elsewhere),
+            operations_abandoned: get(&c.operations_abandoned),
         }
     }
 }

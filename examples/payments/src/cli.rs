@@ -138,6 +138,22 @@ pub(crate) struct ServeArgs {
     /// `receipts` table, exactly once. Give it its own --consumer name.
     #[arg(long)]
     pub(crate) receipts: bool,
+    /// Charge a card processor for each payment: `POST URL/v1/charges` with an
+    /// `Idempotency-Key` derived from the message ID, as a foreign phase, then the charge row
+    /// with the processor's `id`, as a local one (recovery points: a crash between them is
+    /// resumed by the redelivery or the in-process completer, and the processor charges once).
+    /// One message per operation: not with --batch above 1, --set, --emit or --receipts.
+    #[arg(long, value_name = "URL", conflicts_with_all = ["set", "emit", "receipts"])]
+    pub(crate) card_processor: Option<String>,
+    /// With --card-processor: how long a running charge's record is held without renewal. A
+    /// redelivery of a charge whose process died takes it over this long after the death; a
+    /// live one renews it every third of this.
+    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = parse_duration, requires = "card_processor")]
+    pub(crate) phase_lease: std::time::Duration,
+    /// Tests only: with --card-processor, wait this long after the processor answered and
+    /// before the charge's next recovery point commits, on a charge's first execution.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration, requires = "card_processor", hide = true)]
+    pub(crate) test_pause_after_charge: Option<std::time::Duration>,
 }
 
 #[derive(Debug, Args)]
@@ -197,6 +213,11 @@ impl std::fmt::Debug for ServeArgs {
             .field("emit", &self.emit)
             .field("no_relay", &self.no_relay)
             .field("receipts", &self.receipts)
+            .field(
+                "card_processor",
+                &self.card_processor.as_deref().map(idem_redact::redact_url),
+            )
+            .field("phase_lease", &self.phase_lease)
             .field("dynamic_membership", &self.dynamic_membership)
             .finish()
     }

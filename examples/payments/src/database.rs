@@ -11,10 +11,15 @@ use idem_core::{
 };
 use idem_sql::{AnyStore, MySqlStore, PostgresStore, SqliteStore, StoreVisitor, TableName};
 
-use crate::Settings;
+use idem_consumer::phased::Phased;
+use idem_core::store::RecoveryStore;
+use idem_request::{Completer, Idempotency};
+
+use crate::card::{CardCharge, CardProcessor, RecordCharge};
 use crate::charge_batch::ChargeBatch;
 use crate::ledger::{self, Charge, Emit, PaymentRequested};
 use crate::receipts::{PaymentCharged, Receipt};
+use crate::{CardSettings, Settings};
 
 /// How often the service prunes claims older than the retention.
 const PRUNE_EVERY: std::time::Duration = std::time::Duration::from_secs(3600);
@@ -149,12 +154,17 @@ where
         + 'static,
     S::Tx: Send,
     Src: Source,
+    S: RecoveryStore,
+    S::Tx: RecordCharge,
     Charge<S>: Handler<S::Tx, PaymentRequested>,
     ChargeBatch<S>: SetHandler<S::Tx, PaymentRequested>,
     Receipt: Handler<S::Tx, PaymentCharged>,
 {
     if settings.receipts {
         return receipts(store, source, settings).await;
+    }
+    if let Some(card) = &settings.card {
+        return card_charges(store, source, settings, card).await;
     }
     let emit = match &settings.emit {
         Some(to) => Some(Emit {
@@ -252,6 +262,59 @@ where
         )
         .await;
     pruner.abort();
+    Ok(stats?)
+}
+
+/// `--card-processor`: each payment charged at the processor and recorded, as recovery
+/// points keyed by its message ID, with a completer in this process for charges whose
+/// redelivery never comes.
+async fn card_charges<S, Src>(
+    store: S,
+    source: Src,
+    settings: &Settings,
+    card: &CardSettings,
+) -> Result<RunStats>
+where
+    S: BatchClaimStore + RecoveryStore + idem_core::Prune + Clone + Send + Sync + 'static,
+    S::Tx: Send + RecordCharge,
+    Src: Source,
+{
+    if settings.batch > 1 {
+        anyhow::bail!(
+            "--card-processor charges one message per operation: --batch must be 1 (each phase boundary is its own commit)"
+        );
+    }
+    let handler = CardCharge {
+        processor: CardProcessor::new(&card.url)?,
+        pause_after_charge: card.pause_after_charge,
+    };
+    // Records are replayed as long as claims are kept: a redelivery inside the broker's
+    // window must find its charge's record, never charge again.
+    let idem = Idempotency::builder(store.clone())
+        .lease(card.lease)
+        .ttl(settings.retention.keep_for())
+        .build()?;
+    let phased = Phased::new(idem.clone(), &settings.consumer, handler);
+    let completer = phased
+        .register(Completer::builder(idem).interval(card.lease))
+        .build()?;
+    let completer_stop = CancellationToken::new();
+    let completer_task = tokio::spawn(completer.run(completer_stop.clone()));
+    tracing::info!(card_processor = %idem_redact::redact_url(&card.url), lease = ?card.lease, "charging through the card processor, as recovery points");
+    let (processor, pruner) = processor_and_pruner(store, settings)?;
+    let stats = Consumer::new(processor, source)
+        .concurrency(settings.concurrency)
+        .run_phased(
+            Json::<PaymentRequested>::new(),
+            phased,
+            settings.shutdown.clone(),
+        )
+        .await;
+    pruner.abort();
+    completer_stop.cancel();
+    if let Err(e) = completer_task.await {
+        tracing::error!(error = %e, "the completer task failed");
+    }
     Ok(stats?)
 }
 

@@ -43,7 +43,8 @@ const SQLITE_SCHEMA: &[&str] = &[
         message_id TEXT NOT NULL,
         account TEXT NOT NULL,
         amount_cents INTEGER NOT NULL,
-        charged_at TEXT NOT NULL DEFAULT CURRENT_TIMESTAMP)",
+        charged_at TEXT NOT NULL DEFAULT CURRENT_TIMESTAMP,
+        processor_charge_id TEXT)",
     "CREATE INDEX IF NOT EXISTS charges_message_id ON charges (message_id)",
     "CREATE TABLE IF NOT EXISTS accounts (
         account TEXT PRIMARY KEY,
@@ -56,7 +57,10 @@ const POSTGRES_SCHEMA: &[&str] = &[
         message_id TEXT NOT NULL,
         account TEXT NOT NULL,
         amount_cents BIGINT NOT NULL,
-        charged_at TIMESTAMPTZ NOT NULL DEFAULT now())",
+        charged_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+        processor_charge_id TEXT)",
+    // `--card-processor`'s column, on a table made before it.
+    "ALTER TABLE charges ADD COLUMN IF NOT EXISTS processor_charge_id TEXT",
     "CREATE INDEX IF NOT EXISTS charges_message_id ON charges (message_id)",
     "CREATE TABLE IF NOT EXISTS accounts (
         account TEXT PRIMARY KEY,
@@ -76,6 +80,7 @@ const MYSQL_SCHEMA: &[&str] = &[
         account VARBINARY(255) NOT NULL,
         amount_cents BIGINT NOT NULL,
         charged_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
+        processor_charge_id VARBINARY(255) NULL,
         INDEX charges_message_id (message_id))",
     "CREATE TABLE IF NOT EXISTS accounts (
         account VARBINARY(255) PRIMARY KEY,
@@ -86,6 +91,18 @@ const MYSQL_SCHEMA: &[&str] = &[
 pub(crate) async fn create_sqlite(pool: &sqlx::SqlitePool) -> Result<(), sqlx::Error> {
     for ddl in SQLITE_SCHEMA.iter().chain(crate::receipts::SQLITE_SCHEMA) {
         sqlx::query(ddl).execute(pool).await?;
+    }
+    // `--card-processor`'s column, on a table made before it (SQLite has no `ADD COLUMN IF
+    // NOT EXISTS`).
+    let has: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pragma_table_info('charges') WHERE name = 'processor_charge_id'",
+    )
+    .fetch_one(pool)
+    .await?;
+    if has == 0 {
+        sqlx::query("ALTER TABLE charges ADD COLUMN processor_charge_id TEXT")
+            .execute(pool)
+            .await?;
     }
     Ok(())
 }
@@ -113,6 +130,27 @@ pub(crate) async fn create_postgres(pool: &sqlx::PgPool) -> Result<(), sqlx::Err
 pub(crate) async fn create_mysql(pool: &sqlx::MySqlPool) -> Result<(), sqlx::Error> {
     for ddl in MYSQL_SCHEMA.iter().chain(crate::receipts::MYSQL_SCHEMA) {
         sqlx::query(ddl).execute(pool).await?;
+    }
+    // `--card-processor`'s column, on a table made before it (MySQL has no `ADD COLUMN IF
+    // NOT EXISTS`). Replicas starting together may both add it: the loser's duplicate-column
+    // error (1060) means it is there.
+    let has: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM information_schema.columns
+         WHERE table_schema = DATABASE() AND table_name = 'charges' AND column_name = 'processor_charge_id'",
+    )
+    .fetch_one(pool)
+    .await?;
+    if has == 0 {
+        let added =
+            sqlx::query("ALTER TABLE charges ADD COLUMN processor_charge_id VARBINARY(255) NULL")
+                .execute(pool)
+                .await;
+        match added {
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42S21") => {}
+            other => {
+                other?;
+            }
+        }
     }
     Ok(())
 }
@@ -326,6 +364,7 @@ mod tests {
                 static_membership: true,
                 emit: None,
                 receipts: false,
+                card: None,
                 shutdown: CancellationToken::new(),
             };
             let stats = db

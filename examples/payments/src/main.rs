@@ -10,9 +10,15 @@
 //! broker's ID slot; the charge row, the balance update and the claim commit together. A
 //! redelivery is acknowledged as a duplicate; a conflicting, undecodable or ID-less message goes
 //! to the dead-letter destination with its reason. SIGTERM stops gracefully.
+//!
+//! With `--card-processor URL` each payment is charged at a card processor (a foreign phase,
+//! its derived key as `Idempotency-Key`) and then recorded with the processor's charge ID (a
+//! local phase): recovery points resumed by the redelivery or the in-process completer after
+//! a crash (see `card`).
 
 mod bench;
 mod brokers;
+mod card;
 mod charge_batch;
 mod cli;
 mod database;
@@ -55,7 +61,20 @@ pub(crate) struct Settings {
     pub(crate) emit: Option<Emitting>,
     /// `--receipts`: record `PaymentCharged` events instead of charging.
     pub(crate) receipts: bool,
+    /// `--card-processor`: charge through a card processor, as recovery points.
+    pub(crate) card: Option<CardSettings>,
     pub(crate) shutdown: CancellationToken,
+}
+
+/// `--card-processor URL` and its options.
+#[derive(Debug, Clone)]
+pub(crate) struct CardSettings {
+    /// The processor's base URL (may hold credentials; logged only redacted).
+    pub(crate) url: String,
+    /// `--phase-lease`.
+    pub(crate) lease: std::time::Duration,
+    /// `--test-pause-after-charge`.
+    pub(crate) pause_after_charge: Option<std::time::Duration>,
 }
 
 fn main() {
@@ -132,6 +151,7 @@ async fn run(cli: Cli) -> Result<()> {
                 static_membership: true,
                 emit: None,
                 receipts: false,
+                card: None,
                 shutdown: CancellationToken::new(),
             };
             brokers::teardown(&broker, &settings).await
@@ -150,6 +170,7 @@ async fn run(cli: Cli) -> Result<()> {
                 static_membership: true,
                 emit: None,
                 receipts: false,
+                card: None,
                 shutdown: CancellationToken::new(),
             };
             let r = bench::run(&broker, &settings, &b.database, b.messages).await?;
@@ -219,6 +240,11 @@ async fn serve(args: ServeArgs) -> Result<()> {
             relay: !args.no_relay,
         }),
         receipts: args.receipts,
+        card: args.card_processor.map(|url| CardSettings {
+            url,
+            lease: args.phase_lease,
+            pause_after_charge: args.test_pause_after_charge,
+        }),
         shutdown: idem_consumer::shutdown::on_signal(),
     };
     let Some(db) = Database::open_when_up(&args.database, &settings.shutdown).await? else {

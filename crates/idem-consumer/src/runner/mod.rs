@@ -160,6 +160,42 @@ where
     }
 }
 
+#[cfg(feature = "phases")]
+impl<S, Src, C> Consumer<S, Src, C, PerMessage>
+where
+    S: ClaimStore + Send + Sync + 'static,
+    S::Tx: Send,
+    C: Clock + Send + Sync + 'static,
+    Src: Source,
+{
+    /// Consumes with a handler of recovery points ([`crate::phased`]): each message runs as an
+    /// operation of phases over `phased`'s request records, keyed by its message ID, each
+    /// boundary one commit, resumed at its last point by a redelivery after a crash. The
+    /// processor's claims table is not written in this mode; the processor supplies the
+    /// consumer's name, and its store is probed after a lost connection, as in [`run`
+    /// ](Self::run).
+    ///
+    /// On top of `run`'s table: a redelivery while another consumer holds the message's
+    /// record (its lease is live) waits in place with backoff, spending no attempt, and is
+    /// never dead-lettered; the same ID with another payload is dead-lettered `conflict`; an
+    /// operation that ends with [`Step::Abandon`](idem_request::Step::Abandon) is acked and
+    /// counted in [`RunStats::operations_abandoned`].
+    pub async fn run_phased<D, R, H>(
+        self,
+        decoder: D,
+        phased: crate::phased::Phased<R, H>,
+        shutdown: CancellationToken,
+    ) -> Result<RunStats, Error>
+    where
+        D: Decode,
+        R: idem_core::store::RecoveryStore + Clone + Send + Sync + 'static,
+        R::Tx: Send,
+        H: crate::phased::PhasedHandler<R, D::Payload>,
+    {
+        self.drive(decoder, work::Phases(phased), 1, shutdown).await
+    }
+}
+
 impl<S, Src, C> Consumer<S, Src, C, Batch>
 where
     S: BatchClaimStore + Send + Sync + 'static,

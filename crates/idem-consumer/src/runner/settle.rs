@@ -6,7 +6,7 @@ use std::time::Duration;
 use futures_util::future::join_all;
 use idem_core::{
     ClaimStore, Clock, Disposition, Error, Fingerprint, Identified, Message, MessageId, Outcome,
-    Processor,
+    Processor, RequestErrorKind,
 };
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -222,6 +222,8 @@ where
         mut attempt: u32,
     ) {
         let mut outage_waits = 0u32;
+        // Consecutive waits for another consumer's lease on a phased message's record.
+        let mut held_waits = 0u32;
         // Held while this message waits out a store outage: the gauge stays raised until the
         // last waiting message gets past it.
         let mut waiting: Option<OutageWait<'_>> = None;
@@ -232,6 +234,10 @@ where
                 Disposition::Retry => {}
                 Disposition::DeadLetter => {
                     drop(waiting.take());
+                    if e.request_kind() == Some(RequestErrorKind::KeyReused) {
+                        // A phased message's record has another payload's fingerprint.
+                        self.instruments.conflict();
+                    }
                     let dl = DeadLetter::from_error(&e, false);
                     return self.dead_letter(delivery, dl, attempt).await;
                 }
@@ -255,6 +261,12 @@ where
             // message back would have brokers that redeliver at once spin on it. A connection
             // lost while the message ran is the exception the verdict below finds.
             let verdict = self.verdict(&e, waiting.as_ref()).await;
+            if verdict.held {
+                held_waits = held_waits.saturating_add(1);
+                self.instruments.held_elsewhere();
+            } else {
+                held_waits = 0;
+            }
             if verdict.outage {
                 outage_waits = outage_waits.saturating_add(1);
                 match &mut waiting {
@@ -281,12 +293,19 @@ where
                 }
             }
             self.instruments.retry();
-            let wait = if verdict.outage {
+            let wait = if verdict.held {
+                // Not sooner than backoff, not later than the holder's lease runs out.
+                let backoff = self.retry.delay(held_waits.saturating_add(1));
+                e.retry_after()
+                    .map_or(backoff, |at_most| backoff.min(at_most))
+            } else if verdict.outage {
                 self.retry.delay(outage_waits.saturating_add(1))
             } else {
                 self.retry.delay(attempt + 1)
             };
-            if !verdict.spends {
+            if verdict.held {
+                tracing::debug!(error = %e, retry_in = ?wait, "another consumer holds this message's record; retrying when its lease may have ended");
+            } else if !verdict.spends {
                 // The outage itself was reported once; per message it is detail.
                 tracing::debug!(error = %e, attempt, retry_in = ?wait, "store unavailable; waiting in place");
             } else if e.is_connection_lost() {
@@ -325,17 +344,29 @@ where
     /// (not an outage; an attempt). If not, it is an outage, which spends no attempt until this
     /// message has waited it out past the outage limit: an outage that strikes every time the
     /// message runs is the message (it crashes the database, and the database restarts).
+    ///
+    /// A phased message whose record another consumer holds (its lease is live) is neither:
+    /// it waits for that lease, spending no attempt, however long the holder takes.
     async fn verdict(&self, e: &Error, waiting: Option<&OutageWait<'_>>) -> Verdict {
+        if e.request_kind() == Some(RequestErrorKind::InProgress) {
+            return Verdict {
+                outage: false,
+                spends: false,
+                held: true,
+            };
+        }
         if !e.is_outage() {
             return Verdict {
                 outage: false,
                 spends: true,
+                held: false,
             };
         }
         if !e.is_connection_lost() {
             return Verdict {
                 outage: true,
                 spends: false,
+                held: false,
             };
         }
         let probe = tokio::time::timeout(PROBE_TIMEOUT, self.processor.store().probe()).await;
@@ -343,6 +374,7 @@ where
             Ok(Ok(())) => Verdict {
                 outage: false,
                 spends: true,
+                held: false,
             },
             failed => {
                 if let Ok(Err(p)) = failed {
@@ -351,6 +383,7 @@ where
                 Verdict {
                     outage: true,
                     spends: waiting.is_some_and(|w| w.over(self.retry.outage_limit())),
+                    held: false,
                 }
             }
         }
@@ -429,6 +462,8 @@ struct Verdict {
     outage: bool,
     /// The error counts against the message's attempts.
     spends: bool,
+    /// Another consumer holds the message's record (a phased message): wait for its lease.
+    held: bool,
 }
 
 /// One message's share in a store outage; ends it (for this message) when dropped.

@@ -175,3 +175,49 @@ where
         Ok(batch.outcomes)
     }
 }
+
+/// Phased mode: each message an operation of recovery points over the request records
+/// ([`crate::phased`]); the processor's claims are not used.
+#[cfg(feature = "phases")]
+pub(crate) struct Phases<R: idem_core::store::RecoveryStore + Clone + 'static, H>(
+    pub(crate) crate::phased::Phased<R, H>,
+);
+
+#[cfg(feature = "phases")]
+impl<S, C, P, R, H> Work<S, C, P> for Phases<R, H>
+where
+    S: ClaimStore + 'static,
+    C: Clock + Send + Sync + 'static,
+    P: Send + Sync,
+    R: idem_core::store::RecoveryStore + Clone + Send + Sync + 'static,
+    R::Tx: Send,
+    H: crate::phased::PhasedHandler<R, P>,
+{
+    async fn one(
+        &self,
+        _processor: &Processor<S, C>,
+        msg: &Message<P>,
+        instruments: &Instruments,
+    ) -> Result<Outcome<()>, Error> {
+        use crate::phased::PhasedOutcome;
+        crash::reached(CrashPoint::BeforeClaim);
+        let started = std::time::Instant::now();
+        let outcome = self.0.process(msg).await?;
+        Ok(match outcome {
+            PhasedOutcome::Done(_) => {
+                instruments.handler_time(started.elapsed());
+                Outcome::Processed(())
+            }
+            PhasedOutcome::Abandoned(_) => {
+                instruments.handler_time(started.elapsed());
+                instruments.operation_abandoned();
+                tracing::debug!(
+                    outcome = "abandoned",
+                    "the operation gave up (Step::Abandon); its record is stored abandoned"
+                );
+                Outcome::Processed(())
+            }
+            PhasedOutcome::Duplicate => Outcome::Duplicate,
+        })
+    }
+}

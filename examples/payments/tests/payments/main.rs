@@ -1,4 +1,6 @@
 //! The payments example's integration tests as one binary: the service as its README runs it,
-//! against each real broker (`payments`).
+//! against each real broker (`payments`), and `--card-processor` against the fake card
+//! processor (`card`).
 
+mod card;
 mod payments;

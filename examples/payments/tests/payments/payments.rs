@@ -10,14 +10,14 @@ use idem_testkit::{service_url, services, unique_name};
 
 const BIN: &str = env!("CARGO_BIN_EXE_payments");
 
-struct Service {
+pub(super) struct Service {
     child: Child,
     lines: mpsc::Receiver<String>,
-    log: Vec<String>,
+    pub(super) log: Vec<String>,
 }
 
 impl Service {
-    fn start(args: &[&str]) -> Self {
+    pub(super) fn start(args: &[&str]) -> Self {
         let mut child = Command::new(BIN)
             .args(args)
             // Per-message outcomes are logged at debug (info is for starts, stops and outages).
@@ -48,7 +48,7 @@ impl Service {
     }
 
     /// Waits until `count` log lines contain `needle`.
-    fn wait_for(&mut self, needle: &str, count: usize, timeout: Duration) -> bool {
+    pub(super) fn wait_for(&mut self, needle: &str, count: usize, timeout: Duration) -> bool {
         let deadline = Instant::now() + timeout;
         loop {
             if self.log.iter().filter(|l| l.contains(needle)).count() >= count {
@@ -66,8 +66,14 @@ impl Service {
         }
     }
 
+    /// SIGKILL (a crash: nothing is cleaned up), then waits for the exit.
+    pub(super) fn kill(&mut self) {
+        self.child.kill().expect("kill");
+        let _ = self.child.wait();
+    }
+
     /// SIGTERM, then the exit status and the whole log.
-    fn terminate(mut self) -> (std::process::ExitStatus, Vec<String>) {
+    pub(super) fn terminate(mut self) -> (std::process::ExitStatus, Vec<String>) {
         let pid = self.child.id().to_string();
         let sent = Command::new("kill")
             .args(["-TERM", &pid])
@@ -82,7 +88,7 @@ impl Service {
     }
 }
 
-fn publish(broker: &str, source: &str, id: &str, payload: &str) -> String {
+pub(super) fn publish(broker: &str, source: &str, id: &str, payload: &str) -> String {
     let out = Command::new(BIN)
         .args([
             "publish", "--broker", broker, "--source", source, "--id", id, payload,
@@ -99,7 +105,7 @@ fn publish(broker: &str, source: &str, id: &str, payload: &str) -> String {
 
 /// Removes what the service created on the broker for `source` (streams, queues, topics,
 /// sessions, dead letters), so shared brokers do not fill up run after run.
-fn teardown(broker: &str, source: &str, consumer: &str, instance: &str) {
+pub(super) fn teardown(broker: &str, source: &str, consumer: &str, instance: &str) {
     if broker.starts_with("kafka://") {
         // tansu 0.6.0's sqlite engine deletes every topic on one DeleteTopics call, under the
         // feet of the tests running beside this one: Kafka topics carry unique names and stay.
