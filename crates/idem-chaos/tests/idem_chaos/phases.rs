@@ -8,7 +8,10 @@
 //! `http_*`: three `http-payments --card-processor` servers behind clients that retry every
 //! operation with the same Idempotency-Key (idem-client) until it is answered, but a tenth of
 //! them, which give up after a failed first attempt: the servers' completers finish those.
-
+//!
+//! `consumer_*`: three `payments --card-processor` consumers behind the broker's redelivery
+//! (NATS, Redis Streams, RabbitMQ), armed at the consumer's crash points as well, with the
+//! one-hop ledger's check besides (nothing lost, doubled, dead-lettered, left on the broker).
 //!
 //! And the run that shows the checker can fail: the same HTTP run with a proxy that gives
 //! each processor call a random key (a service whose foreign key changes between attempts)
@@ -101,6 +104,40 @@ fn proves(test: &str, database: &str, kills: u64, seed: &str) {
     assert!(count(p, "given_up") > 0, "{test}: no client gave up: {r:#}");
 }
 
+/// A consumer run that must prove the point: [`proven`], and the one-hop ledger's figures
+/// (nothing lost, doubled, dead-lettered or left on the broker).
+fn consumer_proves(test: &str, database: &str, broker_var: &str, kills: u64, seed: &str) {
+    let Some(broker) = service_url(broker_var, test) else {
+        return;
+    };
+    let kills_arg = kills.to_string();
+    let args = [
+        "--broker",
+        broker.as_str(),
+        "--messages",
+        "300",
+        "--consumers",
+        "3",
+        "--kills",
+        kills_arg.as_str(),
+        "--kill-every",
+        "300ms",
+        "--crash-within",
+        "12",
+        "--spare-armed-for",
+        "3s",
+        "--redeliver-after",
+        "2s",
+        "--seed",
+        seed,
+    ];
+    let (ok, r) = phases_run(test, "consumer", database, &args);
+    proven(test, ok, &r, 300, kills);
+    for zero in ["lost", "duplicated", "dead_lettered", "backlog"] {
+        assert_eq!(r[zero], 0, "{test}: {zero} in {r:#}");
+    }
+}
+
 /// What every proving run must show: no anomaly, one processor charge and one charge row per
 /// operation, every record ended, kills as asked with some at the phase driver's crash points.
 fn proven(test: &str, ok: bool, r: &Value, operations: u64, kills: u64) {
@@ -172,6 +209,33 @@ fn phases_http_mysql_35_kills() {
     let test = "phases_http_mysql_35_kills";
     if let Some(mysql) = service_url(services::MYSQL, test) {
         proves(test, &mysql, 35, "303");
+    }
+}
+
+#[test]
+fn phases_consumer_sqlite_nats_25_kills() {
+    consumer_proves(
+        "phases_consumer_sqlite_nats_25_kills",
+        "sqlite:",
+        services::NATS,
+        25,
+        "311",
+    );
+}
+
+#[test]
+fn phases_consumer_postgres_redis_25_kills() {
+    let test = "phases_consumer_postgres_redis_25_kills";
+    if let Some(pg) = service_url(services::POSTGRES, test) {
+        consumer_proves(test, &pg, services::REDIS, 25, "312");
+    }
+}
+
+#[test]
+fn phases_consumer_mysql_rabbitmq_25_kills() {
+    let test = "phases_consumer_mysql_rabbitmq_25_kills";
+    if let Some(mysql) = service_url(services::MYSQL, test) {
+        consumer_proves(test, &mysql, services::AMQP, 25, "313");
     }
 }
 
