@@ -13,8 +13,11 @@
 //!
 //! - [`http`]: `http-payments --card-processor` services behind clients that retry each
 //!   operation with the same Idempotency-Key ([`clients`]).
-//! - [`check`]: one processor charge and one charge row (with the processor's ID) per
-//!   operation, every record finished or abandoned, none stuck.
+//! - `--phases consumer` runs in the broker harness (`run`), its consumers given
+//!   `--card-processor` and armed at the phase driver's points as well as the consumer's.
+//! - [`check`]: at most one processor charge and one charge row (with the processor's ID)
+//!   per operation, every record finished or abandoned, none stuck.
+//! - [`scramble`]: `--scramble-foreign-keys`, the fault that shows the check catches a double.
 
 pub(crate) mod check;
 pub(crate) mod clients;
