@@ -13,6 +13,8 @@
 
 pub mod broker_conformance;
 mod broker_fixture;
+pub mod completer_conformance;
+mod completer_fixture;
 pub mod conformance;
 #[cfg(feature = "fake-processor")]
 pub mod fake_processor;
@@ -24,6 +26,8 @@ pub mod http;
 pub mod isolated;
 pub mod outbox_conformance;
 mod outbox_fixture;
+mod phase_operation;
+pub mod phases_conformance;
 pub mod recovery_conformance;
 mod recovery_fixture;
 pub mod request_conformance;
@@ -31,6 +35,7 @@ mod request_fixture;
 pub mod services;
 
 pub use broker_fixture::{BrokerFixture, DeadLettered};
+pub use completer_fixture::CompleterFixture;
 pub use fixture::{StoreFixture, TxOf};
 pub use outbox_fixture::OutboxFixture;
 pub use recovery_fixture::RecoveryFixture;
@@ -60,6 +65,81 @@ macro_rules! recovery_conformance_tests {
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn $name() {
                 $crate::recovery_conformance::$name::<$fixture>(stringify!($name)).await;
+            }
+        )*
+    };
+}
+
+/// Expands to one `#[tokio::test]` per phases conformance check for a [`RecoveryFixture`]:
+/// operations of phases run end to end through `idem_request`'s public API
+/// ([`run_phases`](idem_request::Idempotency::run_phases),
+/// [`take_stuck`](idem_request::Idempotency::take_stuck),
+/// [`resume_phases`](idem_request::Idempotency::resume_phases)), counting the phases run and
+/// the calls a fake processor got, each on a fresh fixture. A store that runs
+/// [`recovery_conformance_tests!`] runs this beside it, with the same fixture:
+///
+/// ```ignore
+/// idem_testkit::recovery_conformance_tests!(PgFixture);
+/// idem_testkit::phases_conformance_tests!(PgFixture);
+/// ```
+#[macro_export]
+macro_rules! phases_conformance_tests {
+    ($fixture:ty) => {
+        $crate::phases_conformance_tests!(@tests $fixture;
+            a_committed_local_phase_never_runs_again_after_a_failure_or_a_takeover,
+            a_foreign_call_repeats_only_with_the_same_derived_key,
+            the_first_point_commits_before_the_first_phase,
+            abandon_stores_a_response_replayed_to_retries,
+            a_fingerprint_conflict_is_refused,
+        );
+    };
+    (@tests $fixture:ty; $($name:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $name() {
+                $crate::phases_conformance::$name::<$fixture>(stringify!($name)).await;
+            }
+        )*
+    };
+}
+
+/// Expands to one `#[tokio::test]` per completer conformance check for a
+/// [`CompleterFixture`]: `idem_request`'s [`Completer`](idem_request::Completer) (`pass`,
+/// `run`, `stats` and its metrics) finishing stuck operations of phases on the real store,
+/// each on a fresh fixture. A store adopts it by implementing [`CompleterFixture`] (one
+/// method beyond [`RecoveryFixture`]: a store the server refuses) and invoking it beside
+/// [`recovery_conformance_tests!`] and [`phases_conformance_tests!`]:
+///
+/// ```ignore
+/// impl idem_testkit::CompleterFixture for PgFixture {
+///     fn refusing_store(&self) -> PostgresStore {
+///         let missing = TableName::new("no_such_requests").expect("valid");
+///         self.store().with_requests_table(missing).expect("plain table")
+///     }
+/// }
+/// idem_testkit::completer_conformance_tests!(PgFixture);
+/// ```
+#[macro_export]
+macro_rules! completer_conformance_tests {
+    ($fixture:ty) => {
+        $crate::completer_conformance_tests!(@tests $fixture;
+            a_stuck_record_is_resumed_and_a_retry_gets_its_response,
+            two_completers_resume_each_record_exactly_once,
+            after_max_attempts_it_gives_up_with_the_compensation_in_the_same_commit,
+            a_record_whose_lease_is_live_is_not_taken,
+            passes_take_bounded_batches,
+            stats_and_metrics_count_stuck_resumed_failed_and_abandoned,
+            run_resumes_stuck_records_until_shutdown,
+            a_refusing_store_is_an_outage_not_a_failure,
+            a_store_failing_under_an_operation_stops_the_pass_as_an_outage,
+            an_unknown_operation_is_left_alone,
+        );
+    };
+    (@tests $fixture:ty; $($name:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $name() {
+                $crate::completer_conformance::$name::<$fixture>(stringify!($name)).await;
             }
         )*
     };

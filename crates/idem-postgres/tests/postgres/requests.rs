@@ -116,11 +116,22 @@ impl<const CLIENTS: bool> idem_testkit::RecoveryFixture for PgFixture<CLIENTS> {
     }
 }
 
+impl<const CLIENTS: bool> idem_testkit::CompleterFixture for PgFixture<CLIENTS> {
+    fn refusing_store(&self) -> PgStore {
+        self.store
+            .clone()
+            .with_requests_table(idem_core::TableName::new("no_such_requests").expect("valid"))
+            .expect("plain table")
+    }
+}
+
 mod pooled {
     use super::PgFixture;
 
     idem_testkit::request_conformance_tests!(PgFixture<false>);
     idem_testkit::recovery_conformance_tests!(PgFixture<false>);
+    idem_testkit::phases_conformance_tests!(PgFixture<false>);
+    idem_testkit::completer_conformance_tests!(PgFixture<false>);
     crate::request_extras::request_extras!(PgFixture<false>);
 }
 
@@ -129,5 +140,7 @@ mod clients {
 
     idem_testkit::request_conformance_tests!(PgFixture<true>);
     idem_testkit::recovery_conformance_tests!(PgFixture<true>);
+    idem_testkit::phases_conformance_tests!(PgFixture<true>);
+    idem_testkit::completer_conformance_tests!(PgFixture<true>);
     crate::request_extras::request_extras!(PgFixture<true>);
 }

@@ -92,3 +92,15 @@ impl idem_testkit::RecoveryFixture for MySqlFixture {
 }
 
 idem_testkit::recovery_conformance_tests!(MySqlFixture);
+idem_testkit::phases_conformance_tests!(MySqlFixture);
+
+impl idem_testkit::CompleterFixture for MySqlFixture {
+    fn refusing_store(&self) -> MySqlStore {
+        self.store
+            .clone()
+            .with_requests_table(idem_sql::TableName::new("no_such_requests").expect("valid"))
+            .expect("plain table")
+    }
+}
+
+idem_testkit::completer_conformance_tests!(MySqlFixture);

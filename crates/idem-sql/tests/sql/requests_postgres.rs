@@ -93,3 +93,15 @@ impl idem_testkit::RecoveryFixture for PgFixture {
 }
 
 idem_testkit::recovery_conformance_tests!(PgFixture);
+idem_testkit::phases_conformance_tests!(PgFixture);
+
+impl idem_testkit::CompleterFixture for PgFixture {
+    fn refusing_store(&self) -> PostgresStore {
+        self.store
+            .clone()
+            .with_requests_table(idem_sql::TableName::new("no_such_requests").expect("valid"))
+            .expect("plain table")
+    }
+}
+
+idem_testkit::completer_conformance_tests!(PgFixture);

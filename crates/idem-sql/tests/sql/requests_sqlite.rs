@@ -99,6 +99,18 @@ impl idem_testkit::RecoveryFixture for SqliteFixture {
 }
 
 idem_testkit::recovery_conformance_tests!(SqliteFixture);
+idem_testkit::phases_conformance_tests!(SqliteFixture);
+
+impl idem_testkit::CompleterFixture for SqliteFixture {
+    fn refusing_store(&self) -> SqliteStore {
+        self.store
+            .clone()
+            .with_requests_table(TableName::new("no_such_requests").expect("valid"))
+            .expect("plain table")
+    }
+}
+
+idem_testkit::completer_conformance_tests!(SqliteFixture);
 
 /// On SQLite a running operation's transaction that wrote holds the write lock, so its heartbeat
 /// cannot renew the lease meanwhile. A retry after the lease ran out must still be answered at once
