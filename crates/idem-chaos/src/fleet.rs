@@ -43,9 +43,12 @@ pub(crate) struct Fleet {
     args: Vec<String>,
     logs: PathBuf,
     slots: Vec<Slot>,
-    /// The flag that names a replica, and the names' and log files' prefix.
+    /// The flag that names a replica (empty: the replicas take no name), and the names' and
+    /// log files' prefix.
     instance_flag: &'static str,
     prefix: &'static str,
+    /// Flags of one replica's own (an HTTP service's listen address), by slot.
+    slot_args: Vec<Vec<String>>,
 }
 
 impl Fleet {
@@ -58,11 +61,19 @@ impl Fleet {
             slots: (0..size).map(|_| Slot::default()).collect(),
             instance_flag: "--instance",
             prefix: "consumer",
+            slot_args: Vec::new(),
         }
     }
 
+    /// Gives the replica in slot `i` the flags `args[i]` besides the common ones: its own
+    /// listen address, which it keeps across restarts.
+    pub(crate) fn with_slot_args(mut self, args: Vec<Vec<String>>) -> Self {
+        self.slot_args = args;
+        self
+    }
+
     /// Replicas named with `flag` as `chaos-<prefix>-<slot>` (default: `--instance
-    /// chaos-<slot>`), logging to `<prefix>-<slot>.log`.
+    /// chaos-<slot>`; an empty `flag` names none), logging to `<prefix>-<slot>.log`.
     pub(crate) fn named(mut self, flag: &'static str, prefix: &'static str) -> Self {
         self.instance_flag = flag;
         self.prefix = prefix;
@@ -108,9 +119,14 @@ impl Fleet {
             writeln!(log, "=== idem-chaos: start #{} crash-at {armed}", s.starts)?;
         }
         let mut cmd = Command::new(&self.program);
-        cmd.args(&self.args)
-            .args([self.instance_flag, instance.as_str()])
-            .env_remove(CRASH_AT_ENV)
+        cmd.args(&self.args);
+        if let Some(own) = self.slot_args.get(slot) {
+            cmd.args(own);
+        }
+        if !self.instance_flag.is_empty() {
+            cmd.args([self.instance_flag, instance.as_str()]);
+        }
+        cmd.env_remove(CRASH_AT_ENV)
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)

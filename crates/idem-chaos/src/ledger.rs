@@ -207,8 +207,13 @@ impl RunDatabase {
         Ok(n.first().copied().unwrap_or(0).max(0) as u64)
     }
 
-    /// Compares the ledger with what was sent.
-    pub(crate) async fn check(&self, sent: &Sent) -> Result<LedgerCheck> {
+    /// Compares the ledger with what was sent. An ID in `abandoned` (`--phases`: its
+    /// operation was given up) has no charge by design: counted apart, not lost.
+    pub(crate) async fn check(
+        &self,
+        sent: &Sent,
+        abandoned: &HashSet<String>,
+    ) -> Result<LedgerCheck> {
         let mut conn = self.reader().await?;
         let rows = conn
             .counts("SELECT message_id, count(*) FROM charges GROUP BY message_id")
@@ -229,6 +234,7 @@ impl RunDatabase {
         let mut expected_balance = 0i64;
         for (id, amount) in &sent.unique {
             match counts.get(id).copied().unwrap_or(0) {
+                0 if abandoned.contains(id) => check.abandoned += 1,
                 0 => {
                     check.lost += 1;
                     if check.lost_ids.len() < 20 {
@@ -315,6 +321,46 @@ impl RunDatabase {
         Ok(check)
     }
 
+    /// `--phases`: the charge rows, as (account, processor's charge ID), none before the
+    /// services created the table.
+    pub(crate) async fn processor_charge_rows(&self) -> Result<Vec<(String, Option<String>)>> {
+        let mut conn = self.reader().await?;
+        if !conn.table_exists("charges").await? {
+            return Ok(Vec::new());
+        }
+        conn.account_and_processor_id()
+            .await
+            .context("reading charges")
+    }
+
+    /// `--phases`: the keys of the idempotency records of `table` by how they stand (empty
+    /// before the services created the table). The run's operations are the only users of
+    /// the run's database, and their keys are text.
+    pub(crate) async fn request_keys(&self, table: &str) -> Result<RecordKeys> {
+        let mut conn = self.reader().await?;
+        let mut keys = RecordKeys::default();
+        if !conn.table_exists(table).await? {
+            return Ok(keys);
+        }
+        for (set, filter) in [
+            (&mut keys.finished, "state = 1"),
+            (&mut keys.abandoned, "state = 2"),
+            (&mut keys.stuck, "state = 0 AND recovery_point IS NOT NULL"),
+            (&mut keys.unstarted, "state = 0 AND recovery_point IS NULL"),
+        ] {
+            let sql = format!("SELECT idem_key FROM {table} WHERE {filter}");
+            let rows = conn
+                .bytes(&sql)
+                .await
+                .with_context(|| format!("reading {table}"))?;
+            set.extend(
+                rows.into_iter()
+                    .map(|k| String::from_utf8_lossy(&k).into_owned()),
+            );
+        }
+        Ok(keys)
+    }
+
     /// Drops the run's database.
     pub(crate) async fn drop_database(self) -> Result<()> {
         match &self.server {
@@ -384,6 +430,33 @@ impl Reader {
         })
     }
 
+    /// The first column of every row, as bytes (a `BLOB`, `bytea` or `VARBINARY` key).
+    async fn bytes(&mut self, sql: &str) -> Result<Vec<Vec<u8>>> {
+        Ok(match self {
+            Reader::Postgres(c) => sqlx::query_scalar(sql).fetch_all(c).await?,
+            Reader::MySql(c) => sqlx::query_scalar(sql).fetch_all(c).await?,
+            Reader::Sqlite(c) => sqlx::query_scalar(sql).fetch_all(c).await?,
+        })
+    }
+
+    /// The charge rows' (account, processor_charge_id); on MySQL the columns may be
+    /// `VARBINARY` (payments') or `VARCHAR` (http-payments'), both read as bytes.
+    async fn account_and_processor_id(&mut self) -> Result<Vec<(String, Option<String>)>> {
+        const SQL: &str = "SELECT account, processor_charge_id FROM charges";
+        Ok(match self {
+            Reader::Postgres(c) => sqlx::query_as(SQL).fetch_all(c).await?,
+            Reader::MySql(c) => {
+                let rows: Vec<(Vec<u8>, Option<Vec<u8>>)> =
+                    sqlx::query_as(SQL).fetch_all(c).await?;
+                let text = |b: Vec<u8>| String::from_utf8_lossy(&b).into_owned();
+                rows.into_iter()
+                    .map(|(account, id)| (text(account), id.map(text)))
+                    .collect()
+            }
+            Reader::Sqlite(c) => sqlx::query_as(SQL).fetch_all(c).await?,
+        })
+    }
+
     /// Rows of (identifier, count).
     async fn counts(&mut self, sql: &str) -> Result<Vec<(String, i64)>> {
         Ok(match self {
@@ -408,6 +481,19 @@ pub(crate) struct Sent {
     pub(crate) publishes: Vec<(String, Vec<u8>)>,
 }
 
+/// `--phases`: the records' keys by how they stand at the end of a run.
+#[derive(Debug, Default)]
+pub(crate) struct RecordKeys {
+    pub(crate) finished: HashSet<String>,
+    /// Given up (by the completer, or the handler), their answer stored.
+    pub(crate) abandoned: HashSet<String>,
+    /// In progress at a recovery point: the completer's to finish.
+    pub(crate) stuck: HashSet<String>,
+    /// In progress with no recovery point: taken, and no phase reached (its executor died
+    /// before the first point committed); nothing happened, nothing can be resumed.
+    pub(crate) unstarted: HashSet<String>,
+}
+
 /// The receipts compared with what was sent.
 #[derive(Debug, Default)]
 pub(crate) struct ReceiptCheck {
@@ -425,6 +511,8 @@ pub(crate) struct ReceiptCheck {
 pub(crate) struct LedgerCheck {
     pub(crate) effects: u64,
     pub(crate) lost: u64,
+    /// IDs without a charge whose operation was given up.
+    pub(crate) abandoned: u64,
     pub(crate) duplicated: u64,
     pub(crate) unexpected: u64,
     pub(crate) balance_matches: bool,

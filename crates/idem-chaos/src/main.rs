@@ -14,6 +14,13 @@
 //! and the checker wants one effect per ID at each hop. The database is PostgreSQL's, MySQL's
 //! or an SQLite file (`--database sqlite:`); the database faults need PostgreSQL.
 //!
+//! `--phases http|consumer` proves recovery points the same way (module `phases`): every
+//! operation charges the test kit's fake card processor (in this process, counting charges
+//! per account) and then records the charge, as two phases; `http` runs `http-payments
+//! --card-processor` servers behind clients retrying with idem-client, `consumer` runs
+//! `payments --card-processor` consumers; kills arm the phase driver's crash points too, and
+//! the checker wants one processor charge and one charge row per operation, none stuck.
+//!
 //! On MQTT (`--broker mqtt://…`) the run starts a Mosquitto of its own (`--mosquitto`) with no
 //! cap on what a disconnected session keeps, creates every consumer's persistent session
 //! before publishing, and reads the backlog from the broker's `$SYS` store count.
@@ -25,6 +32,11 @@
 //!     --messages 5000 --kills 100 --consumers 3 --seed 7
 //! ```
 //!
+//! ```text
+//! cargo build -p http-payments -p idem-chaos
+//! target/debug/idem-chaos --phases http --database sqlite: --messages 300 --kills 35
+//! ```
+//!
 //! A fixed `--seed` reproduces the same schedule of faults (which consumer, which crash
 //! point, after how many visits, which COMMITs are cut); the processes' own timing is not.
 
@@ -33,6 +45,7 @@ mod faults;
 mod fleet;
 mod ledger;
 mod mosquitto;
+mod phases;
 mod report;
 mod run;
 mod schedule;
@@ -46,7 +59,10 @@ use clap::Parser;
 impl std::fmt::Debug for Args {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Args")
-            .field("broker", &idem_redact::redact_url(&self.broker))
+            .field(
+                "broker",
+                &self.broker.as_deref().map(idem_redact::redact_url),
+            )
             .field("database", &idem_redact::redact_url(&self.database))
             .field("messages", &self.messages)
             .field("duplicates", &self.duplicates)
@@ -81,6 +97,13 @@ impl std::fmt::Debug for Args {
             .field("relays", &self.relays)
             .field("idem", &self.idem)
             .field("kafka_static_membership", &self.kafka_static_membership)
+            .field("phases", &self.phases)
+            .field("servers", &self.servers)
+            .field("clients", &self.clients)
+            .field("give_up_share", &self.give_up_share)
+            .field("lease", &self.lease)
+            .field("scramble_foreign_keys", &self.scramble_foreign_keys)
+            .field("http_payments", &self.http_payments)
             .finish()
     }
 }
@@ -90,9 +113,10 @@ impl std::fmt::Debug for Args {
 #[command(name = "idem-chaos", version, about)]
 pub(crate) struct Args {
     /// Broker URL: nats://…, amqp://…, kafka://host:port, redis://… or mqtt://… (MQTT: the
-    /// run starts a Mosquitto of its own, see --mosquitto; only the scheme counts).
-    #[arg(long, value_name = "URL")]
-    pub(crate) broker: String,
+    /// run starts a Mosquitto of its own, see --mosquitto; only the scheme counts). Not with
+    /// `--phases http`, which has no broker.
+    #[arg(long, value_name = "URL", required_unless_present = "phases")]
+    pub(crate) broker: Option<String>,
     /// Database: a PostgreSQL or MySQL server URL, on which the run creates (and drops) a
     /// database of its own, or `sqlite:` for a file in the work folder (`sqlite:DIR` for one
     /// in DIR) that every process shares. The database faults need PostgreSQL.
@@ -217,6 +241,49 @@ pub(crate) struct Args {
     /// on Apache Kafka, turn it on.
     #[arg(long)]
     pub(crate) kafka_static_membership: bool,
+    /// Operations of recovery points that charge a card processor (idem's fake one, in this
+    /// process, counting charges per account): `http` runs `--servers` `http-payments
+    /// --card-processor` services behind `--clients` clients that retry each operation with
+    /// the same Idempotency-Key (idem-client) until it is answered; `consumer` runs
+    /// `payments --card-processor` consumers behind the broker's redelivery. Kills arm the
+    /// phase driver's crash points (phase-returned, point-committed, response-committed) as
+    /// well as SIGKILLs; the checker wants one processor charge and one charge row (with the
+    /// processor's ID) per operation, and every record finished or abandoned, none stuck,
+    /// once the services' completers had their pass. `--messages` is the operations' count.
+    #[arg(long, value_enum, value_name = "SERVICE")]
+    pub(crate) phases: Option<PhasesMode>,
+    /// `--phases http`: the http-payments processes, sharing one database.
+    #[arg(long, default_value_t = 3)]
+    pub(crate) servers: usize,
+    /// `--phases http`: operations in flight at once.
+    #[arg(long, default_value_t = 8)]
+    pub(crate) clients: usize,
+    /// `--phases http`: share of the operations whose client gives up after its first
+    /// attempt fails (no retry): what it left in progress is the completer's to finish.
+    #[arg(long, default_value_t = 0.0)]
+    pub(crate) give_up_share: f64,
+    /// `--phases`: the services' lease: how soon a retry, a takeover or the completer may
+    /// resume an operation its killed executor held.
+    #[arg(long, value_name = "DURATION", default_value = "1s", value_parser = parse_duration)]
+    pub(crate) lease: Duration,
+    /// `--phases`: put a proxy between the services and the processor that replaces each
+    /// call's Idempotency-Key by a random one: a service whose foreign key changes between
+    /// attempts. The checker must then find doubled charges (the run is expected to fail).
+    #[arg(long)]
+    pub(crate) scramble_foreign_keys: bool,
+    /// `--phases http`: the http-payments binary, built with crash points (default: next to
+    /// this one).
+    #[arg(long, value_name = "PATH")]
+    pub(crate) http_payments: Option<PathBuf>,
+}
+
+/// What `--phases` drives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum PhasesMode {
+    /// http-payments services behind retrying clients.
+    Http,
+    /// payments consumers behind broker redelivery.
+    Consumer,
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -237,7 +304,12 @@ fn main() {
     let outcome = runtime.block_on(async {
         let interrupted = idem_consumer::shutdown::on_signal();
         tokio::select! {
-            r = run::run(args) => r,
+            r = async {
+                match args.phases {
+                    Some(PhasesMode::Http) => phases::http::run(args).await,
+                    _ => run::run(args).await,
+                }
+            } => r,
             _ = interrupted.cancelled() => Err(anyhow::anyhow!("interrupted; the run's database and broker objects are left for inspection")),
         }
     });

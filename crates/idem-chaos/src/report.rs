@@ -84,10 +84,15 @@ pub(crate) struct Report {
     pub(crate) receipts_duplicated_ids: Vec<String>,
     /// Consumer logs (kept when there is an anomaly or with --keep).
     pub(crate) logs: Option<String>,
+    /// `--phases`: the operations' figures.
+    pub(crate) phases: Option<crate::phases::check::PhasesFigures>,
 }
 
 impl Report {
     pub(crate) fn summary(&self) -> String {
+        if let Some(p) = &self.phases {
+            return self.phases_summary(p);
+        }
         format!(
             "idem-chaos {} {} seed {}: sent {} unique {} effects {} lost {} duplicated {} unexpected {} dead-lettered {}{} kills {} ({} at crash points; {} consumers, {} receipt consumers, {} relays) restarts {} cuts {} db restarts {} failovers {} broker restarts {} in {:.1}s: {}",
             self.broker,
@@ -121,6 +126,53 @@ impl Report {
             self.database_restarts,
             self.failovers,
             self.broker_restarts,
+            self.elapsed_secs,
+            if self.anomalies.is_empty() {
+                "OK".to_owned()
+            } else {
+                format!("ANOMALY: {}", self.anomalies.join("; "))
+            }
+        )
+    }
+
+    /// The summary of a `--phases` run.
+    fn phases_summary(&self, p: &crate::phases::check::PhasesFigures) -> String {
+        format!(
+            "idem-chaos phases {}{} {} seed {}: operations {} answered {} given up {} (not started {}) processor charges {} doubled {} charge rows {} doubled {} without the processor's charge {} records finished {} abandoned {} stuck {} without a point {} client requests {} resends {} replays {} kills {} ({} at crash points) restarts {} in {:.1}s: {}",
+            p.service,
+            match p.service.as_str() {
+                "consumer" => format!(
+                    " {} (sent {}, lost {}, duplicated {}, dead-lettered {}, left {})",
+                    self.broker,
+                    self.sent,
+                    self.lost,
+                    self.duplicated,
+                    self.dead_lettered,
+                    self.backlog
+                ),
+                _ => String::new(),
+            },
+            self.database,
+            self.seed,
+            p.operations,
+            p.answered,
+            p.given_up,
+            p.not_started,
+            p.processor_effects,
+            p.doubled_effects,
+            p.charge_rows,
+            p.doubled_rows,
+            p.rows_without_processor_charge,
+            p.finished,
+            p.abandoned,
+            p.stuck,
+            p.in_progress_without_point,
+            p.client_requests,
+            p.client_resends,
+            p.client_replays,
+            self.kills,
+            self.crash_point_aborts,
+            self.restarts,
             self.elapsed_secs,
             if self.anomalies.is_empty() {
                 "OK".to_owned()

@@ -6,7 +6,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
-use crate::Args;
 use crate::broker::{Broker, Names};
 use crate::faults::nats_cluster::NatsCluster;
 use crate::faults::postgres;
@@ -14,11 +13,16 @@ use crate::faults::proxy::CutProxy;
 use crate::fleet::{Exit, Fleet};
 use crate::ledger::{RunDatabase, Sent};
 use crate::mosquitto::Mosquitto;
+use crate::phases::clients::Tally;
+use crate::phases::{Op, Processor, check};
 use crate::report::Report;
 use crate::schedule::{Reach, Schedule};
+use crate::{Args, PhasesMode};
 
 /// The outbox the consumers write and the relays read (idem's default name).
 const OUTBOX_TABLE: &str = idem_core::DEFAULT_OUTBOX_TABLE;
+/// `--phases consumer`: the charges' records (payments keeps idem's default table).
+const REQUESTS_TABLE: &str = idem_core::DEFAULT_REQUESTS_TABLE;
 /// How often the run looks at its consumers and the ledger.
 const TICK: Duration = Duration::from_millis(100);
 /// How long a drain may make no progress, with messages left, before the harness checks
@@ -58,7 +62,11 @@ pub(crate) async fn run(args: Args) -> Result<Report> {
         );
     }
 
-    let mut broker = Broker::parse(&args.broker)?;
+    let mut broker = Broker::parse(
+        args.broker
+            .as_deref()
+            .context("--broker is required (but with --phases http)")?,
+    )?;
     if broker.kind() == idem_any::Broker::Kafka {
         check_kafka_broker(broker.address()).await?;
     }
@@ -90,7 +98,16 @@ pub(crate) async fn run(args: Args) -> Result<Report> {
         source: format!("{tag}-charged"),
         consumer: format!("{tag}-receipts"),
     });
+    let phased = args.phases == Some(PhasesMode::Consumer);
+    if phased && args.two_hop {
+        bail!("--phases consumer runs one hop; leave --two-hop out");
+    }
     let db = RunDatabase::create(&args.database, &tag, &work).await?;
+    // --phases consumer: the card processor every consumer charges through.
+    let processor = match phased {
+        true => Some(Processor::start(args.scramble_foreign_keys).await?),
+        false => None,
+    };
     let mut sched = Schedule::new(
         args.seed,
         args.kill_every,
@@ -103,7 +120,7 @@ pub(crate) async fn run(args: Args) -> Result<Report> {
         false => None,
     };
     let consumer_db = db.service_url(proxy.as_ref().map(|p| p.port));
-    let sent = sched.messages(&tag, args.messages, args.duplicates);
+    let sent = sched.messages(&tag, args.messages, args.duplicates, phased);
 
     let common = |names: &Names| {
         let mut common = vec![
@@ -128,6 +145,14 @@ pub(crate) async fn run(args: Args) -> Result<Report> {
     };
     let mut service_args = common(&names);
     service_args.extend(["--batch".to_owned(), args.batch.to_string()]);
+    if let Some(p) = &processor {
+        service_args.extend([
+            "--card-processor".to_owned(),
+            p.url(),
+            "--phase-lease".to_owned(),
+            format!("{}ms", args.lease.as_millis()),
+        ]);
+    }
     if let Some(hop) = &hop {
         service_args.extend(["--emit".to_owned(), hop.source.clone()]);
         if idem.is_some() {
@@ -202,6 +227,7 @@ pub(crate) async fn run(args: Args) -> Result<Report> {
         receipts,
         relays,
         receipted: 0,
+        processor: processor.as_ref(),
         sent: &sent,
         report: Report {
             broker: broker.redacted(),
@@ -382,6 +408,8 @@ struct Run<'a> {
     relays: Option<Fleet>,
     /// `--two-hop`: distinct payments with a receipt, at the last count.
     receipted: u64,
+    /// `--phases consumer`: the card processor the consumers charge through.
+    processor: Option<&'a Processor>,
     sent: &'a Sent,
     report: Report,
     /// Replicas to start again, and when.
@@ -419,6 +447,7 @@ impl Run<'_> {
     /// Which crash points a replica of `role` can reach.
     fn reach(&self, role: Role) -> Reach {
         match role {
+            Role::Charge if self.processor.is_some() => Reach::ConsumerAndPhases,
             Role::Charge if self.hop.is_some() && self.relays.is_none() => Reach::ConsumerAndRelay,
             Role::Charge | Role::Receipts => Reach::Consumer,
             Role::Relay => Reach::Relay,
@@ -590,6 +619,16 @@ impl Run<'_> {
                 unsent = self.db.unsent_outbox_rows(OUTBOX_TABLE).await.ok();
             }
             let receipted = self.hop.is_none() || self.receipted >= self.report.unique;
+            // --phases consumer: no record left in progress at a recovery point (a charge
+            // whose redelivery is still to come, or the completer's to finish); a payment
+            // whose operation was given up has no charge, and is done.
+            let (settled, abandoned) = match self.processor {
+                None => (true, 0),
+                Some(_) => match self.db.request_keys(REQUESTS_TABLE).await {
+                    Ok(keys) => (keys.stuck.is_empty(), keys.abandoned.len() as u64),
+                    Err(_) => (false, 0),
+                },
+            };
             // Progress on either hop.
             let done = self.charged + self.receipted;
             if done > progress.0 {
@@ -600,10 +639,11 @@ impl Run<'_> {
             }
             let all_kills = self.kill_all_done >= self.args.kill_all_at.len();
             if all_kills
-                && self.charged >= self.report.unique
+                && self.charged + abandoned >= self.report.unique
                 && receipted
                 && backlog == Some(0)
                 && unsent == Some(0)
+                && settled
             {
                 if self.broker.kind() != idem_any::Broker::Mqtt {
                     return Ok(());
@@ -810,7 +850,12 @@ impl Run<'_> {
                     .push(format!("{who} did not stop cleanly on SIGTERM: {exit:?}"));
             }
         }
-        let ledger = self.db.check(self.sent).await?;
+        // --phases consumer: a payment whose operation was given up has no charge by design.
+        let abandoned = match self.processor {
+            Some(_) => self.db.request_keys(REQUESTS_TABLE).await?.abandoned,
+            None => Default::default(),
+        };
+        let ledger = self.db.check(self.sent, &abandoned).await?;
         report.effects = ledger.effects;
         report.lost = ledger.lost;
         report.duplicated = ledger.duplicated;
@@ -863,6 +908,34 @@ impl Run<'_> {
             report
                 .anomalies
                 .push("account balances differ from the charges".into());
+        }
+        if let Some(processor) = self.processor {
+            // Each payment is an operation: its ID is its account (`Schedule::messages`).
+            let ops: Vec<Op> = self
+                .sent
+                .unique
+                .iter()
+                .enumerate()
+                .map(|(index, (id, amount))| Op {
+                    index,
+                    key: id.clone(),
+                    account: id.clone(),
+                    amount_cents: *amount,
+                    give_up: false,
+                })
+                .collect();
+            let mut figures = check::check(
+                self.db,
+                REQUESTS_TABLE,
+                &ops,
+                &processor.stats(),
+                &Tally::default(),
+                &mut report.anomalies,
+            )
+            .await?;
+            figures.service = "consumer".to_owned();
+            figures.scrambled_foreign_keys = self.args.scramble_foreign_keys;
+            report.phases = Some(figures);
         }
         if report.kills < self.args.kills {
             report.anomalies.push(format!(

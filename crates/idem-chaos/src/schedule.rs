@@ -33,6 +33,11 @@ pub(crate) enum Reach {
     ConsumerAndRelay,
     /// A relay alone (`idem relay`).
     Relay,
+    /// A service whose operations run as recovery points (`http-payments --card-processor`):
+    /// the phase driver's points.
+    Phases,
+    /// A consumer whose handler runs recovery points (`payments --card-processor`).
+    ConsumerAndPhases,
 }
 
 impl Schedule {
@@ -77,6 +82,10 @@ impl Schedule {
             Reach::Consumer => self.consumer_points.clone(),
             Reach::ConsumerAndRelay => [&self.consumer_points[..], &self.relay_points[..]].concat(),
             Reach::Relay => self.relay_points.clone(),
+            Reach::Phases => CrashPoint::PHASES.to_vec(),
+            Reach::ConsumerAndPhases => {
+                [&self.consumer_points[..], &CrashPoint::PHASES[..]].concat()
+            }
         };
         let point = *points.choose(&mut self.rng)?;
         Some(CrashAt {
@@ -85,19 +94,36 @@ impl Schedule {
         })
     }
 
+    /// True with probability `share` (which `--phases` operations give up).
+    pub(crate) fn chance(&mut self, share: f64) -> bool {
+        self.rng.gen_bool(share.clamp(0.0, 1.0))
+    }
+
     /// A seed for a component with its own generator (the cut proxy).
     pub(crate) fn fork(&mut self) -> u64 {
         self.rng.r#gen()
     }
 
     /// The run's publishes: each of `n` IDs once, and `share` of them a second time, the
-    /// repeat at a random later position (a producer retrying after a lost confirm).
-    pub(crate) fn messages(&mut self, tag: &str, n: usize, share: f64) -> crate::ledger::Sent {
+    /// repeat at a random later position (a producer retrying after a lost confirm). With
+    /// `own_accounts` each payment charges an account of its own, named as its ID (`--phases`
+    /// counts the processor's charges per account), else one of 32.
+    pub(crate) fn messages(
+        &mut self,
+        tag: &str,
+        n: usize,
+        share: f64,
+        own_accounts: bool,
+    ) -> crate::ledger::Sent {
         let mut sent = crate::ledger::Sent::default();
         for i in 0..n {
             let id = format!("{tag}-{i:07}");
             let amount = 1 + (i as i64 * 7919) % 1000;
-            let payload = format!(r#"{{"account":"acct-{}","amount_cents":{amount}}}"#, i % 32);
+            let account = match own_accounts {
+                true => id.clone(),
+                false => format!("acct-{}", i % 32),
+            };
+            let payload = format!(r#"{{"account":"{account}","amount_cents":{amount}}}"#);
             sent.unique.push((id.clone(), amount));
             sent.publishes.push((id, payload.into_bytes()));
         }

@@ -60,7 +60,9 @@
 //! (`crates/idem-sql/tests/sql/states_*.rs`,
 //! `crates/idem-consumer/tests/idem_consumer/store_states.rs`).
 
-pub mod crash;
+/// Crash points, kept in idem-core (the phase driver of idem-request reaches them too) and
+/// re-exported here at their old path.
+pub use idem_core::crash;
 mod dead_letter;
 mod decode;
 mod id_source;

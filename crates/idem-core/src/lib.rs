@@ -205,6 +205,7 @@
 //! `AsyncFnMut` closure's future, rust-lang/rust#151398).
 
 mod clock;
+pub mod crash;
 mod derived;
 mod error;
 mod fingerprint;

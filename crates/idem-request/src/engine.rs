@@ -529,6 +529,7 @@ impl<S: RequestStore + Clone + 'static> Execution<S> {
             return Err(e);
         }
         self.settled = true;
+        idem_core::crash::reached(idem_core::crash::CrashPoint::ResponseCommitted);
         Ok(())
     }
 

@@ -5,6 +5,7 @@
 use std::panic::AssertUnwindSafe;
 
 use futures_util::FutureExt;
+use idem_core::crash::{self, CrashPoint};
 use idem_core::store::RecoveryStore;
 use idem_core::{
     BoxError, DerivedKey, Error, ErrorKind, IdempotencyKey, Recovery, RequestErrorKind, RequestKey,
@@ -200,6 +201,9 @@ impl<S: RecoveryStore + Clone + 'static> Execution<S> {
             let _ = self.idem.release(&self.key, self.fence).await;
         }
         self.settled = true;
+        if committed.is_ok() {
+            crash::reached(CrashPoint::ResponseCommitted);
+        }
         committed
     }
 }
@@ -387,6 +391,9 @@ impl<S: RecoveryStore + Clone + 'static> Idempotency<S> {
             if let Some(tx) = ctx.tx.take() {
                 execution.put_tx(tx);
             }
+            if matches!(outcome, Ok(Ok(_))) {
+                crash::reached(CrashPoint::PhaseReturned);
+            }
             match outcome {
                 Ok(Ok(Step::Next(next))) => {
                     let advanced = match encode_phase(&next) {
@@ -401,6 +408,7 @@ impl<S: RecoveryStore + Clone + 'static> Idempotency<S> {
                         }
                         return Err(e);
                     }
+                    crash::reached(CrashPoint::PointCommitted);
                     phase = next;
                 }
                 Ok(Ok(Step::Done(response))) => return Ok((execution, Finish::Done(response))),

@@ -10,7 +10,7 @@
 //! - Faults, consumed by the next call (`POST /v1/_faults`, [`FakeProcessor::fault_next`]) or
 //!   set on one call by its `X-Fake-Fault` header ([`Fault`]'s text form): hang without
 //!   answering, answer a status, be slow, or charge and then drop the connection unanswered.
-//! - `GET /v1/_stats`: calls, and effects per key ([`Stats`]).
+//! - `GET /v1/_stats`: calls, effects per key and charges per account ([`Stats`]).
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")]
@@ -140,6 +140,12 @@ pub struct Stats {
     pub calls_by_key: BTreeMap<String, u64>,
     /// Charges made by requests that had no key.
     pub without_key: u64,
+    /// The IDs of the charges made per account, in the order made, keyed or not: a checker
+    /// that gives each operation an account of its own counts the operation's effects here,
+    /// whatever keys its attempts sent (a key that changed between attempts shows as a
+    /// second charge).
+    #[serde(default)]
+    pub charges_by_account: BTreeMap<String, Vec<String>>,
 }
 
 impl Stats {
@@ -156,6 +162,14 @@ impl Stats {
     /// Every charge made, with a key or without.
     pub fn total_effects(&self) -> u64 {
         self.effects.values().sum::<u64>() + self.without_key
+    }
+
+    /// The IDs of the charges made to `account`.
+    pub fn charges_to(&self, account: &str) -> &[String] {
+        self.charges_by_account
+            .get(account)
+            .map(Vec::as_slice)
+            .unwrap_or_default()
     }
 }
 
@@ -378,6 +392,12 @@ async fn charge(
             account: request.account.clone(),
             amount_cents: request.amount_cents,
         };
+        inner
+            .stats
+            .charges_by_account
+            .entry(charge.account.clone())
+            .or_default()
+            .push(charge.id.clone());
         match &key {
             Some(k) => {
                 *inner.stats.effects.entry(k.clone()).or_default() += 1;

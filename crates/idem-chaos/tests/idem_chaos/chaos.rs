@@ -15,7 +15,8 @@
 //! random too); two second-hop idem consumers record receipts and are killed like the first.
 //! Exactly one charge and one receipt per payment.
 //!
-//! The runs are serialised: one restarts the PostgreSQL server every other run uses.
+//! The runs are serialised (with `phases`' too): one restarts the PostgreSQL server every other
+//! run uses.
 
 use std::process::Command;
 use std::sync::Mutex;
@@ -23,7 +24,7 @@ use std::sync::Mutex;
 use idem_testkit::services::{self, service_url};
 use serde_json::Value;
 
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+pub(crate) static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 /// Runs idem-chaos with `args` against the PostgreSQL server and returns its JSON report,
 /// after asserting that it found no anomaly. `None` when a service is not configured.
@@ -88,7 +89,7 @@ fn chaos_on(test: &str, database: &str, broker_var: &str, args: &[&str]) -> Opti
     Some(report)
 }
 
-fn tail(text: &str, n: usize) -> String {
+pub(crate) fn tail(text: &str, n: usize) -> String {
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(n)..].join("\n")
 }

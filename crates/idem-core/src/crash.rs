@@ -4,8 +4,13 @@
 //! Compiled in only with the `crash-points` feature; without it the crash check is an empty inline
 //! function and the environment is never read. With it, a process started with
 //! `IDEM_CRASH_AT=<point>:<n>` aborts (`SIGABRT`: no destructors, no flush, no ack, like a
-//! `SIGKILL`) the `n`-th time it reaches `<point>`. `idem-chaos` sets it on the consumers it
-//! starts.
+//! `SIGKILL`) the `n`-th time it reaches `<point>`. `idem-chaos` sets it on the consumers and
+//! services it starts.
+//!
+//! The module lives in idem-core so that every path with points reaches the same counter:
+//! the consumer's runner (idem-consumer, which re-exports it as `idem_consumer::crash`), the
+//! outbox relay (idem-relay) and the phase driver of recovery points (idem-request). Each of
+//! those crates forwards the feature.
 //!
 //! | point | where |
 //! |---|---|
@@ -16,10 +21,16 @@
 //! | `relay-after-lease` | the outbox relay leased a batch of rows, nothing of it published yet |
 //! | `relay-after-publish` | the broker confirmed one row's publish, the row is not marked sent yet |
 //! | `relay-after-mark` | a mark-sent transaction committed (a chunk of confirmed rows) |
+//! | `phase-returned` | a phase of recovery points returned: its writes are made, its foreign call answered (for a charge: the processor charged), the next recovery point or the response is not committed |
+//! | `point-committed` | a recovery point committed, the next phase not started |
+//! | `response-committed` | an idempotent request or an operation of phases committed its response (or gave up), the caller not answered yet (no HTTP answer) |
 //!
 //! The first four are a consumer's ([`CrashPoint::ALL`]); the `relay-*` points are the relay's
 //! ([`CrashPoint::RELAY`], in `idem-relay`), reached only in a process that runs a relay (the
-//! `idem relay` command, `payments --emit`).
+//! `idem relay` command, `payments --emit`); the last three are the phase driver's
+//! ([`CrashPoint::PHASES`], in idem-request: `run_phases`' loop, and the completion every
+//! idempotent request ends with), reached where operations run as phases
+//! (`http-payments --card-processor`, `payments --card-processor`).
 
 use std::fmt;
 use std::str::FromStr;
@@ -48,6 +59,14 @@ pub enum CrashPoint {
     RelayAfterPublish,
     /// A mark-sent transaction committed.
     RelayAfterMark,
+    /// A phase returned (its writes made, its foreign call answered); its boundary is not
+    /// committed.
+    PhaseReturned,
+    /// A recovery point committed; the next phase has not started.
+    PointCommitted,
+    /// An idempotent request (an operation of phases among them) committed its response, or
+    /// gave up; its caller is not answered yet.
+    ResponseCommitted,
 }
 
 impl CrashPoint {
@@ -67,9 +86,20 @@ impl CrashPoint {
         CrashPoint::RelayAfterMark,
     ];
 
-    /// Every point, the consumer's and the relay's.
+    /// The phase driver's crash points (recovery points), in the order an operation meets
+    /// them.
+    pub const PHASES: [CrashPoint; 3] = [
+        CrashPoint::PhaseReturned,
+        CrashPoint::PointCommitted,
+        CrashPoint::ResponseCommitted,
+    ];
+
+    /// Every point, the consumer's, the relay's and the phase driver's.
     fn every() -> impl Iterator<Item = CrashPoint> {
-        CrashPoint::ALL.into_iter().chain(CrashPoint::RELAY)
+        CrashPoint::ALL
+            .into_iter()
+            .chain(CrashPoint::RELAY)
+            .chain(CrashPoint::PHASES)
     }
 
     /// The name used in [`CRASH_AT_ENV`].
@@ -82,6 +112,9 @@ impl CrashPoint {
             CrashPoint::RelayAfterLease => "relay-after-lease",
             CrashPoint::RelayAfterPublish => "relay-after-publish",
             CrashPoint::RelayAfterMark => "relay-after-mark",
+            CrashPoint::PhaseReturned => "phase-returned",
+            CrashPoint::PointCommitted => "point-committed",
+            CrashPoint::ResponseCommitted => "response-committed",
         }
     }
 }
@@ -159,7 +192,7 @@ pub fn from_env() -> Result<Option<CrashAt>, String> {
 
 /// Marks that the processing path reached `point`; aborts the process if it is armed there
 /// and this is the armed visit. Public for the crates whose paths have points of their own
-/// (`idem-relay`); without the `crash-points` feature it does nothing.
+/// (idem-consumer, idem-relay, idem-request); without the `crash-points` feature it does nothing.
 #[inline(always)]
 pub fn reached(point: CrashPoint) {
     #[cfg(feature = "crash-points")]
