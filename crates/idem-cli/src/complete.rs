@@ -17,8 +17,9 @@ use idem_sql::{AnyStore, TableName};
 /// Options of `idem complete`.
 #[derive(clap::Args)]
 pub(crate) struct CompleteArgs {
-    /// Store URL: sqlite:PATH, postgres://…, mysql://…
-    #[arg(long, value_name = "URL")]
+    /// Store URL: sqlite:PATH, postgres://…, mysql://… (`--database` is the same option:
+    /// the records live in the application's database).
+    #[arg(long, visible_alias = "database", value_name = "URL")]
     store: String,
     /// Idempotent-request records table name.
     #[arg(long, value_name = "NAME", default_value = idem_sql::DEFAULT_REQUESTS_TABLE)]

@@ -104,7 +104,8 @@ async fn round_trip<S: RecoveryStore + Clone + Send + Sync + 'static>(
         "{stdout}"
     );
 
-    let (stdout, _) = out(&cli(&["--list"]));
+    // `--database` is the same option as `--store`.
+    let (stdout, _) = out(&idem(&["complete", "--database", url, "--table", table, "--list"]));
     assert!(stdout.contains("0 stuck operations"), "{stdout}");
     let replay = run(&store).await.expect("replays the stored result");
     assert_eq!(replay, "gave up");

@@ -63,7 +63,8 @@ pub struct Stuck {
 
 /// A [`RequestStore`] whose records keep recovery points, written in the operation's own
 /// transaction. `idem_testkit::recovery_conformance_tests!` checks the contract on the real
-/// server:
+/// server (and `phases_conformance_tests!` / `completer_conformance_tests!` the phases and the
+/// completer run on it end to end):
 /// - [`advance_in`](Self::advance_in) writes the point only while `fence` holds the record
 ///   in progress, and otherwise fails with
 ///   [`RequestErrorKind::LeaseLost`](crate::RequestErrorKind::LeaseLost);
