@@ -96,7 +96,11 @@ async fn step(
             .fetch_optional(store.pool())
             .await?
             .flatten();
-            third.committed_before_call.lock().expect("seen").push(point);
+            third
+                .committed_before_call
+                .lock()
+                .expect("seen")
+                .push(point);
             let key = ctx.foreign_key("charge").to_string();
             third.calls.lock().expect("seen").push(key.clone());
             if third.hang_on_first_attempt && ctx.attempt() == 1 {

@@ -105,7 +105,14 @@ async fn round_trip<S: RecoveryStore + Clone + Send + Sync + 'static>(
     );
 
     // `--database` is the same option as `--store`.
-    let (stdout, _) = out(&idem(&["complete", "--database", url, "--table", table, "--list"]));
+    let (stdout, _) = out(&idem(&[
+        "complete",
+        "--database",
+        url,
+        "--table",
+        table,
+        "--list",
+    ]));
     assert!(stdout.contains("0 stuck operations"), "{stdout}");
     let replay = run(&store).await.expect("replays the stored result");
     assert_eq!(replay, "gave up");
