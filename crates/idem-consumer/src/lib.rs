@@ -20,6 +20,7 @@
 //! | batch mode (`.batch(n)`, then `run`) | one transaction and one claim statement per fetched batch, the handler per new message; a message whose handler fails is left out (the batch is redone without it, so nothing of it commits) and retried on its own; what committed is acked first; a batch that fails as a whole (deadlock, lost connection, outage) costs no message an attempt: each is processed again alone |
 //! | set-batch mode (`.batch(n)`, then `run_set`) | the same claim, then one `SetHandler` call with the batch's new messages (e.g. one `unnest` insert); if it fails, the batch rolls back whole and each message is processed again as a batch of one, so a poison message is isolated and dead-lettered alone |
 //! | broker connection lost | back off, the adapter reconnects, fetch again; the database side is unaffected |
+//! | a redelivery of a message this process committed, with [`Consumer::local_cache`] on | ack as a duplicate without a round trip to the store (batch modes: left out of the batch's claim); another payload under a cached ID goes to the store, so it is still a `conflict` |
 //! | phased mode (feature `phases`, `run_phased`): a handler that calls a third party | each message an operation of recovery points keyed by its ID (module `phased`): a redelivery after a crash resumes at the last point; one while another consumer holds the record waits in place without spending attempts, never dead-lettered; the same ID with another payload is dead-lettered `conflict` |
 //!
 //! Nothing is acknowledged that did not commit, and nothing is acknowledged silently: every
@@ -63,6 +64,7 @@
 /// Crash points, kept in idem-core (the phase driver of idem-request reaches them too) and
 /// re-exported here at their old path.
 pub use idem_core::crash;
+mod cache;
 mod dead_letter;
 mod decode;
 mod id_source;
@@ -77,6 +79,7 @@ mod runner;
 pub mod shutdown;
 mod source;
 
+pub use cache::LocalCache;
 pub use dead_letter::{
     ATTEMPTS_HEADER, CONSUMER_HEADER, DETAIL_HEADER, DeadLetter, DeadLetterReason, REASON_HEADER,
 };

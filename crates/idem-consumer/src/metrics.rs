@@ -21,6 +21,9 @@
 //! - `idem_phased_held_elsewhere_total`: retries of a phased message (`phased`, feature
 //!   `phases`) that waited because another consumer held its record (a live lease)
 //! - `idem_phased_abandoned_total`: phased operations that ended with `Step::Abandon` (acked)
+//! - `idem_local_cache_hits_total`: duplicates answered from the local cache
+//!   ([`Consumer::local_cache`](crate::Consumer::local_cache)) without a round trip to the
+//!   store; each is also counted in `idem_messages_total{outcome="duplicate"}`
 //! - `idem_handler_seconds`: handler latency, inside the transaction (a phased message's
 //!   whole operation)
 //! - `idem_commit_seconds`: from the handler's return to the commit's return
@@ -74,6 +77,9 @@ pub struct RunStats {
     pub held_elsewhere: u64,
     /// Phased operations that ended with `Step::Abandon`; acknowledged, stored abandoned.
     pub operations_abandoned: u64,
+    /// Duplicates answered from the local cache without a round trip to the store (each is
+    /// also counted in `duplicates`).
+    pub cache_hits: u64,
 }
 
 #[derive(Debug, Default)]
@@ -91,6 +97,7 @@ struct Counts {
     connections_lost: AtomicU64,
     held_elsewhere: AtomicU64,
     operations_abandoned: AtomicU64,
+    cache_hits: AtomicU64,
     /// Messages waiting out a store outage right now.
     waiting_on_store: AtomicU64,
     /// Whether the current outage's overrun was reported.
@@ -117,6 +124,7 @@ pub(crate) struct Instruments {
     connections_lost: Counter,
     held_elsewhere: Counter,
     operations_abandoned: Counter,
+    cache_hits: Counter,
     store_unavailable: Gauge,
     handler: Histogram,
     commit: Histogram,
@@ -147,6 +155,7 @@ impl Instruments {
             connections_lost: plain("idem_connections_lost_total"),
             held_elsewhere: plain("idem_phased_held_elsewhere_total"),
             operations_abandoned: plain("idem_phased_abandoned_total"),
+            cache_hits: plain("idem_local_cache_hits_total"),
             store_unavailable: gauge!("idem_store_unavailable", "consumer" => consumer.to_owned(), "broker" => broker),
             handler: histogram!("idem_handler_seconds", "consumer" => consumer.to_owned(), "broker" => broker),
             commit: histogram!("idem_commit_seconds", "consumer" => consumer.to_owned(), "broker" => broker),
@@ -237,6 +246,11 @@ impl Instruments {
         }
     }
 
+    /// A duplicate answered from the local cache (counted as a duplicate when it settles).
+    pub(crate) fn cache_hit(&self) {
+        bump(&self.counts.cache_hits);
+        self.cache_hits.increment(1);
+    }
     pub(crate) fn handler_time(&self, d: Duration) {
         self.handler.record(d.as_secs_f64());
     }
@@ -261,6 +275,7 @@ impl Instruments {
             connections_lost: get(&c.connections_lost),
             held_elsewhere: get(&c.held_elsewhere),
             operations_abandoned: get(&c.operations_abandoned),
+            cache_hits: get(&c.cache_hits),
         }
     }
 }

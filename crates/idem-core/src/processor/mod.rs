@@ -85,6 +85,13 @@ impl<S: ClaimStore, C: Clock> Processor<S, C> {
         self.retention
     }
 
+    /// Whether this processor writes claims: `false` in naturally idempotent mode
+    /// ([`ProcessorBuilder::naturally_idempotent`]), where every message is new and a
+    /// redelivery runs the handler again, so nothing may answer it as a duplicate.
+    pub fn writes_claims(&self) -> bool {
+        self.mode == ClaimMode::Claim
+    }
+
     /// Key for an external side effect of `id` (see [`DerivedKey`]).
     pub fn derived_key(&self, id: &MessageId, step: &str) -> DerivedKey {
         DerivedKey::new(&self.consumer, id, step)
