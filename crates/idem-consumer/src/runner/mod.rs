@@ -81,6 +81,7 @@ pub struct Consumer<S, Src, C = StoreClock, M = PerMessage> {
     id_source: Option<IdSource>,
     instruments: Instruments,
     after_commit: Option<AfterCommit>,
+    local_cache: Option<crate::cache::LocalCache>,
 }
 
 /// A hook run after each commit that processed a message (see [`Consumer::after_commit`]).
@@ -136,6 +137,7 @@ where
             retry: RetryPolicy::default(),
             id_source: None,
             after_commit: None,
+            local_cache: None,
         }
     }
 
@@ -192,7 +194,14 @@ where
         R::Tx: Send,
         H: crate::phased::PhasedHandler<R, D::Payload>,
     {
-        self.drive(decoder, work::Phases(phased), 1, shutdown).await
+        // Phased messages are request records with their own TTL, not claims: not cached.
+        let consumer = Self {
+            local_cache: None,
+            ..self
+        };
+        consumer
+            .drive(decoder, work::Phases(phased), 1, shutdown)
+            .await
     }
 }
 
@@ -271,6 +280,7 @@ where
             id_source: self.id_source,
             instruments: self.instruments,
             after_commit: self.after_commit,
+            local_cache: self.local_cache,
         }
     }
 
@@ -305,6 +315,20 @@ where
         self
     }
 
+    /// Answers redeliveries of messages this process committed from a local cache, without a
+    /// round trip to the store (off by default; see [`LocalCache`](crate::LocalCache) for what
+    /// it may hold). A cached duplicate is acknowledged and counted as a duplicate (and in
+    /// `idem_local_cache_hits_total`); a cached ID with another payload still goes to the
+    /// store and is dead-lettered `conflict`. In batch modes cached IDs are left out of the
+    /// batch's claim. The cache only knows this process's commits: it saves round trips on
+    /// same-process redeliveries, and a claim deleted behind the consumer's back is answered
+    /// from it until its entry expires (at the retention at the latest). Not used by
+    /// `run_phased`.
+    pub fn local_cache(mut self, cache: crate::cache::LocalCache) -> Self {
+        self.local_cache = Some(cache);
+        self
+    }
+
     /// The run loop every mode shares; `work` is the mode's transactions.
     async fn drive<D, W>(
         self,
@@ -325,8 +349,11 @@ where
             id_source,
             instruments,
             after_commit,
+            local_cache,
             ..
         } = self;
+        let cache =
+            local_cache.and_then(|c| crate::cache::ClaimCache::for_processor(c, &processor));
         let broker = source.broker();
         let consumer = processor.consumer().as_str().to_owned();
         let stop = shutdown.child_token();
@@ -342,6 +369,7 @@ where
             stop: stop.clone(),
             fatal: Mutex::new(None),
             after_commit,
+            cache,
         });
         tracing::info!(consumer = %ctx.consumer, broker, concurrency, batch_size, id_source = %ctx.id_source, "consumer started");
 

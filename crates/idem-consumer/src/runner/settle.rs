@@ -37,6 +37,8 @@ pub(crate) struct Ctx<S, C, D, W> {
     pub(crate) stop: CancellationToken,
     pub(crate) fatal: Mutex<Option<Error>>,
     pub(crate) after_commit: Option<super::AfterCommit>,
+    /// Claims this process committed ([`Consumer::local_cache`](crate::Consumer::local_cache)).
+    pub(crate) cache: Option<crate::cache::ClaimCache>,
 }
 
 /// How many bytes of a message ID logs and dead-letter details show.
@@ -138,10 +140,16 @@ where
                 }
             }
         }
+        if let Some(cache) = &self.cache {
+            // Redeliveries of what this process committed: acked before the batch's claim.
+            let hits = cache.take_answered(&mut ready, &mut msgs);
+            join_all(hits.into_iter().map(|(d, msg)| self.cache_hit(d, msg))).await;
+        }
         if msgs.is_empty() {
             return;
         }
         let size = msgs.len();
+        let claimed_since = std::time::Instant::now();
         let span = tracing::info_span!("idem.batch", consumer = %self.consumer, broker = self.broker, size);
         let result = self
             .work
@@ -161,7 +169,12 @@ where
                         tracing::field::display(ShownId(msg.message_id())),
                     );
                     match r {
-                        Ok(outcome) => done.push((d, msg, outcome, span)),
+                        Ok(outcome) => {
+                            if let (Some(c), Outcome::Processed(())) = (&self.cache, &outcome) {
+                                c.fill(&msg, claimed_since);
+                            }
+                            done.push((d, msg, outcome, span));
+                        }
                         Err(e) => failed.push((d, msg, e, span)),
                     }
                 }
@@ -197,7 +210,30 @@ where
     }
 
     async fn attempt(&self, msg: &Message<D::Payload>) -> Result<Outcome<()>, Error> {
-        self.work.one(&self.processor, msg, &self.instruments).await
+        if self.cache.as_ref().is_some_and(|c| c.answers(msg)) {
+            self.instruments.cache_hit();
+            return Ok(Outcome::Duplicate);
+        }
+        let claimed_since = std::time::Instant::now();
+        let outcome = self.work.one(&self.processor, msg, &self.instruments).await;
+        if let (Some(c), Ok(Outcome::Processed(()))) = (&self.cache, &outcome) {
+            c.fill(msg, claimed_since);
+        }
+        outcome
+    }
+
+    /// Settles a delivery the local cache answered: a duplicate of a claim this process
+    /// committed.
+    async fn cache_hit<Dl: Delivery>(&self, delivery: Dl, msg: Message<D::Payload>) {
+        let span = self.span(&delivery);
+        span.record(
+            "message_id",
+            tracing::field::display(ShownId(msg.message_id())),
+        );
+        self.instruments.cache_hit();
+        self.finish(delivery, &msg, Outcome::Duplicate)
+            .instrument(span)
+            .await;
     }
 
     async fn process_with_retries<Dl: Delivery>(

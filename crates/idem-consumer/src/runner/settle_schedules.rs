@@ -19,6 +19,11 @@
 //! transaction of its own before the handler's (a concurrent duplicate is then acked before
 //! the effect commits); a store whose claim does not wait for an uncommitted one.
 //!
+//! Each schedule also runs with the local cache of completed claims on (`Consumer::local_cache`):
+//! the same checks hold, and a cached redelivery's ack still finds its claim and effect
+//! committed. Checked to fail on purpose the same way: the cache filled whatever the outcome
+//! (a rolled-back message's redelivery is then acked with no effect committed).
+//!
 //! Each failure prints shuttle's failing schedule and seed; rerun the seed with
 //! `SHUTTLE_RANDOM_SEED=<seed>`. `IDEM_SHUTTLE_ITERATIONS` sets the number of schedules for a
 //! longer soak.
@@ -342,7 +347,10 @@ type TestCtx = Ctx<Store, StoreClock, Raw, super::work::Batched<Arc<Effect>>>;
 /// Attempts per message before a retryable failure is dead-lettered.
 const ATTEMPTS: u32 = 3;
 
-fn context(store: Store, effect: Arc<Effect>) -> Arc<TestCtx> {
+/// The context of one schedule; `cache`: with the local cache of completed claims on, so
+/// redeliveries of committed IDs are settled from it (and must still be acked only after
+/// their commit, and a cached ID with another payload still dead-lettered as a conflict).
+fn context(store: Store, effect: Arc<Effect>, cache: bool) -> Arc<TestCtx> {
     let processor = Processor::builder(store, "schedules")
         .build()
         .expect("processor");
@@ -359,16 +367,25 @@ fn context(store: Store, effect: Arc<Effect>) -> Arc<TestCtx> {
         stop: CancellationToken::new(),
         fatal: std::sync::Mutex::new(None),
         after_commit: None,
+        cache: cache
+            .then(|| {
+                crate::cache::ClaimCache::new(
+                    crate::LocalCache::new(100),
+                    Duration::from_secs(3600),
+                    None,
+                )
+            })
+            .flatten(),
     })
 }
 
 /// Runs every delivery concurrently: each in its own `settle_one` task, or (`batches`) some
 /// grouped into `settle_batch` calls, each batch in ID order as lock ordering in a real
 /// database would need to avoid deadlocks between batches.
-fn one_schedule(batches: bool) {
+fn one_schedule(batches: bool, cache: bool) {
     let store = Store::default();
     let effect = Arc::new(Effect::default());
-    let ctx = context(store.clone(), effect.clone());
+    let ctx = context(store.clone(), effect.clone(), cache);
     let log = Arc::new(Mutex::new(Vec::new()));
     let deliveries: Vec<TestDelivery> = DELIVERIES
         .iter()
@@ -512,10 +529,20 @@ fn check_random(iterations: usize, f: impl Fn() + Send + Sync + 'static) {
 
 #[test]
 fn settle_one_settles_each_delivery_once_and_commits_each_effect_once() {
-    check_random(iterations(500), || one_schedule(false));
+    check_random(iterations(500), || one_schedule(false, false));
+}
+
+#[test]
+fn settle_one_with_the_local_cache_keeps_the_same_guarantees() {
+    check_random(iterations(500), || one_schedule(false, true));
 }
 
 #[test]
 fn settle_batch_and_settle_one_together_keep_the_same_guarantees() {
-    check_random(iterations(1_000), || one_schedule(true));
+    check_random(iterations(1_000), || one_schedule(true, false));
+}
+
+#[test]
+fn settle_batch_and_settle_one_with_the_local_cache_keep_the_same_guarantees() {
+    check_random(iterations(1_000), || one_schedule(true, true));
 }

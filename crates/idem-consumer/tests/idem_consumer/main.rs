@@ -5,6 +5,7 @@
 //! process-wide: the tests that read it share the one `recorder` installs, and each reads only
 //! its own consumer's lines.
 
+mod local_cache;
 mod metrics;
 mod phased;
 mod prune;
