@@ -143,11 +143,13 @@
 //! # Ok(()) }
 //! ```
 
+mod cache;
 mod call;
 pub mod completer;
 mod engine;
 mod phases;
 
+pub use cache::LocalCache;
 pub use completer::{Completer, CompleterBuilder, CompleterStats};
 pub use engine::{Execution, Idempotency, IdempotencyBuilder, KeyDigest, Start};
 pub use phases::{Finish, PhaseCtx, Step};
