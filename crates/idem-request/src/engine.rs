@@ -39,6 +39,8 @@ struct Inner<S> {
     /// lookup of one of these keys releases it first, so the key is never answered "in
     /// progress" for an execution that is over.
     unreleased: Mutex<HashMap<RequestKey, Fence>>,
+    /// Completions this engine committed ([`IdempotencyBuilder::local_cache`]).
+    cache: Option<crate::cache::RecordCache>,
 }
 
 /// Configures an [`Idempotency`]; [`build`](Self::build) refuses inconsistent timings.
@@ -48,6 +50,7 @@ pub struct IdempotencyBuilder<S> {
     ttl: Duration,
     lease: Duration,
     heartbeat: Option<Option<Duration>>,
+    local_cache: Option<crate::cache::LocalCache>,
 }
 
 impl<S: RequestStore + Clone + 'static> Idempotency<S> {
@@ -58,6 +61,7 @@ impl<S: RequestStore + Clone + 'static> Idempotency<S> {
             ttl: Duration::from_secs(24 * 3600),
             lease: Duration::from_secs(30),
             heartbeat: None,
+            local_cache: None,
         }
     }
 }
@@ -91,6 +95,17 @@ impl<S> IdempotencyBuilder<S> {
         self
     }
 
+    /// Replays retries of requests this engine completed from a local cache, without a round
+    /// trip to the store (off by default). Filled only after a completion's commit returned;
+    /// a key cached with another fingerprint goes to the store; entries expire with their
+    /// records' TTL at the latest. The cache only knows this process's completions, and a
+    /// record deleted by an operator is still replayed from it until its entry expires (see
+    /// [`LocalCache`](crate::LocalCache)).
+    pub fn local_cache(mut self, cache: crate::cache::LocalCache) -> Self {
+        self.local_cache = Some(cache);
+        self
+    }
+
     /// Validates and builds.
     pub fn build(self) -> Result<Idempotency<S>, Error> {
         let bad = |why: String| Err(Error::new(ErrorKind::InvalidConfig, why));
@@ -119,6 +134,9 @@ impl<S> IdempotencyBuilder<S> {
                 lease: self.lease,
                 heartbeat,
                 unreleased: Mutex::new(HashMap::new()),
+                cache: self
+                    .local_cache
+                    .and_then(|c| crate::cache::RecordCache::new(c, self.ttl)),
             }),
         })
     }
@@ -167,12 +185,21 @@ impl<S: RequestStore + Clone + 'static> Idempotency<S> {
         key: RequestKey,
         fingerprint: Fingerprint,
     ) -> Result<Start<S>, Error> {
+        let cache = self.inner.cache.as_ref();
+        if let Some(result) = cache.and_then(|c| c.replay(&key, &fingerprint)) {
+            return Ok(Start::Replay(result));
+        }
+        let pending = cache.map(|_| crate::cache::Pending::now(fingerprint));
         let (lease, ttl) = (self.inner.lease, self.inner.ttl);
         let lookup = move |store: S, key: RequestKey| async move {
             let begin = store.begin_request(&key, &fingerprint, lease, ttl).await;
             begin.map(|begin| (begin, None))
         };
-        self.take(key, lookup).await.map(|(start, _)| start)
+        let (mut start, _) = self.take(key, lookup).await?;
+        if let Start::Run(execution) = &mut start {
+            execution.cache_fill = pending;
+        }
+        Ok(start)
     }
 
     /// [`start`](Self::start) with the store's lookup given: `lookup` takes the record (and
@@ -266,6 +293,7 @@ impl<S: RequestStore + Clone + 'static> Idempotency<S> {
             tx: None,
             heartbeat: None,
             settled: false,
+            cache_fill: None,
         };
         match me.store.begin_execution().await {
             Ok(tx) => execution.tx = Some(tx),
@@ -434,6 +462,8 @@ pub struct Execution<S: RequestStore + Clone + 'static> {
     heartbeat: Option<JoinHandle<()>>,
     /// Completed or abandoned: nothing is left for `Drop` to undo.
     pub(crate) settled: bool,
+    /// What to put in the engine's local cache once the completion committed.
+    cache_fill: Option<crate::cache::Pending>,
 }
 
 impl<S: RequestStore + Clone + 'static> Execution<S> {
@@ -529,6 +559,9 @@ impl<S: RequestStore + Clone + 'static> Execution<S> {
             return Err(e);
         }
         self.settled = true;
+        if let (Some(cache), Some(fill)) = (&self.idem.inner.cache, self.cache_fill) {
+            cache.fill(&self.key, fill, result);
+        }
         idem_core::crash::reached(idem_core::crash::CrashPoint::ResponseCommitted);
         Ok(())
     }
