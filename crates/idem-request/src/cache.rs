@@ -476,4 +476,80 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(350)).await;
         run(&idem, "k", fp).await.abandon().await.unwrap();
     }
+
+    /// On the real server: a completion this process committed is replayed from the cache
+    /// (even after an operator deleted its record: the documented trade-off), an abandoned
+    /// one is not, and another fingerprint gets the store's mismatch.
+    #[tokio::test]
+    async fn postgres_only_committed_completions_are_replayed_from_the_cache() {
+        let test = "postgres_only_committed_completions_are_replayed_from_the_cache";
+        let Ok(url) = std::env::var("IDEM_TEST_POSTGRES_URL") else {
+            assert_ne!(
+                std::env::var("IDEM_TEST_REQUIRE_SERVICES").as_deref(),
+                Ok("1"),
+                "{test}: IDEM_TEST_POSTGRES_URL not set and services are required"
+            );
+            eprintln!("SKIPPING {test}: IDEM_TEST_POSTGRES_URL not set");
+            return;
+        };
+        let schema = format!(
+            "lc_req_{}_{}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .subsec_nanos()
+        );
+        let admin = sqlx::PgPool::connect(&url).await.unwrap();
+        sqlx::query(&format!("CREATE SCHEMA {schema}"))
+            .execute(&admin)
+            .await
+            .unwrap();
+        let options = <sqlx::postgres::PgConnectOptions as std::str::FromStr>::from_str(&url)
+            .unwrap()
+            .options([("search_path", schema.as_str())]);
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(4)
+            .connect_with(options)
+            .await
+            .unwrap();
+        let store = idem_sql::PostgresStore::from_pool(pool.clone());
+        store.migrate().await.unwrap();
+        let idem = Idempotency::builder(store.clone())
+            .local_cache(LocalCache::bytes(1 << 20))
+            .build()
+            .unwrap();
+        let fp = Fingerprint::of("body");
+        let Start::Run(e) = idem.start(key("done"), fp).await.unwrap() else {
+            panic!("first start runs");
+        };
+        e.complete(b"stored").await.unwrap();
+        let Start::Run(e) = idem.start(key("abandoned"), fp).await.unwrap() else {
+            panic!("first start runs");
+        };
+        e.abandon().await.unwrap();
+        assert!(matches!(
+            idem.start(key("done"), Fingerprint::of("other"))
+                .await
+                .unwrap(),
+            Start::Mismatch
+        ));
+        sqlx::query("DELETE FROM idem_requests")
+            .execute(&pool)
+            .await
+            .unwrap();
+        match idem.start(key("done"), fp).await.unwrap() {
+            Start::Replay(r) => assert_eq!(r, b"stored"),
+            other => panic!("expected a replay from the cache: {other:?}"),
+        }
+        match idem.start(key("abandoned"), fp).await.unwrap() {
+            Start::Run(e) => e.abandon().await.unwrap(),
+            other => panic!("an abandoned execution was cached: {other:?}"),
+        }
+        pool.close().await;
+        sqlx::query(&format!("DROP SCHEMA {schema} CASCADE"))
+            .execute(&admin)
+            .await
+            .unwrap();
+    }
 }

@@ -454,3 +454,116 @@ async fn in_memory_store_naturally_idempotent_consumers_cache_nothing() {
         .expect("run");
     assert_eq!((stats.processed, stats.cache_hits), (2, 0), "{stats:?}");
 }
+
+// ---- PostgreSQL -------------------------------------------------------------------------------
+
+/// Inserts the message's `n` into `pings`, through the claim's transaction.
+struct Insert;
+
+impl Handler<idem_sql::PostgresTx, Ping> for Insert {
+    type Output = ();
+    async fn handle(
+        &self,
+        tx: &mut idem_sql::PostgresTx,
+        msg: &Message<Ping>,
+    ) -> Result<(), BoxError> {
+        sqlx::query("INSERT INTO pings (n) VALUES ($1)")
+            .bind(msg.payload().n)
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+}
+
+impl SetHandler<idem_sql::PostgresTx, Ping> for Insert {
+    type Output = ();
+    async fn handle_set(
+        &self,
+        tx: &mut idem_sql::PostgresTx,
+        msgs: &[&Message<Ping>],
+    ) -> Result<(), BoxError> {
+        let ns: Vec<i64> = msgs.iter().map(|m| m.payload().n).collect();
+        sqlx::query("INSERT INTO pings (n) SELECT * FROM unnest($1::bigint[])")
+            .bind(&ns)
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+}
+
+/// On the real server, in every mode: 30 messages, each redelivered once right behind its
+/// batch, and one ID republished with another payload. Every effect once, every repeat a
+/// duplicate (most from the cache), the conflict dead-lettered `conflict`.
+#[tokio::test]
+async fn postgres_cached_redeliveries_keep_exactly_once_and_conflicts() {
+    let test = "postgres_cached_redeliveries_keep_exactly_once_and_conflicts";
+    let Some(schema) = idem_testkit::isolated::PgSchema::create("lcache", test).await else {
+        return;
+    };
+    let store = idem_sql::PostgresStore::from_pool(schema.pool(4).await);
+    idem_core::Migrate::migrate(&store).await.expect("migrate");
+    sqlx::query("CREATE TABLE pings (n bigint NOT NULL)")
+        .execute(store.pool())
+        .await
+        .expect("table");
+    for (i, mode) in MODES.into_iter().enumerate() {
+        let broker = InMemoryBroker::new();
+        let base = 1000 * i as i64;
+        for chunk in (0..30).collect::<Vec<i64>>().chunks(2) {
+            for n in chunk {
+                publish(&broker, &format!("m-{}", base + n), base + n);
+            }
+            for n in chunk {
+                publish(&broker, &format!("m-{}", base + n), base + n);
+            }
+        }
+        publish(&broker, &format!("m-{base}"), -1); // same ID, another payload
+        broker.close();
+        let processor = Arc::new(
+            Processor::builder(store.clone(), format!("lcache-{i}"))
+                .build()
+                .expect("processor"),
+        );
+        let consumer = Consumer::new(processor, broker.source())
+            .retry(quick())
+            .local_cache(LocalCache::new(1_000));
+        let stop = CancellationToken::new();
+        let stats = match mode {
+            Mode::PerMessage => consumer.run(Json::<Ping>::new(), Insert, stop).await,
+            Mode::Batch => {
+                consumer
+                    .batch(2)
+                    .run(Json::<Ping>::new(), Insert, stop)
+                    .await
+            }
+            Mode::Set => {
+                consumer
+                    .batch(2)
+                    .run_set(Json::<Ping>::new(), Insert, stop)
+                    .await
+            }
+        }
+        .expect("run");
+        assert_eq!(stats.processed, 30, "{mode:?}: {stats:?}");
+        assert_eq!(stats.duplicates, 30, "{mode:?}: {stats:?}");
+        assert_eq!(
+            stats.cache_hits, 30,
+            "{mode:?}: every redelivery from the cache: {stats:?}"
+        );
+        assert_eq!(stats.conflicts, 1, "{mode:?}: {stats:?}");
+        assert_eq!(reasons(&broker), ["conflict"], "{mode:?}");
+        let (rows, distinct): (i64, i64) = sqlx::query_as(
+            "SELECT count(*), count(DISTINCT n) FROM pings WHERE n >= $1 AND n < $1 + 1000",
+        )
+        .bind(base)
+        .fetch_one(store.pool())
+        .await
+        .expect("count");
+        assert_eq!(
+            (rows, distinct),
+            (30, 30),
+            "{mode:?}: one effect per message"
+        );
+    }
+    schema.drop().await;
+}
