@@ -86,6 +86,7 @@ impl std::fmt::Debug for Args {
             .field("min_fault_time", &self.min_fault_time)
             .field("concurrency", &self.concurrency)
             .field("batch", &self.batch)
+            .field("local_cache", &self.local_cache)
             .field("partitions", &self.partitions)
             .field("redeliver_after", &self.redeliver_after)
             .field("drain_timeout", &self.drain_timeout)
@@ -196,6 +197,11 @@ pub(crate) struct Args {
     /// Messages per transaction (crash point in-batch needs more than 1).
     #[arg(long, default_value_t = 1)]
     pub(crate) batch: usize,
+    /// Run the consumers with their local cache of committed claims on (`payments
+    /// --local-cache`): redeliveries a process committed itself are acked from it, and the
+    /// ledger must still hold one effect per ID.
+    #[arg(long)]
+    pub(crate) local_cache: bool,
     /// Kafka partitions of the run's topic (default: one per consumer).
     #[arg(long)]
     pub(crate) partitions: Option<i32>,

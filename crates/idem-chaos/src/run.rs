@@ -145,6 +145,9 @@ pub(crate) async fn run(args: Args) -> Result<Report> {
     };
     let mut service_args = common(&names);
     service_args.extend(["--batch".to_owned(), args.batch.to_string()]);
+    if args.local_cache {
+        service_args.extend(["--local-cache".to_owned(), "100000".to_owned()]);
+    }
     if let Some(p) = &processor {
         service_args.extend([
             "--card-processor".to_owned(),

@@ -118,6 +118,11 @@ pub(crate) struct ServeArgs {
     /// processed again message by message, so one bad payment is dead-lettered alone.
     #[arg(long)]
     pub(crate) set: bool,
+    /// Answer redeliveries of payments this process committed from a local cache of up to N
+    /// message IDs (with their fingerprints), without a round trip to the database; entries
+    /// live as long as claims are kept at most. Only this process's commits are in it.
+    #[arg(long, value_name = "N")]
+    pub(crate) local_cache: Option<u64>,
     /// How soon a message a dead consumer held goes to another one: NATS's ack wait, the idle
     /// time after which Redis Streams entries are claimed, Kafka's session timeout. RabbitMQ
     /// and MQTT redeliver as soon as the connection drops. Unset: the broker's default.

@@ -196,6 +196,9 @@ where
     };
     let (processor, pruner) = processor_and_pruner(store, settings)?;
     let mut consumer = Consumer::new(processor, source).concurrency(settings.concurrency);
+    if let Some(entries) = settings.local_cache {
+        consumer = consumer.local_cache(idem_consumer::LocalCache::new(entries));
+    }
     if let Some((waker, _)) = &relay {
         let waker = waker.clone();
         consumer = consumer.after_commit(move || waker.wake());

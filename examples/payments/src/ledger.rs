@@ -360,6 +360,7 @@ mod tests {
                 batch,
                 set,
                 retention: idem_core::Retention::default(),
+                local_cache: None,
                 redeliver_after: None,
                 static_membership: true,
                 emit: None,

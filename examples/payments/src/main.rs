@@ -53,6 +53,8 @@ pub(crate) struct Settings {
     pub(crate) set: bool,
     /// How long claims are kept, checked against the redelivery window.
     pub(crate) retention: idem_core::Retention,
+    /// `--local-cache`: entries of the consumer's local cache of committed claims.
+    pub(crate) local_cache: Option<u64>,
     /// `--redeliver-after`.
     pub(crate) redeliver_after: Option<std::time::Duration>,
     /// Kafka: join as the static member `instance` (not `--dynamic-membership`).
@@ -147,6 +149,7 @@ async fn run(cli: Cli) -> Result<()> {
                 batch: 1,
                 set: false,
                 retention: idem_core::Retention::default(),
+                local_cache: None,
                 redeliver_after: None,
                 static_membership: true,
                 emit: None,
@@ -166,6 +169,7 @@ async fn run(cli: Cli) -> Result<()> {
                 batch: b.batch,
                 set: b.set,
                 retention: idem_core::Retention::default(),
+                local_cache: None,
                 redeliver_after: None,
                 static_membership: true,
                 emit: None,
@@ -232,6 +236,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         batch: args.batch,
         set: args.set,
         retention: idem_core::Retention::new(args.keep_claims_for, args.redelivery_window)?,
+        local_cache: args.local_cache,
         redeliver_after: args.redeliver_after,
         static_membership: !args.dynamic_membership,
         emit: args.emit.map(|destination| Emitting {
