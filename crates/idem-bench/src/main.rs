@@ -13,6 +13,7 @@
 mod measure;
 mod phases;
 mod postgres;
+mod redeliveries;
 mod sqlite;
 mod workload;
 
@@ -90,7 +91,9 @@ struct BenchArgs {
     /// only when asked for); outbox (the transactional outbox on PostgreSQL: relay throughput
     /// next to the broker's own, enqueue cost in a set batch, commit → confirm latency; needs
     /// the brokers of --outbox-brokers; only when asked for); phases (recovery points through
-    /// `run_phases` against the same work by hand, PostgreSQL and SQLite; only when asked for).
+    /// `run_phases` against the same work by hand, PostgreSQL and SQLite; only when asked for);
+    /// redeliveries (the consumer's local cache off and on with 30 % same-process
+    /// redeliveries, PostgreSQL and SQLite; only when asked for).
     #[arg(long, value_delimiter = ',', default_value = "p1,p2,p3")]
     only: Vec<Scenario>,
     /// Counted seconds per measurement (a short warm-up runs before each) [default: 3]; for
@@ -200,6 +203,9 @@ enum Scenario {
     Prune,
     Outbox,
     Phases,
+    /// The consumer's local cache of committed claims off and on, 30 % same-process
+    /// redeliveries (module `redeliveries`; only when asked for).
+    Redeliveries,
 }
 
 /// What every scenario needs to know about the run.
@@ -605,6 +611,16 @@ async fn run(args: BenchArgs) -> anyhow::Result<()> {
     } else {
         None
     };
+    let redelivered = if wants(Scenario::Redeliveries) {
+        let url = args
+            .postgres
+            .clone()
+            .or_else(|| std::env::var("IDEM_TEST_POSTGRES_URL").ok())
+            .unwrap_or_else(|| DEFAULT_POSTGRES.to_string());
+        Some(redeliveries::run(&url, settings.run, settings.rounds).await?)
+    } else {
+        None
+    };
     if wants(Scenario::P3) {
         let bench = sqlite::Bench::open(args.sqlite.clone(), &settings).await?;
         env.sqlite = Some(bench.describe().to_string());
@@ -633,6 +649,13 @@ async fn run(args: BenchArgs) -> anyhow::Result<()> {
             outboxed.markdown()
         } else {
             outboxed.plain()
+        });
+    }
+    if let Some(r) = &redelivered {
+        report.push_str(&if args.markdown {
+            r.markdown()
+        } else {
+            r.plain()
         });
     }
     if let Some(phased) = &phased {
