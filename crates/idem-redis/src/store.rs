@@ -316,16 +316,19 @@ where
         keys: &[&str],
         args: &[&[u8]],
     ) -> Result<T, Error> {
-        let mut call = script.prepare_invoke();
-        for key in keys {
-            call.key(*key);
-        }
-        for arg in args {
-            call.arg(*arg);
-        }
-        call.invoke_async(&mut self.conn.clone())
-            .await
-            .map_err(|e| redis_error(what, e))
+        let evalsha = evalsha(script, keys, args);
+        let mut conn = self.conn.clone();
+        let reply = match evalsha.query_async(&mut conn).await {
+            Err(e) if e.kind() == redis::ErrorKind::Server(ServerErrorKind::NoScript) => {
+                script
+                    .load_async(&mut conn)
+                    .await
+                    .map_err(|e| redis_error(what, e))?;
+                evalsha.query_async(&mut conn).await
+            }
+            reply => reply,
+        };
+        reply.map_err(|e| redis_error(what, e))
     }
 
     /// [`run`](Self::run) followed by `WAIT`, as one pipeline on one connection, and how many
@@ -340,16 +343,8 @@ where
         args: &[&[u8]],
         wait: ReplicaWait,
     ) -> Result<(T, Result<usize, Error>), Error> {
-        let mut evalsha = redis::cmd("EVALSHA");
-        evalsha.arg(script.get_hash()).arg(keys.len());
-        for key in keys {
-            evalsha.arg(*key);
-        }
-        for arg in args {
-            evalsha.arg(*arg);
-        }
         let mut pipe = redis::pipe();
-        pipe.add_command(evalsha)
+        pipe.add_command(evalsha(script, keys, args))
             .cmd("WAIT")
             .arg(wait.replicas)
             .arg(millis(wait.timeout))
@@ -432,6 +427,20 @@ where
         }
         Ok(RecordKeys::new(&self.prefix, key))
     }
+}
+
+/// `EVALSHA` of `script` on `keys` with `args`, built once (the `redis` crate's
+/// `ScriptInvocation` copies keys and arguments twice on every call).
+fn evalsha(script: &Script, keys: &[&str], args: &[&[u8]]) -> redis::Cmd {
+    let mut evalsha = redis::cmd("EVALSHA");
+    evalsha.arg(script.get_hash()).arg(keys.len());
+    for key in keys {
+        evalsha.arg(*key);
+    }
+    for arg in args {
+        evalsha.arg(*arg);
+    }
+    evalsha
 }
 
 /// The transaction of a store that has none: Redis keeps no transaction open with your
