@@ -323,7 +323,10 @@ async fn a_record_is_one_key_that_expires_by_itself() {
     let ttl = Duration::from_secs(60);
 
     let fence = acquire(&store, &k, lease, ttl).await;
-    assert_eq!(keys_under(&mut plain, &prefix).await, [rec.clone()]);
+    assert_eq!(
+        keys_under(&mut plain, &prefix).await,
+        std::slice::from_ref(&rec)
+    );
     let observer = plain.clone();
     let pttl = || {
         let (mut c, rec) = (observer.clone(), rec.clone());
@@ -373,7 +376,10 @@ async fn a_record_is_one_key_that_expires_by_itself() {
         .complete_in(&mut tx, &k, fence, b"r", ttl)
         .await
         .expect("complete");
-    assert_eq!(keys_under(&mut plain, &prefix).await, [rec.clone()]);
+    assert_eq!(
+        keys_under(&mut plain, &prefix).await,
+        std::slice::from_ref(&rec)
+    );
     let ms = pttl().await;
     assert!(ms > 55_000 && ms <= 60_000, "completed: {ms}");
     let mut done = b"d".to_vec();
