@@ -122,7 +122,8 @@ async fn measure_cell(
     if let (Some(conn), Some(before)) = (stats.as_mut(), commands0) {
         let after = function::command_calls(conn).await?;
         let per = function::commands_per(&before, &after, sample.sent);
-        sample.redis_commands = Some(per.values().sum());
+        // `+ 0.0`: an empty sum is -0.0.
+        sample.redis_commands = Some(per.values().sum::<f64>() + 0.0);
     }
     Ok(sample)
 }
