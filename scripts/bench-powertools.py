@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """AWS Powertools for Python's idempotent_function on its Redis persistence layer: first calls/s
-and replays/s, single-threaded, and the Redis commands each costs.
+and replays/s, single-threaded, the Redis commands each costs (by name), and the CPU per call of
+this process and of redis-server (--redis-pid, read from /proc/<pid>/stat).
 
 Run by `http-payments bench` (the Rust side of the comparison runs in the same command against
 the same Redis); by hand: python3 scripts/bench-powertools.py --redis redis://127.0.0.1:6379
@@ -30,10 +31,28 @@ class FakeLambdaContext:
         return 900_000
 
 
-def total_commands(client: redis.Redis) -> int:
-    """Commands the server has run, all clients together (INFO commandstats)."""
+def command_calls(client: redis.Redis) -> dict[str, int]:
+    """Commands the server has run by name, all clients together (INFO commandstats)."""
     stats = client.info("commandstats")
-    return sum(v["calls"] for v in stats.values())
+    return {k.removeprefix("cmdstat_"): v["calls"] for k, v in stats.items()}
+
+
+def commands_per(before: dict[str, int], after: dict[str, int], ops: int) -> dict[str, float]:
+    """What ran between two readings, per operation, without the INFO that took the first."""
+    ran = {k: (n - before.get(k, 0)) / ops for k, n in after.items() if k != "info"}
+    return {k: v for k, v in sorted(ran.items()) if v > 0}
+
+
+def cpu_micros(pid: int | None) -> int:
+    """utime + stime of a process from /proc/<pid>/stat, in µs (100 ticks per second)."""
+    if pid is None:
+        return 0
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0
+    return (int(fields[11]) + int(fields[12])) * 10_000
 
 
 def main() -> None:
@@ -41,6 +60,7 @@ def main() -> None:
     parser.add_argument("--redis", default="redis://127.0.0.1:6379")
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--count-ops", type=int, default=500)
+    parser.add_argument("--redis-pid", type=int, default=None)
     args = parser.parse_args()
 
     client = redis.Redis.from_url(args.redis)
@@ -103,17 +123,19 @@ def main() -> None:
     # Warm-up, then the timed legs, then a counted leg each for the commands per call.
     first_calls("warm", 0.3)
     replays(0.3)
+    cpu0 = (time.process_time(), cpu_micros(args.redis_pid))
     n_first, t_first = first_calls("first", args.seconds)
+    cpu1 = (time.process_time(), cpu_micros(args.redis_pid))
     n_replay, t_replay = replays(args.seconds)
+    cpu2 = (time.process_time(), cpu_micros(args.redis_pid))
 
-    before, trips_before = total_commands(info), round_trips[0]
+    before, trips_before = command_calls(info), round_trips[0]
     first_calls("count", 0.0, args.count_ops)
-    middle, trips_middle = total_commands(info), round_trips[0]
+    middle, trips_middle = command_calls(info), round_trips[0]
     replays(0.0, args.count_ops)
-    after, trips_after = total_commands(info), round_trips[0]
-    # Each INFO is itself one command, counted in the next reading.
-    per_first = (middle - before - 1) / args.count_ops
-    per_replay = (after - middle - 1) / args.count_ops
+    after, trips_after = command_calls(info), round_trips[0]
+    mix_first = commands_per(before, middle, args.count_ops)
+    mix_replay = commands_per(middle, after, args.count_ops)
 
     import aws_lambda_powertools
 
@@ -129,8 +151,14 @@ def main() -> None:
                 "round_trips_per_first": (trips_middle - trips_before) / args.count_ops,
                 "round_trips_per_replay": (trips_after - trips_middle) / args.count_ops,
                 "pings_per_s": pings_per_s,
-                "commands_per_first": per_first,
-                "commands_per_replay": per_replay,
+                "commands_per_first": sum(mix_first.values()),
+                "commands_per_replay": sum(mix_replay.values()),
+                "mix_first": mix_first,
+                "mix_replay": mix_replay,
+                "client_cpu_us_first": (cpu1[0] - cpu0[0]) * 1e6 / max(n_first, 1),
+                "client_cpu_us_replay": (cpu2[0] - cpu1[0]) * 1e6 / max(n_replay, 1),
+                "redis_cpu_us_first": (cpu1[1] - cpu0[1]) / max(n_first, 1),
+                "redis_cpu_us_replay": (cpu2[1] - cpu1[1]) / max(n_replay, 1),
             }
         )
     )

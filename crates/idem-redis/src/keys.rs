@@ -1,46 +1,55 @@
 //! The key names of one record, and the rules for the configurable prefix.
 //!
-//! One record is three keys, `<prefix>:{<scope hex>:<key>}:<part>`:
+//! A record is one string key, `<prefix>:{<scope hex>:<key>}:rec`, holding its state,
+//! fingerprint, lease deadline, fence and result (see [`crate::scripts`] for the value), with
+//! a Redis expiry: in progress `max(lease, TTL)` after the take, pushed out by lease
+//! extensions; completed, the TTL after completion.
 //!
-//! | part | type | holds | expires |
-//! |---|---|---|---|
-//! | `rec` | hash | `fp` (fingerprint), `state` (`run` / `done`), `fence` (the holder's), `result` | in progress: `max(lease, TTL)` after the take, pushed out by lease extensions; completed: the TTL after completion |
-//! | `lease` | string | the holder's fence | `PX` the lease; deleted on completion and release |
-//! | `fence` | string | the last fence handed out (a counter) | never before `rec` |
+//! Records written by earlier versions were a hash under the same name with two keys beside
+//! it, `…:lease` (the holder's fence, `PX` the lease) and `…:fence` (the last fence handed
+//! out). Their names are still built for the begin script, which reads and deletes them when
+//! it meets such a record.
 //!
-//! The braces are a Redis Cluster hash tag: the three keys of a record hash to one slot, so
-//! one script can touch all of them. A key containing `}` ends the tag early, at the same byte
-//! in all three names, so they still share a slot.
+//! The braces are a Redis Cluster hash tag: the names of a record hash to one slot, so one
+//! script can touch all of them. A key containing `}` ends the tag early, at the same byte in
+//! every name, so they still share a slot.
 
 use idem_core::{Error, ErrorKind, RequestKey};
 
 /// The key prefix unless configured otherwise.
 pub const DEFAULT_KEY_PREFIX: &str = "idem:req";
 
-/// The three key names of one record.
+/// The key names of one record: the record, and the side keys of an earlier version's.
 #[derive(Debug)]
 pub(crate) struct RecordKeys {
     pub(crate) record: String,
-    pub(crate) lease: String,
-    pub(crate) fence: String,
+    base_len: usize,
 }
 
 impl RecordKeys {
     pub(crate) fn new(prefix: &str, key: &RequestKey) -> Self {
         let k = key.key.as_str();
         // Into the key's own buffer: this runs on every request.
-        let mut base = String::with_capacity(prefix.len() + k.len() + 72);
-        base.push_str(prefix);
-        base.push_str(":{");
-        idem_core::hex::push(&mut base, key.scope.as_bytes());
-        base.push(':');
-        base.push_str(k);
-        base.push_str("}:");
-        Self {
-            record: format!("{base}rec"),
-            lease: format!("{base}lease"),
-            fence: format!("{base}fence"),
-        }
+        let mut record = String::with_capacity(prefix.len() + k.len() + 72);
+        record.push_str(prefix);
+        record.push_str(":{");
+        idem_core::hex::push(&mut record, key.scope.as_bytes());
+        record.push(':');
+        record.push_str(k);
+        record.push_str("}:");
+        let base_len = record.len();
+        record.push_str("rec");
+        Self { record, base_len }
+    }
+
+    /// The lease key of an earlier version's record.
+    pub(crate) fn legacy_lease(&self) -> String {
+        format!("{}lease", &self.record[..self.base_len])
+    }
+
+    /// The fence counter of an earlier version's record.
+    pub(crate) fn legacy_fence(&self) -> String {
+        format!("{}fence", &self.record[..self.base_len])
     }
 }
 
@@ -95,15 +104,15 @@ mod tests {
         for key in ["k-1", "a}b", "{x}", "}", "{", "a{b}c"] {
             let k = keys(key);
             let tag = hash_tag(&k.record);
-            assert_eq!(hash_tag(&k.lease), tag, "{key}");
-            assert_eq!(hash_tag(&k.fence), tag, "{key}");
+            assert_eq!(hash_tag(&k.legacy_lease()), tag, "{key}");
+            assert_eq!(hash_tag(&k.legacy_fence()), tag, "{key}");
             assert!(tag.starts_with(&RequestScope::new(["alice", "POST", "/charges"]).to_hex()));
         }
         let k = keys("k-1");
         let scope = RequestScope::new(["alice", "POST", "/charges"]).to_hex();
         assert_eq!(k.record, format!("idem:req:{{{scope}:k-1}}:rec"));
-        assert_eq!(k.lease, format!("idem:req:{{{scope}:k-1}}:lease"));
-        assert_eq!(k.fence, format!("idem:req:{{{scope}:k-1}}:fence"));
+        assert_eq!(k.legacy_lease(), format!("idem:req:{{{scope}:k-1}}:lease"));
+        assert_eq!(k.legacy_fence(), format!("idem:req:{{{scope}:k-1}}:fence"));
     }
 
     #[test]
@@ -111,8 +120,9 @@ mod tests {
         // A key that spells another record's suffix still gets names of its own.
         let a = keys("x");
         let b = keys("x}:lease");
-        for name in [&b.record, &b.lease, &b.fence] {
-            assert!(![&a.record, &a.lease, &a.fence].contains(&name), "{name}");
+        let names = |k: &RecordKeys| [k.record.clone(), k.legacy_lease(), k.legacy_fence()];
+        for name in names(&b) {
+            assert!(!names(&a).contains(&name), "{name}");
         }
     }
 

@@ -64,9 +64,10 @@
 //!
 //! - **Eviction.** Every key this store writes carries an expiry, so under `maxmemory` a
 //!   `volatile-*` policy may evict any of them, and an `allkeys-*` policy may evict any key at
-//!   all. An evicted completed record **runs its request again**; an evicted lease lets a
-//!   retry take the record over **while its executor still runs** (two executors; the first
-//!   one's completion is refused by its fence, but what it did is done). So
+//!   all. An evicted completed record **runs its request again**; an evicted record in
+//!   progress lets a retry take the key anew **while its executor still runs** (two
+//!   executors; the first one's completion is refused by its fence, but what it did is
+//!   done). So
 //!   [`connect`](RedisRequestStoreBuilder::connect) reads `maxmemory-policy` (`CONFIG GET`, or
 //!   the `maxmemory_policy` field of `INFO memory` where `CONFIG` is disabled or renamed, as
 //!   on many managed services) and refuses with
@@ -106,29 +107,33 @@
 //!
 //! # Records
 //!
-//! Three keys per record, `<prefix>:{<scope hex>:<key>}:rec | lease | fence`. The braces are
-//! a Redis Cluster hash tag, so the keys of one record share a slot and one script changes
-//! them together.
-//!
-//! | key | holds | expires |
-//! |---|---|---|
-//! | `…:rec` (hash) | fingerprint, state (`run` / `done`), the holder's fence, the result | in progress: `max(lease, TTL)` after the take, never before the lease; completed: the TTL after completion |
-//! | `…:lease` (string) | the holder's fence, written with `SET … NX PX <lease>` | with the lease; deleted on completion and release |
-//! | `…:fence` (string) | the last fence handed out, a counter | never before the record |
+//! One string key per record, `<prefix>:{<scope hex>:<key>}:rec`, whose value holds the
+//! state, the fingerprint, the lease deadline and the holder's fence, or, once completed, the
+//! result (the layout is in the `scripts` module). The braces are a Redis Cluster hash tag.
+//! It expires `max(lease, TTL)` after a take (never before the lease) and the TTL after its
+//! completion. Records of earlier versions (a hash with `…:lease` and `…:fence` beside it)
+//! are still replayed, answered "in progress", or taken over into the new form; the earlier
+//! version's scripts fail on a new record instead of running it again.
 //!
 //! Every operation is one Lua script sent as `EVALSHA` (`SCRIPT LOAD` and a second `EVALSHA`
-//! only after the server lost its script cache), so each is **one round trip**:
+//! only after the server lost its script cache), so each is **one round trip**, and each
+//! reads the record with one `GET` and writes it with at most one `SET … PX`:
 //!
-//! | operation | what the script does |
-//! |---|---|
-//! | `begin_request` | same fingerprint and completed → the stored result; different fingerprint → mismatch (nothing changes); lease alive → in progress with its `PTTL`, rounded up to whole seconds ([`idem_core::retry_after`]); otherwise takes the record: new, or a takeover of a lapsed lease with fence + 1 |
-//! | `complete_in` | if the record is in progress under this fence: stores the result, `PEXPIRE` TTL, deletes the lease; else [`LeaseLost`](idem_core::RequestErrorKind::LeaseLost) |
-//! | `extend_lease` | if this fence holds the record: the lease `PX` the new length, the record kept at least as long |
-//! | `release` | if this fence holds the record: deletes it and the lease; the counter stays, so the next holder's fence is larger |
+//! | operation | what the script does | commands Redis runs |
+//! |---|---|---|
+//! | `begin_request` | same fingerprint and completed → the stored result; different fingerprint → mismatch (nothing changes); lease alive → in progress with the time left, rounded up to whole seconds ([`idem_core::retry_after`]); otherwise takes the record: new, or a takeover of a lapsed lease with fence + 1 | replay, mismatch: `EVALSHA` + `GET`; take: + `TIME`, `SET` (4) |
+//! | `complete_in` | if the record is in progress under this fence: stores the result with the TTL; else [`LeaseLost`](idem_core::RequestErrorKind::LeaseLost) | `EVALSHA`, `GET`, `SET` (3) |
+//! | `extend_lease` | if this fence holds the record: the lease deadline the new length from now, the record kept at least as long | `EVALSHA`, `GET`, `TIME`, `PTTL`, `SET` |
+//! | `release` | if this fence holds the record: deletes it | `EVALSHA`, `GET`, `DEL` |
 //!
-//! Every time is the Redis server's (`PX`, `PTTL`, `TIME`), never a client's clock. A fence
-//! counter that expired with its record restarts at the server's clock in microseconds, so an
-//! executor stalled past its record's expiry cannot hold the fence of the record's successor.
+//! So a first call (`Idempotency::call`, the HTTP layer) costs Redis **2 round trips and 7
+//! commands**, a replay **1 round trip and 2 commands** (`INFO commandstats` counts the
+//! commands a script runs as well as the `EVALSHA`; this crate's tests hold both counts).
+//!
+//! Every time is the Redis server's (`TIME`, `PX`), never a client's clock. A new record's
+//! fence starts at the server's clock in microseconds (a takeover's is the holder's + 1), so
+//! an executor stalled past its record's expiry or release cannot hold the fence of the
+//! record's successor.
 //!
 //! # Expiry
 //!
@@ -137,7 +142,7 @@
 //! nothing to do and returns 0 without contacting the server, so a reaper (`reap_all`, a
 //! scheduled job) is a harmless no-op on this store.
 //!
-//! Needs Redis 5 or later (the begin script writes after calling `TIME`); tested on Redis 7.0.
+//! Needs Redis 5 or later (the scripts write after calling `TIME`); tested on Redis 7.0.
 
 mod durability;
 mod error;

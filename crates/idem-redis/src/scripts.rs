@@ -1,13 +1,34 @@
 //! The Lua scripts that read and change a record, and the decoding of their replies.
 //!
-//! Every script gets the record's three keys (`rec`, `lease`, `fence`, see [`crate::keys`])
-//! and runs atomically on the server, so a check of the fencing token and the change it guards
-//! cannot be interleaved with another executor's. Each is sent as `EVALSHA`; on `NOSCRIPT` (a
-//! restarted or flushed server) the client loads it with `SCRIPT LOAD` and sends it again.
+//! A record is **one string key** (see [`crate::keys`]) whose value says everything about it:
 //!
-//! Values that Lua would have to turn from numbers into strings (fences, milliseconds) stay
-//! strings end to end: Redis formats Lua numbers as floats, and a 16-digit fence would lose
-//! its last digits.
+//! | state | value |
+//! |---|---|
+//! | in progress | `r` · fingerprint (32 bytes) · lease deadline (server ms, decimal) · `:` · fence (decimal) |
+//! | completed | `d` · fingerprint (32 bytes) · result |
+//!
+//! One key, so that every operation reads it with one `GET` and writes it with one `SET … PX`
+//! (value and expiry together): a take runs `GET`, `TIME`, `SET`; a completion `GET`, `SET`; a
+//! replay `GET` alone. The lease is the deadline inside the value, compared with the server's
+//! `TIME`, rather than a key of its own with a `PX`: a second key would cost a command on
+//! every take and every completion. Every script runs atomically on the server, so a check of
+//! the fencing token and the change it guards cannot be interleaved with another executor's.
+//! Each is sent as `EVALSHA`; on `NOSCRIPT` (a restarted or flushed server) the client loads
+//! it with `SCRIPT LOAD` and sends it again.
+//!
+//! **Records of earlier versions** (before 2026-12) were a hash with a lease key and a fence
+//! counter beside it, under the same record name. `GET` on such a hash fails with
+//! `WRONGTYPE`; the begin script catches that (`redis.pcall`) and reads the hash instead: a
+//! completed one replays, a running one answers "in progress" while its lease key lives, and
+//! a lapsed one is taken over into the new form with the counter + 1, its two side keys
+//! deleted. The other scripts answer "not held" for a hash: only the begin script of this
+//! version hands out fences, always in the new form. The other way round, an earlier
+//! version's scripts fail with `WRONGTYPE` on a new record (an error, never a second run), so
+//! during a rolling upgrade the old processes answer errors for keys the new ones hold.
+//!
+//! Fences stay strings end to end where Lua would format a number as a float; where Lua adds
+//! one (a takeover) it formats it with `%.0f`, exact for every integer below 2^53 (a fence
+//! from the server's clock in microseconds is about 2^50).
 
 use std::sync::LazyLock;
 use std::time::Duration;
@@ -17,98 +38,135 @@ use redis::{Script, Value};
 
 use crate::error::unexpected;
 
+/// Lua shared by every script: `get` (the record's value, `false` when absent, `nil, true`
+/// for a record of the earlier hash form) and the parts of an in-progress value.
+const PRELUDE: &str = r"
+local function get(key)
+  local v = redis.pcall('GET', key)
+  if type(v) == 'table' and v.err then
+    if string.find(v.err, 'WRONGTYPE', 1, true) then return nil, true end
+    error(v)
+  end
+  return v, false
+end
+-- An in-progress value: its lease deadline (server ms) and its fence (a string), or nil.
+local function running(v)
+  if not v or string.sub(v, 1, 1) ~= 'r' then return nil end
+  local sep = string.find(v, ':', 34, true)
+  if not sep then return nil end
+  return tonumber(string.sub(v, 34, sep - 1)), string.sub(v, sep + 1)
+end
+local function now_ms(t)
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function bump(fence)
+  return string.format('%.0f', tonumber(fence) + 1)
+end
+";
+
+fn script(body: &str) -> Script {
+    Script::new(&format!("{PRELUDE}{body}"))
+}
+
 /// Looks the record up and takes it if it is free: one round trip for every answer.
 ///
-/// ARGV: fingerprint (32 raw bytes), lease in ms, how long an in-progress record lives in ms
-/// (`max(lease, TTL)`).
+/// KEYS: the record, and the lease and fence keys of an earlier version's record (read and
+/// deleted only when the record is one). ARGV: fingerprint (32 raw bytes), lease in ms, how
+/// long an in-progress record lives in ms (`max(lease, TTL)`).
 ///
-/// Replies: `{'mismatch'}`, `{'done', result}`, `{'busy', lease PTTL}`, or
-/// `{'new' | 'takeover', fence}`.
+/// Replies: `{'mismatch'}`, `{'done', result}`, `{'busy', ms left on the lease}`, or
+/// `{'new' | 'takeover', fence}`. Commands it runs: a replay or a mismatch `GET`; a take
+/// `GET`, `TIME`, `SET`; in progress `GET`, `TIME`.
 ///
-/// A new fence is the counter plus one; without a counter (a record never seen, or expired
-/// with its counter) it starts at the server's clock in microseconds, so a stalled executor of
-/// an expired record can never hold the same fence as the record's successor.
+/// A takeover's fence is the holder's plus one. A new record's (never seen, expired, or
+/// released) starts at the server's clock in microseconds: every fence of an earlier record
+/// of the key started at that clock earlier and grew by one per takeover, each at least a
+/// lease (10 ms) later, so a stalled or finished executor of an earlier record never holds
+/// the same fence as its successor.
 pub(crate) static BEGIN: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
+    script(
         r"
-local fp, state = unpack(redis.call('HMGET', KEYS[1], 'fp', 'state'))
-if fp then
-  if fp ~= ARGV[1] then return {'mismatch'} end
-  if state == 'done' then return {'done', redis.call('HGET', KEYS[1], 'result')} end
-end
-local left = redis.call('PTTL', KEYS[2])
-if left ~= -2 then return {'busy', left} end
-local fence
-if redis.call('EXISTS', KEYS[3]) == 1 then
-  redis.call('INCR', KEYS[3])
-  fence = redis.call('GET', KEYS[3])
-else
-  local now = redis.call('TIME')
-  fence = now[1] .. string.format('%06d', tonumber(now[2]))
-  redis.call('SET', KEYS[3], fence)
-end
-if not redis.call('SET', KEYS[2], fence, 'NX', 'PX', ARGV[2]) then
-  return {'busy', redis.call('PTTL', KEYS[2])}
-end
-redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 'fp', ARGV[1], 'state', 'run', 'fence', fence)
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
-if redis.call('PTTL', KEYS[3]) < tonumber(ARGV[3]) then
-  redis.call('PEXPIRE', KEYS[3], ARGV[3])
-end
-if fp then return {'takeover', fence} end
-return {'new', fence}
-",
-    )
-});
-
-/// Stores the result if the fence still holds the record in progress. ARGV: fence, result,
-/// TTL in ms. Replies 1, or 0 when the fence no longer holds it.
-///
-/// The fence is checked against the record, not the lease key: a lease that ran out without
-/// anybody taking the record over still leaves the holder the only executor that ran it.
-pub(crate) static COMPLETE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"
-local state, fence = unpack(redis.call('HMGET', KEYS[1], 'state', 'fence'))
-if state ~= 'run' or fence ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'state', 'done', 'result', ARGV[2])
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
-redis.call('DEL', KEYS[2])
-if redis.call('PTTL', KEYS[3]) < tonumber(ARGV[3]) then
-  redis.call('PEXPIRE', KEYS[3], ARGV[3])
-end
-return 1
-",
-    )
-});
-
-/// Deletes the record and its lease if the fence holds it in progress; the counter stays, so
-/// the next holder's fence is larger. ARGV: fence. Replies 1, or 0.
-pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"
-local state, fence = unpack(redis.call('HMGET', KEYS[1], 'state', 'fence'))
-if state ~= 'run' or fence ~= ARGV[1] then return 0 end
-redis.call('DEL', KEYS[1], KEYS[2])
-return 1
-",
-    )
-});
-
-/// Sets the lease to ARGV[2] ms from now if the fence ARGV[1] holds the record in progress,
-/// and keeps the record (and its counter) alive at least that long. Replies 1, or 0.
-pub(crate) static EXTEND: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"
-local state, fence = unpack(redis.call('HMGET', KEYS[1], 'state', 'fence'))
-if state ~= 'run' or fence ~= ARGV[1] then return 0 end
-redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
-for i = 1, 3, 2 do
-  if redis.call('PTTL', KEYS[i]) < tonumber(ARGV[2]) then
-    redis.call('PEXPIRE', KEYS[i], ARGV[2])
+local v, legacy = get(KEYS[1])
+local fence, tag
+if legacy then
+  local fp, state = unpack(redis.call('HMGET', KEYS[1], 'fp', 'state'))
+  if fp and fp ~= ARGV[1] then return {'mismatch'} end
+  if fp and state == 'done' then return {'done', redis.call('HGET', KEYS[1], 'result')} end
+  local left = redis.call('PTTL', KEYS[2])
+  if left ~= -2 then return {'busy', left} end
+  local counter = redis.call('GET', KEYS[3])
+  if counter then fence = bump(counter) end
+  if fp then tag = 'takeover' end
+  redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
+elseif v then
+  local state = string.sub(v, 1, 1)
+  if state ~= 'r' and state ~= 'd' then
+    return redis.error_reply('idem: not a record of this store: ' .. KEYS[1])
   end
+  if string.sub(v, 2, 33) ~= ARGV[1] then return {'mismatch'} end
+  if state == 'd' then return {'done', string.sub(v, 34)} end
 end
+local t = redis.call('TIME')
+local now = now_ms(t)
+if v then
+  local deadline, holder = running(v)
+  if not deadline then return redis.error_reply('idem: not a record of this store: ' .. KEYS[1]) end
+  if deadline > now then return {'busy', deadline - now} end
+  fence, tag = bump(holder), 'takeover'
+end
+if not fence then fence = t[1] .. string.format('%06d', tonumber(t[2])) end
+local deadline = string.format('%.0f', now + tonumber(ARGV[2]))
+redis.call('SET', KEYS[1], 'r' .. ARGV[1] .. deadline .. ':' .. fence, 'PX', ARGV[3])
+return {tag or 'new', fence}
+",
+    )
+});
+
+/// Stores the result if the fence still holds the record in progress. KEYS: the record.
+/// ARGV: fence, result, TTL in ms. Replies 1, or 0 when the fence no longer holds it.
+/// Commands: `GET`, `SET`.
+///
+/// The fence is checked against the record, not the lease deadline: a lease that ran out
+/// without anybody taking the record over still leaves the holder the only executor that ran
+/// it.
+pub(crate) static COMPLETE: LazyLock<Script> = LazyLock::new(|| {
+    script(
+        r"
+local v = get(KEYS[1])
+local _, fence = running(v)
+if fence ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], 'd' .. string.sub(v, 2, 33) .. ARGV[2], 'PX', ARGV[3])
+return 1
+",
+    )
+});
+
+/// Deletes the record if the fence holds it in progress. KEYS: the record. ARGV: fence.
+/// Replies 1, or 0. The next take's fence starts at the server's clock (see [`BEGIN`]).
+pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
+    script(
+        r"
+local v = get(KEYS[1])
+local _, fence = running(v)
+if fence ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1])
+return 1
+",
+    )
+});
+
+/// Moves the lease deadline to ARGV[2] ms from now if the fence ARGV[1] holds the record in
+/// progress, and keeps the record alive at least that long. KEYS: the record. Replies 1, or 0.
+pub(crate) static EXTEND: LazyLock<Script> = LazyLock::new(|| {
+    script(
+        r"
+local v = get(KEYS[1])
+local _, fence = running(v)
+if fence ~= ARGV[1] then return 0 end
+local now = now_ms(redis.call('TIME'))
+local keep = string.format('%.0f', math.max(redis.call('PTTL', KEYS[1]), tonumber(ARGV[2])))
+local deadline = string.format('%.0f', now + tonumber(ARGV[2]))
+redis.call('SET', KEYS[1], 'r' .. string.sub(v, 2, 33) .. deadline .. ':' .. fence, 'PX', keep)
 return 1
 ",
     )

@@ -307,23 +307,28 @@ where
         durability::check_maxmemory_policy(&mut self.conn.clone(), self.server.as_deref()).await
     }
 
-    /// Runs `script` on the record's keys with `args`: one `EVALSHA`, or on `NOSCRIPT`
-    /// `SCRIPT LOAD` and the `EVALSHA` again.
+    /// Runs `script` on `keys` with `args`: one `EVALSHA`, or on `NOSCRIPT` `SCRIPT LOAD`
+    /// and the `EVALSHA` again.
     async fn run<T: FromRedisValue>(
         &self,
         what: &str,
         script: &Script,
-        keys: &RecordKeys,
+        keys: &[&str],
         args: &[&[u8]],
     ) -> Result<T, Error> {
-        let mut call = script.prepare_invoke();
-        call.key(&keys.record).key(&keys.lease).key(&keys.fence);
-        for arg in args {
-            call.arg(*arg);
-        }
-        call.invoke_async(&mut self.conn.clone())
-            .await
-            .map_err(|e| redis_error(what, e))
+        let evalsha = evalsha(script, keys, args);
+        let mut conn = self.conn.clone();
+        let reply = match evalsha.query_async(&mut conn).await {
+            Err(e) if e.kind() == redis::ErrorKind::Server(ServerErrorKind::NoScript) => {
+                script
+                    .load_async(&mut conn)
+                    .await
+                    .map_err(|e| redis_error(what, e))?;
+                evalsha.query_async(&mut conn).await
+            }
+            reply => reply,
+        };
+        reply.map_err(|e| redis_error(what, e))
     }
 
     /// [`run`](Self::run) followed by `WAIT`, as one pipeline on one connection, and how many
@@ -334,22 +339,12 @@ where
         &self,
         what: &str,
         script: &Script,
-        keys: &RecordKeys,
+        keys: &[&str],
         args: &[&[u8]],
         wait: ReplicaWait,
     ) -> Result<(T, Result<usize, Error>), Error> {
-        let mut evalsha = redis::cmd("EVALSHA");
-        evalsha
-            .arg(script.get_hash())
-            .arg(3)
-            .arg(&keys.record)
-            .arg(&keys.lease)
-            .arg(&keys.fence);
-        for arg in args {
-            evalsha.arg(*arg);
-        }
         let mut pipe = redis::pipe();
-        pipe.add_command(evalsha)
+        pipe.add_command(evalsha(script, keys, args))
             .cmd("WAIT")
             .arg(wait.replicas)
             .arg(millis(wait.timeout))
@@ -391,7 +386,7 @@ where
             .run::<i64>(
                 "release request",
                 &scripts::RELEASE,
-                keys,
+                &[&keys.record],
                 &[fence.0.to_string().as_bytes()],
             )
             .await;
@@ -432,6 +427,20 @@ where
         }
         Ok(RecordKeys::new(&self.prefix, key))
     }
+}
+
+/// `EVALSHA` of `script` on `keys` with `args`, built once (the `redis` crate's
+/// `ScriptInvocation` copies keys and arguments twice on every call).
+fn evalsha(script: &Script, keys: &[&str], args: &[&[u8]]) -> redis::Cmd {
+    let mut evalsha = redis::cmd("EVALSHA");
+    evalsha.arg(script.get_hash()).arg(keys.len());
+    for key in keys {
+        evalsha.arg(*key);
+    }
+    for arg in args {
+        evalsha.arg(*arg);
+    }
+    evalsha
 }
 
 /// The transaction of a store that has none: Redis keeps no transaction open with your
@@ -494,12 +503,14 @@ where
             keep_ms.as_bytes(),
         ];
         let what = "begin request";
+        let (lease_key, fence_key) = (keys.legacy_lease(), keys.legacy_fence());
+        let names: [&str; 3] = [&keys.record, &lease_key, &fence_key];
         let Some(wait) = self.wait else {
-            let reply = self.run(what, &scripts::BEGIN, &keys, &args).await?;
+            let reply = self.run(what, &scripts::BEGIN, &names, &args).await?;
             return scripts::decode_begin(reply);
         };
         let (reply, acked) = self
-            .run_and_wait(what, &scripts::BEGIN, &keys, &args, wait)
+            .run_and_wait(what, &scripts::BEGIN, &names, &args, wait)
             .await?;
         let begin = scripts::decode_begin(reply)?;
         // Only a take wrote something worth confirming; a replay, a busy or a mismatch answer
@@ -530,12 +541,13 @@ where
         let what = "complete request";
         let (done, acked): (i64, _) = match self.wait {
             None => (
-                self.run(what, &scripts::COMPLETE, &keys, &args).await?,
+                self.run(what, &scripts::COMPLETE, &[&keys.record], &args)
+                    .await?,
                 None,
             ),
             Some(wait) => {
                 let (done, acked) = self
-                    .run_and_wait(what, &scripts::COMPLETE, &keys, &args, wait)
+                    .run_and_wait(what, &scripts::COMPLETE, &[&keys.record], &args, wait)
                     .await?;
                 (done, Some((wait, acked)))
             }
@@ -587,7 +599,7 @@ where
             .run(
                 "release request",
                 &scripts::RELEASE,
-                &keys,
+                &[&keys.record],
                 &[fence.0.to_string().as_bytes()],
             )
             .await?;
@@ -605,7 +617,7 @@ where
             .run(
                 "extend lease",
                 &scripts::EXTEND,
-                &keys,
+                &[&keys.record],
                 &[
                     fence.0.to_string().as_bytes(),
                     millis(lease).to_string().as_bytes(),

@@ -1,8 +1,10 @@
 //! What the conformance suite cannot see: round trips per operation, the script-cache
-//! fallback, the keys and their expiries, fences across an expired record, and errors; and,
-//! on servers of the tests' own, the eviction-policy check and waiting for replicas.
+//! fallback, the key and its expiry, records of the earlier layout, fences across an expired
+//! record, and errors; and, on servers of the tests' own, the commands a call costs Redis
+//! (`floor`), the eviction-policy check and waiting for replicas (`durability`).
 
 mod durability;
+mod floor;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -300,10 +302,10 @@ async fn a_lost_script_cache_is_reloaded_and_the_call_succeeds() {
     clean(&mut plain, &prefix).await;
 }
 
-/// The reaper has nothing to do because every key a script writes carries an expiry.
+/// The reaper has nothing to do because the one key of a record carries an expiry.
 #[tokio::test]
-async fn every_key_of_a_record_shares_a_hash_tag_and_expires_by_itself() {
-    let test = "every_key_of_a_record_shares_a_hash_tag_and_expires_by_itself";
+async fn a_record_is_one_key_that_expires_by_itself() {
+    let test = "a_record_is_one_key_that_expires_by_itself";
     let Some(url) = redis_url(test) else { return };
     let prefix = idem_testkit::unique_name("idem_rt", test);
     let (_, mut plain) = connection(&url).await;
@@ -313,50 +315,50 @@ async fn every_key_of_a_record_shares_a_hash_tag_and_expires_by_itself() {
         .await
         .expect("store");
     let k = key("k-layout");
-    let tag = format!(
-        "{prefix}:{{{}:k-layout}}",
+    let rec = format!(
+        "{prefix}:{{{}:k-layout}}:rec",
         RequestScope::new(["alice", "POST", "/charges"]).to_hex()
     );
     let lease = Duration::from_secs(20);
     let ttl = Duration::from_secs(60);
 
     let fence = acquire(&store, &k, lease, ttl).await;
-    let names = keys_under(&mut plain, &prefix).await;
     assert_eq!(
-        names,
-        [
-            format!("{tag}:fence"),
-            format!("{tag}:lease"),
-            format!("{tag}:rec")
-        ]
+        keys_under(&mut plain, &prefix).await,
+        std::slice::from_ref(&rec)
     );
     let observer = plain.clone();
-    let pttl = |name: String| {
-        let mut c = observer.clone();
+    let pttl = || {
+        let (mut c, rec) = (observer.clone(), rec.clone());
         async move {
             let ms: i64 = redis::cmd("PTTL")
-                .arg(&name)
+                .arg(&rec)
                 .query_async(&mut c)
                 .await
                 .expect("PTTL");
             ms
         }
     };
-    let lease_ms = pttl(format!("{tag}:lease")).await;
-    assert!(lease_ms > 15_000 && lease_ms <= 20_000, "lease {lease_ms}");
-    for part in ["rec", "fence"] {
-        let ms = pttl(format!("{tag}:{part}")).await;
-        assert!(ms > 55_000 && ms <= 60_000, "{part} {ms}");
-    }
-    let lease_value: String = redis::cmd("GET")
-        .arg(format!("{tag}:lease"))
-        .query_async(&mut plain)
-        .await
-        .expect("GET lease");
-    assert_eq!(
-        lease_value,
-        fence.0.to_string(),
-        "the lease holds the fence"
+    let value = || {
+        let (mut c, rec) = (observer.clone(), rec.clone());
+        async move {
+            let v: Vec<u8> = redis::cmd("GET")
+                .arg(&rec)
+                .query_async(&mut c)
+                .await
+                .expect("GET");
+            v
+        }
+    };
+    let ms = pttl().await;
+    assert!(ms > 55_000 && ms <= 60_000, "in progress: {ms}");
+    let v = value().await;
+    assert_eq!(v[0], b'r');
+    assert_eq!(&v[1..33], fp("body").as_bytes());
+    assert!(
+        v.ends_with(format!(":{}", fence.0).as_bytes()),
+        "the value ends with the holder's fence: {}",
+        String::from_utf8_lossy(&v[33..])
     );
 
     // An extension past the TTL keeps the record at least as long as the lease.
@@ -366,30 +368,205 @@ async fn every_key_of_a_record_shares_a_hash_tag_and_expires_by_itself() {
             .await
             .expect("extend")
     );
-    for part in ["rec", "lease", "fence"] {
-        let ms = pttl(format!("{tag}:{part}")).await;
-        assert!(ms > 115_000 && ms <= 120_000, "{part} {ms}");
-    }
+    let ms = pttl().await;
+    assert!(ms > 115_000 && ms <= 120_000, "extended: {ms}");
 
     let mut tx = store.begin().await.expect("tx");
     store
         .complete_in(&mut tx, &k, fence, b"r", ttl)
         .await
         .expect("complete");
-    let names = keys_under(&mut plain, &prefix).await;
-    assert_eq!(names, [format!("{tag}:fence"), format!("{tag}:rec")]);
-    let rec_ms = pttl(format!("{tag}:rec")).await;
-    assert!(
-        rec_ms > 55_000 && rec_ms <= 60_000,
-        "completed rec {rec_ms}"
+    assert_eq!(
+        keys_under(&mut plain, &prefix).await,
+        std::slice::from_ref(&rec)
     );
-    assert!(pttl(format!("{tag}:fence")).await >= rec_ms);
+    let ms = pttl().await;
+    assert!(ms > 55_000 && ms <= 60_000, "completed: {ms}");
+    let mut done = b"d".to_vec();
+    done.extend_from_slice(fp("body").as_bytes());
+    done.extend_from_slice(b"r");
+    assert_eq!(value().await, done);
     assert_eq!(store.reap_batch(100).await.expect("reap"), 0);
     clean(&mut plain, &prefix).await;
 }
 
-/// The fence counter expires with its record; the successor's fence still beats every fence
-/// of the expired record, so a stalled executor of that record completes nothing.
+/// Records written by the earlier layout (a hash, with a lease key and a fence counter beside
+/// it) are replayed, answered in progress while their lease lives, and taken over into the
+/// new form once it ran out, with the counter + 1.
+#[tokio::test]
+async fn records_of_the_earlier_hash_layout_are_still_honoured() {
+    let test = "records_of_the_earlier_hash_layout_are_still_honoured";
+    let Some(url) = redis_url(test) else { return };
+    let prefix = idem_testkit::unique_name("idem_rt", test);
+    let (_, mut plain) = connection(&url).await;
+    let store = RedisRequestStore::builder(&url)
+        .key_prefix(&prefix)
+        .connect()
+        .await
+        .expect("store");
+    let names = |k: &str| {
+        let tag = format!(
+            "{prefix}:{{{}:{k}}}",
+            RequestScope::new(["alice", "POST", "/charges"]).to_hex()
+        );
+        (
+            format!("{tag}:rec"),
+            format!("{tag}:lease"),
+            format!("{tag}:fence"),
+        )
+    };
+    let body = fp("body");
+    let fp_bytes = body.as_bytes().to_vec();
+
+    // Completed: replayed; another input: mismatch.
+    let (rec, _, _) = names("k-old-done");
+    let () = redis::cmd("HSET")
+        .arg(&rec)
+        .arg("fp")
+        .arg(&fp_bytes)
+        .arg("state")
+        .arg("done")
+        .arg("fence")
+        .arg("5")
+        .arg("result")
+        .arg("old result")
+        .query_async::<i64>(&mut plain)
+        .await
+        .map(|_| ())
+        .expect("HSET");
+    let k = key("k-old-done");
+    assert_eq!(
+        store
+            .begin_request(&k, &body, LONG, DAY)
+            .await
+            .expect("replay"),
+        Begin::Completed {
+            result: b"old result".to_vec()
+        }
+    );
+    assert_eq!(
+        store
+            .begin_request(&k, &fp("other"), LONG, DAY)
+            .await
+            .expect("mismatch"),
+        Begin::Mismatch
+    );
+
+    // Running under a live lease: in progress; once the lease is gone: taken over.
+    let (rec, lease, counter) = names("k-old-run");
+    let () = redis::pipe()
+        .cmd("HSET")
+        .arg(&rec)
+        .arg("fp")
+        .arg(&fp_bytes)
+        .arg("state")
+        .arg("run")
+        .arg("fence")
+        .arg("1764000000000007")
+        .ignore()
+        .cmd("SET")
+        .arg(&lease)
+        .arg("1764000000000007")
+        .arg("PX")
+        .arg(30_000)
+        .ignore()
+        .cmd("SET")
+        .arg(&counter)
+        .arg("1764000000000007")
+        .ignore()
+        .query_async(&mut plain)
+        .await
+        .expect("old record");
+    let k = key("k-old-run");
+    assert!(matches!(
+        store.begin_request(&k, &body, LONG, DAY).await.expect("busy"),
+        Begin::InProgress { retry_after } if retry_after == Duration::from_secs(30)
+    ));
+    let () = redis::cmd("DEL")
+        .arg(&lease)
+        .query_async::<i64>(&mut plain)
+        .await
+        .map(|_| ())
+        .expect("DEL lease");
+    assert_eq!(
+        store
+            .begin_request(&k, &body, LONG, DAY)
+            .await
+            .expect("takeover"),
+        Begin::Acquired {
+            fence: Fence(1_764_000_000_000_008),
+            takeover: true
+        }
+    );
+    let left = keys_under(&mut plain, &prefix).await;
+    assert!(left.contains(&rec), "{left:?}");
+    assert!(
+        !left.contains(&lease) && !left.contains(&counter),
+        "{left:?}"
+    );
+    let mut tx = store.begin().await.expect("tx");
+    let err = store
+        .complete_in(&mut tx, &k, Fence(1_764_000_000_000_007), b"stale", DAY)
+        .await
+        .expect_err("the old holder's fence");
+    assert_eq!(err.request_kind(), Some(RequestErrorKind::LeaseLost));
+    complete(&store, &k, Fence(1_764_000_000_000_008), b"new").await;
+    assert_eq!(
+        store
+            .begin_request(&k, &body, LONG, DAY)
+            .await
+            .expect("replay"),
+        Begin::Completed {
+            result: b"new".to_vec()
+        }
+    );
+    clean(&mut plain, &prefix).await;
+}
+
+/// Something else's value under a record's name is an error, never a take or a mismatch.
+#[tokio::test]
+async fn a_foreign_value_under_a_record_name_is_an_error() {
+    let test = "a_foreign_value_under_a_record_name_is_an_error";
+    let Some(url) = redis_url(test) else { return };
+    let prefix = idem_testkit::unique_name("idem_rt", test);
+    let (_, mut plain) = connection(&url).await;
+    let store = RedisRequestStore::builder(&url)
+        .key_prefix(&prefix)
+        .connect()
+        .await
+        .expect("store");
+    let rec = format!(
+        "{prefix}:{{{}:k-foreign}}:rec",
+        RequestScope::new(["alice", "POST", "/charges"]).to_hex()
+    );
+    for (value, cmd) in [("hello", "SET"), ("a", "RPUSH")] {
+        let () = redis::cmd("DEL")
+            .arg(&rec)
+            .query_async::<i64>(&mut plain)
+            .await
+            .map(|_| ())
+            .expect("DEL");
+        let () = redis::cmd(cmd)
+            .arg(&rec)
+            .arg(value)
+            .query_async::<redis::Value>(&mut plain)
+            .await
+            .map(|_| ())
+            .expect("write");
+        let err = store
+            .begin_request(&key("k-foreign"), &fp("body"), LONG, DAY)
+            .await
+            .expect_err("a foreign value");
+        assert!(
+            matches!(err.kind(), ErrorKind::Store | ErrorKind::Misconfigured),
+            "{cmd}: {err}"
+        );
+    }
+    clean(&mut plain, &prefix).await;
+}
+
+/// The fence expires with its record; the successor's fence still beats every fence of the
+/// expired record, so a stalled executor of that record completes nothing.
 #[tokio::test]
 async fn a_stalled_executor_of_an_expired_record_cannot_complete_its_successor() {
     let test = "a_stalled_executor_of_an_expired_record_cannot_complete_its_successor";

@@ -31,6 +31,8 @@ pub(crate) struct Sample {
     /// CPU time of the server process per request, and of Redis (when on Redis), in µs.
     pub(crate) server_cpu_us: f64,
     pub(crate) redis_cpu_us: f64,
+    /// Commands Redis ran per request (when on Redis; `INFO commandstats`, server-wide).
+    pub(crate) redis_commands: Option<f64>,
     pub(crate) p50_us: u32,
     pub(crate) p99_us: u32,
     /// Answers that were not what the variant expects (status, replay marker).
@@ -42,7 +44,17 @@ pub(crate) struct Sample {
 /// CPU time (user + system) a process has used, in µs, from `/proc/PID/stat` (Linux; 0
 /// elsewhere). Ticks are taken as 100 per second, the Linux default.
 pub(crate) fn cpu_micros(pid: u32) -> u64 {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+    cpu_micros_in(&format!("/proc/{pid}/stat"))
+}
+
+/// [`cpu_micros`] of the calling thread alone (`/proc/thread-self/stat`): the client's side
+/// of a current-thread runtime that runs on it.
+pub(crate) fn thread_cpu_micros() -> u64 {
+    cpu_micros_in("/proc/thread-self/stat")
+}
+
+fn cpu_micros_in(path: &str) -> u64 {
+    let Ok(stat) = std::fs::read_to_string(path) else {
         return 0;
     };
     // Fields after the command name, which is in parentheses and may hold spaces.
@@ -116,6 +128,7 @@ pub(crate) async fn run(
         sent,
         server_cpu_us: 0.0,
         redis_cpu_us: 0.0,
+        redis_commands: None,
         p50_us: pct(0.50),
         p99_us: pct(0.99),
         unexpected,

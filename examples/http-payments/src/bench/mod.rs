@@ -90,11 +90,12 @@ struct Server {
     addr: SocketAddr,
 }
 
-/// Runs one cell against `server`, with the CPU the server (and Redis, `redis_pid`) spent on it.
+/// Runs one cell against `server`, with the CPU the server (and Redis, `redis.pid`) spent on
+/// it and, on Redis, the commands Redis ran per request.
 #[allow(clippy::too_many_arguments)] // each call site names them
 async fn measure_cell(
     server: &Server,
-    redis_pid: Option<u32>,
+    redis: Option<&RedisServer>,
     clients: usize,
     keys: Keys,
     work_ms: Option<u64>,
@@ -103,13 +104,35 @@ async fn measure_cell(
     measure: Duration,
 ) -> Result<Sample> {
     let pid = server.child.id().unwrap_or(0);
+    let redis_pid = redis.and_then(|r| r.pid);
+    let mut stats = match redis {
+        Some(r) => Some(r.client.get_multiplexed_async_connection().await?),
+        None => None,
+    };
+    let commands0 = match stats.as_mut() {
+        Some(conn) => Some(function::command_calls(conn).await?),
+        None => None,
+    };
     let (cpu0, redis0) = (load::cpu_micros(pid), redis_pid.map_or(0, load::cpu_micros));
     let mut sample = load::run(server.addr, clients, keys, work_ms, id, warmup, measure).await?;
     let (cpu1, redis1) = (load::cpu_micros(pid), redis_pid.map_or(0, load::cpu_micros));
     let sent = sample.sent.max(1) as f64;
     sample.server_cpu_us = (cpu1 - cpu0) as f64 / sent;
     sample.redis_cpu_us = (redis1.saturating_sub(redis0)) as f64 / sent;
+    if let (Some(conn), Some(before)) = (stats.as_mut(), commands0) {
+        let after = function::command_calls(conn).await?;
+        let per = function::commands_per(&before, &after, sample.sent);
+        // `+ 0.0`: an empty sum is -0.0.
+        sample.redis_commands = Some(per.values().sum::<f64>() + 0.0);
+    }
     Ok(sample)
+}
+
+/// The Redis of the Redis rows: a client for `INFO commandstats`, and its process when it runs
+/// on this machine.
+struct RedisServer {
+    client: redis::Client,
+    pid: Option<u32>,
 }
 
 /// The process ID of the Redis server at `url`, when it runs on this machine.
@@ -419,13 +442,12 @@ pub(crate) async fn run(a: BenchArgs) -> Result<()> {
             }
         };
         let args: Vec<&str> = t.args.iter().map(String::as_str).collect();
-        let redis_pid = if name == "redis" {
-            redis_pid(&url_or(
-                &a.redis,
-                "IDEM_TEST_REDIS_URL",
-                "redis://127.0.0.1:6379",
-            ))
-            .await
+        let redis = if name == "redis" {
+            let url = url_or(&a.redis, "IDEM_TEST_REDIS_URL", "redis://127.0.0.1:6379");
+            Some(RedisServer {
+                client: redis::Client::open(url.as_str())?,
+                pid: redis_pid(&url).await,
+            })
         } else {
             None
         };
@@ -477,7 +499,14 @@ pub(crate) async fn run(a: BenchArgs) -> Result<()> {
                         let (_, server, keys, work) = cells[v];
                         let id = format!("{name}-{run}-{g}-{clients}-{round}-{v}");
                         let sample = measure_cell(
-                            server, redis_pid, clients, keys, work, &id, warmup, measure,
+                            server,
+                            redis.as_ref(),
+                            clients,
+                            keys,
+                            work,
+                            &id,
+                            warmup,
+                            measure,
                         )
                         .await?;
                         store_rows[g][v].rounds.push(sample);
@@ -511,12 +540,13 @@ pub(crate) async fn run(a: BenchArgs) -> Result<()> {
         let count = 1000;
         let script =
             PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/bench-powertools.py");
+        let pid = redis_pid(&redis).await;
         let (mut idem, mut powertools) = (Vec::new(), Vec::new());
         let mut powertools_error = None;
         for _ in 0..a.rounds.max(1) {
             let r = redis.clone();
             idem.push(
-                tokio::task::spawn_blocking(move || function::idem_rates(&r, seconds, count))
+                tokio::task::spawn_blocking(move || function::idem_rates(&r, pid, seconds, count))
                     .await??,
             );
             if powertools_error.is_some() {
@@ -524,7 +554,7 @@ pub(crate) async fn run(a: BenchArgs) -> Result<()> {
             }
             let (python, script, r) = (a.python.clone(), script.clone(), redis.clone());
             match tokio::task::spawn_blocking(move || {
-                function::powertools_rates(&python, &script, &r, seconds, count)
+                function::powertools_rates(&python, &script, &r, pid, seconds, count)
             })
             .await?
             {
@@ -668,42 +698,113 @@ fn report(
             );
         }
     }
+    // Redis commands per request of the Redis rows.
+    let mut commands = Vec::new();
+    for r in rows.iter().filter(|r| r.store.starts_with("Redis")) {
+        let mut per: Vec<f64> = r.rounds.iter().filter_map(|s| s.redis_commands).collect();
+        if per.is_empty() {
+            continue;
+        }
+        per.sort_by(f64::total_cmp);
+        commands.push(format!(
+            "- Redis commands per request, {}, {} client(s): {:.2}",
+            r.variant,
+            r.clients,
+            per[per.len() / 2]
+        ));
+    }
+    if !commands.is_empty() {
+        let _ = writeln!(
+            out,
+            "\nRedis commands per request (median over the rounds; INFO commandstats over each cell, warm-up included, counting the commands a script runs; all clients of the server together, so other users of the server add to it):\n"
+        );
+        for line in commands {
+            let _ = writeln!(out, "{line}");
+        }
+    }
     if let Some((idem, powertools)) = function {
         let _ = writeln!(
             out,
-            "\nFunction level on Redis, single-threaded (one call at a time), {} s per leg, {} interleaved rounds (median of each column); round trips counted by each client, commands by Redis (INFO commandstats, which counts the commands a Lua script runs too), over 1000 calls each; µs over PING = a call's time less one PING's, i.e. the library's own cost on the client plus the server's work\n",
+            "\nFunction level on Redis, single-threaded (one call at a time), {} s per leg, {} interleaved rounds (median of each column); the floor is the client's own PING rate (one round trip, no work): a first call needs two round trips (floor = PING/s ÷ 2), a replay one (floor = PING/s); round trips counted by each client, commands by Redis (INFO commandstats, which counts the commands a Lua script runs too), over 1000 calls each; µs over PING = a call's time less one PING's, i.e. the library's own cost on the client plus the server's work\n",
             a.seconds,
             a.rounds.max(1)
         );
         let _ = writeln!(
             out,
-            "| implementation | first calls/s | replays/s | round trips per first call | per replay | Redis commands per first call | per replay | client's PING/s (one round trip, the floor) | replay µs over one PING |"
+            "| implementation | first calls/s | replays/s | client's PING/s (the floor) | first calls ÷ floor | replays ÷ floor | round trips per first call | per replay | Redis commands per first call | per replay | replay µs over one PING |"
         );
-        let _ = writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|---:|");
-        let line = |out: &mut String, name: &str, r: &function::Rates| {
+        let _ = writeln!(
+            out,
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        );
+        let name = |r: &function::Rates| match &r.powertools {
+            Some(v) => format!("Powertools {v} `idempotent_function` (Redis persistence layer)"),
+            None => "idem `Idempotency::call` (idem-redis)".to_owned(),
+        };
+        let all: Vec<&function::Rates> = std::iter::once(idem).chain(powertools.as_ref()).collect();
+        for r in &all {
             let _ = writeln!(
                 out,
-                "| {name} | {:.0} | {:.0} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.0} |",
+                "| {} | {:.0} | {:.0} | {:.0} | {:.2} | {:.2} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} |",
+                name(r),
                 r.first_per_s,
                 r.replay_per_s,
+                r.pings_per_s,
+                r.first_vs_floor(),
+                r.replay_vs_floor(),
                 r.round_trips_per_first,
                 r.round_trips_per_replay,
                 r.commands_per_first,
                 r.commands_per_replay,
-                r.pings_per_s,
                 1e6 / r.replay_per_s - 1e6 / r.pings_per_s
             );
-        };
-        line(&mut out, "idem `Idempotency::call` (idem-redis)", idem);
-        if let Some(p) = powertools {
-            let name = format!(
-                "Powertools {} `idempotent_function` (Redis persistence layer)",
-                p.powertools.as_deref().unwrap_or("?")
-            );
-            line(&mut out, &name, p);
+        }
+        let _ = writeln!(
+            out,
+            "\nWhere a call's time goes (CPU µs per call over the timed legs, from /proc/<pid>/stat: the client's thread — idem's current-thread runtime, Powertools' Python process — and redis-server; the rest of a call's wall time is waiting: the round trips' wake-ups and the network stack)\n"
+        );
+        let _ = writeln!(
+            out,
+            "| implementation | first call: wall µs | client CPU µs | redis-server CPU µs | replay: wall µs | client CPU µs | redis-server CPU µs | one PING: wall µs |"
+        );
+        let _ = writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|");
+        for r in &all {
             let _ = writeln!(
                 out,
-                "\n- idem / Powertools: first calls {:.1}×, replays {:.1}× (target ≥ 10×)",
+                "| {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} |",
+                name(r),
+                1e6 / r.first_per_s,
+                r.client_cpu_us_first,
+                r.redis_cpu_us_first,
+                1e6 / r.replay_per_s,
+                r.client_cpu_us_replay,
+                r.redis_cpu_us_replay,
+                1e6 / r.pings_per_s
+            );
+        }
+        let _ = writeln!(out);
+        for r in &all {
+            let _ = writeln!(
+                out,
+                "- Redis commands by name, {}: first call {}; replay {}",
+                name(r),
+                function::mix_text(&r.mix_first),
+                function::mix_text(&r.mix_replay)
+            );
+        }
+        let verdict = |x: f64| if x >= 0.9 { "met" } else { "missed" };
+        let _ = writeln!(
+            out,
+            "- idem against the round-trip floor: first calls {:.2}× ({}), replays {:.2}× ({}) (target ≥ 0.9×)",
+            idem.first_vs_floor(),
+            verdict(idem.first_vs_floor()),
+            idem.replay_vs_floor(),
+            verdict(idem.replay_vs_floor())
+        );
+        if let Some(p) = powertools {
+            let _ = writeln!(
+                out,
+                "- idem / Powertools: first calls {:.1}×, replays {:.1}× (target ≥ 10×)",
                 idem.first_per_s / p.first_per_s,
                 idem.replay_per_s / p.replay_per_s
             );
