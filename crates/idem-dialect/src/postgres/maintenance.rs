@@ -10,17 +10,27 @@
 //! day's partition before it is dropped). The few statements below do exactly that, under one
 //! advisory lock, from the consumer's own pruning loop.
 //!
-//! Three rules keep maintenance safe beside running consumers. It locks the parent table
-//! before a partition, in the mode its DDL needs, as a claim locks the parent before the
-//! partition its key routes to (the other order deadlocks with such a claim). Its waits are
-//! bounded ([`LOCK_TIMEOUT`], the advisory lock included): a busy round fails and the next one
-//! tries again, and `migrate` goes on without it. And the table records how it is partitioned
+//! Two layouts. Every table `migrate` creates is **bounded** (no PostgreSQL DEFAULT
+//! partition): days are attached and detached concurrently and no step of a round makes a
+//! claim wait ([`round`]). A table made by earlier versions has a DEFAULT partition
+//! ([`is_legacy`]); it is maintained as before — each day created and dropped under a moment
+//! of ACCESS EXCLUSIVE on the table, which stalls the claims for that moment — until
+//! [`bound_legacy`] converts it.
+//!
+//! Rules that keep maintenance safe beside running consumers. Its waits are bounded
+//! ([`LOCK_TIMEOUT`], the advisory lock included): a busy round fails and the next one tries
+//! again (a bounded round cut short leaves nothing the next cannot finish), and `migrate` goes
+//! on without it. On a legacy table it locks the parent table before a partition, in the mode
+//! its DDL needs, as a claim locks the parent before the partition its key routes to (the
+//! other order deadlocks with such a claim). And the table records how it is partitioned
 //! ([`PartitionRecord`], in its comment): a store reading IDs with another extractor is
 //! refused, and a store not configured partitioned never prunes the table.
 //!
-//! One round, as a store runs it: read [`READ_CLOCK`](super::READ_CLOCK) and [`DAYS`] (the table's comment,
-//! checked with [`check_record`], and its partitions' names, read with [`days_of`]); [`plan`]
-//! the round; then for each day to create, in a transaction opened with
+//! One round, as a store runs it: read [`DAYS`] (the table's comment, checked with
+//! [`check_record`]); then on a connection of its own, [`session_start`], the clock
+//! ([`READ_CLOCK`](super::READ_CLOCK)) and [`RELATIONS`]; on a bounded table run the
+//! [`round`]'s steps; then [`session_end`], error or not. On a legacy table: [`plan`] the
+//! round from [`days_of`]; then for each day to create, in a transaction opened with
 //! [`maintenance_lock`]: [`EXISTS`], and unless it does, [`create_day`]; for each day to drop,
 //! likewise: [`EXISTS`], [`ESTIMATE`], [`look_before_drop`], then [`drop_day`].
 
@@ -852,6 +862,128 @@ mod tests {
         assert_eq!(drop_day(&t, day, 0), "DROP TABLE claims_p20251201");
         assert!(drop_day(&t, day, 3).starts_with("ALTER TABLE claims DETACH PARTITION"));
         assert!(maintenance_lock(&t).starts_with(LOCK_TIMEOUT));
+    }
+
+    fn rel(name: &str, bound: &str) -> Relation {
+        Relation::new(name.into(), true, false, bound.into(), 100)
+    }
+
+    fn bounded(days: std::ops::RangeInclusive<i64>, upper: i64) -> Vec<Relation> {
+        let mut rels = vec![
+            rel(
+                "claims_default",
+                &format!("FOR VALUES FROM ('1') TO ('{upper}')"),
+            ),
+            rel("claims_undated", "FOR VALUES FROM (MINVALUE) TO ('1')"),
+        ];
+        for n in days {
+            let d = Day::from_number(n);
+            rels.push(rel(
+                &format!("claims_p{}", d.suffix()),
+                &format!("FOR VALUES FROM ('{}') TO ('{}')", d.start(), d.end()),
+            ));
+        }
+        rels
+    }
+
+    #[test]
+    fn a_bounded_round_detaches_due_days_concurrently_and_rebounds_the_default() {
+        let (t, p) = (table("claims"), partitioning());
+        let rels = bounded(20_403..=20_425, Day::from_number(20_403).start());
+        assert!(!is_legacy(&t, &rels));
+        let want: Vec<Day> = p.days_to_create(now()).collect();
+        let r = round(&t, &rels, now(), &p, &want, true).expect("round");
+        assert!(r.created.is_empty());
+        let dropped: Vec<i64> = r.dropped.iter().map(|(d, _)| d.number()).collect();
+        assert_eq!(dropped, (20_403..=20_415).collect::<Vec<_>>());
+        // One concurrent detach per day, then the default partition's, then one transaction.
+        let alone = |s: &Step| matches!(s, Step::Alone(sql) if sql.ends_with("CONCURRENTLY"));
+        assert_eq!(r.steps.iter().filter(|s| alone(s)).count(), 14);
+        let Some(Step::Tx(last)) = r.steps.last() else {
+            panic!("{:?}", r.steps)
+        };
+        let upper = Day::from_number(20_416).start();
+        assert!(
+            last.ends_with(&format!("claims_default FOR VALUES FROM (1) TO ({upper})")),
+            "{last}"
+        );
+        let first = Day::from_number(20_403).suffix();
+        assert!(last.contains(&format!(
+            "INSERT INTO claims_default SELECT * FROM claims_p{first}"
+        )));
+        assert!(!last.contains("ACCESS EXCLUSIVE"), "{last}");
+        // Nothing to do the next time.
+        let after = bounded(20_416..=20_425, upper);
+        assert!(
+            round(&t, &after, now(), &p, &want, true)
+                .expect("round")
+                .is_empty()
+        );
+    }
+
+    #[test]
+    fn a_bounded_round_finishes_what_an_interrupted_one_left() {
+        let (t, p) = (table("claims"), partitioning());
+        let upper = Day::from_number(20_416).start();
+        let mut rels = bounded(20_415..=20_425, Day::from_number(20_415).start());
+        let half = format!("claims_p{}", Day::from_number(20_415).suffix());
+        rels.iter_mut()
+            .find(|r| r.name == half)
+            .map(|r| r.pending = true)
+            .expect("day");
+        let r = round(&t, &rels, now(), &p, &[], true).expect("round");
+        assert_eq!(
+            r.steps[0],
+            Step::Alone(format!(
+                "ALTER TABLE claims DETACH PARTITION {half} FINALIZE"
+            ))
+        );
+        assert_eq!(r.dropped.len(), 1, "{r:?}");
+        // The default partition left detached: attached again, nothing else.
+        let mut rels = bounded(20_416..=20_425, upper);
+        rels[0].attached = false;
+        rels[0].bound.clear();
+        let r = round(&t, &rels, now(), &p, &[], true).expect("round");
+        assert_eq!(r.steps.len(), 1, "{r:?}");
+        assert!(matches!(&r.steps[0], Step::Tx(sql) if sql.ends_with(&format!("TO ({upper})"))));
+    }
+
+    #[test]
+    fn a_backfill_carves_every_day_up_to_the_default_partitions_bound() {
+        let (t, p) = (table("claims"), partitioning());
+        let upper = Day::from_number(20_423).start();
+        let rels = bounded(20_423..=20_425, upper);
+        let r = round(&t, &rels, now(), &p, &[Day::from_number(20_420)], false).expect("round");
+        let created: Vec<i64> = r.created.iter().map(|d| d.number()).collect();
+        assert_eq!(created, vec![20_420, 20_421, 20_422]);
+        let Some(Step::Tx(sql)) = r.steps.last() else {
+            panic!("{:?}", r.steps)
+        };
+        assert!(
+            sql.contains("DELETE FROM claims_default WHERE id_time >= "),
+            "{sql}"
+        );
+        let new_upper = Day::from_number(20_420).start();
+        assert!(sql.ends_with(&format!("TO ({new_upper})")), "{sql}");
+        // A day ahead of the days created needs no carving: created beside the claims.
+        let r = round(&t, &rels, now(), &p, &[Day::from_number(20_440)], false).expect("round");
+        assert_eq!(r.steps.len(), 1);
+        assert!(matches!(&r.steps[0], Step::Tx(sql) if sql.contains("ATTACH PARTITION claims_p")));
+    }
+
+    #[test]
+    fn a_legacy_table_is_told_by_its_default_partition() {
+        let t = table("claims");
+        let mut rels = bounded(20_423..=20_425, 1);
+        rels[0].bound = "DEFAULT".into();
+        assert!(is_legacy(&t, &rels));
+        assert_eq!(
+            first_day_start(&t, &rels),
+            Some(Day::from_number(20_423).start())
+        );
+        let sql = bound_legacy(&t, &[Day::from_number(20_440)], 7);
+        assert!(sql.contains("DETACH PARTITION claims_default;"), "{sql}");
+        assert!(sql.contains("ATTACH PARTITION claims_default FOR VALUES FROM (1) TO (7)"));
     }
 
     #[test]

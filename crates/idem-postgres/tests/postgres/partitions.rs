@@ -978,7 +978,10 @@ async fn a_claim_for_a_day_without_a_partition_is_unavailable_not_dropped() {
         .expect_err("no partition for the ID's day");
     assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
     assert_eq!(count(&admin, "SELECT count(*) FROM effects").await, 0);
-    assert_eq!(count(&admin, "SELECT count(*) FROM idem_processed").await, 0);
+    assert_eq!(
+        count(&admin, "SELECT count(*) FROM idem_processed").await,
+        0
+    );
     store
         .create_partitions([Day::of(now.saturating_add(DAY * 10))])
         .await
@@ -1053,7 +1056,10 @@ async fn an_interrupted_detach_is_finished_by_the_next_round() {
         store.commit(claim_tx).await.expect("commit");
         slowest = slowest.max(started.elapsed());
     }
-    let cut = round.await.expect("task").expect_err("cut short behind the reader");
+    let cut = round
+        .await
+        .expect("task")
+        .expect_err("cut short behind the reader");
     assert_eq!(cut.kind(), ErrorKind::Transient, "{cut}");
     assert!(
         slowest < Duration::from_secs(1),
@@ -1075,10 +1081,7 @@ async fn an_interrupted_detach_is_finished_by_the_next_round() {
     assert_eq!(report.moved, 1, "the late claim kept: {report:?}");
     let (rows, has_default) = layout(&admin).await;
     assert!(!has_default && rows.iter().all(|(_, p)| !p), "{rows:?}");
-    assert_eq!(
-        located(&admin, &late).await,
-        vec!["idem_processed_default"]
-    );
+    assert_eq!(located(&admin, &late).await, vec!["idem_processed_default"]);
     drop((store, admin, reader));
     schema.drop().await;
 }
