@@ -1079,7 +1079,12 @@ async fn an_interrupted_detach_is_finished_by_the_next_round() {
         .expect("backfill");
     let late = uuid_at(old, 2);
     claim_all(&store, &[uuid_at(old, 1)], idem_core::Stamp::At(old)).await;
-    claim_all(&store, std::slice::from_ref(&late), idem_core::Stamp::StoreClock).await;
+    claim_all(
+        &store,
+        std::slice::from_ref(&late),
+        idem_core::Stamp::StoreClock,
+    )
+    .await;
     let part = format!("idem_processed_p{}", Day::of(old).suffix());
 
     let mut reader = schema.pool(1).await.begin().await.expect("begin");
