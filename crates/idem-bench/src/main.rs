@@ -137,8 +137,14 @@ struct BenchArgs {
     /// Prune: stop row-wise pruning after this many seconds (checked between batches).
     #[arg(long, default_value_t = 600.0, value_name = "SECONDS")]
     prune_cap: f64,
-    /// Prune: the tables to prune, in order: plain (row-wise), partitioned (partition drop).
-    #[arg(long, value_delimiter = ',', default_value = "plain,partitioned")]
+    /// Prune: the tables to prune, in order: plain (row-wise), legacy (partitioned with a
+    /// DEFAULT partition: drop under an exclusive lock), partitioned (bounded: detach
+    /// concurrently).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "plain,legacy,partitioned"
+    )]
     prune_tables: Vec<postgres::PruneLayout>,
     /// Outbox: broker URLs relayed to, one throughput table and one latency run each
     /// [default: $IDEM_TEST_NATS_URL, else nats://127.0.0.1:4222].

@@ -1,5 +1,5 @@
 //! tokio-postgres's (and deadpool's) errors as idem's [`ErrorKind`]s: by SQLSTATE through
-//! [`idem_dialect::postgres::sqlstate::kind`], the table `idem-sql` classifies with too, never by message
+//! [`idem_dialect::postgres::sqlstate::kind_with`], the table `idem-sql` classifies with too, never by message
 //! text; a connection that closed or failed at the socket is [`ErrorKind::Unavailable`], and at
 //! `COMMIT` [`ErrorKind::OutcomeUnknown`].
 
@@ -15,7 +15,8 @@ pub(crate) const SYSTEM: &str = "PostgreSQL";
 /// What a consumer should do about a tokio-postgres error.
 pub(crate) fn kind_of(err: &tokio_postgres::Error) -> ErrorKind {
     if let Some(code) = err.code() {
-        return idem_dialect::postgres::sqlstate::kind(code.code());
+        let constraint = err.as_db_error().and_then(|db| db.constraint());
+        return idem_dialect::postgres::sqlstate::kind_with(code.code(), constraint);
     }
     // No SQLSTATE: the server never answered. tokio-postgres says so through `is_closed` (the
     // connection ended, so every request on it fails) or an I/O error in the source chain

@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use idem_core::{ConsumerName, Error, ErrorKind, Stamp, TableName, Timestamp};
-use idem_dialect::postgres::maintenance::{self, Plan};
+use idem_dialect::postgres::maintenance::{self, Plan, Relation, Step};
 use idem_dialect::postgres::partition::{
     Day, PartitionInfo, PartitionReport, Partitioning, check_table_name,
 };
@@ -48,25 +48,36 @@ impl PgStore {
         self.partitioning.as_ref()
     }
 
-    /// Creates today's partition and those `ahead` of it, then drops the days wholly past the
-    /// table's retention (a claim in them younger than the retention first moves to the
+    /// Creates today's partition and those `ahead` of it, then takes out the days wholly past
+    /// the table's retention (a claim in them younger than the retention first moves to the
     /// default partition). Idempotent; replicas running it at once — on this store or on
     /// `idem-sql`'s — take turns. Runs with every prune of a partitioned store, so a
     /// consumer's pruning loop keeps the table in shape.
+    ///
+    /// On a table in the bounded layout (every table `migrate` creates) nothing it does makes
+    /// a claim wait: days are attached and detached concurrently
+    /// (`idem_dialect::postgres::maintenance::round`), and a round cut short is finished by the
+    /// next. On a table made before (with PostgreSQL's DEFAULT partition) each day is created
+    /// and dropped under a short exclusive lock, as before, until
+    /// [`bound_partitions`](Self::bound_partitions) converts it.
     pub async fn maintain_partitions(&self) -> Result<PartitionReport, Error> {
         let p = self.require_partitioning()?;
+        // Checks the table's record against the store's extractor, whatever its layout.
+        let existing = self.day_partitions(p).await?;
+        if let Some(report) = self.bounded_round(p, None, true).await? {
+            return Ok(report);
+        }
         let now = self.server_now().await?;
         // One catalog read decides both: it runs with every prune batch, and opening a locked
         // transaction per day ahead only to find it exists would cost three each time.
         // `create_day` still checks again under the lock.
-        let existing = self.day_partitions(p).await?;
         let Plan {
             create,
             drop,
             cutoff,
             ..
         } = maintenance::plan(&existing, now, p);
-        let mut report = self.create_partitions(create).await?;
+        let mut report = self.create_legacy(create).await?;
         for day in drop {
             let (rows, moved) = self.drop_day(day, cutoff).await?;
             report.dropped.push((day, rows));
@@ -77,12 +88,71 @@ impl PgStore {
 
     /// Creates the partitions of `days` that do not exist yet, moving their claims out of the
     /// default partition: for backfills, and what
-    /// [`maintain_partitions`](Self::maintain_partitions) does for the days ahead.
+    /// [`maintain_partitions`](Self::maintain_partitions) does for the days ahead. In the
+    /// bounded layout a day below the default partition's bound is carved out of it with every
+    /// day up to the bound (it holds one range).
     pub async fn create_partitions(
         &self,
         days: impl IntoIterator<Item = Day>,
     ) -> Result<PartitionReport, Error> {
+        let p = self.require_partitioning()?;
+        let days: Vec<Day> = days.into_iter().collect();
+        if let Some(report) = self.bounded_round(p, Some(&days), false).await? {
+            return Ok(report);
+        }
+        self.create_legacy(days).await
+    }
+
+    /// Converts a claims table made before the bounded layout (its `<table>_default` is
+    /// PostgreSQL's DEFAULT partition, under which every dropped day locks the claims out) to
+    /// the bounded layout, in one transaction
+    /// (`idem_dialect::postgres::maintenance::bound_legacy`): it holds ACCESS EXCLUSIVE on the
+    /// table while it moves the default partition's claims of days ahead of the first day
+    /// partition (a producer's clock that was ahead; usually none) into partitions of their
+    /// own. `Ok(false)` when the table is bounded already. Run it once, where a short pause of
+    /// the consumers is acceptable; `migrate` does not.
+    pub async fn bound_partitions(&self) -> Result<bool, Error> {
         self.require_partitioning()?;
+        let t = self.table();
+        let err = |e| store_error("converting to the bounded layout", e);
+        let rels = {
+            let lease = self.lease().await?;
+            relations(lease.client(), t).await?
+        };
+        if !maintenance::is_legacy(t, &rels) {
+            return Ok(false);
+        }
+        let Some(upper) = maintenance::first_day_start(t, &rels) else {
+            return Err(Error::new(
+                ErrorKind::Misconfigured,
+                format!(
+                    "the claims table {t} has no day partition to bound its default partition \
+                     below: run maintain_partitions first"
+                ),
+            ));
+        };
+        let tx = self.maintenance_tx().await?;
+        let days = tx
+            .simple_query(&maintenance::legacy_days_above(t, upper))
+            .await
+            .map_err(err)?;
+        let days: Vec<Day> = days
+            .iter()
+            .filter_map(|m| match m {
+                SimpleQueryMessage::Row(r) => r.get(0).and_then(|d| d.parse().ok()),
+                _ => None,
+            })
+            .map(Day::from_number)
+            .collect();
+        tx.batch_execute(&maintenance::bound_legacy(t, &days, upper))
+            .await
+            .map_err(err)?;
+        tx.commit().await.map_err(commit_error)?;
+        Ok(true)
+    }
+
+    /// A legacy table's days created one by one ([`create_day`](Self::create_day)).
+    async fn create_legacy(&self, days: Vec<Day>) -> Result<PartitionReport, Error> {
         let mut report = PartitionReport::default();
         for day in days {
             if let Some(moved) = self.create_day(day).await? {
@@ -91,6 +161,31 @@ impl PgStore {
             }
         }
         Ok(report)
+    }
+
+    /// One bounded round (`maintenance::round`) on a connection of its own, holding the
+    /// maintenance lock for the session: `None` when the table is in the legacy layout.
+    /// `want`: the days to create (`None`: today and those ahead).
+    async fn bounded_round(
+        &self,
+        p: &Partitioning,
+        want: Option<&[Day]>,
+        drop_due: bool,
+    ) -> Result<Option<PartitionReport>, Error> {
+        let t = self.table();
+        let lease = self.lease().await?;
+        let result = run_round(lease.client(), t, p, want, drop_due).await;
+        // The session's lock and timeout must not go back to the pool with the connection:
+        // one that cannot shed them is closed (the server then releases the lock).
+        if lease
+            .client()
+            .batch_execute(&maintenance::session_end(t))
+            .await
+            .is_err()
+        {
+            lease.discard();
+        }
+        result
     }
 
     /// The claims table's partitions, with the planner's row estimates and their sizes; none
@@ -217,6 +312,79 @@ impl PgStore {
     }
 }
 
+/// The claims table's [`Relation`]s ([`maintenance::RELATIONS`]).
+async fn relations(client: &tokio_postgres::Client, t: &TableName) -> Result<Vec<Relation>, Error> {
+    let err = |e| store_error("listing partitions", e);
+    let rows = client
+        .query(maintenance::RELATIONS, &[&t.to_string()])
+        .await
+        .map_err(err)?;
+    rows.iter()
+        .map(|r| {
+            Ok(Relation::new(
+                r.try_get(0)?,
+                r.try_get(1)?,
+                r.try_get(2)?,
+                r.try_get(3)?,
+                r.try_get(4)?,
+            ))
+        })
+        .collect::<Result<_, tokio_postgres::Error>>()
+        .map_err(err)
+}
+
+/// The body of [`PgStore::bounded_round`] on its connection: the session's lock, the catalog
+/// and the clock read under it, the round planned and its steps run in order.
+async fn run_round(
+    client: &tokio_postgres::Client,
+    t: &TableName,
+    p: &Partitioning,
+    want: Option<&[Day]>,
+    drop_due: bool,
+) -> Result<Option<PartitionReport>, Error> {
+    client
+        .batch_execute(&maintenance::session_start(t))
+        .await
+        .map_err(|e| store_error("partition maintenance lock", e))?;
+    let now: i64 = client
+        .query_one(READ_CLOCK, &[])
+        .await
+        .and_then(|r| r.try_get(0))
+        .map_err(|e| store_error("reading the clock", e))?;
+    let rels = relations(client, t).await?;
+    if maintenance::is_legacy(t, &rels) {
+        return Ok(None);
+    }
+    let now = Timestamp::from_micros(now);
+    let want: Vec<Day> = match want {
+        Some(days) => days.to_vec(),
+        None => p.days_to_create(now).collect(),
+    };
+    let round = maintenance::round(t, &rels, now, p, &want, drop_due)?;
+    let mut report = PartitionReport::default();
+    for step in &round.steps {
+        match step {
+            Step::Alone(sql) => {
+                client
+                    .batch_execute(sql)
+                    .await
+                    .map_err(|e| store_error(sql, e))?;
+            }
+            Step::Tx(sql) => match client.simple_query(&format!("BEGIN; {sql}; COMMIT")).await {
+                Ok(messages) => report.moved += rows_affected(&messages),
+                Err(e) => {
+                    // The script stopped at the failing statement, inside its transaction.
+                    let _ = client.batch_execute("ROLLBACK").await;
+                    return Err(store_error("partition maintenance", e));
+                }
+            },
+        }
+    }
+    report.created = round.created;
+    report.dropped = round.dropped;
+    Ok(Some(report))
+}
+
 /// Whether the relation `name` exists, seen from inside `tx`.
 async fn exists(tx: &PgTx, name: &str) -> Result<bool, tokio_postgres::Error> {
     let exists = tx.prepare_cached(maintenance::EXISTS).await?;
@@ -226,14 +394,18 @@ async fn exists(tx: &PgTx, name: &str) -> Result<bool, tokio_postgres::Error> {
 /// Runs parameterless `sql` as one simple query (it may hold several statements): its rows
 /// affected, summed over its statements (as sqlx reports them for `idem-sql`).
 async fn execute_simple(tx: &PgTx, sql: &str) -> Result<u64, tokio_postgres::Error> {
-    let messages = tx.simple_query(sql).await?;
-    Ok(messages
+    Ok(rows_affected(&tx.simple_query(sql).await?))
+}
+
+/// Rows affected, summed over a simple query's statements.
+fn rows_affected(messages: &[SimpleQueryMessage]) -> u64 {
+    messages
         .iter()
         .map(|m| match m {
             SimpleQueryMessage::CommandComplete(n) => *n,
             _ => 0,
         })
-        .sum())
+        .sum()
 }
 
 /// Refuses to run a partitioned store on a plain table or the reverse, and a partitioned

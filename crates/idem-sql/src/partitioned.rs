@@ -6,7 +6,7 @@
 //! text under the same locks, so either store maintains a table the other claims in.
 
 use idem_core::{ConsumerName, Error, ErrorKind, Stamp, TableName, Timestamp};
-use idem_dialect::postgres::maintenance::{self, Plan};
+use idem_dialect::postgres::maintenance::{self, Plan, Relation, Step};
 use idem_dialect::postgres::partition::{Day, PartitionInfo, PartitionReport, Partitioning};
 use idem_dialect::postgres::{READ_CLOCK, sqlstate};
 use sqlx::{Postgres, Row};
@@ -61,25 +61,36 @@ impl SqlStore<Postgres> {
         }
     }
 
-    /// Creates today's partition and those `ahead` of it, then drops the days wholly past the
-    /// table's retention (a claim in them younger than the retention first moves to the
+    /// Creates today's partition and those `ahead` of it, then takes out the days wholly past
+    /// the table's retention (a claim in them younger than the retention first moves to the
     /// default partition). Idempotent; replicas running it at once — on this store or on
     /// `idem-postgres`'s — take turns. Runs with every prune of a partitioned store, so a
     /// consumer's pruning loop keeps the table in shape.
+    ///
+    /// On a table in the bounded layout (every table `migrate` creates) nothing it does makes
+    /// a claim wait: days are attached and detached concurrently
+    /// (`idem_dialect::postgres::maintenance::round`), and a round cut short is finished by the
+    /// next. On a table made before (with PostgreSQL's DEFAULT partition) each day is created
+    /// and dropped under a short exclusive lock, as before, until
+    /// [`bound_partitions`](Self::bound_partitions) converts it.
     pub async fn maintain_partitions(&self) -> Result<PartitionReport, Error> {
         let p = self.require_partitioning()?;
+        // Checks the table's record against the store's extractor, whatever its layout.
+        let existing = self.day_partitions(p).await?;
+        if let Some(report) = self.bounded_round(p, None, true).await? {
+            return Ok(report);
+        }
         let now = self.server_now().await?;
         // One catalog read decides both: it runs with every prune batch, and opening a locked
         // transaction per day ahead only to find it exists would cost three each time.
         // `create_day` still checks again under the lock.
-        let existing = self.day_partitions(p).await?;
         let Plan {
             create,
             drop,
             cutoff,
             ..
         } = maintenance::plan(&existing, now, p);
-        let mut report = self.create_partitions(create).await?;
+        let mut report = self.create_legacy(create).await?;
         for day in drop {
             let (rows, moved) = self.drop_day(day, cutoff).await?;
             report.dropped.push((day, rows));
@@ -90,12 +101,60 @@ impl SqlStore<Postgres> {
 
     /// Creates the partitions of `days` that do not exist yet, moving their claims out of the
     /// default partition: for backfills, and what [`maintain_partitions`](Self::maintain_partitions)
-    /// does for the days ahead.
+    /// does for the days ahead. In the bounded layout a day below the default partition's
+    /// bound is carved out of it with every day up to the bound (it holds one range).
     pub async fn create_partitions(
         &self,
         days: impl IntoIterator<Item = Day>,
     ) -> Result<PartitionReport, Error> {
+        let p = self.require_partitioning()?;
+        let days: Vec<Day> = days.into_iter().collect();
+        if let Some(report) = self.bounded_round(p, Some(&days), false).await? {
+            return Ok(report);
+        }
+        self.create_legacy(days).await
+    }
+
+    /// Converts a claims table made before the bounded layout (its `<table>_default` is
+    /// PostgreSQL's DEFAULT partition, under which every dropped day locks the claims out) to
+    /// the bounded layout, in one transaction
+    /// (`idem_dialect::postgres::maintenance::bound_legacy`): it holds ACCESS EXCLUSIVE on the
+    /// table while it moves the default partition's claims of days ahead of the first day
+    /// partition (a producer's clock that was ahead; usually none) into partitions of their
+    /// own. `Ok(false)` when the table is bounded already. Run it once, where a short pause of
+    /// the consumers is acceptable; `migrate` does not.
+    pub async fn bound_partitions(&self) -> Result<bool, Error> {
         self.require_partitioning()?;
+        let t = self.table();
+        let err = |e| store_error::<Postgres>("converting to the bounded layout", e);
+        let rels = relations(self.pool(), t).await?;
+        if !maintenance::is_legacy(t, &rels) {
+            return Ok(false);
+        }
+        let Some(upper) = maintenance::first_day_start(t, &rels) else {
+            return Err(Error::new(
+                ErrorKind::Misconfigured,
+                format!(
+                    "the claims table {t} has no day partition to bound its default partition \
+                     below: run maintain_partitions first"
+                ),
+            ));
+        };
+        let mut tx = self.maintenance_tx().await?;
+        let days: Vec<i64> = sqlx::query_scalar(&maintenance::legacy_days_above(t, upper))
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(err)?;
+        let days: Vec<Day> = days.into_iter().map(Day::from_number).collect();
+        Postgres::execute_simple(&mut tx, &maintenance::bound_legacy(t, &days, upper))
+            .await
+            .map_err(err)?;
+        tx.commit().await.map_err(commit_error::<Postgres>)?;
+        Ok(true)
+    }
+
+    /// A legacy table's days created one by one ([`create_day`](Self::create_day)).
+    async fn create_legacy(&self, days: Vec<Day>) -> Result<PartitionReport, Error> {
         let mut report = PartitionReport::default();
         for day in days {
             if let Some(moved) = self.create_day(day).await? {
@@ -104,6 +163,33 @@ impl SqlStore<Postgres> {
             }
         }
         Ok(report)
+    }
+
+    /// One bounded round (`maintenance::round`) on a connection of its own, holding the
+    /// maintenance lock for the session: `None` when the table is in the legacy layout.
+    /// `want`: the days to create (`None`: today and those ahead).
+    async fn bounded_round(
+        &self,
+        p: &Partitioning,
+        want: Option<&[Day]>,
+        drop_due: bool,
+    ) -> Result<Option<PartitionReport>, Error> {
+        let t = self.table();
+        let mut conn = self
+            .pool()
+            .acquire()
+            .await
+            .map_err(|e| store_error::<Postgres>("partition maintenance", e))?;
+        let result = run_round(&mut conn, t, p, want, drop_due).await;
+        // The session's lock and timeout must not go back to the pool with the connection:
+        // one that cannot shed them is closed (the server then releases the lock).
+        if Postgres::execute_simple(&mut conn, &maintenance::session_end(t))
+            .await
+            .is_err()
+        {
+            drop(conn.detach());
+        }
+        result
     }
 
     /// The claims table's partitions, with the planner's row estimates and their sizes; none
@@ -220,6 +306,75 @@ impl SqlStore<Postgres> {
         tx.commit().await.map_err(commit_error::<Postgres>)?;
         Ok((u64::try_from(estimate).unwrap_or(0), young))
     }
+}
+
+/// The claims table's [`Relation`]s ([`maintenance::RELATIONS`]).
+async fn relations<'e>(
+    conn: impl sqlx::PgExecutor<'e>,
+    t: &TableName,
+) -> Result<Vec<Relation>, Error> {
+    let rows: Vec<(String, bool, bool, String, i64)> = sqlx::query_as(maintenance::RELATIONS)
+        .bind(t.to_string())
+        .fetch_all(conn)
+        .await
+        .map_err(|e| store_error::<Postgres>("listing partitions", e))?;
+    Ok(rows
+        .into_iter()
+        .map(|(name, attached, pending, bound, estimate)| {
+            Relation::new(name, attached, pending, bound, estimate)
+        })
+        .collect())
+}
+
+/// The body of [`SqlStore::bounded_round`] on its connection: the session's lock, the catalog
+/// and the clock read under it, the round planned and its steps run in order.
+async fn run_round(
+    conn: &mut sqlx::PgConnection,
+    t: &TableName,
+    p: &Partitioning,
+    want: Option<&[Day]>,
+    drop_due: bool,
+) -> Result<Option<PartitionReport>, Error> {
+    Postgres::execute_simple(conn, &maintenance::session_start(t))
+        .await
+        .map_err(|e| store_error::<Postgres>("partition maintenance lock", e))?;
+    let now: i64 = sqlx::query_scalar(READ_CLOCK)
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(|e| store_error::<Postgres>("reading the clock", e))?;
+    let rels = relations(&mut *conn, t).await?;
+    if maintenance::is_legacy(t, &rels) {
+        return Ok(None);
+    }
+    let now = Timestamp::from_micros(now);
+    let want: Vec<Day> = match want {
+        Some(days) => days.to_vec(),
+        None => p.days_to_create(now).collect(),
+    };
+    let round = maintenance::round(t, &rels, now, p, &want, drop_due)?;
+    let mut report = PartitionReport::default();
+    for step in &round.steps {
+        match step {
+            Step::Alone(sql) => {
+                Postgres::execute_simple(conn, sql)
+                    .await
+                    .map_err(|e| store_error::<Postgres>(sql, e))?;
+            }
+            Step::Tx(sql) => {
+                match Postgres::execute_simple(conn, &format!("BEGIN; {sql}; COMMIT")).await {
+                    Ok(moved) => report.moved += moved,
+                    Err(e) => {
+                        // The script stopped at the failing statement, inside its transaction.
+                        let _ = Postgres::execute_simple(conn, "ROLLBACK").await;
+                        return Err(store_error::<Postgres>("partition maintenance", e));
+                    }
+                }
+            }
+        }
+    }
+    report.created = round.created;
+    report.dropped = round.dropped;
+    Ok(Some(report))
 }
 
 async fn exists(tx: &mut Tx<Postgres>, name: &str) -> Result<bool, sqlx::Error> {

@@ -108,7 +108,7 @@ impl Engine for Postgres {
     }
 
     fn database_kind(db: &dyn DatabaseError) -> ErrorKind {
-        sqlstate::kind(db.code().as_deref().unwrap_or(""))
+        sqlstate::kind_with(db.code().as_deref().unwrap_or(""), db.constraint())
     }
 
     fn read_only(db: &dyn DatabaseError) -> bool {

@@ -1,7 +1,9 @@
 //! Prune under load (issue 12): a claims table holding `--claims` synthetic claims spread over
 //! the last 14 days, a consumer running at full speed, and the older half pruned while it
 //! runs — row by row on a plain table ([`prune_all`]'s loop), by dropping day partitions on a
-//! partitioned one ([`PostgresStore::maintain_partitions`]). It reports the consumer's
+//! partitioned one ([`PostgresStore::maintain_partitions`]): in the legacy layout (a DEFAULT
+//! partition; each drop locks the table) and in the bounded one (days detached concurrently),
+//! side by side in one run. It reports the consumer's
 //! throughput and latency before, during and after pruning, the table's size before and
 //! after, how long pruning took, and checks that pruning removed exactly what it should.
 //!
@@ -50,12 +52,17 @@ const DAY_MS: i64 = 86_400_000;
 /// The server's clock in the store's unit.
 const SERVER_NOW: &str = "SELECT (extract(epoch from clock_timestamp()) * 1000000)::bigint";
 
-/// The two ways to remove the old half.
+/// The three ways to remove the old half.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub(crate) enum Layout {
     /// One table; old claims deleted row by row in bounded batches.
     Plain,
-    /// Daily partitions by the ID's time; whole days past the retention dropped.
+    /// Daily partitions by the ID's time with PostgreSQL's DEFAULT partition, as versions
+    /// before the bounded layout made them: each day past the retention dropped under an
+    /// ACCESS EXCLUSIVE lock on the table.
+    Legacy,
+    /// Daily partitions by the ID's time in the bounded layout (what `migrate` creates): each
+    /// day past the retention detached concurrently, then dropped.
     Partitioned,
 }
 
@@ -63,8 +70,14 @@ impl Layout {
     fn name(self) -> &'static str {
         match self {
             Layout::Plain => "plain",
+            Layout::Legacy => "legacy",
             Layout::Partitioned => "partitioned",
         }
+    }
+
+    /// Whether the table is partitioned by the ID's time.
+    fn by_day(self) -> bool {
+        self != Layout::Plain
     }
 }
 
@@ -333,7 +346,7 @@ impl Bench {
             .with_requests_table(TableName::new(&format!("{schema}.requests"))?)?;
         Ok(match layout {
             Layout::Plain => store,
-            Layout::Partitioned => store.partitioned(
+            Layout::Legacy | Layout::Partitioned => store.partitioned(
                 Partitioning::uuid_v7()
                     .retention(options.retention()?)
                     .ahead(Duration::from_secs(2 * 86_400)),
@@ -349,7 +362,6 @@ impl Bench {
     ) -> anyhow::Result<Leg> {
         let name = layout.name();
         let store = self.prune_store(schema, layout, options).await?;
-        store.migrate().await?;
         let table = store.table().to_string();
         let now_us: i64 = sqlx::query_scalar(SERVER_NOW)
             .fetch_one(&self.admin)
@@ -362,7 +374,17 @@ impl Bench {
             span_ms,
         };
         let mut checks = Vec::new();
-        if layout == Layout::Partitioned {
+        if layout == Layout::Legacy {
+            // The table as versions before the bounded layout made it; migrate keeps it.
+            let p = store.partitioning().context("partitioned")?;
+            for sql in
+                idem_dialect::postgres::maintenance::legacy_create_statements(store.table(), p)
+            {
+                sqlx::raw_sql(&sql).execute(&self.admin).await?;
+            }
+        }
+        store.migrate().await?;
+        if layout.by_day() {
             // Today and the days ahead first (nothing to drop yet), then the fill's days.
             store.maintain_partitions().await?;
             let first = Day::of(Timestamp::from_micros(fill.start_ms * 1000));
@@ -447,11 +469,13 @@ impl Bench {
                 if report.moved > 0 {
                     let _ = write!(removed, "; {} moved", thousands(report.moved as f64));
                 }
-                (
-                    "partition drop: `maintain_partitions`".to_string(),
-                    removed,
-                    false,
-                )
+                let how = if layout == Layout::Legacy {
+                    "partition drop under ACCESS EXCLUSIVE (DEFAULT-partition layout): \
+                     `maintain_partitions`"
+                } else {
+                    "DETACH … CONCURRENTLY, then DROP (bounded layout): `maintain_partitions`"
+                };
+                (how.to_string(), removed, false)
             }
         };
         sqlx::raw_sql(&format!("DROP TABLE {table}"))
@@ -479,7 +503,7 @@ impl Bench {
         let (columns, values) = match layout {
             Layout::Plain => ("", ""),
             // The partition key is the ID's time in microseconds (Partitioning::key_of).
-            Layout::Partitioned => (", id_time", ", ms * 1000"),
+            Layout::Legacy | Layout::Partitioned => (", id_time", ", ms * 1000"),
         };
         let sql = format!(
             "INSERT INTO {table} (consumer, message_id, fingerprint, processed_at{columns}) \
@@ -554,7 +578,7 @@ impl Bench {
                 id.len() == 36 && key_of == want,
                 "filled claim {i}: ID {id} does not read as UUIDv7 time {want} µs"
             );
-            if layout == Layout::Partitioned {
+            if layout.by_day() {
                 let stored: i64 = sqlx::query_scalar(&format!(
                     "SELECT id_time FROM {table} WHERE consumer = $1 AND message_id = $2"
                 ))
@@ -774,7 +798,7 @@ impl Bench {
                     thousands(new_claims as f64)
                 ));
             }
-            (Layout::Partitioned, PruneResult::Dropped(_)) => {
+            (Layout::Legacy | Layout::Partitioned, PruneResult::Dropped(_)) => {
                 let boundary = Day::of(Timestamp::from_micros(pruned.cutoff_start));
                 let gone = self
                     .count(
@@ -926,7 +950,9 @@ async fn prune(
                 }
             }
         }
-        Layout::Partitioned => Ok(PruneResult::Dropped(store.maintain_partitions().await?)),
+        Layout::Legacy | Layout::Partitioned => {
+            Ok(PruneResult::Dropped(store.maintain_partitions().await?))
+        }
     }
 }
 
@@ -1106,7 +1132,7 @@ impl Report {
                 "fill: consumer `{CONSUMER}`, IDs UUIDv7 text (36 bytes) spread evenly over the \
                  {FILL_DAYS} days before the run, fingerprint 32 bytes, processed_at = ID time \
                  + 3 s; `INSERT … SELECT … FROM generate_series` in chunks of {}, in time order; \
-                 the partitioned table's day partitions created first (`create_partitions`); \
+                 the partitioned tables' day partitions created first (`create_partitions`); \
                  took {}",
                 thousands(FILL_CHUNK as f64),
                 fills.join(", ")
@@ -1122,8 +1148,11 @@ impl Report {
             format!(
                 "retention: `Retention::new(7 d, 7 d)`, prune age 7 d 1 h (about half the fill \
                  older); row-wise: `prune_batch(None, Stamp::StoreClock, 7 d 1 h, {})` until a \
-                 short batch, as `prune_all` does, stopped after {:.0} s; partition drop: \
-                 `maintain_partitions()`, which drops days wholly older than the prune age",
+                 short batch, as `prune_all` does, stopped after {:.0} s; legacy and \
+                 partitioned: `maintain_partitions()`, which takes out the days wholly older \
+                 than the prune age (legacy: `DROP TABLE` of each under ACCESS EXCLUSIVE on the \
+                 table; partitioned: `DETACH PARTITION … CONCURRENTLY` of each, then one \
+                 transaction that drops them and re-bounds the default partition)",
                 thousands(f64::from(o.batch)),
                 o.cap.as_secs_f64()
             ),
@@ -1200,6 +1229,11 @@ impl Report {
             };
             let (during, from_start) = (r(&l.windows[1]), r(&l.windows[3]));
             out.push(match l.layout {
+                Layout::Legacy => format!(
+                    "legacy: p99 during / before = {during:.2} (the DEFAULT-partition layout's \
+                     drop, for comparison: no target); over the {} = {from_start:.2}",
+                    self.since_start()
+                ),
                 Layout::Partitioned => format!(
                     "partitioned: p99 during / before = {during:.2} (target ≤ {P99_TARGET:.2}): \
                      {}; over the {} = {from_start:.2}",

@@ -10,17 +10,27 @@
 //! day's partition before it is dropped). The few statements below do exactly that, under one
 //! advisory lock, from the consumer's own pruning loop.
 //!
-//! Three rules keep maintenance safe beside running consumers. It locks the parent table
-//! before a partition, in the mode its DDL needs, as a claim locks the parent before the
-//! partition its key routes to (the other order deadlocks with such a claim). Its waits are
-//! bounded ([`LOCK_TIMEOUT`], the advisory lock included): a busy round fails and the next one
-//! tries again, and `migrate` goes on without it. And the table records how it is partitioned
+//! Two layouts. Every table `migrate` creates is **bounded** (no PostgreSQL DEFAULT
+//! partition): days are attached and detached concurrently and no step of a round makes a
+//! claim wait ([`round`]). A table made by earlier versions has a DEFAULT partition
+//! ([`is_legacy`]); it is maintained as before — each day created and dropped under a moment
+//! of ACCESS EXCLUSIVE on the table, which stalls the claims for that moment — until
+//! [`bound_legacy`] converts it.
+//!
+//! Rules that keep maintenance safe beside running consumers. Its waits are bounded
+//! ([`LOCK_TIMEOUT`], the advisory lock included): a busy round fails and the next one tries
+//! again (a bounded round cut short leaves nothing the next cannot finish), and `migrate` goes
+//! on without it. On a legacy table it locks the parent table before a partition, in the mode
+//! its DDL needs, as a claim locks the parent before the partition its key routes to (the
+//! other order deadlocks with such a claim). And the table records how it is partitioned
 //! ([`PartitionRecord`], in its comment): a store reading IDs with another extractor is
 //! refused, and a store not configured partitioned never prunes the table.
 //!
-//! One round, as a store runs it: read [`READ_CLOCK`](super::READ_CLOCK) and [`DAYS`] (the table's comment,
-//! checked with [`check_record`], and its partitions' names, read with [`days_of`]); [`plan`]
-//! the round; then for each day to create, in a transaction opened with
+//! One round, as a store runs it: read [`DAYS`] (the table's comment, checked with
+//! [`check_record`]); then on a connection of its own, [`session_start`], the clock
+//! ([`READ_CLOCK`](super::READ_CLOCK)) and [`RELATIONS`]; on a bounded table run the
+//! [`round`]'s steps; then [`session_end`], error or not. On a legacy table: [`plan`] the
+//! round from [`days_of`]; then for each day to create, in a transaction opened with
 //! [`maintenance_lock`]: [`EXISTS`], and unless it does, [`create_day`]; for each day to drop,
 //! likewise: [`EXISTS`], [`ESTIMATE`], [`look_before_drop`], then [`drop_day`].
 
@@ -107,12 +117,7 @@ pub fn days_of(t: &TableName, names: impl IntoIterator<Item = impl AsRef<str>>) 
 /// `idem-partitions:<schema>.<table>`, however the store spells it (`Claims`, `claims`,
 /// `public.claims` are one table, so one lock); the name as given while the table is missing.
 pub fn lock_statement(t: &TableName) -> String {
-    format!(
-        "SELECT pg_advisory_xact_lock(hashtext('idem-partitions:' || COALESCE(\
-         (SELECT n.nspname || '.' || c.relname FROM pg_class c \
-         JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass('{t}')), \
-         '{t}')))"
-    )
+    lock_with(t, "pg_advisory_xact_lock")
 }
 
 /// What opens every maintenance transaction, as one simple query: [`LOCK_TIMEOUT`] first, so
@@ -177,8 +182,20 @@ pub fn drop_day(t: &TableName, day: Day, young: u64) -> String {
 }
 
 /// The partitioned schema's claims-table statements (in `migrate`'s transaction, under its
-/// lock). The comment ends with `p`'s [`PartitionRecord`].
+/// lock), in the bounded layout ([`round`]). The comment ends with `p`'s [`PartitionRecord`].
 pub fn create_statements(t: &TableName, p: &Partitioning) -> Vec<String> {
+    schema_statements(t, p, false)
+}
+
+/// What versions before the bounded layout created: the same table with PostgreSQL's
+/// `DEFAULT` partition as `<table>_default`. Such a table keeps working ([`is_legacy`]: its
+/// days are created and dropped by [`create_day`] and [`drop_day`], each under a short
+/// exclusive lock) until [`bound_legacy`] converts it. For tests and the prune bench, which build one.
+pub fn legacy_create_statements(t: &TableName, p: &Partitioning) -> Vec<String> {
+    schema_statements(t, p, true)
+}
+
+fn schema_statements(t: &TableName, p: &Partitioning, legacy: bool) -> Vec<String> {
     let name = t.table();
     let (undated, default) = (partition_name(t, UNDATED), partition_name(t, DEFAULT));
     vec![
@@ -196,7 +213,18 @@ pub fn create_statements(t: &TableName, p: &Partitioning) -> Vec<String> {
         format!(
             "CREATE TABLE IF NOT EXISTS {undated} PARTITION OF {t} FOR VALUES FROM (MINVALUE) TO (1)"
         ),
-        format!("CREATE TABLE IF NOT EXISTS {default} PARTITION OF {t} DEFAULT"),
+        // IDs older than every day's partition: below today's UTC midnight at creation;
+        // maintenance moves the bound as days are created below it or dropped
+        // ([`round`]). A range, not PostgreSQL's DEFAULT partition: with one, `DETACH …
+        // CONCURRENTLY` is refused and every drop locks the claims out.
+        if legacy {
+            format!("CREATE TABLE IF NOT EXISTS {default} PARTITION OF {t} DEFAULT")
+        } else {
+            format!(
+                "CREATE TABLE IF NOT EXISTS {default} PARTITION OF {t} FOR VALUES FROM (1) TO \
+                 ((floor(extract(epoch from now()) / 86400) * 86400000000)::bigint)"
+            )
+        },
         format!("CREATE INDEX IF NOT EXISTS {name}_processed_at ON {t} USING brin (processed_at)"),
         format!(
             "COMMENT ON TABLE {t} IS 'idem claims, partitioned by the time inside the message ID \
@@ -310,6 +338,436 @@ pub fn recorded(
     }
 }
 
+// ---------------------------------------------------------------------------------------
+// The bounded layout: no DEFAULT partition, so that days leave by `DETACH … CONCURRENTLY`.
+// ---------------------------------------------------------------------------------------
+
+/// Every relation of the claims table `$1`'s family in its schema — its partitions, and tables
+/// that kept a partition's name after a detach — as [`Relation`]s: name, attached, left
+/// pending by an interrupted `DETACH … CONCURRENTLY`, its bound as PostgreSQL prints it
+/// (`FOR VALUES FROM ('1') TO ('…')`, `DEFAULT`; empty when detached), the planner's row
+/// estimate. Needs PostgreSQL 14 (`pg_inherits.inhdetachpending`).
+pub const RELATIONS: &str = "SELECT c.relname::text, i.inhrelid IS NOT NULL, \
+     coalesce(i.inhdetachpending, false), coalesce(pg_get_expr(c.relpartbound, c.oid), ''), \
+     c.reltuples::bigint \
+     FROM pg_class p JOIN pg_class c ON c.relnamespace = p.relnamespace \
+     LEFT JOIN pg_inherits i ON i.inhrelid = c.oid AND i.inhparent = p.oid \
+     WHERE p.oid = to_regclass($1) AND c.relkind = 'r' \
+     AND starts_with(c.relname::text, p.relname::text || '_') ORDER BY c.relname";
+
+/// One row of [`RELATIONS`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Relation {
+    /// The table's name, unqualified, as the catalog lists it.
+    pub name: String,
+    /// Whether it is a partition of the claims table (pending or not).
+    pub attached: bool,
+    /// Whether an interrupted `DETACH … CONCURRENTLY` left it half detached.
+    pub pending: bool,
+    /// Its bound as `pg_get_expr` prints it; empty when detached.
+    pub bound: String,
+    /// The planner's row estimate (`-1` when never analysed).
+    pub estimate: i64,
+}
+
+impl Relation {
+    /// A row of [`RELATIONS`], as a store reads it.
+    pub fn new(name: String, attached: bool, pending: bool, bound: String, estimate: i64) -> Self {
+        Self {
+            name,
+            attached,
+            pending,
+            bound,
+            estimate,
+        }
+    }
+
+    fn in_place(&self) -> bool {
+        self.attached && !self.pending
+    }
+}
+
+/// Whether `t` (its [`RELATIONS`]) was made before the bounded layout: its `<table>_default`
+/// is PostgreSQL's DEFAULT partition. Such a table is maintained as before ([`create_day`],
+/// [`look_before_drop`], [`drop_day`]: each drop locks the claims out for a moment) until
+/// [`bound_legacy`] converts it.
+pub fn is_legacy(t: &TableName, rels: &[Relation]) -> bool {
+    rels.iter().any(|r| {
+        kind_of(t, &r.name) == Some(PartitionKind::Default) && r.attached && r.bound == "DEFAULT"
+    })
+}
+
+/// The upper bound of a range partition's bound as `pg_get_expr` prints it
+/// (`FOR VALUES FROM ('1') TO ('1764547200000000')`).
+fn upper_of(bound: &str) -> Option<i64> {
+    let (_, to) = bound.rsplit_once(" TO (")?;
+    to.strip_suffix(')')?.trim_matches('\'').parse().ok()
+}
+
+/// One step of a bounded [`Round`], in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Step {
+    /// One statement on its own, outside any transaction block (`DETACH … CONCURRENTLY`
+    /// refuses to run inside one), on the round's session ([`session_start`]).
+    Alone(String),
+    /// One transaction: `BEGIN`, this simple query (several statements), `COMMIT`; its rows
+    /// affected, summed over its statements, are claims moved between partitions.
+    Tx(String),
+}
+
+/// What opens a bounded round on a connection of its own, as one simple query: the session's
+/// [`LOCK_TIMEOUT`] (every wait of the round is bounded; a detach cut short is left pending and
+/// finished by the next round, [`Round`]) and the maintenance lock, held by the session since
+/// the round's detaches run outside a transaction. [`session_end`] closes it, error or not.
+pub fn session_start(t: &TableName) -> String {
+    format!(
+        "SET lock_timeout = '2s'; {}",
+        lock_with(t, "pg_advisory_lock")
+    )
+}
+
+/// What closes a bounded round's session, error or not: the maintenance lock released and the
+/// lock timeout reset, so that the connection goes back to its pool as it came. A store that
+/// cannot run it closes the connection (the server then releases the lock).
+pub fn session_end(t: &TableName) -> String {
+    format!("{}; RESET lock_timeout", lock_with(t, "pg_advisory_unlock"))
+}
+
+/// One bounded round of maintenance, decided: the steps a store runs in order on the round's
+/// session, and what the report says once they all ran.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Round {
+    /// The steps, in order.
+    pub steps: Vec<Step>,
+    /// Days whose partitions the steps create.
+    pub created: Vec<Day>,
+    /// Days whose partitions the steps drop, with the planner's estimate of their claims.
+    pub dropped: Vec<(Day, u64)>,
+}
+
+impl Round {
+    /// Whether the round has nothing to do.
+    pub fn is_empty(&self) -> bool {
+        self.steps.is_empty()
+    }
+}
+
+/// What one round does to a table in the bounded layout, at `now` (the database's clock), from
+/// its [`RELATIONS`]: create the days of `want` that are missing, and when `drop_due`, take the
+/// days wholly past the retention out — with no lock a claim waits for.
+///
+/// The table has no DEFAULT partition: `<table>_default` is a range partition holding every
+/// ID older than the first day's partition (`FROM (1) TO (<first day>)`), the undated one
+/// holds key 0, and a day partition holds each day from there to [ahead](Partitioning::ahead).
+/// An ID of a day with no partition (a producer's clock further ahead than the days created,
+/// or a day being moved) cannot be claimed: PostgreSQL refuses the row, and the store reports
+/// [`ErrorKind::Unavailable`] (the consumer waits in place; the message is never dropped).
+///
+/// The steps, each bounded by the session's lock timeout:
+/// 1. `DETACH … FINALIZE` of a partition an interrupted round left pending;
+/// 2. each missing day at or above the default partition's bound: `CREATE TABLE … (LIKE …)`
+///    then `ATTACH PARTITION` (SHARE UPDATE EXCLUSIVE on the parent: claims go on);
+/// 3. each day past the retention: `DETACH PARTITION … CONCURRENTLY` (claims go on; it waits
+///    for the transactions that could see the day);
+/// 4. when the default partition's range must change (days detached, or days created below
+///    it for a backfill): it is detached concurrently too, then one transaction moves the
+///    detached days' claims younger than the retention into it (an old ID processed late),
+///    drops the days, carves backfilled days out of it, and attaches it again with the new
+///    bound. Meanwhile only IDs older than the first day (rare: a message older than the
+///    retention) find no partition, and wait as above.
+///
+/// Every state a round can be cut in is one the next round finishes: a partition left
+/// pending is finalized, a detached day is merged and dropped, a detached default
+/// partition is attached again.
+pub fn round(
+    t: &TableName,
+    rels: &[Relation],
+    now: Timestamp,
+    p: &Partitioning,
+    want: &[Day],
+    drop_due: bool,
+) -> Result<Round, Error> {
+    let cutoff = now
+        .as_micros()
+        .saturating_sub(crate::micros(p.table_retention().prune_age()));
+    let default_name = partition_name(t, DEFAULT);
+    let qualified = |name: &str| match t.schema() {
+        Some(s) => format!("{s}.{name}"),
+        None => name.to_owned(),
+    };
+    let mut steps = Vec::new();
+    // 1. Finish what an interrupted round left pending: afterwards it is detached.
+    for r in rels.iter().filter(|r| r.pending) {
+        steps.push(Step::Alone(format!(
+            "ALTER TABLE {t} DETACH PARTITION {} FINALIZE",
+            qualified(&r.name)
+        )));
+    }
+    let default = rels
+        .iter()
+        .find(|r| kind_of(t, &r.name) == Some(PartitionKind::Default))
+        .ok_or_else(|| {
+            Error::new(
+                ErrorKind::Misconfigured,
+                format!(
+                    "the claims table {t} has no partition {default_name}: run migrate, which \
+                     creates it"
+                ),
+            )
+        })?;
+    let mut attached = std::collections::BTreeMap::new();
+    let mut detached = std::collections::BTreeMap::new();
+    for r in rels {
+        if let Some(PartitionKind::Day(d)) = kind_of(t, &r.name) {
+            let estimate = u64::try_from(r.estimate).unwrap_or(0);
+            if r.in_place() {
+                attached.insert(d, estimate);
+            } else {
+                detached.insert(d, estimate);
+            }
+        }
+    }
+    let old_upper = if default.in_place() {
+        Some(upper_of(&default.bound).ok_or_else(|| {
+            Error::new(
+                ErrorKind::Misconfigured,
+                format!(
+                    "the claims table {t}'s partition {default_name} has a bound maintenance \
+                     does not read: {:?}",
+                    default.bound
+                ),
+            )
+        })?)
+    } else {
+        None
+    };
+    let due: Vec<Day> = if drop_due {
+        attached
+            .keys()
+            .copied()
+            .filter(|d| p.droppable(*d, now))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let remaining: Vec<Day> = attached
+        .keys()
+        .copied()
+        .filter(|d| !due.contains(d))
+        .collect();
+    let missing: Vec<Day> = want
+        .iter()
+        .copied()
+        .filter(|d| !attached.contains_key(d) && !detached.contains_key(d))
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    // Days below the default partition's bound are carved out of it, with every day from
+    // there up to the bound (it holds one range). Not in a round that drops days: their
+    // claims go into the default partition, below the first day kept.
+    let (mut carve, mut above) = (Vec::new(), Vec::new());
+    for d in missing {
+        match old_upper {
+            Some(u) if d.start() < u => {
+                if due.is_empty() {
+                    carve.push(d);
+                }
+            }
+            _ => above.push(d),
+        }
+    }
+    if let (Some(first), Some(u)) = (carve.first().copied(), old_upper) {
+        carve = (first.number()..)
+            .map(Day::from_number)
+            .take_while(|d| d.start() < u)
+            .collect();
+    }
+    let first_day = remaining.iter().chain(&carve).chain(&above).min().copied();
+    let new_upper = match (first_day, old_upper) {
+        (Some(d), _) => d.start(),
+        (None, Some(u)) => u,
+        (None, None) => Day::of(now).start(),
+    };
+    let (merge, reattach): (Vec<Day>, Vec<Day>) = due
+        .iter()
+        .copied()
+        .chain(detached.keys().copied())
+        .partition(|d| d.start() < new_upper);
+    // 2. Days created at or above the bound: no claim waits for them.
+    for &d in &above {
+        steps.push(Step::Tx(create_bounded_day(t, d)));
+    }
+    // 3. Days past the retention leave without locking the claims out.
+    for &d in &due {
+        steps.push(Step::Alone(format!(
+            "ALTER TABLE {t} DETACH PARTITION {} CONCURRENTLY",
+            day_name(t, d)
+        )));
+    }
+    // 4. The default partition's range.
+    let reshape = !default.in_place()
+        || old_upper != Some(new_upper)
+        || !merge.is_empty()
+        || !carve.is_empty();
+    if reshape {
+        if default.in_place() {
+            steps.push(Step::Alone(format!(
+                "ALTER TABLE {t} DETACH PARTITION {default_name} CONCURRENTLY"
+            )));
+        }
+        steps.push(Step::Tx(reshape_default(
+            t, &carve, &merge, new_upper, cutoff,
+        )));
+    }
+    for &d in &reattach {
+        steps.push(Step::Tx(format!(
+            "{LOCK_TIMEOUT}; ALTER TABLE {t} ATTACH PARTITION {} FOR VALUES FROM ({}) TO ({})",
+            day_name(t, d),
+            d.start(),
+            d.end()
+        )));
+    }
+    let mut dropped: Vec<(Day, u64)> = merge
+        .iter()
+        .map(|d| {
+            (
+                *d,
+                attached.get(d).or(detached.get(d)).copied().unwrap_or(0),
+            )
+        })
+        .collect();
+    dropped.sort();
+    let mut created: Vec<Day> = carve.into_iter().chain(above).collect();
+    created.sort();
+    Ok(Round {
+        steps,
+        created,
+        dropped,
+    })
+}
+
+/// Creates `day`'s partition of `t` beside the claims: an empty table first, then attached,
+/// which takes SHARE UPDATE EXCLUSIVE on the parent (`CREATE TABLE … PARTITION OF` would
+/// take ACCESS EXCLUSIVE and lock the claims out). Attaching builds its indexes.
+pub fn create_bounded_day(t: &TableName, day: Day) -> String {
+    let part = day_name(t, day);
+    format!(
+        "{LOCK_TIMEOUT}; CREATE TABLE {part} (LIKE {t} INCLUDING DEFAULTS); \
+         ALTER TABLE {t} ATTACH PARTITION {part} FOR VALUES FROM ({}) TO ({})",
+        day.start(),
+        day.end()
+    )
+}
+
+/// The transaction that gives the detached default partition of `t` its new range
+/// `[1, upper)`: the detach's own CHECK constraint off; each `carve` day created and filled
+/// with its claims out of it; each detached `merge` day's claims processed at `cutoff` or
+/// later (younger than the retention) moved into it and the day dropped; then attached again.
+/// Its rows affected, summed, are the claims moved.
+pub fn reshape_default(
+    t: &TableName,
+    carve: &[Day],
+    merge: &[Day],
+    upper: i64,
+    cutoff: i64,
+) -> String {
+    let default = partition_name(t, DEFAULT);
+    let mut sql = format!(
+        "{LOCK_TIMEOUT}; \
+         DO $idem$ DECLARE c name; BEGIN FOR c IN SELECT conname FROM pg_constraint \
+         WHERE conrelid = '{default}'::regclass AND contype = 'c' LOOP \
+         EXECUTE format('ALTER TABLE {default} DROP CONSTRAINT %I', c); END LOOP; END $idem$"
+    );
+    for &d in carve {
+        let part = day_name(t, d);
+        let (start, end) = (d.start(), d.end());
+        sql.push_str(&format!(
+            "; CREATE TABLE {part} (LIKE {t} INCLUDING DEFAULTS); \
+             WITH m AS (DELETE FROM {default} WHERE id_time >= {start} AND id_time < {end} \
+             RETURNING *) INSERT INTO {part} SELECT * FROM m; \
+             ALTER TABLE {t} ATTACH PARTITION {part} FOR VALUES FROM ({start}) TO ({end})"
+        ));
+    }
+    for &d in merge {
+        let part = day_name(t, d);
+        sql.push_str(&format!(
+            "; INSERT INTO {default} SELECT * FROM {part} WHERE processed_at >= {cutoff}; \
+             DROP TABLE {part}"
+        ));
+    }
+    sql.push_str(&format!(
+        "; ALTER TABLE {t} ATTACH PARTITION {default} FOR VALUES FROM (1) TO ({upper})"
+    ));
+    sql
+}
+
+/// Converts a table made before the bounded layout ([`is_legacy`]) in one transaction: the
+/// DEFAULT partition detached, a day partition created for each day its claims need above
+/// `upper` (the first day partition's start: a producer's clock that was ahead), its claims
+/// below that kept in it, and it attached again as the range `[1, upper)`. It holds ACCESS
+/// EXCLUSIVE on the claims table while it moves the default partition's claims above `upper`
+/// — usually none — so run it once, when a pause of the consumers is acceptable (`migrate`
+/// does not; see the README). `days` are the days of those claims, read first with
+/// [`legacy_days_above`].
+pub fn bound_legacy(t: &TableName, days: &[Day], upper: i64) -> String {
+    let default = partition_name(t, DEFAULT);
+    let mut sql = format!(
+        "{LOCK_TIMEOUT}; LOCK TABLE ONLY {t} IN ACCESS EXCLUSIVE MODE; \
+         ALTER TABLE {t} DETACH PARTITION {default}; \
+         CREATE TEMP TABLE idem_moving ON COMMIT DROP AS \
+         SELECT * FROM {default} WHERE id_time >= {upper}; \
+         DELETE FROM {default} WHERE id_time >= {upper}"
+    );
+    for &d in days {
+        sql.push_str(&format!(
+            "; CREATE TABLE {} PARTITION OF {t} FOR VALUES FROM ({}) TO ({})",
+            day_name(t, d),
+            d.start(),
+            d.end()
+        ));
+    }
+    sql.push_str(&format!(
+        "; ALTER TABLE {t} ATTACH PARTITION {default} FOR VALUES FROM (1) TO ({upper}); \
+         INSERT INTO {t} SELECT * FROM idem_moving"
+    ));
+    sql
+}
+
+/// The days (numbers since the epoch) of the claims `t`'s legacy DEFAULT partition holds at
+/// or above `upper` (microseconds), for [`bound_legacy`]: days with no partition of their own
+/// (a claim of a day with one is in it).
+pub fn legacy_days_above(t: &TableName, upper: i64) -> String {
+    format!(
+        "SELECT DISTINCT div(id_time, 86400000000)::bigint FROM {} WHERE id_time >= {upper} \
+         ORDER BY 1",
+        partition_name(t, DEFAULT)
+    )
+}
+
+/// The first day partition's start of `t` (its [`RELATIONS`]), the bound [`bound_legacy`]
+/// gives the default partition; `None` without a day partition.
+pub fn first_day_start(t: &TableName, rels: &[Relation]) -> Option<i64> {
+    rels.iter()
+        .filter(|r| r.in_place())
+        .filter_map(|r| match kind_of(t, &r.name) {
+            Some(PartitionKind::Day(d)) => Some(d.start()),
+            _ => None,
+        })
+        .min()
+}
+
+/// The maintenance lock of `t` taken or released by `function` (an advisory lock function).
+fn lock_with(t: &TableName, function: &str) -> String {
+    format!(
+        "SELECT {function}(hashtext('idem-partitions:' || COALESCE(\
+         (SELECT n.nspname || '.' || c.relname FROM pg_class c \
+         JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass('{t}')), \
+         '{t}')))"
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
@@ -404,6 +862,128 @@ mod tests {
         assert_eq!(drop_day(&t, day, 0), "DROP TABLE claims_p20251201");
         assert!(drop_day(&t, day, 3).starts_with("ALTER TABLE claims DETACH PARTITION"));
         assert!(maintenance_lock(&t).starts_with(LOCK_TIMEOUT));
+    }
+
+    fn rel(name: &str, bound: &str) -> Relation {
+        Relation::new(name.into(), true, false, bound.into(), 100)
+    }
+
+    fn bounded(days: std::ops::RangeInclusive<i64>, upper: i64) -> Vec<Relation> {
+        let mut rels = vec![
+            rel(
+                "claims_default",
+                &format!("FOR VALUES FROM ('1') TO ('{upper}')"),
+            ),
+            rel("claims_undated", "FOR VALUES FROM (MINVALUE) TO ('1')"),
+        ];
+        for n in days {
+            let d = Day::from_number(n);
+            rels.push(rel(
+                &format!("claims_p{}", d.suffix()),
+                &format!("FOR VALUES FROM ('{}') TO ('{}')", d.start(), d.end()),
+            ));
+        }
+        rels
+    }
+
+    #[test]
+    fn a_bounded_round_detaches_due_days_concurrently_and_rebounds_the_default() {
+        let (t, p) = (table("claims"), partitioning());
+        let rels = bounded(20_403..=20_425, Day::from_number(20_403).start());
+        assert!(!is_legacy(&t, &rels));
+        let want: Vec<Day> = p.days_to_create(now()).collect();
+        let r = round(&t, &rels, now(), &p, &want, true).expect("round");
+        assert!(r.created.is_empty());
+        let dropped: Vec<i64> = r.dropped.iter().map(|(d, _)| d.number()).collect();
+        assert_eq!(dropped, (20_403..=20_415).collect::<Vec<_>>());
+        // One concurrent detach per day, then the default partition's, then one transaction.
+        let alone = |s: &Step| matches!(s, Step::Alone(sql) if sql.ends_with("CONCURRENTLY"));
+        assert_eq!(r.steps.iter().filter(|s| alone(s)).count(), 14);
+        let Some(Step::Tx(last)) = r.steps.last() else {
+            panic!("{:?}", r.steps)
+        };
+        let upper = Day::from_number(20_416).start();
+        assert!(
+            last.ends_with(&format!("claims_default FOR VALUES FROM (1) TO ({upper})")),
+            "{last}"
+        );
+        let first = Day::from_number(20_403).suffix();
+        assert!(last.contains(&format!(
+            "INSERT INTO claims_default SELECT * FROM claims_p{first}"
+        )));
+        assert!(!last.contains("ACCESS EXCLUSIVE"), "{last}");
+        // Nothing to do the next time.
+        let after = bounded(20_416..=20_425, upper);
+        assert!(
+            round(&t, &after, now(), &p, &want, true)
+                .expect("round")
+                .is_empty()
+        );
+    }
+
+    #[test]
+    fn a_bounded_round_finishes_what_an_interrupted_one_left() {
+        let (t, p) = (table("claims"), partitioning());
+        let upper = Day::from_number(20_416).start();
+        let mut rels = bounded(20_415..=20_425, Day::from_number(20_415).start());
+        let half = format!("claims_p{}", Day::from_number(20_415).suffix());
+        rels.iter_mut()
+            .find(|r| r.name == half)
+            .map(|r| r.pending = true)
+            .expect("day");
+        let r = round(&t, &rels, now(), &p, &[], true).expect("round");
+        assert_eq!(
+            r.steps[0],
+            Step::Alone(format!(
+                "ALTER TABLE claims DETACH PARTITION {half} FINALIZE"
+            ))
+        );
+        assert_eq!(r.dropped.len(), 1, "{r:?}");
+        // The default partition left detached: attached again, nothing else.
+        let mut rels = bounded(20_416..=20_425, upper);
+        rels[0].attached = false;
+        rels[0].bound.clear();
+        let r = round(&t, &rels, now(), &p, &[], true).expect("round");
+        assert_eq!(r.steps.len(), 1, "{r:?}");
+        assert!(matches!(&r.steps[0], Step::Tx(sql) if sql.ends_with(&format!("TO ({upper})"))));
+    }
+
+    #[test]
+    fn a_backfill_carves_every_day_up_to_the_default_partitions_bound() {
+        let (t, p) = (table("claims"), partitioning());
+        let upper = Day::from_number(20_423).start();
+        let rels = bounded(20_423..=20_425, upper);
+        let r = round(&t, &rels, now(), &p, &[Day::from_number(20_420)], false).expect("round");
+        let created: Vec<i64> = r.created.iter().map(|d| d.number()).collect();
+        assert_eq!(created, vec![20_420, 20_421, 20_422]);
+        let Some(Step::Tx(sql)) = r.steps.last() else {
+            panic!("{:?}", r.steps)
+        };
+        assert!(
+            sql.contains("DELETE FROM claims_default WHERE id_time >= "),
+            "{sql}"
+        );
+        let new_upper = Day::from_number(20_420).start();
+        assert!(sql.ends_with(&format!("TO ({new_upper})")), "{sql}");
+        // A day ahead of the days created needs no carving: created beside the claims.
+        let r = round(&t, &rels, now(), &p, &[Day::from_number(20_440)], false).expect("round");
+        assert_eq!(r.steps.len(), 1);
+        assert!(matches!(&r.steps[0], Step::Tx(sql) if sql.contains("ATTACH PARTITION claims_p")));
+    }
+
+    #[test]
+    fn a_legacy_table_is_told_by_its_default_partition() {
+        let t = table("claims");
+        let mut rels = bounded(20_423..=20_425, 1);
+        rels[0].bound = "DEFAULT".into();
+        assert!(is_legacy(&t, &rels));
+        assert_eq!(
+            first_day_start(&t, &rels),
+            Some(Day::from_number(20_423).start())
+        );
+        let sql = bound_legacy(&t, &[Day::from_number(20_440)], 7);
+        assert!(sql.contains("DETACH PARTITION claims_default;"), "{sql}");
+        assert!(sql.contains("ATTACH PARTITION claims_default FOR VALUES FROM (1) TO (7)"));
     }
 
     #[test]

@@ -18,13 +18,17 @@
 //! PostgreSQL stores execute them with their own driver:
 //!
 //! * one range partition per UTC day of ID time, created [`ahead`](Partitioning::ahead) of
-//!   the database's clock; an ID whose time falls outside every partition — ahead of the
-//!   partitions created (a producer clock too far ahead), or older than the oldest kept —
-//!   goes to the table's **default** partition, and is moved into its day's partition when
-//!   that is created (under lock, so the ID is found in one place at any instant);
+//!   the database's clock; an ID older than the first day's partition goes to the table's
+//!   **default** partition — in the bounded layout (every table `migrate` creates) a range
+//!   partition `[1, first day)`, not PostgreSQL's DEFAULT one, so that days can leave by
+//!   `DETACH … CONCURRENTLY` without locking the claims out (`maintenance::round`); an ID of
+//!   a day with no partition (a producer's clock further ahead than the days created) is
+//!   refused by PostgreSQL and reported [`ErrorKind::Unavailable`]: it waits, it is never
+//!   dropped. (A table made before the bounded layout keeps PostgreSQL's DEFAULT partition
+//!   for every ID outside the days, moved into its day's partition when that is created.)
 //! * IDs whose time cannot be read (not a UUIDv7 or ULID) get key [`UNDATED`] and live in the
 //!   **undated** partition;
-//! * retention drops a day's partition once its whole day is older than the retention; a
+//! * retention takes a day's partition out once its whole day is older than the retention; a
 //!   claim in it younger than the retention (an old ID processed late) is first moved to the
 //!   default partition. The default and undated partitions are pruned row by row.
 //!
@@ -298,8 +302,9 @@ impl Partitioning {
     }
 
     /// How far ahead of the database's clock partitions exist (default two days): the skew a
-    /// producer's clock may have before its IDs land in the default partition (which is
-    /// correct, only not dropped wholesale). At least one day.
+    /// producer's clock may have before its IDs find no partition (claims of them are
+    /// [`ErrorKind::Unavailable`] until their day is created; on a legacy table they land in
+    /// the DEFAULT partition). At least one day.
     pub fn ahead(mut self, ahead: Duration) -> Self {
         self.ahead = ahead.max(Duration::from_secs(86_400));
         self
@@ -554,7 +559,8 @@ pub struct PartitionReport {
 pub enum PartitionKind {
     /// One UTC day of ID time; dropped whole past the retention.
     Day(Day),
-    /// IDs whose time is outside every day's partition; pruned row by row.
+    /// IDs older than every day's partition (bounded layout: the range `[1, first day)`; a
+    /// legacy table's DEFAULT partition: every ID outside the days); pruned row by row.
     Default,
     /// IDs with no readable time; pruned row by row.
     Undated,

@@ -16,6 +16,14 @@ pub const IN_FAILED_SQL_TRANSACTION: &str = "25P02";
 /// `lock_not_available`: a wait past [`LOCK_TIMEOUT`](super::maintenance::LOCK_TIMEOUT).
 pub const LOCK_NOT_AVAILABLE: &str = "55P03";
 
+/// `check_violation`: a CHECK constraint refused a row (the error names the constraint), or,
+/// naming none, no partition covers the row's key ("no partition of relation … found for
+/// row"). Under a claim the latter is an ID of a day whose partition maintenance has not
+/// created yet (a producer's clock ahead of the days created), or of a range a round of
+/// maintenance is moving (`maintenance::round`): an outage to wait out, never the message's
+/// fault ([`kind_with`]).
+pub const CHECK_VIOLATION: &str = "23514";
+
 /// PostgreSQL SQLSTATEs (appendix A of its manual). What a database in trouble answers is an
 /// outage to wait out, not a verdict on the message; what a wrong deployment answers stops the
 /// consumer, because every message would fail the same way.
@@ -41,6 +49,17 @@ pub fn kind(code: &str) -> ErrorKind {
         c if c.starts_with("28") || c.starts_with("42") => ErrorKind::Misconfigured,
         _ => ErrorKind::Store,
     }
+}
+
+/// [`kind`], told what the error names: a [`CHECK_VIOLATION`] naming no constraint is a row no
+/// partition covers, [`ErrorKind::Unavailable`] (a claim of a day whose partition does not
+/// exist yet waits for maintenance to create it; the message is neither failed nor dropped).
+/// A CHECK constraint's refusal stays [`ErrorKind::Store`].
+pub fn kind_with(code: &str, constraint: Option<&str>) -> ErrorKind {
+    if code == CHECK_VIOLATION && constraint.is_none() {
+        return ErrorKind::Unavailable;
+    }
+    kind(code)
 }
 
 /// Whether `code` says the server ended the session or the connection failed under a
@@ -75,10 +94,18 @@ mod tests {
             ("28P01", ErrorKind::Misconfigured),
             ("3D000", ErrorKind::Misconfigured),
             ("23505", ErrorKind::Store),
+            ("23514", ErrorKind::Store),
             ("", ErrorKind::Store),
         ] {
             assert_eq!(kind(code), expected, "{code}");
         }
+    }
+
+    #[test]
+    fn a_row_no_partition_covers_is_an_outage_and_a_check_constraint_is_not() {
+        assert_eq!(kind_with("23514", None), ErrorKind::Unavailable);
+        assert_eq!(kind_with("23514", Some("positive")), ErrorKind::Store);
+        assert_eq!(kind_with("40001", None), ErrorKind::Transient);
     }
 
     #[test]

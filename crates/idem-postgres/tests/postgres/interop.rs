@@ -79,8 +79,9 @@ where
 
 /// Migrated by one store (`sqlx_migrates`) and again by the other, then claimed in by both:
 /// each store's claims are duplicates, or conflicts, to the other. Partitioned, with IDs in
-/// today's partition, the default one (a producer ten days ahead) and the undated one, and a
-/// day created by the store that did not migrate, which moves both stores' claims into it.
+/// today's partition, the default one (IDs older than every day's partition) and the undated
+/// one, and a backfilled day created by the store that did not migrate, which carves both
+/// stores' claims out of the default partition into it.
 async fn stores_share_claims(test: &str, sqlx_migrates: bool, partitioned: bool) {
     let Some(schema) = PgSchema::create("idem_interop", test).await else {
         return;
@@ -119,15 +120,15 @@ async fn stores_share_claims(test: &str, sqlx_migrates: bool, partitioned: bool)
         .build()
         .expect("p");
 
-    let future = now.saturating_add(DAY * 10);
+    let old = now.saturating_sub(DAY * 30);
     let by_sqlx = [
         uuid_at(now, 1),
-        uuid_at(future, 2),
+        uuid_at(old, 2),
         MessageId::new("by-idem-sql").expect("id"),
     ];
     let by_pg = [
         uuid_at(now, 3),
-        uuid_at(future, 4),
+        uuid_at(old, 4),
         MessageId::new("by-idem-postgres").expect("id"),
     ];
     for id in &by_sqlx {
@@ -163,14 +164,14 @@ async fn stores_share_claims(test: &str, sqlx_migrates: bool, partitioned: bool)
             sqlx_store.partitions().await.expect("partitions"),
             pg_store.partitions().await.expect("partitions")
         );
-        // The future day, created by the store that did not migrate: both stores' claims
+        // The old day, backfilled by the store that did not migrate: both stores' claims
         // move in out of the default partition, and still deduplicate.
         let created = if sqlx_migrates {
-            pg_store.create_partitions([Day::of(future)]).await
+            pg_store.create_partitions([Day::of(old)]).await
         } else {
-            sqlx_store.create_partitions([Day::of(future)]).await
+            sqlx_store.create_partitions([Day::of(old)]).await
         }
-        .expect("create ahead");
+        .expect("backfill");
         assert_eq!(created.moved, 2, "{created:?}");
         duplicates(&sqlx_p, &all, "idem-sql after the move").await;
         duplicates(&pg_p, &all, "idem-postgres after the move").await;

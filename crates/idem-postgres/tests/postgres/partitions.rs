@@ -59,6 +59,16 @@ struct Setup {
 }
 
 async fn setup(test: &str, conns: Conns) -> Option<Setup> {
+    setup_as(test, conns, false).await
+}
+
+/// [`setup`] on a table made as versions before the bounded layout made it (with PostgreSQL's
+/// DEFAULT partition), which `migrate` keeps and maintenance keeps working on.
+async fn setup_legacy(test: &str, conns: Conns) -> Option<Setup> {
+    setup_as(test, conns, true).await
+}
+
+async fn setup_as(test: &str, conns: Conns, legacy: bool) -> Option<Setup> {
     let schema = PgSchema::create("idem_pg_part", test).await?;
     let config = common::config(&schema);
     let retention = Retention::new(7 * DAY, 7 * DAY).expect("retention");
@@ -66,8 +76,11 @@ async fn setup(test: &str, conns: Conns) -> Option<Setup> {
         .await
         .partitioned(Partitioning::uuid_v7().retention(retention))
         .expect("partitioned");
-    store.migrate().await.expect("migrate");
     let admin = common::client(&config).await;
+    if legacy {
+        make_legacy(&admin, &store).await;
+    }
+    store.migrate().await.expect("migrate");
     admin
         .batch_execute("CREATE TABLE effects (id bytea NOT NULL)")
         .await
@@ -77,6 +90,14 @@ async fn setup(test: &str, conns: Conns) -> Option<Setup> {
         store,
         admin,
     })
+}
+
+/// Creates `store`'s claims table as versions before the bounded layout did.
+async fn make_legacy(admin: &Client, store: &PgStore) {
+    let p = store.partitioning().expect("partitioned");
+    for sql in idem_dialect::postgres::maintenance::legacy_create_statements(store.table(), p) {
+        admin.batch_execute(&sql).await.expect("legacy table");
+    }
 }
 
 async fn process(p: &Processor<PgStore, Arc<ManualClock>>, id: &MessageId) -> bool {
@@ -114,7 +135,7 @@ async fn retention_drops_whole_days_and_every_move_keeps_deduplicating(test: &st
         schema,
         store,
         admin,
-    }) = setup(test, conns).await
+    }) = setup_legacy(test, conns).await
     else {
         return;
     };
@@ -250,7 +271,7 @@ async fn prune_drops_days_and_prunes_the_default_partition_row_by_row() {
         schema,
         store,
         admin,
-    }) = setup(
+    }) = setup_legacy(
         "prune_drops_days_and_prunes_the_default_partition_row_by_row",
         Conns::Pool(8),
     )
@@ -457,8 +478,10 @@ async fn a_table_name_in_any_case_or_qualification_is_one_table() {
             .expect("partitioned")
     };
     let mixed = store("Claims");
-    mixed.migrate().await.expect("migrate");
     let mut admin = common::client(&config).await;
+    // Legacy: every backfill below creates the one day asked for.
+    make_legacy(&admin, &mixed).await;
+    mixed.migrate().await.expect("migrate");
     let now = db_now(&admin).await;
     let old = Day::of(now.saturating_sub(DAY * 20));
     let created = mixed.create_partitions([old]).await.expect("backfill");
@@ -705,7 +728,7 @@ async fn claims_into_a_day_being_created_do_not_deadlock_with_maintenance() {
         schema,
         store,
         admin,
-    }) = setup(
+    }) = setup_legacy(
         "claims_into_a_day_being_created_do_not_deadlock_with_maintenance",
         Conns::Pool(6),
     )
@@ -765,7 +788,7 @@ async fn claims_into_a_day_being_dropped_do_not_deadlock_with_maintenance() {
         schema,
         store,
         admin,
-    }) = setup(
+    }) = setup_legacy(
         "claims_into_a_day_being_dropped_do_not_deadlock_with_maintenance",
         Conns::Pool(6),
     )
@@ -889,5 +912,176 @@ async fn migrate_goes_on_while_another_session_holds_the_maintenance_lock() {
         .expect("migrate does not wait for another replica's maintenance")
         .expect("migrate goes on without its maintenance");
     drop((store, replica, admin));
+    schema.drop().await;
+}
+
+// The bounded layout (every table `migrate` creates), on tokio-postgres: the same rounds as
+// `idem-sql`'s (`tests/sql/partitions_postgres.rs` has the full set), run by this store.
+
+/// The claims table's partitions: (name, detach pending), and whether it has a DEFAULT one.
+async fn layout(admin: &Client) -> (Vec<(String, bool)>, bool) {
+    let rows = admin
+        .query(
+            "SELECT c.relname::text, i.inhdetachpending FROM pg_inherits i \
+             JOIN pg_class c ON c.oid = i.inhrelid \
+             WHERE i.inhparent = 'idem_processed'::regclass ORDER BY 1",
+            &[],
+        )
+        .await
+        .expect("layout");
+    let has_default: bool = admin
+        .query_one(
+            "SELECT partdefid <> 0 FROM pg_partitioned_table \
+             WHERE partrelid = 'idem_processed'::regclass",
+            &[],
+        )
+        .await
+        .expect("default")
+        .get(0);
+    (
+        rows.iter().map(|r| (r.get(0), r.get(1))).collect(),
+        has_default,
+    )
+}
+
+/// An ID of a day with no partition is [`ErrorKind::Unavailable`] through tokio-postgres too:
+/// nothing recorded, the handler's effect rolled back, processed once the day exists.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_for_a_day_without_a_partition_is_unavailable_not_dropped() {
+    let Some(Setup {
+        schema,
+        store,
+        admin,
+    }) = setup(
+        "a_claim_for_a_day_without_a_partition_is_unavailable_not_dropped",
+        Conns::Pool(4),
+    )
+    .await
+    else {
+        return;
+    };
+    let now = db_now(&admin).await;
+    assert!(!layout(&admin).await.1, "bounded: no DEFAULT partition");
+    let p = Processor::builder(store.clone(), "billing")
+        .clock(Arc::new(ManualClock::new(now)))
+        .build()
+        .expect("processor");
+    let future = uuid_at(now.saturating_add(DAY * 10), 3);
+    let err = p
+        .process(&msg(&future), async |tx| {
+            let insert = tx
+                .prepare_cached("INSERT INTO effects (id) VALUES ($1)")
+                .await?;
+            tx.execute(&insert, &[&future.as_bytes()]).await
+        })
+        .await
+        .expect_err("no partition for the ID's day");
+    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+    assert_eq!(count(&admin, "SELECT count(*) FROM effects").await, 0);
+    assert_eq!(
+        count(&admin, "SELECT count(*) FROM idem_processed").await,
+        0
+    );
+    store
+        .create_partitions([Day::of(now.saturating_add(DAY * 10))])
+        .await
+        .expect("create the day");
+    assert!(process(&p, &future).await, "processed once its day exists");
+    assert!(!process(&p, &future).await, "then a duplicate");
+    drop((store, admin));
+    schema.drop().await;
+}
+
+/// A day whose `DETACH … CONCURRENTLY` was cut short behind a long reader is half detached;
+/// the next round finishes it, keeps its claim younger than the retention, and attaches the
+/// default partition with its new bound. A claim issued while a round waits behind the reader
+/// does not wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_interrupted_detach_is_finished_by_the_next_round() {
+    use idem_core::{ClaimStore, TransactionalStore};
+    let Some(Setup {
+        schema,
+        store,
+        admin,
+    }) = setup(
+        "an_interrupted_detach_is_finished_by_the_next_round",
+        Conns::Pool(4),
+    )
+    .await
+    else {
+        return;
+    };
+    let now = db_now(&admin).await;
+    let old = now.saturating_sub(DAY * 20);
+    store
+        .create_partitions([Day::of(old)])
+        .await
+        .expect("backfill");
+    let late = uuid_at(old, 2);
+    claim_all(&store, &[uuid_at(old, 1)], Stamp::At(old)).await;
+    claim_all(&store, std::slice::from_ref(&late), Stamp::StoreClock).await;
+
+    let mut reader = common::client(&common::config(&schema)).await;
+    let tx = reader.transaction().await.expect("begin");
+    tx.batch_execute(
+        "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM idem_processed",
+    )
+    .await
+    .expect("read");
+    let round = {
+        let store = store.clone();
+        tokio::spawn(async move { store.maintain_partitions().await })
+    };
+    let consumer = ConsumerName::new("billing").expect("consumer");
+    let fp = Fingerprint::of(b"{}");
+    let mut slowest = Duration::ZERO;
+    for n in 0..10 {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let id = uuid_at(db_now(&admin).await, 100 + n);
+        let started = std::time::Instant::now();
+        let mut claim_tx = store.begin().await.expect("begin");
+        let found = store
+            .claim(
+                &mut claim_tx,
+                ClaimRequest {
+                    consumer: &consumer,
+                    id: &id,
+                    fingerprint: &fp,
+                    at: Stamp::StoreClock,
+                },
+            )
+            .await
+            .expect("claim");
+        assert_eq!(found, None);
+        store.commit(claim_tx).await.expect("commit");
+        slowest = slowest.max(started.elapsed());
+    }
+    let cut = round
+        .await
+        .expect("task")
+        .expect_err("cut short behind the reader");
+    assert_eq!(cut.kind(), ErrorKind::Transient, "{cut}");
+    assert!(
+        slowest < Duration::from_secs(1),
+        "a claim waited {slowest:?} for the round"
+    );
+    let pending: Vec<String> = layout(&admin)
+        .await
+        .0
+        .into_iter()
+        .filter(|(_, p)| *p)
+        .map(|(n, _)| n)
+        .collect();
+    assert_eq!(pending.len(), 1, "one day half detached: {pending:?}");
+    tx.rollback().await.expect("end the read");
+
+    let report = store.maintain_partitions().await.expect("the next round");
+    let dropped: Vec<Day> = report.dropped.iter().map(|(d, _)| *d).collect();
+    assert!(dropped.contains(&Day::of(old)), "{report:?}");
+    assert_eq!(report.moved, 1, "the late claim kept: {report:?}");
+    let (rows, has_default) = layout(&admin).await;
+    assert!(!has_default && rows.iter().all(|(_, p)| !p), "{rows:?}");
+    assert_eq!(located(&admin, &late).await, vec!["idem_processed_default"]);
+    drop((store, admin, reader));
     schema.drop().await;
 }

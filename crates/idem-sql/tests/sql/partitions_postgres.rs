@@ -47,17 +47,41 @@ async fn db_now(store: &PostgresStore) -> Timestamp {
 }
 
 async fn setup(test: &str) -> Option<(PgSchema, PostgresStore)> {
+    setup_as(test, false).await
+}
+
+/// [`setup`] on a table made as versions before the bounded layout made it (with PostgreSQL's
+/// DEFAULT partition), which `migrate` keeps and maintenance keeps working on.
+async fn setup_legacy(test: &str) -> Option<(PgSchema, PostgresStore)> {
+    setup_as(test, true).await
+}
+
+async fn setup_as(test: &str, legacy: bool) -> Option<(PgSchema, PostgresStore)> {
     let schema = PgSchema::create("idem_part", test).await?;
     let retention = Retention::new(7 * DAY, 7 * DAY).expect("retention");
     let store = PostgresStore::from_pool(schema.pool(8).await)
         .partitioned(Partitioning::uuid_v7().retention(retention))
         .expect("partitioned");
+    if legacy {
+        make_legacy(store.pool(), &store).await;
+    }
     store.migrate().await.expect("migrate");
     sqlx::query("CREATE TABLE effects (id bytea NOT NULL)")
         .execute(store.pool())
         .await
         .expect("effects");
     Some((schema, store))
+}
+
+/// Creates `store`'s claims table as versions before the bounded layout did.
+async fn make_legacy(pool: &sqlx::PgPool, store: &PostgresStore) {
+    let p = store.partitioning().expect("partitioned");
+    for sql in idem_dialect::postgres::maintenance::legacy_create_statements(store.table(), p) {
+        sqlx::raw_sql(&sql)
+            .execute(pool)
+            .await
+            .expect("legacy table");
+    }
 }
 
 async fn process(p: &Processor<PostgresStore, Arc<ManualClock>>, id: &MessageId) -> bool {
@@ -88,7 +112,7 @@ async fn located(store: &PostgresStore, id: &MessageId) -> Vec<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retention_drops_whole_days_and_every_move_keeps_deduplicating() {
     let Some((schema, store)) =
-        setup("retention_drops_whole_days_and_every_move_keeps_deduplicating").await
+        setup_legacy("retention_drops_whole_days_and_every_move_keeps_deduplicating").await
     else {
         return;
     };
@@ -339,6 +363,8 @@ async fn a_table_name_in_any_case_or_qualification_is_one_table() {
     };
     let pool = schema.pool(6).await;
     let mixed = partitioned_on(&pool, "Claims");
+    // Legacy: every backfill below creates the one day asked for.
+    make_legacy(&pool, &mixed).await;
     mixed.migrate().await.expect("migrate");
     let now = db_now(&mixed).await;
     let old = Day::of(now.saturating_sub(DAY * 20));
@@ -561,7 +587,7 @@ async fn a_store_reading_ids_otherwise_than_the_table_records_is_refused() {
 async fn claims_into_a_day_being_created_do_not_deadlock_with_maintenance() {
     use idem_core::{ClaimStore, ConsumerName, Fingerprint, TransactionalStore};
     let Some((schema, store)) =
-        setup("claims_into_a_day_being_created_do_not_deadlock_with_maintenance").await
+        setup_legacy("claims_into_a_day_being_created_do_not_deadlock_with_maintenance").await
     else {
         return;
     };
@@ -612,7 +638,7 @@ async fn claims_into_a_day_being_created_do_not_deadlock_with_maintenance() {
 async fn claims_into_a_day_being_dropped_do_not_deadlock_with_maintenance() {
     use idem_core::{ClaimStore, ConsumerName, Fingerprint, Stamp, TransactionalStore};
     let Some((schema, store)) =
-        setup("claims_into_a_day_being_dropped_do_not_deadlock_with_maintenance").await
+        setup_legacy("claims_into_a_day_being_dropped_do_not_deadlock_with_maintenance").await
     else {
         return;
     };
@@ -773,5 +799,403 @@ async fn a_store_takes_the_partitioning_the_table_records() {
     plain.migrate().await.expect("migrate");
     let plain = plain.with_table_partitioning().await.expect("read");
     assert!(plain.partitioning().is_none(), "a plain table stays plain");
+    schema.drop().await;
+}
+
+// The bounded layout (every table `migrate` creates): no DEFAULT partition, days attached and
+// detached concurrently, so that maintenance never makes a claim wait.
+
+/// The relations of the claims table in the test's schema: (name, bound, detach pending), and
+/// whether the table has a DEFAULT partition.
+async fn layout(store: &PostgresStore) -> (Vec<(String, String, bool)>, bool) {
+    let rows: Vec<(String, String, bool)> = sqlx::query_as(
+        "SELECT c.relname::text, coalesce(pg_get_expr(c.relpartbound, c.oid), ''), \
+         i.inhdetachpending FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
+         WHERE i.inhparent = 'idem_processed'::regclass ORDER BY 1",
+    )
+    .fetch_all(store.pool())
+    .await
+    .expect("layout");
+    let has_default: bool = sqlx::query_scalar(
+        "SELECT partdefid <> 0 FROM pg_partitioned_table \
+         WHERE partrelid = 'idem_processed'::regclass",
+    )
+    .fetch_one(store.pool())
+    .await
+    .expect("default");
+    (rows, has_default)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_table_is_bounded_and_its_days_are_created_ahead() {
+    let Some((schema, store)) =
+        setup("a_new_table_is_bounded_and_its_days_are_created_ahead").await
+    else {
+        return;
+    };
+    let now = db_now(&store).await;
+    let (rows, has_default) = layout(&store).await;
+    assert!(!has_default, "no DEFAULT partition: {rows:?}");
+    let names: Vec<&str> = rows.iter().map(|(n, _, _)| n.as_str()).collect();
+    for ahead in 0..=2 {
+        let day = Day::of(now.saturating_add(DAY * ahead)).suffix();
+        assert!(
+            names.contains(&format!("idem_processed_p{day}").as_str()),
+            "day +{ahead}: {rows:?}"
+        );
+    }
+    let today = Day::of(now).start();
+    let default = rows
+        .iter()
+        .find(|(n, _, _)| n == "idem_processed_default")
+        .expect("default");
+    assert_eq!(
+        default.1,
+        format!("FOR VALUES FROM ('1') TO ('{today}')"),
+        "IDs before today's partition"
+    );
+    // A round with nothing to do changes nothing.
+    let report = store.maintain_partitions().await.expect("maintenance");
+    assert_eq!(report, Default::default());
+    assert_eq!(layout(&store).await.0, rows);
+    schema.drop().await;
+}
+
+/// An ID of a day with no partition (a producer's clock further ahead than the days created)
+/// cannot be claimed: the store says the claims table is unavailable, the handler's effect
+/// rolls back, nothing is recorded — the message waits, it is not dropped — and once its day is
+/// created it is processed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_for_a_day_without_a_partition_is_unavailable_not_dropped() {
+    let Some((schema, store)) =
+        setup("a_claim_for_a_day_without_a_partition_is_unavailable_not_dropped").await
+    else {
+        return;
+    };
+    let now = db_now(&store).await;
+    let p = Processor::builder(store.clone(), "billing")
+        .clock(Arc::new(ManualClock::new(now)))
+        .build()
+        .expect("processor");
+    let future = uuid_at(now.saturating_add(DAY * 10), 3);
+    let err = p
+        .process(&msg(&future), async |tx| {
+            sqlx::query("INSERT INTO effects (id) VALUES ($1)")
+                .bind(future.as_bytes())
+                .execute(&mut **tx)
+                .await
+        })
+        .await
+        .expect_err("no partition for the ID's day");
+    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+    assert!(err.to_string().contains("no partition"), "{err}");
+    assert_eq!(count(store.pool(), "SELECT count(*) FROM effects").await, 0);
+    assert_eq!(
+        count(store.pool(), "SELECT count(*) FROM idem_processed").await,
+        0
+    );
+    let created = store
+        .create_partitions([Day::of(now.saturating_add(DAY * 10))])
+        .await
+        .expect("create the day");
+    assert_eq!(created.created.len(), 1, "{created:?}");
+    assert!(process(&p, &future).await, "processed once its day exists");
+    assert!(!process(&p, &future).await, "then a duplicate");
+    schema.drop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bounded_retention_detaches_whole_days_and_every_move_keeps_deduplicating() {
+    let Some((schema, store)) =
+        setup("bounded_retention_detaches_whole_days_and_every_move_keeps_deduplicating").await
+    else {
+        return;
+    };
+    let now = db_now(&store).await;
+    let ago = |days: u32| now.saturating_sub(DAY * days);
+    // A backfill below the default partition's bound carves every day from there up to it.
+    let created = store
+        .create_partitions([Day::of(ago(20))])
+        .await
+        .expect("backfill");
+    assert_eq!(created.created.len(), 20, "{created:?}");
+    let clock = Arc::new(ManualClock::new(ago(20)));
+    let p = Processor::builder(store.clone(), "billing")
+        .clock(clock.clone())
+        .build()
+        .expect("processor");
+    let old: Vec<_> = (0..5).map(|n| uuid_at(ago(20), n)).collect();
+    for id in &old {
+        assert!(process(&p, id).await);
+    }
+    clock.advance(DAY * 19);
+    let recent = uuid_at(ago(1), 1);
+    assert!(process(&p, &recent).await);
+    // An old ID processed late: its day is past retention, its claim is not.
+    clock.advance(DAY);
+    let late = uuid_at(ago(19), 7);
+    assert!(process(&p, &late).await);
+    let undated = MessageId::new("payment-42").expect("id");
+    assert!(process(&p, &undated).await);
+
+    let report = store.maintain_partitions().await.expect("maintenance");
+    let dropped: Vec<Day> = report.dropped.iter().map(|(d, _)| *d).collect();
+    let due: Vec<Day> = (8..=20).rev().map(|d| Day::of(ago(d))).collect();
+    assert_eq!(dropped, due, "{report:?}");
+    assert_eq!(report.moved, 1, "the late claim moved out of its day");
+    assert_eq!(located(&store, &late).await, vec!["idem_processed_default"]);
+    let (rows, has_default) = layout(&store).await;
+    assert!(!has_default);
+    let first_kept = Day::of(ago(7)).start();
+    assert!(
+        rows.iter()
+            .any(|(n, b, pending)| n == "idem_processed_default"
+                && *b == format!("FOR VALUES FROM ('1') TO ('{first_kept}')")
+                && !pending),
+        "the default partition holds what is older than the first day kept: {rows:?}"
+    );
+    for id in &old {
+        assert!(located(&store, id).await.is_empty(), "{id}");
+    }
+    for id in [&recent, &late, &undated] {
+        assert!(!process(&p, id).await, "{id} must stay a duplicate");
+    }
+    // An ID older than every day kept lands in the default partition.
+    let older = uuid_at(ago(30), 5);
+    assert!(process(&p, &older).await);
+    assert_eq!(
+        located(&store, &older).await,
+        vec!["idem_processed_default"]
+    );
+    schema.drop().await;
+}
+
+/// Whether the claims table has a partition `DETACH … CONCURRENTLY` left half detached.
+async fn pending(store: &PostgresStore) -> Vec<String> {
+    layout(store)
+        .await
+        .0
+        .into_iter()
+        .filter(|(_, _, p)| *p)
+        .map(|(n, _, _)| n)
+        .collect()
+}
+
+/// A long reader holds a snapshot (a report, a backup) while a prune runs: the prune waits for
+/// it, claims do not. Every claim issued while the prune runs finishes within a second; the
+/// prune either finishes once the reader does or, cut short by its lock timeout, leaves the
+/// day half detached for the next round, which finishes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_never_wait_for_a_prune_behind_a_long_reader() {
+    use idem_core::{ClaimStore, ConsumerName, Fingerprint, TransactionalStore};
+    let Some((schema, store)) = setup("claims_never_wait_for_a_prune_behind_a_long_reader").await
+    else {
+        return;
+    };
+    claims_never_wait_for_a_prune(&schema, &store).await;
+    schema.drop().await;
+
+    async fn claims_never_wait_for_a_prune(schema: &PgSchema, store: &PostgresStore) {
+        let now = db_now(store).await;
+        let old = Day::of(now.saturating_sub(DAY * 20));
+        store.create_partitions([old]).await.expect("backfill");
+        claim_all(
+            store,
+            &[uuid_at(now.saturating_sub(DAY * 20), 1)],
+            idem_core::Stamp::At(now.saturating_sub(DAY * 20)),
+        )
+        .await;
+        let mut reader = schema.pool(1).await.begin().await.expect("begin");
+        sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            .execute(&mut *reader)
+            .await
+            .expect("repeatable read");
+        sqlx::query("SELECT count(*) FROM idem_processed")
+            .execute(&mut *reader)
+            .await
+            .expect("read");
+        let prune = {
+            let store = store.clone();
+            tokio::spawn(async move { store.maintain_partitions().await })
+        };
+        let consumer = ConsumerName::new("billing").expect("consumer");
+        let fp = Fingerprint::of(b"{}");
+        let mut slowest = Duration::ZERO;
+        for n in 0..12 {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let id = uuid_at(db_now(store).await, 100 + n);
+            let started = std::time::Instant::now();
+            let mut tx = store.begin().await.expect("begin");
+            let found = store
+                .claim(&mut tx, now_claim(&consumer, &id, &fp))
+                .await
+                .expect("claim");
+            assert_eq!(found, None);
+            store.commit(tx).await.expect("commit");
+            slowest = slowest.max(started.elapsed());
+        }
+        let still_running = !prune.is_finished();
+        reader.rollback().await.expect("end the read");
+        let first = prune.await.expect("task");
+        assert!(
+            slowest < Duration::from_secs(1),
+            "a claim waited {slowest:?} for the prune"
+        );
+        match &first {
+            Ok(report) => assert!(still_running, "the prune waited for the reader: {report:?}"),
+            Err(e) => assert_eq!(e.kind(), ErrorKind::Transient, "{e}"),
+        }
+        let next = store.maintain_partitions().await.expect("the next round");
+        let dropped: Vec<Day> = first
+            .iter()
+            .chain([&next])
+            .flat_map(|r| r.dropped.iter().map(|(d, _)| *d))
+            .collect();
+        // The backfill carved every day from the old one up to today's: those past retention go.
+        let due: Vec<Day> = (8..=20)
+            .rev()
+            .map(|d| Day::of(now.saturating_sub(DAY * d)))
+            .collect();
+        assert_eq!(dropped, due, "{first:?} then {next:?}");
+        assert!(pending(store).await.is_empty());
+    }
+}
+
+/// A `DETACH … CONCURRENTLY` cut short (here by its lock timeout behind a reader; a lost
+/// connection leaves the same state) leaves the day half detached, and a default partition
+/// detached for its new bound may be left detached: the next round finishes both, keeping the
+/// claims younger than the retention.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_interrupted_detach_is_finished_by_the_next_round() {
+    let Some((schema, store)) = setup("an_interrupted_detach_is_finished_by_the_next_round").await
+    else {
+        return;
+    };
+    let now = db_now(&store).await;
+    let old = now.saturating_sub(DAY * 20);
+    store
+        .create_partitions([Day::of(old)])
+        .await
+        .expect("backfill");
+    let late = uuid_at(old, 2);
+    claim_all(&store, &[uuid_at(old, 1)], idem_core::Stamp::At(old)).await;
+    claim_all(
+        &store,
+        std::slice::from_ref(&late),
+        idem_core::Stamp::StoreClock,
+    )
+    .await;
+    let part = format!("idem_processed_p{}", Day::of(old).suffix());
+
+    let mut reader = schema.pool(1).await.begin().await.expect("begin");
+    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        .execute(&mut *reader)
+        .await
+        .expect("repeatable read");
+    sqlx::query("SELECT count(*) FROM idem_processed")
+        .execute(&mut *reader)
+        .await
+        .expect("read");
+    let mut detacher = store.pool().acquire().await.expect("connection");
+    sqlx::raw_sql("SET lock_timeout = '300ms'")
+        .execute(&mut *detacher)
+        .await
+        .expect("timeout");
+    let cut = sqlx::raw_sql(&format!(
+        "ALTER TABLE idem_processed DETACH PARTITION {part} CONCURRENTLY"
+    ))
+    .execute(&mut *detacher)
+    .await
+    .expect_err("cut short behind the reader");
+    assert!(cut.to_string().contains("lock timeout"), "{cut}");
+    reader.rollback().await.expect("end the read");
+    assert_eq!(pending(&store).await, vec![part.clone()]);
+    // Its day's claims are out of reach meanwhile: a redelivery waits, it is not processed.
+    let p = Processor::builder(store.clone(), "billing")
+        .build()
+        .expect("processor");
+    let err = p
+        .process(&msg(&late), async |_| Ok::<_, sqlx::Error>(()))
+        .await
+        .expect_err("the day is half detached");
+    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+
+    let report = store.maintain_partitions().await.expect("the next round");
+    let dropped: Vec<Day> = report.dropped.iter().map(|(d, _)| *d).collect();
+    assert!(dropped.contains(&Day::of(old)), "{report:?}");
+    assert_eq!(report.moved, 1, "the late claim kept: {report:?}");
+    assert!(pending(&store).await.is_empty());
+    assert!(!process_ok(&p, &late).await, "still a duplicate");
+
+    // The default partition detached, as a round cut between its detach and its attach leaves it.
+    sqlx::raw_sql(
+        "ALTER TABLE idem_processed DETACH PARTITION idem_processed_default CONCURRENTLY",
+    )
+    .execute(&mut *detacher)
+    .await
+    .expect("detach the default partition");
+    // Not back to the pool with its lock timeout.
+    drop(detacher.detach());
+    store.maintain_partitions().await.expect("the next round");
+    let (rows, _) = layout(&store).await;
+    assert!(
+        rows.iter().any(|(n, _, _)| n == "idem_processed_default"),
+        "attached again: {rows:?}"
+    );
+    assert!(!process_ok(&p, &late).await, "still a duplicate");
+    schema.drop().await;
+}
+
+/// [`process`] for a processor on the store's clock.
+async fn process_ok(p: &Processor<PostgresStore>, id: &MessageId) -> bool {
+    let outcome = p
+        .process(&msg(id), async |_| Ok::<_, sqlx::Error>(()))
+        .await
+        .expect("process");
+    matches!(outcome, Outcome::Processed(_))
+}
+
+/// A table made before the bounded layout keeps working (above), and converts in one call:
+/// its DEFAULT partition becomes the range below the first day, claims of days ahead of the
+/// days created (a producer's clock ahead) move into days of their own, and every claim stays a
+/// duplicate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_legacy_table_converts_to_the_bounded_layout() {
+    let Some((schema, store)) = setup_legacy("a_legacy_table_converts_to_the_bounded_layout").await
+    else {
+        return;
+    };
+    let now = db_now(&store).await;
+    assert!(layout(&store).await.1, "legacy: a DEFAULT partition");
+    let p = Processor::builder(store.clone(), "billing")
+        .clock(Arc::new(ManualClock::new(now)))
+        .build()
+        .expect("processor");
+    let ids = [
+        uuid_at(now.saturating_sub(DAY * 30), 1),
+        uuid_at(now, 2),
+        uuid_at(now.saturating_add(DAY * 10), 3),
+        MessageId::new("order-7").expect("id"),
+    ];
+    for id in &ids {
+        assert!(process(&p, id).await);
+    }
+    assert!(store.bound_partitions().await.expect("convert"));
+    assert!(!store.bound_partitions().await.expect("once"));
+    let (rows, has_default) = layout(&store).await;
+    assert!(!has_default, "{rows:?}");
+    assert_eq!(
+        located(&store, &ids[2]).await,
+        vec![format!(
+            "idem_processed_p{}",
+            Day::of(now.saturating_add(DAY * 10)).suffix()
+        )]
+    );
+    for id in &ids {
+        assert!(!process(&p, id).await, "{id} must stay a duplicate");
+    }
+    // And maintenance now runs the bounded rounds.
+    let report = store.maintain_partitions().await.expect("maintenance");
+    assert!(report.dropped.is_empty(), "{report:?}");
     schema.drop().await;
 }
