@@ -90,6 +90,14 @@ impl Engine for MySql {
         }
     }
 
+    const ONE_TRANSACTION: bool = true;
+
+    fn lock_not_granted(db: &dyn DatabaseError) -> bool {
+        // 1205: the lock-wait timeout (zero for the take statements); 3572: MySQL's NOWAIT.
+        db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+            .is_some_and(|my| matches!(my.number(), 1205 | 3572))
+    }
+
     fn read_only(db: &dyn DatabaseError) -> bool {
         db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
             .is_some_and(|my| dialect::read_only(my.number()))

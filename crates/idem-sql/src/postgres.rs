@@ -111,6 +111,8 @@ impl Engine for Postgres {
         sqlstate::kind(db.code().as_deref().unwrap_or(""))
     }
 
+    const ONE_TRANSACTION: bool = true;
+
     fn read_only(db: &dyn DatabaseError) -> bool {
         db.code().as_deref() == Some(sqlstate::READ_ONLY_SQL_TRANSACTION)
     }

@@ -61,6 +61,36 @@ pub enum Begin {
     Mismatch,
 }
 
+/// What [`begin_request_in`](crate::store::RequestStore::begin_request_in) found: the record
+/// taken inside a transaction of the operation's, or the same answers as [`Begin`].
+///
+/// Taken this way, the record is not committed until the operation's transaction is: its
+/// effect, the record and the stored result commit once, and a crash (a killed process, a
+/// dropped connection) rolls all of it back, which frees the key by itself. A concurrent
+/// lookup meanwhile is answered [`Begin::InProgress`] at once (the store holds a lock it does
+/// not wait for), never made to wait.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum BeginIn<Tx> {
+    /// The store cannot take a record inside a transaction (SQLite, whose one write lock
+    /// would be held for the whole operation; Redis, which shares no transaction): use
+    /// [`begin_request`](crate::store::RequestStore::begin_request), the leased mode.
+    Unsupported,
+    /// The caller holds the record, uncommitted, in `tx`: run the operation through `tx`,
+    /// then complete the record in it and commit, or roll back to free the key.
+    Acquired {
+        /// The caller's fencing token, as [`Begin::Acquired`]'s.
+        fence: Fence,
+        /// Whether this took over a record whose lease had run out.
+        takeover: bool,
+        /// The transaction holding the record.
+        tx: Tx,
+    },
+    /// Any other answer ([`Begin::Completed`], [`Begin::InProgress`], [`Begin::Mismatch`]);
+    /// no transaction is left open.
+    Answer(Begin),
+}
+
 /// Rounds a remaining lease up to whole seconds, at least one: what `Retry-After` carries.
 pub fn retry_after(remaining: Duration) -> Duration {
     let secs = remaining.as_secs() + u64::from(remaining.subsec_nanos() > 0);
