@@ -69,7 +69,6 @@ pub enum Begin {
 /// dropped connection) rolls all of it back, which frees the key by itself. A concurrent
 /// lookup meanwhile is answered [`Begin::InProgress`] at once (the store holds a lock it does
 /// not wait for), never made to wait.
-#[derive(Debug)]
 #[non_exhaustive]
 pub enum BeginIn<Tx> {
     /// The store cannot take a record inside a transaction (SQLite, whose one write lock
@@ -89,6 +88,23 @@ pub enum BeginIn<Tx> {
     /// Any other answer ([`Begin::Completed`], [`Begin::InProgress`], [`Begin::Mismatch`]);
     /// no transaction is left open.
     Answer(Begin),
+}
+
+// By hand: a transaction need not be `Debug`.
+impl<Tx> std::fmt::Debug for BeginIn<Tx> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Unsupported => f.write_str("Unsupported"),
+            Self::Acquired {
+                fence, takeover, ..
+            } => f
+                .debug_struct("Acquired")
+                .field("fence", fence)
+                .field("takeover", takeover)
+                .finish_non_exhaustive(),
+            Self::Answer(answer) => f.debug_tuple("Answer").field(answer).finish(),
+        }
+    }
 }
 
 /// Rounds a remaining lease up to whole seconds, at least one: what `Retry-After` carries.
