@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use idem_core::store::{ReapRequests, RequestStore, reap_all};
 use idem_core::{
-    Begin, BeginIn, BoxError, Fence, Fingerprint, IdempotencyKey, RequestAction,
-    RequestErrorKind, RequestKey, RequestScope, TransactionalStore,
+    Begin, BeginIn, BoxError, Fence, Fingerprint, IdempotencyKey, RequestAction, RequestErrorKind,
+    RequestKey, RequestScope, TransactionalStore,
 };
 use idem_request::{Idempotency, Start};
 
@@ -477,10 +477,25 @@ async fn take_in<F: RequestFixture>(
             takeover,
             tx,
         } => {
-            assert!(F::ONE_TRANSACTION, "the store has a one-transaction mode the fixture does not declare");
+            assert!(
+                F::ONE_TRANSACTION,
+                "the store has a one-transaction mode the fixture does not declare"
+            );
             Some((fence, takeover, tx))
         }
         other => panic!("expected to take the record in a transaction, got {other:?}"),
+    }
+}
+
+/// How long a duplicate may take to be answered while the first execution holds its record
+/// uncommitted: well under the three seconds the checks hold it, generous for a loaded host.
+const AT_ONCE: Duration = Duration::from_secs(2);
+
+/// `lookup`'s answer within [`AT_ONCE`]; a lookup that waits for the first execution fails.
+async fn at_once<T>(what: &str, lookup: impl std::future::Future<Output = T>) -> T {
+    match tokio::time::timeout(AT_ONCE, lookup).await {
+        Ok(answer) => answer,
+        Err(_) => panic!("{what} waited for the first execution's transaction"),
     }
 }
 
@@ -501,9 +516,7 @@ async fn answer_in<S: RequestStore>(s: &S, k: &RequestKey, body: &str) -> Begin 
 /// every duplicate — in either mode, with the same or another fingerprint — is told "in
 /// progress" at once, never made to wait; afterwards the completed record replays in both modes
 /// and another fingerprint is a mismatch. One effect, committed with the record.
-pub async fn in_one_transaction_a_duplicate_is_in_progress_at_once<F: RequestFixture>(
-    test: &str,
-) {
+pub async fn in_one_transaction_a_duplicate_is_in_progress_at_once<F: RequestFixture>(test: &str) {
     let fx = fixture!(test);
     let s = fx.store();
     let k = key("alice", "k-one-tx");
@@ -524,14 +537,20 @@ pub async fn in_one_transaction_a_duplicate_is_in_progress_at_once<F: RequestFix
     };
     let started = Instant::now();
     for body in ["body", "another body"] {
-        let in_tx = answer_in(&s, &k, body).await;
-        assert!(matches!(in_tx, Begin::InProgress { .. }), "{body}: {in_tx:?}");
-        let leased = lookup(&s, &k, body).await;
-        assert!(matches!(leased, Begin::InProgress { .. }), "{body}: {leased:?}");
+        let in_tx = at_once("a one-transaction lookup", answer_in(&s, &k, body)).await;
+        assert!(
+            matches!(in_tx, Begin::InProgress { .. }),
+            "{body}: {in_tx:?}"
+        );
+        let leased = at_once("a leased lookup", lookup(&s, &k, body)).await;
+        assert!(
+            matches!(leased, Begin::InProgress { .. }),
+            "{body}: {leased:?}"
+        );
     }
     let waited = started.elapsed();
     assert!(
-        waited < Duration::from_secs(1),
+        waited < AT_ONCE,
         "the duplicates waited {waited:?} for the first execution's transaction"
     );
     first.await.expect("first execution");
@@ -574,13 +593,19 @@ pub async fn in_one_transaction_a_lost_connection_frees_the_key<F: RequestFixtur
                 assert!(!takeover, "a rolled-back take left a record to take over");
                 break (fence, tx);
             }
-            BeginIn::Answer(Begin::InProgress { .. }) if started.elapsed() < Duration::from_secs(2) => {
+            BeginIn::Answer(Begin::InProgress { .. })
+                if started.elapsed() < Duration::from_secs(2) =>
+            {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
             other => panic!("the key was not freed by the lost connection: {other:?}"),
         }
     };
-    assert_eq!(fx.count_effects("crashed").await, 0, "the lost execution's effect committed");
+    assert_eq!(
+        fx.count_effects("crashed").await,
+        0,
+        "the lost execution's effect committed"
+    );
     fx.record_effect(&mut tx, "retried").await.expect("effect");
     s.complete_in(&mut tx, &k, fence, b"retried", DAY)
         .await
@@ -608,38 +633,54 @@ pub async fn leased_and_one_transaction_executions_never_both_run<F: RequestFixt
     let old = acquire(&s, &k, "body", Duration::from_secs(1)).await;
     if !F::ONE_TRANSACTION {
         assert!(matches!(
-            s.begin_request_in(&k, &fp("body"), LONG, DAY).await.expect("begin_request_in"),
+            s.begin_request_in(&k, &fp("body"), LONG, DAY)
+                .await
+                .expect("begin_request_in"),
             BeginIn::Unsupported
         ));
         return fx.teardown().await;
     }
     let busy = answer_in(&s, &k, "body").await;
-    assert!(matches!(busy, Begin::InProgress { .. }), "a live lease: {busy:?}");
+    assert!(
+        matches!(busy, Begin::InProgress { .. }),
+        "a live lease: {busy:?}"
+    );
     tokio::time::sleep(Duration::from_millis(1300)).await;
     let Some((new, takeover, mut tx)) = take_in::<F>(&s, &k, "body", LONG).await else {
         unreachable!("checked above");
     };
-    assert!(takeover && new > old, "takeover {takeover}, fences {old:?} → {new:?}");
+    assert!(
+        takeover && new > old,
+        "takeover {takeover}, fences {old:?} → {new:?}"
+    );
     let started = Instant::now();
-    let leased = lookup(&s, &k, "body").await;
+    let leased = at_once("a leased lookup", lookup(&s, &k, "body")).await;
     assert!(matches!(leased, Begin::InProgress { .. }), "{leased:?}");
-    let in_tx = answer_in(&s, &k, "body").await;
+    let in_tx = at_once("a one-transaction lookup", answer_in(&s, &k, "body")).await;
     assert!(matches!(in_tx, Begin::InProgress { .. }), "{in_tx:?}");
     let waited = started.elapsed();
-    assert!(waited < Duration::from_secs(1), "the lookups waited {waited:?}");
-    fx.record_effect(&mut tx, "mixed-new").await.expect("effect");
+    assert!(waited < AT_ONCE, "the lookups waited {waited:?}");
+    fx.record_effect(&mut tx, "mixed-new")
+        .await
+        .expect("effect");
     s.complete_in(&mut tx, &k, new, b"new", DAY)
         .await
         .expect("complete");
     s.commit(tx).await.expect("commit");
     // The leased executor wakes up and tries to finish.
     let mut late = s.begin().await.expect("begin tx");
-    fx.record_effect(&mut late, "mixed-late").await.expect("effect");
+    fx.record_effect(&mut late, "mixed-late")
+        .await
+        .expect("effect");
     let err = s
         .complete_in(&mut late, &k, old, b"late", DAY)
         .await
         .expect_err("a stale fence must not complete");
-    assert_eq!(err.request_kind(), Some(RequestErrorKind::LeaseLost), "{err}");
+    assert_eq!(
+        err.request_kind(),
+        Some(RequestErrorKind::LeaseLost),
+        "{err}"
+    );
     let _ = s.rollback(late).await;
     assert!(!s.extend_lease(&k, old, LONG).await.expect("extend"));
     assert_eq!(fx.count_effects("mixed-late").await, 0);
@@ -668,10 +709,9 @@ pub async fn an_engine_execution_in_one_transaction_frees_its_key_when_dropped<
     };
     assert_eq!(run.in_transaction(), F::ONE_TRANSACTION);
     fx.record_effect(run.tx(), "dropped").await.expect("effect");
-    let started = Instant::now();
-    let second = idem.start(k.clone(), fp("body")).await.expect("start");
+    let second = at_once("a second start", idem.start(k.clone(), fp("body"))).await;
+    let second = second.expect("start");
     assert!(matches!(second, Start::InProgress { .. }), "{second:?}");
-    assert!(started.elapsed() < Duration::from_secs(1));
     drop(run);
     let started = Instant::now();
     let mut run = loop {
@@ -686,7 +726,9 @@ pub async fn an_engine_execution_in_one_transaction_frees_its_key_when_dropped<
     if F::SHARED_TRANSACTION {
         assert_eq!(fx.count_effects("dropped").await, 0);
     }
-    fx.record_effect(run.tx(), "completed").await.expect("effect");
+    fx.record_effect(run.tx(), "completed")
+        .await
+        .expect("effect");
     run.complete(b"201").await.expect("complete");
     match idem.start(k, fp("body")).await.expect("start") {
         Start::Replay(r) => assert_eq!(r, b"201"),
