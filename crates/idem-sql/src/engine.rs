@@ -68,6 +68,12 @@ pub trait Engine: Driver + sealed::Sealed {
         false
     }
 
+    /// The plain form of take statement `sql` when `error` says the server cannot parse its
+    /// no-wait form (MySQL 8 has no MariaDB `SET STATEMENT`); `None` otherwise.
+    fn plain_take<'s>(_error: &dyn DatabaseError, _sql: &'s str) -> Option<&'s str> {
+        None
+    }
+
     /// How a transaction commits where sqlx's own `COMMIT` would not do; `None`: through
     /// sqlx's transaction manager. PostgreSQL's is `SELECT 1; COMMIT`: after any failed
     /// statement it aborts the transaction and a bare `COMMIT` would roll back *and report

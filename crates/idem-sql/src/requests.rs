@@ -202,7 +202,7 @@ async fn take<E: Engine>(
                     None => &store.rsql.insert,
                     Some(_) => &store.rsql.insert_at,
                 };
-                let inserted = match E::execute_pool(&store.pool, statement, &params).await {
+                let inserted = match execute_take(store, statement, &params).await {
                     Ok(rows) => rows == 1,
                     Err(e) if is_unique_violation(&e) => false,
                     Err(e) if lock_not_granted::<E>(&e) => return Ok((held_uncommitted(), None)),
@@ -237,7 +237,7 @@ async fn take<E: Engine>(
                         ]),
                     ),
                 };
-                let reset = match E::execute_pool(&store.pool, statement, &params).await {
+                let reset = match execute_take(store, statement, &params).await {
                     Ok(rows) => rows,
                     Err(e) if lock_not_granted::<E>(&e) => return Ok((held_uncommitted(), None)),
                     Err(e) => return Err(err(e)),
@@ -249,8 +249,15 @@ async fn take<E: Engine>(
             }
             Next::TakeOver { fence } => {
                 let params = now.params([lease, scope, id, Param::Int(fence)]);
-                let taken = E::execute_unless_locked(&store.pool, &store.rsql.take_over, &params);
-                let taken = match taken.await {
+                let sql = &store.rsql.take_over;
+                let taken = match E::execute_unless_locked(&store.pool, sql, &params).await {
+                    // MySQL 8: see `execute_take` (SQLite's own path never fails to parse).
+                    Err(sqlx::Error::Database(db)) if E::plain_take(db.as_ref(), sql).is_some() => {
+                        execute_take(store, sql, &params).await.map(Some)
+                    }
+                    taken => taken,
+                };
+                let taken = match taken {
                     Ok(rows) => rows,
                     Err(e) if lock_not_granted::<E>(&e) => return Ok((held_uncommitted(), None)),
                     Err(e) => return Err(err(e)),
@@ -293,6 +300,24 @@ fn kept_changing() -> Error {
         ErrorKind::Transient,
         "the request record kept changing under concurrent lookups; retry",
     )
+}
+
+/// Runs a take statement of the leased mode on the pool. A server that cannot parse the
+/// engine's no-wait form (MySQL 8: no `SET STATEMENT`; MariaDB has it) runs the plain
+/// statement instead: it has no one-transaction mode ([`take_in`] answers unsupported), so no
+/// record is ever held uncommitted for the plain statement to wait for.
+async fn execute_take<E: Engine>(
+    store: &SqlStore<E>,
+    statement: &str,
+    params: &[Param<'_>],
+) -> Result<u64, sqlx::Error> {
+    match E::execute_pool(&store.pool, statement, params).await {
+        Err(sqlx::Error::Database(db)) if E::plain_take(db.as_ref(), statement).is_some() => {
+            let plain = E::plain_take(db.as_ref(), statement).unwrap_or(statement);
+            E::execute_pool(&store.pool, plain, params).await
+        }
+        done => done,
+    }
 }
 
 /// Whether `e` says a take statement met a record held by another transaction and did not
@@ -364,10 +389,15 @@ async fn take_in<E: Engine>(
             Err(e) if is_unique_violation(&e) => {}
             Err(e) => {
                 let _ = store.rollback(tx).await;
-                return match lock_not_granted::<E>(&e) {
-                    true => Ok(BeginIn::Answer(held_uncommitted())),
-                    false => Err(err(e)),
-                };
+                if lock_not_granted::<E>(&e) {
+                    return Ok(BeginIn::Answer(held_uncommitted()));
+                }
+                if matches!(&e, sqlx::Error::Database(db) if E::plain_take(db.as_ref(), statement).is_some())
+                {
+                    // A server without the no-wait form (MySQL 8): the leased mode.
+                    return Ok(BeginIn::Unsupported);
+                }
+                return Err(err(e));
             }
         }
         // Lost a race: the record changed since the read, or is held uncommitted.
