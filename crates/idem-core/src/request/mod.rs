@@ -15,7 +15,9 @@
 //!
 //! Stores implement [`RequestStore`](crate::store::RequestStore); SQL stores complete the
 //! record inside the transaction that carries the operation's writes, so the effect and the
-//! stored result commit together or not at all.
+//! stored result commit together or not at all. PostgreSQL and MariaDB can also *take* it in
+//! that transaction ([`BeginIn`], the one-transaction mode): one commit per first execution,
+//! no lease, and a crash rolls the take back with everything else.
 
 mod error;
 mod key;
