@@ -232,7 +232,7 @@ pub use outcome::{Claim, Outcome};
 pub use processor::{Processor, ProcessorBuilder, SetBatch};
 pub use request::record as request_record;
 pub use request::{
-    Begin, Fence, IdempotencyKey, MAX_IDEMPOTENCY_KEY_LEN, Recovery, RequestAction,
+    Begin, BeginIn, Fence, IdempotencyKey, MAX_IDEMPOTENCY_KEY_LEN, Recovery, RequestAction,
     RequestErrorKind, RequestKey, RequestScope, Resume, Stuck, retry_after,
 };
 pub use retention::{Retention, format_duration, parse_duration};

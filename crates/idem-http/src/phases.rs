@@ -440,6 +440,13 @@ where
                 ));
             };
             execution.put_tx(tx);
+            // Phases commit at each boundary, so they need the record committed under a lease:
+            // an execution the layer began in one transaction moves to the leased mode here
+            // (committing what the handler wrote before, as the first boundary would).
+            if let Err(e) = execution.lease_record().await {
+                self.run.gone();
+                return Err(PhasesError::new(e, config));
+            }
             let idem = self.run.idempotency().clone();
             let store = idem.store().clone();
             let recovery = match store.recovery(execution.key(), execution.fence()).await {

@@ -18,8 +18,8 @@
 use std::time::Duration;
 
 use idem_core::request_record::{
-    MAX_ATTEMPTS, Next, RecordRow, RecoveryRow, bound_fence, decide, lease_lost, next_fence,
-    recovery_of, span, stored_fence,
+    MAX_ATTEMPTS, Next, RecordRow, RecoveryRow, bound_fence, decide, held_uncommitted, lease_lost,
+    next_fence, recovery_of, span, stored_fence,
 };
 use idem_core::store::{ReapRequests, RecoveryStore, RequestStore};
 use idem_core::{Begin, Error, ErrorKind, Fence, Fingerprint, Recovery, RequestKey, Resume, Stuck};
@@ -110,13 +110,22 @@ async fn take(
     let conn = store.lease().await?;
     let client = conn.client();
     let read = conn.prepare(&store.rsql.read).await.map_err(err)?;
+    let mut last = None;
     for _ in 0..MAX_ATTEMPTS {
         let row = client
             .query_one(&read, &[&fp, &scope, &id])
             .await
             .map_err(err)?;
         let record = record(&row).map_err(err)?;
-        match decide(record, fingerprint)? {
+        let next = decide(record, fingerprint)?;
+        // The take statements do not wait for a record held uncommitted (see idem-dialect):
+        // one that affected no row, then the same decision again, met such a record.
+        let this = next.taking();
+        if this.is_some() && this == last {
+            return Ok((held_uncommitted(), None));
+        }
+        last = this;
+        match next {
             Next::Answer(answer) => return Ok((answer, None)),
             Next::Insert { fence } => {
                 let inserted = match first {

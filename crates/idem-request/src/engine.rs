@@ -1,4 +1,20 @@
-//! The engine: take a record, run under its lease (with a heartbeat), complete or abandon.
+//! The engine: take a record, run the operation, complete or abandon — in one of two modes.
+//!
+//! - **One transaction** (the default where the store supports it:
+//!   [`RequestStore::begin_request_in`], PostgreSQL and MariaDB): the record is taken inside
+//!   the operation's transaction, so the effect, the record and the stored result commit once
+//!   — one commit per first execution instead of two. No lease is renewed and nothing is
+//!   released: a crash, a dropped connection or an abandon rolls everything back and the key
+//!   is free. A concurrent duplicate is answered "in progress" at once by the store.
+//! - **Leased**: the record is taken in a committed statement of its own
+//!   ([`RequestStore::begin_request`]), held under a lease with a heartbeat, and completed in
+//!   the operation's transaction. Needed where the record must be visible before the operation
+//!   ends: recovery points ([`Idempotency::run_phases`], idem-http's `IdemPhases`: each phase
+//!   boundary commits, and a foreign call's key must outlive a crash), an operation that must
+//!   survive its connection (it commits more than once), the completer, and stores without a
+//!   shared transaction (Redis) or whose one write lock must not be held for the operation
+//!   (SQLite). An execution begun in one transaction moves to the leased mode when it starts
+//!   phases ([`Execution::lease_record`]).
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -7,7 +23,7 @@ use std::time::Duration;
 
 use idem_core::store::RequestStore;
 use idem_core::{
-    Begin, Error, ErrorKind, Fence, Fingerprint, Recovery, RequestErrorKind, RequestKey,
+    Begin, BeginIn, Error, ErrorKind, Fence, Fingerprint, Recovery, RequestErrorKind, RequestKey,
 };
 use tokio::task::JoinHandle;
 
@@ -33,6 +49,9 @@ struct Inner<S> {
     ttl: Duration,
     lease: Duration,
     heartbeat: Option<Duration>,
+    /// Whether a first execution takes its record inside its transaction where the store can
+    /// ([`IdempotencyBuilder::leased_only`] turns it off).
+    one_transaction: bool,
     /// Records this engine gave up (abandoned, or failed to complete) whose release the store
     /// refused: SQLite's write lock held by another request past the busy timeout, an outage.
     /// A task keeps releasing each until the store takes it or its lease ran out, and a
@@ -51,6 +70,7 @@ pub struct IdempotencyBuilder<S> {
     lease: Duration,
     heartbeat: Option<Option<Duration>>,
     local_cache: Option<crate::cache::LocalCache>,
+    one_transaction: bool,
 }
 
 impl<S: RequestStore + Clone + 'static> Idempotency<S> {
@@ -62,6 +82,7 @@ impl<S: RequestStore + Clone + 'static> Idempotency<S> {
             lease: Duration::from_secs(30),
             heartbeat: None,
             local_cache: None,
+            one_transaction: true,
         }
     }
 }
@@ -106,6 +127,16 @@ impl<S> IdempotencyBuilder<S> {
         self
     }
 
+    /// Takes every record in the leased mode, even on a store that can take it inside the
+    /// operation's transaction (see the [module docs](self)): two commits per first execution,
+    /// a record visible (in progress) from its take on, released or taken over after a crash.
+    /// For an operation that must commit before it completes; an execution of phases switches
+    /// by itself.
+    pub fn leased_only(mut self) -> Self {
+        self.one_transaction = false;
+        self
+    }
+
     /// Validates and builds.
     pub fn build(self) -> Result<Idempotency<S>, Error> {
         let bad = |why: String| Err(Error::new(ErrorKind::InvalidConfig, why));
@@ -133,6 +164,7 @@ impl<S> IdempotencyBuilder<S> {
                 ttl: self.ttl,
                 lease: self.lease,
                 heartbeat,
+                one_transaction: self.one_transaction,
                 unreleased: Mutex::new(HashMap::new()),
                 cache: self
                     .local_cache
@@ -177,7 +209,9 @@ impl<S: RequestStore + Clone + 'static> Idempotency<S> {
 
     /// Looks `key` up and takes its record when it is free (absent, expired, or its holder's
     /// lease ran out), and begins the execution's transaction
-    /// ([`RequestStore::begin_execution`]). Never waits for another executor. An execution of
+    /// ([`RequestStore::begin_execution`]): inside that transaction where the store can
+    /// ([`RequestStore::begin_request_in`], the one-transaction mode), else under a lease
+    /// (see the [module docs](self)). Never waits for another executor. An execution of
     /// the same key that this engine gave up but whose record the store would not free yet
     /// (see [`Execution::abandon`]) is freed first; if the store still refuses, so does this.
     pub async fn start(
@@ -191,9 +225,25 @@ impl<S: RequestStore + Clone + 'static> Idempotency<S> {
         }
         let pending = cache.map(|_| crate::cache::Pending::now(fingerprint));
         let (lease, ttl) = (self.inner.lease, self.inner.ttl);
+        let one_transaction = self.inner.one_transaction;
         let lookup = move |store: S, key: RequestKey| async move {
+            if one_transaction {
+                match store
+                    .begin_request_in(&key, &fingerprint, lease, ttl)
+                    .await?
+                {
+                    BeginIn::Acquired {
+                        fence,
+                        takeover,
+                        tx,
+                    } => return Ok((Begin::Acquired { fence, takeover }, None, Some(tx))),
+                    BeginIn::Answer(answer) => return Ok((answer, None, None)),
+                    // Unsupported: the leased mode below.
+                    _ => {}
+                }
+            }
             let begin = store.begin_request(&key, &fingerprint, lease, ttl).await;
-            begin.map(|begin| (begin, None))
+            begin.map(|begin| (begin, None, None))
         };
         let (mut start, _) = self.take(key, lookup).await?;
         if let Start::Run(execution) = &mut start {
@@ -204,7 +254,8 @@ impl<S: RequestStore + Clone + 'static> Idempotency<S> {
 
     /// [`start`](Self::start) with the store's lookup given: `lookup` takes the record (and
     /// may tell where it stands, see
-    /// [`RecoveryStore::begin_phases`](idem_core::store::RecoveryStore::begin_phases)).
+    /// [`RecoveryStore::begin_phases`](idem_core::store::RecoveryStore::begin_phases)), and
+    /// hands over the transaction it took it in, in the one-transaction mode.
     pub(crate) async fn take<L, F>(
         &self,
         key: RequestKey,
@@ -212,7 +263,9 @@ impl<S: RequestStore + Clone + 'static> Idempotency<S> {
     ) -> Result<(Start<S>, Option<Recovery>), Error>
     where
         L: FnOnce(S, RequestKey) -> F,
-        F: Future<Output = Result<(Begin, Option<Recovery>), Error>> + Send + 'static,
+        F: Future<Output = Result<(Begin, Option<Recovery>, Option<S::Tx>), Error>>
+            + Send
+            + 'static,
     {
         let me = &self.inner;
         if key.key.as_str().len() > me.store.max_key_len() {
@@ -233,13 +286,16 @@ impl<S: RequestStore + Clone + 'static> Idempotency<S> {
         }
         // The lookup runs in a task of its own: a caller dropped while it is under way (a
         // client gone, a timeout) must not leave a record taken with nobody to free it. The
-        // task hands the outcome over, or frees the record itself when no one is left to take it.
+        // task hands the outcome over, or frees the record itself when no one is left to take it
+        // (taken in a transaction: dropping the transaction rolls the take back).
         let (hand_over, taken) = tokio::sync::oneshot::channel();
         let lookup = {
             let (idem, key) = (self.clone(), key.clone());
             let begin = lookup(me.store.clone(), key.clone());
             async move {
-                if let Err(Ok((Begin::Acquired { fence, .. }, _))) = hand_over.send(begin.await) {
+                if let Err(Ok((Begin::Acquired { fence, .. }, _, None))) =
+                    hand_over.send(begin.await)
+                {
                     idem.release_quietly(&key, fence, "a caller gone during the lookup")
                         .await;
                 }
@@ -252,7 +308,7 @@ impl<S: RequestStore + Clone + 'static> Idempotency<S> {
                 "the record lookup ended without an answer (its task panicked or the runtime is shutting down)",
             )
         })??;
-        let (begin, recovery) = begin;
+        let (begin, recovery, tx) = begin;
         let (fence, takeover) = match begin {
             Begin::Acquired { fence, takeover } => (fence, takeover),
             Begin::Completed { result } => return Ok((Start::Replay(result), None)),
@@ -270,8 +326,32 @@ impl<S: RequestStore + Clone + 'static> Idempotency<S> {
         if takeover {
             tracing::info!(key = %KeyDigest(&key), fence = fence.0, "took over a record whose lease ran out (its executor likely crashed)");
         }
-        let execution = self.execution(key, fence, takeover).await?;
+        let execution = match tx {
+            Some(tx) => self.execution_in(key, fence, takeover, tx),
+            None => self.execution(key, fence, takeover).await?,
+        };
         Ok((Start::Run(execution), recovery))
+    }
+
+    /// The execution of a record taken uncommitted in `tx` (the one-transaction mode): no
+    /// heartbeat, nothing to release.
+    fn execution_in(
+        &self,
+        key: RequestKey,
+        fence: Fence,
+        takeover: bool,
+        tx: S::Tx,
+    ) -> Execution<S> {
+        Execution {
+            idem: self.clone(),
+            key,
+            fence,
+            takeover,
+            tx: Some(tx),
+            heartbeat: None,
+            in_tx: true,
+            settled: false,
+        }
     }
 
     /// The execution of a record this caller holds under `fence`: its transaction begun and
@@ -292,6 +372,7 @@ impl<S: RequestStore + Clone + 'static> Idempotency<S> {
             takeover,
             tx: None,
             heartbeat: None,
+            in_tx: false,
             settled: false,
             cache_fill: None,
         };
@@ -302,12 +383,7 @@ impl<S: RequestStore + Clone + 'static> Idempotency<S> {
                 return Err(e);
             }
         }
-        execution.heartbeat = me.heartbeat.map(|every| {
-            let store = me.store.clone();
-            let key = execution.key.clone();
-            let lease = me.lease;
-            tokio::spawn(async move { renew(store, key, fence, lease, every).await })
-        });
+        execution.start_heartbeat();
         Ok(execution)
     }
 }
@@ -460,6 +536,9 @@ pub struct Execution<S: RequestStore + Clone + 'static> {
     takeover: bool,
     pub(crate) tx: Option<S::Tx>,
     heartbeat: Option<JoinHandle<()>>,
+    /// Taken uncommitted in `tx` (the one-transaction mode): no lease, nothing to release;
+    /// rolling `tx` back frees the key.
+    in_tx: bool,
     /// Completed or abandoned: nothing is left for `Drop` to undo.
     pub(crate) settled: bool,
     /// What to put in the engine's local cache once the completion committed.
@@ -505,6 +584,84 @@ impl<S: RequestStore + Clone + 'static> Execution<S> {
         self.tx = Some(tx);
     }
 
+    /// Whether the record is held uncommitted in the execution's transaction (the
+    /// one-transaction mode) rather than under a committed lease.
+    pub fn in_transaction(&self) -> bool {
+        self.in_tx
+    }
+
+    /// Moves an execution of the one-transaction mode to the leased mode: commits its
+    /// transaction — the record, in progress, with whatever was written through it so far —,
+    /// renews the lease from now, begins a new transaction and starts the heartbeat. For an
+    /// operation that must commit before it completes: recovery points
+    /// ([`drive_phases`](Idempotency::drive_phases) calls it), or one that must outlive its
+    /// connection. Does nothing in the leased mode. On an error the transaction is rolled back
+    /// (the key is free again, unless the commit's outcome is unknown: then its lease runs out)
+    /// and the execution is over.
+    pub async fn lease_record(&mut self) -> Result<(), Error> {
+        if !self.in_tx {
+            return Ok(());
+        }
+        let store = self.idem.inner.store.clone();
+        let Some(tx) = self.tx.take() else {
+            return Err(Error::new(
+                ErrorKind::Store,
+                "the operation kept the transaction: the record cannot be committed under a lease",
+            ));
+        };
+        if let Err(e) = store.commit(tx).await {
+            self.settled = true;
+            return Err(e);
+        }
+        self.in_tx = false;
+        // The take's lease counted from the take; the operation may have run since.
+        match store
+            .extend_lease(&self.key, self.fence, self.idem.inner.lease)
+            .await
+        {
+            Ok(true) => {}
+            Ok(false) => {
+                self.settled = true;
+                return Err(idem_core::request_record::lease_lost(self.fence));
+            }
+            Err(e) => {
+                let _ = self.idem.release(&self.key, self.fence).await;
+                self.settled = true;
+                return Err(e);
+            }
+        }
+        match store.begin_execution().await {
+            Ok(tx) => self.tx = Some(tx),
+            Err(e) => {
+                let _ = self.idem.release(&self.key, self.fence).await;
+                self.settled = true;
+                return Err(e);
+            }
+        }
+        self.start_heartbeat();
+        Ok(())
+    }
+
+    fn start_heartbeat(&mut self) {
+        let me = &self.idem.inner;
+        self.heartbeat = me.heartbeat.map(|every| {
+            let store = me.store.clone();
+            let key = self.key.clone();
+            let (fence, lease) = (self.fence, me.lease);
+            tokio::spawn(async move { renew(store, key, fence, lease, every).await })
+        });
+    }
+
+    /// Frees the key of an execution given up: in the leased mode the record is released (see
+    /// [`Idempotency::release`]); in the one-transaction mode rolling back (or dropping) its
+    /// transaction did it already.
+    pub(crate) async fn free(&mut self) -> Result<(), Error> {
+        if self.in_tx {
+            return Ok(());
+        }
+        self.idem.release(&self.key, self.fence).await
+    }
+
     pub(crate) fn stop_heartbeat(&mut self) {
         if let Some(h) = self.heartbeat.take() {
             h.abort();
@@ -527,7 +684,7 @@ impl<S: RequestStore + Clone + 'static> Execution<S> {
         let store = self.idem.inner.store.clone();
         let ttl = self.idem.inner.ttl;
         let Some(mut tx) = self.tx.take() else {
-            let _ = self.idem.release(&self.key, self.fence).await;
+            let _ = self.free().await;
             self.settled = true;
             return Err(Error::new(
                 ErrorKind::Store,
@@ -540,6 +697,8 @@ impl<S: RequestStore + Clone + 'static> Execution<S> {
         {
             let _ = store.rollback(tx).await;
             match e.kind() {
+                // Taken in the transaction: its rollback freed the key.
+                _ if self.in_tx => {}
                 ErrorKind::Request(RequestErrorKind::LeaseLost) => {}
                 // The completion waited for a lock (SQLite's write lock) as long as the store
                 // waits; the release would wait for the same lock: free it in the background.
@@ -554,7 +713,7 @@ impl<S: RequestStore + Clone + 'static> Execution<S> {
         if let Err(e) = store.commit(tx).await {
             // Rolled back, or unknown: freeing a record this fence still holds in progress is
             // right either way (a committed completion is no longer in progress and stays).
-            let _ = self.idem.release(&self.key, self.fence).await;
+            let _ = self.free().await;
             self.settled = true;
             return Err(e);
         }
@@ -578,7 +737,7 @@ impl<S: RequestStore + Clone + 'static> Execution<S> {
         if let Some(tx) = self.tx.take() {
             let _ = store.rollback(tx).await;
         }
-        let released = self.idem.release(&self.key, self.fence).await;
+        let released = self.free().await;
         self.settled = true;
         released
     }
@@ -590,6 +749,7 @@ impl<S: RequestStore + Clone + 'static> std::fmt::Debug for Execution<S> {
             .field("key", &KeyDigest(&self.key))
             .field("fence", &self.fence)
             .field("takeover", &self.takeover)
+            .field("in_transaction", &self.in_tx)
             .field("holds_tx", &self.tx.is_some())
             .finish()
     }
@@ -605,6 +765,10 @@ impl<S: RequestStore + Clone + 'static> Drop for Execution<S> {
             return;
         }
         drop(self.tx.take());
+        if self.in_tx {
+            // The rollback of the transaction (its connection closed) freed the key.
+            return;
+        }
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             let idem = self.idem.clone();
             let (key, fence) = (self.key.clone(), self.fence);

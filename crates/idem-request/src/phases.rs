@@ -139,7 +139,11 @@ impl<S: RecoveryStore + Clone + 'static> Execution<S> {
     /// transaction, commits both, and begins the next phase's transaction: one commit per
     /// phase boundary. [`RequestErrorKind::LeaseLost`] when another executor took the record
     /// over: this phase's writes are rolled back and the execution is over.
+    ///
+    /// An execution in the one-transaction mode moves to the leased mode first
+    /// ([`lease_record`](Self::lease_record)): a recovery point must outlive a crash.
     pub async fn advance(&mut self, point: &str, state: &[u8]) -> Result<(), Error> {
+        self.lease_record().await?;
         let store = self.idem.store().clone();
         let Some(mut tx) = self.tx.take() else {
             return Err(Error::new(
@@ -173,7 +177,7 @@ impl<S: RecoveryStore + Clone + 'static> Execution<S> {
         let store = self.idem.store().clone();
         let ttl = self.idem.ttl();
         let Some(mut tx) = self.tx.take() else {
-            let _ = self.idem.release(&self.key, self.fence).await;
+            let _ = self.free().await;
             self.settled = true;
             return Err(Error::new(
                 ErrorKind::Store,
@@ -191,14 +195,14 @@ impl<S: RecoveryStore + Clone + 'static> Execution<S> {
         if let Err(e) = ended {
             let _ = store.rollback(tx).await;
             if e.request_kind() != Some(RequestErrorKind::LeaseLost) {
-                let _ = self.idem.release(&self.key, self.fence).await;
+                let _ = self.free().await;
             }
             self.settled = true;
             return Err(e);
         }
         let committed = store.commit(tx).await;
         if committed.is_err() {
-            let _ = self.idem.release(&self.key, self.fence).await;
+            let _ = self.free().await;
         }
         self.settled = true;
         if committed.is_ok() {
@@ -255,7 +259,8 @@ impl<S: RecoveryStore + Clone + 'static> Idempotency<S> {
         let (point, state) = encode_phase(&first)?;
         let (lease, ttl) = (self.lease(), self.ttl());
         let lookup = move |store: S, key: RequestKey| async move {
-            (store.begin_phases(&key, &fingerprint, lease, ttl, &point, &state)).await
+            let taken = store.begin_phases(&key, &fingerprint, lease, ttl, &point, &state);
+            taken.await.map(|(begin, recovery)| (begin, recovery, None))
         };
         let (start, taken) = self.take(request, lookup).await?;
         let execution = match run_or_not(start, key) {
@@ -331,6 +336,8 @@ impl<S: RecoveryStore + Clone + 'static> Idempotency<S> {
         E: Into<BoxError>,
         F: AsyncFnMut(P, &mut PhaseCtx<S>) -> Result<Step<P, R>, E>,
     {
+        // Phases commit at every boundary: they run in the leased mode.
+        execution.lease_record().await?;
         let mut phase = match (recovery.resume, first) {
             (Some(resume), _) => {
                 if recovery.attempts > 1 {

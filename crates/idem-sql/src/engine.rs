@@ -53,6 +53,27 @@ pub trait Engine: Driver + sealed::Sealed {
     /// anything else; the record's own statements run outside it.
     const REQUEST_BEGIN: &'static str = Self::BEGIN;
 
+    /// Whether a request record can be taken inside the operation's transaction
+    /// ([`RequestStore::begin_request_in`](idem_core::store::RequestStore::begin_request_in),
+    /// the one-transaction mode): the engine's take statements must then never wait for a
+    /// record another transaction holds uncommitted (PostgreSQL's advisory lock taken without
+    /// waiting, MariaDB's zero lock-wait timeout; see `idem_dialect`). Not SQLite: the take
+    /// would hold its one write lock for the whole operation (see `sqlite.rs`).
+    const ONE_TRANSACTION: bool = false;
+
+    /// Whether a database error says a take statement met a record another transaction holds
+    /// and did not wait for it (MariaDB's 1205 under its zero lock-wait timeout): the record is
+    /// in progress.
+    fn lock_not_granted(_error: &dyn DatabaseError) -> bool {
+        false
+    }
+
+    /// The plain form of take statement `sql` when `error` says the server cannot parse its
+    /// no-wait form (MySQL 8 has no MariaDB `SET STATEMENT`); `None` otherwise.
+    fn plain_take<'s>(_error: &dyn DatabaseError, _sql: &'s str) -> Option<&'s str> {
+        None
+    }
+
     /// How a transaction commits where sqlx's own `COMMIT` would not do; `None`: through
     /// sqlx's transaction manager. PostgreSQL's is `SELECT 1; COMMIT`: after any failed
     /// statement it aborts the transaction and a bare `COMMIT` would roll back *and report

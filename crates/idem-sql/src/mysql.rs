@@ -90,6 +90,24 @@ impl Engine for MySql {
         }
     }
 
+    const ONE_TRANSACTION: bool = true;
+
+    fn lock_not_granted(db: &dyn DatabaseError) -> bool {
+        // 1205: the lock-wait timeout (zero for the take statements); 3572: MySQL's NOWAIT.
+        db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+            .is_some_and(|my| matches!(my.number(), 1205 | 3572))
+    }
+
+    fn plain_take<'s>(db: &dyn DatabaseError, sql: &'s str) -> Option<&'s str> {
+        // 1064: a syntax error, which only the no-wait prefix can cause in a take statement.
+        let parse_error = db
+            .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+            .is_some_and(|my| my.number() == 1064);
+        parse_error
+            .then(|| sql.strip_prefix(dialect::NOWAIT))
+            .flatten()
+    }
+
     fn read_only(db: &dyn DatabaseError) -> bool {
         db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
             .is_some_and(|my| dialect::read_only(my.number()))

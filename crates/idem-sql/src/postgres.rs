@@ -111,6 +111,8 @@ impl Engine for Postgres {
         sqlstate::kind_with(db.code().as_deref().unwrap_or(""), db.constraint())
     }
 
+    const ONE_TRANSACTION: bool = true;
+
     fn read_only(db: &dyn DatabaseError) -> bool {
         db.code().as_deref() == Some(sqlstate::READ_ONLY_SQL_TRANSACTION)
     }

@@ -22,14 +22,17 @@
 
 use std::time::Duration;
 
+use idem_core::TransactionalStore;
 pub use idem_core::request_record::MAX_REQUEST_KEY_LEN;
 use idem_core::request_record::{
-    MAX_ATTEMPTS, Next, bound_fence, decide, lease_lost, next_fence, recovery_of, span,
-    stored_fence,
+    MAX_ATTEMPTS, Next, bound_fence, decide, held_uncommitted, lease_lost, next_fence, recovery_of,
+    span, stored_fence,
 };
 pub(crate) use idem_core::request_record::{RecordRow, RecoveryRow};
 use idem_core::store::{ReapRequests, RecoveryStore, RequestStore};
-use idem_core::{Begin, Error, ErrorKind, Fence, Fingerprint, Recovery, RequestKey, Resume, Stuck};
+use idem_core::{
+    Begin, BeginIn, Error, ErrorKind, Fence, Fingerprint, Recovery, RequestKey, Resume, Stuck,
+};
 
 use crate::engine::{Engine, Param};
 use crate::errors::store_error;
@@ -63,6 +66,22 @@ impl<E: Engine> RequestStore for SqlStore<E> {
         take(self, key, fingerprint, lease, ttl, None)
             .await
             .map(|(begin, _)| begin)
+    }
+
+    /// On PostgreSQL and MariaDB ([`Engine::ONE_TRANSACTION`]); SQLite answers
+    /// [`BeginIn::Unsupported`]: its take would hold the database's one write lock for the
+    /// whole operation.
+    async fn begin_request_in(
+        &self,
+        key: &RequestKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<BeginIn<Tx<E>>, Error> {
+        if !E::ONE_TRANSACTION {
+            return Ok(BeginIn::Unsupported);
+        }
+        take_in(self, key, fingerprint, lease, ttl).await
     }
 
     async fn complete_in(
@@ -152,12 +171,18 @@ async fn take<E: Engine>(
             state: state.to_vec(),
         }),
     };
+    let mut last = None;
     for _ in 0..MAX_ATTEMPTS {
         let now = Clocked::<E>::now();
         let row = E::fetch_record(&store.pool, &store.rsql.read, &now.params([fp, scope, id]))
             .await
             .map_err(err)?;
-        match decide(row, fingerprint)? {
+        let next = decide(row, fingerprint)?;
+        let this = next.taking();
+        if this.is_some() && this == last {
+            return Ok((held_uncommitted(), None));
+        }
+        match next {
             Next::Answer(answer) => return Ok((answer, None)),
             Next::Insert { fence } => {
                 let params = match first {
@@ -177,9 +202,10 @@ async fn take<E: Engine>(
                     None => &store.rsql.insert,
                     Some(_) => &store.rsql.insert_at,
                 };
-                let inserted = match E::execute_pool(&store.pool, statement, &params).await {
+                let inserted = match execute_take(store, statement, &params).await {
                     Ok(rows) => rows == 1,
                     Err(e) if is_unique_violation(&e) => false,
+                    Err(e) if lock_not_granted::<E>(&e) => return Ok((held_uncommitted(), None)),
                     Err(e) => return Err(err(e)),
                 };
                 if inserted {
@@ -211,9 +237,11 @@ async fn take<E: Engine>(
                         ]),
                     ),
                 };
-                let reset = E::execute_pool(&store.pool, statement, &params)
-                    .await
-                    .map_err(err)?;
+                let reset = match execute_take(store, statement, &params).await {
+                    Ok(rows) => rows,
+                    Err(e) if lock_not_granted::<E>(&e) => return Ok((held_uncommitted(), None)),
+                    Err(e) => return Err(err(e)),
+                };
                 if reset == 1 {
                     let fence = next_fence(fence)?;
                     return Ok((Begin::Acquired { fence, takeover }, Some(born)));
@@ -221,10 +249,20 @@ async fn take<E: Engine>(
             }
             Next::TakeOver { fence } => {
                 let params = now.params([lease, scope, id, Param::Int(fence)]);
-                match E::execute_unless_locked(&store.pool, &store.rsql.take_over, &params)
-                    .await
-                    .map_err(err)?
-                {
+                let sql = &store.rsql.take_over;
+                let taken = match E::execute_unless_locked(&store.pool, sql, &params).await {
+                    // MySQL 8: see `execute_take` (SQLite's own path never fails to parse).
+                    Err(sqlx::Error::Database(db)) if E::plain_take(db.as_ref(), sql).is_some() => {
+                        execute_take(store, sql, &params).await.map(Some)
+                    }
+                    taken => taken,
+                };
+                let taken = match taken {
+                    Ok(rows) => rows,
+                    Err(e) if lock_not_granted::<E>(&e) => return Ok((held_uncommitted(), None)),
+                    Err(e) => return Err(err(e)),
+                };
+                match taken {
                     Some(1) => {
                         let fence = next_fence(fence)?;
                         let taken = Begin::Acquired {
@@ -251,11 +289,122 @@ async fn take<E: Engine>(
                 }
             }
         }
+        last = this;
     }
-    Err(Error::new(
+    Err(kept_changing())
+}
+
+/// The error of a lookup that lost every race it ran.
+fn kept_changing() -> Error {
+    Error::new(
         ErrorKind::Transient,
         "the request record kept changing under concurrent lookups; retry",
-    ))
+    )
+}
+
+/// Runs a take statement of the leased mode on the pool. A server that cannot parse the
+/// engine's no-wait form (MySQL 8: no `SET STATEMENT`; MariaDB has it) runs the plain
+/// statement instead: it has no one-transaction mode ([`take_in`] answers unsupported), so no
+/// record is ever held uncommitted for the plain statement to wait for.
+async fn execute_take<E: Engine>(
+    store: &SqlStore<E>,
+    statement: &str,
+    params: &[Param<'_>],
+) -> Result<u64, sqlx::Error> {
+    match E::execute_pool(&store.pool, statement, params).await {
+        Err(sqlx::Error::Database(db)) if E::plain_take(db.as_ref(), statement).is_some() => {
+            let plain = E::plain_take(db.as_ref(), statement).unwrap_or(statement);
+            E::execute_pool(&store.pool, plain, params).await
+        }
+        done => done,
+    }
+}
+
+/// Whether `e` says a take statement met a record held by another transaction and did not
+/// wait for it.
+fn lock_not_granted<E: Engine>(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(db) if E::lock_not_granted(db.as_ref()))
+}
+
+/// [`RequestStore::begin_request_in`]: the lookup of [`take`], each take run in a new
+/// transaction of the operation's and kept there. The read runs on the pool first, so a
+/// replay, a mismatch or a live lease is answered without a transaction; only a take begins
+/// one. Every take statement is guarded by what the read found and never waits for a record
+/// held uncommitted (see [`Engine::ONE_TRANSACTION`]): affecting no row, it is rolled back
+/// and the record read again.
+async fn take_in<E: Engine>(
+    store: &SqlStore<E>,
+    key: &RequestKey,
+    fingerprint: &Fingerprint,
+    lease: Duration,
+    ttl: Duration,
+) -> Result<BeginIn<Tx<E>>, Error> {
+    let err = |e| store_error::<E>("beginning an idempotent request in its transaction", e);
+    let (scope, id) = (&key.scope.as_bytes()[..], key.key.as_str().as_bytes());
+    let fp = &fingerprint.as_bytes()[..];
+    let (lease, ttl) = (Param::Int(span(lease)), Param::Int(span(ttl)));
+    let (scope, id, fp) = (Param::Bytes(scope), Param::Bytes(id), Param::Bytes(fp));
+    let mut last = None;
+    for _ in 0..MAX_ATTEMPTS {
+        let now = Clocked::<E>::now();
+        let row = E::fetch_record(&store.pool, &store.rsql.read, &now.params([fp, scope, id]))
+            .await
+            .map_err(err)?;
+        let next = decide(row, fingerprint)?;
+        let this = next.taking();
+        if this.is_some() && this == last {
+            return Ok(BeginIn::Answer(held_uncommitted()));
+        }
+        let (statement, params, fence, takeover) = match next {
+            Next::Answer(answer) => return Ok(BeginIn::Answer(answer)),
+            Next::Insert { fence } => (
+                &store.rsql.insert,
+                now.params([scope, id, fp, Param::Int(fence), lease, ttl]),
+                stored_fence(fence)?,
+                false,
+            ),
+            Next::Reset { fence, takeover } => (
+                &store.rsql.reset,
+                now.params([fp, lease, ttl, scope, id, Param::Int(fence)]),
+                next_fence(fence)?,
+                takeover,
+            ),
+            Next::TakeOver { fence } => (
+                &store.rsql.take_over,
+                now.params([lease, scope, id, Param::Int(fence)]),
+                next_fence(fence)?,
+                true,
+            ),
+        };
+        let mut tx = store.begin_execution().await?;
+        match E::execute(&mut tx, statement, &params).await {
+            Ok(1) => {
+                return Ok(BeginIn::Acquired {
+                    fence,
+                    takeover,
+                    tx,
+                });
+            }
+            Ok(_) => {}
+            Err(e) if is_unique_violation(&e) => {}
+            Err(e) => {
+                let _ = store.rollback(tx).await;
+                if lock_not_granted::<E>(&e) {
+                    return Ok(BeginIn::Answer(held_uncommitted()));
+                }
+                if matches!(&e, sqlx::Error::Database(db) if E::plain_take(db.as_ref(), statement).is_some())
+                {
+                    // A server without the no-wait form (MySQL 8): the leased mode.
+                    return Ok(BeginIn::Unsupported);
+                }
+                return Err(err(e));
+            }
+        }
+        // Lost a race: the record changed since the read, or is held uncommitted.
+        let _ = store.rollback(tx).await;
+        last = this;
+    }
+    Err(kept_changing())
 }
 
 /// Ends a held record with its result (completed or abandoned: the two statements take the same

@@ -165,6 +165,10 @@ macro_rules! request_conformance_tests {
             scopes_never_share_records,
             an_abandoned_execution_rolls_back_and_frees_the_key,
             function_calls_run_once_and_replay_their_result,
+            in_one_transaction_a_duplicate_is_in_progress_at_once,
+            in_one_transaction_a_lost_connection_frees_the_key,
+            leased_and_one_transaction_executions_never_both_run,
+            an_engine_execution_in_one_transaction_frees_its_key_when_dropped,
         );
     };
     (@tests $fixture:ty; $($name:ident),* $(,)?) => {

@@ -20,6 +20,12 @@ pub trait RequestFixture: Sized + Send + Sync + 'static {
     /// are not rolled back with a refused completion.
     const SHARED_TRANSACTION: bool;
 
+    /// Whether the store takes a record inside the operation's transaction
+    /// ([`RequestStore::begin_request_in`], the one-transaction mode: PostgreSQL, MariaDB).
+    /// The checks of that mode assert a store without it answers `BeginIn::Unsupported`, and
+    /// one with it never does.
+    const ONE_TRANSACTION: bool = false;
+
     /// Whether the store deletes expired records by itself (Redis key expiry), leaving the
     /// reaper nothing to do. Stores that keep expired rows until reaped (SQL) leave it `false`.
     const EXPIRES_ITSELF: bool = false;

@@ -15,7 +15,9 @@
 //!
 //! Stores implement [`RequestStore`](crate::store::RequestStore); SQL stores complete the
 //! record inside the transaction that carries the operation's writes, so the effect and the
-//! stored result commit together or not at all.
+//! stored result commit together or not at all. PostgreSQL and MariaDB can also *take* it in
+//! that transaction ([`BeginIn`], the one-transaction mode): one commit per first execution,
+//! no lease, and a crash rolls the take back with everything else.
 
 mod error;
 mod key;
@@ -59,6 +61,52 @@ pub enum Begin {
     /// A record under this key holds a different request fingerprint: the client reused a
     /// key for a different request. The record is left untouched.
     Mismatch,
+}
+
+/// What [`begin_request_in`](crate::store::RequestStore::begin_request_in) found: the record
+/// taken inside a transaction of the operation's, or the same answers as [`Begin`].
+///
+/// Taken this way, the record is not committed until the operation's transaction is: its
+/// effect, the record and the stored result commit once, and a crash (a killed process, a
+/// dropped connection) rolls all of it back, which frees the key by itself. A concurrent
+/// lookup meanwhile is answered [`Begin::InProgress`] at once (the store holds a lock it does
+/// not wait for), never made to wait.
+#[non_exhaustive]
+pub enum BeginIn<Tx> {
+    /// The store cannot take a record inside a transaction (SQLite, whose one write lock
+    /// would be held for the whole operation; Redis, which shares no transaction): use
+    /// [`begin_request`](crate::store::RequestStore::begin_request), the leased mode.
+    Unsupported,
+    /// The caller holds the record, uncommitted, in `tx`: run the operation through `tx`,
+    /// then complete the record in it and commit, or roll back to free the key.
+    Acquired {
+        /// The caller's fencing token, as [`Begin::Acquired`]'s.
+        fence: Fence,
+        /// Whether this took over a record whose lease had run out.
+        takeover: bool,
+        /// The transaction holding the record.
+        tx: Tx,
+    },
+    /// Any other answer ([`Begin::Completed`], [`Begin::InProgress`], [`Begin::Mismatch`]);
+    /// no transaction is left open.
+    Answer(Begin),
+}
+
+// By hand: a transaction need not be `Debug`.
+impl<Tx> std::fmt::Debug for BeginIn<Tx> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Unsupported => f.write_str("Unsupported"),
+            Self::Acquired {
+                fence, takeover, ..
+            } => f
+                .debug_struct("Acquired")
+                .field("fence", fence)
+                .field("takeover", takeover)
+                .finish_non_exhaustive(),
+            Self::Answer(answer) => f.debug_tuple("Answer").field(answer).finish(),
+        }
+    }
 }
 
 /// Rounds a remaining lease up to whole seconds, at least one: what `Retry-After` carries.

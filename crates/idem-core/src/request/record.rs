@@ -105,6 +105,34 @@ pub enum Next {
     },
 }
 
+/// The stored state a take was decided on: which take, and the fence it is guarded by (an
+/// insert's fence is the clock, so not part of it). See [`Next::taking`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Taking(u8, i64);
+
+impl Next {
+    /// The stored state this take is guarded by; `None` for an answer. A take that affected
+    /// no row, followed by a read that decides the same take again, met a record another
+    /// transaction holds uncommitted (a one-transaction execution's insert or take-over, which
+    /// the take statements do not wait for): answer [`held_uncommitted`].
+    pub fn taking(&self) -> Option<Taking> {
+        match *self {
+            Next::Answer(_) => None,
+            Next::Insert { .. } => Some(Taking(0, 0)),
+            Next::Reset { fence, .. } => Some(Taking(1, fence)),
+            Next::TakeOver { fence } => Some(Taking(2, fence)),
+        }
+    }
+}
+
+/// The answer for a record another transaction holds uncommitted (see [`Next::taking`]): in
+/// progress, asked again after a second.
+pub fn held_uncommitted() -> Begin {
+    Begin::InProgress {
+        retry_after: crate::retry_after(Duration::ZERO),
+    }
+}
+
 /// Decides from what `read` found.
 pub fn decide(row: RecordRow, fingerprint: &Fingerprint) -> Result<Next, Error> {
     let (stored_fp, state, fence, lease_until, expires_at, now, result, has_point) = row;

@@ -4,7 +4,7 @@
 use std::future::Future;
 use std::time::Duration;
 
-use super::{Begin, Fence, RequestKey};
+use super::{Begin, BeginIn, Fence, RequestKey};
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::store::TransactionalStore;
@@ -37,6 +37,35 @@ pub trait RequestStore: TransactionalStore {
         lease: Duration,
         ttl: Duration,
     ) -> impl Future<Output = Result<Begin, Error>> + Send;
+
+    /// Looks the record up as [`begin_request`](Self::begin_request) does, but takes it inside
+    /// a new transaction of the operation's (begun as
+    /// [`begin_execution`](Self::begin_execution) begins it) instead of committing the take on
+    /// its own: the one-transaction mode, where the operation's writes, the record and
+    /// [`complete_in`](Self::complete_in)'s result commit once. Nothing to release and no
+    /// lease to renew: rolling the transaction back (or losing its connection, or the process)
+    /// frees the key.
+    ///
+    /// The store must keep the contract of both modes on one table: a lookup in either mode
+    /// never waits for a record another transaction holds uncommitted — it answers
+    /// [`Begin::InProgress`] at once (a lock taken without waiting: PostgreSQL's
+    /// `pg_try_advisory_xact_lock`, MariaDB's zero lock-wait timeout) —, a leased record with a
+    /// live lease is in progress, a lapsed one is taken over with a larger fence (the old
+    /// holder's completion is then refused), a completed one replays and another fingerprint
+    /// is a mismatch. A record held uncommitted cannot be compared with: a lookup with another
+    /// fingerprint meanwhile is told it is in progress, and the mismatch once it committed.
+    ///
+    /// The default answers [`BeginIn::Unsupported`]: the engine then uses the leased mode.
+    fn begin_request_in(
+        &self,
+        key: &RequestKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<BeginIn<Self::Tx>, Error>> + Send {
+        let _ = (key, fingerprint, lease, ttl);
+        async { Ok(BeginIn::Unsupported) }
+    }
 
     /// Begins the transaction an execution's operation writes through and its result is
     /// completed in. By default [`begin`](TransactionalStore::begin). A store whose `begin`

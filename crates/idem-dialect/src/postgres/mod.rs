@@ -161,6 +161,20 @@ pub fn claim_statements(t: &TableName, partitioned: bool) -> ClaimStatements {
     }
 }
 
+/// The transaction-scoped advisory lock of one request record, taken without waiting: true
+/// when this transaction holds it (now, or already). Every statement that takes a record —
+/// insert, reset, take-over — takes it in the same statement, so a record held uncommitted by
+/// a one-transaction execution (whose insert or update a plain statement would wait for) makes
+/// the take affect no row at once instead; a statement run on its own (the leased mode)
+/// releases it as it ends. Its key: 64 bits of `md5(scope || key || table)`, the same for
+/// both PostgreSQL stores. `scope`, `key`: the statement's parameters holding them.
+fn record_lock(t: &TableName, scope: &str, key: &str) -> String {
+    format!(
+        "pg_try_advisory_xact_lock(('x' || left(md5({scope}::bytea || {key}::bytea || \
+         '{t}'::bytea), 16))::bit(64)::bigint)"
+    )
+}
+
 /// The request-record statements for `t`, on the server's clock ([`STATEMENT_NOW`]).
 pub fn request_statements(t: &TableName) -> RequestStatements {
     let now = STATEMENT_NOW;
@@ -174,33 +188,39 @@ pub fn request_statements(t: &TableName) -> RequestStatements {
         ),
         insert: format!(
             "INSERT INTO {t} (scope, idem_key, fingerprint, state, fence, lease_until, expires_at, attempts) \
-             VALUES ($1, $2, $3, 0, $4, {now} + $5, {now} + $6, 1) \
-             ON CONFLICT (scope, idem_key) DO NOTHING"
+             SELECT $1::bytea, $2::bytea, $3::bytea, 0, $4::bigint, {now} + $5::bigint, {now} + $6::bigint, 1 \
+             WHERE {} ON CONFLICT (scope, idem_key) DO NOTHING",
+            record_lock(t, "$1", "$2")
         ),
         reset: format!(
             "UPDATE {t} SET fingerprint = $1, state = 0, fence = fence + 1, \
              lease_until = {now} + $2, expires_at = {now} + $3, result = NULL, \
              recovery_point = NULL, phase_state = NULL, attempts = 1 \
              WHERE scope = $4 AND idem_key = $5 AND fence = $6 AND expires_at <= {now} \
-             AND (state <> 0 OR (lease_until <= {now} AND recovery_point IS NULL))"
+             AND (state <> 0 OR (lease_until <= {now} AND recovery_point IS NULL)) AND {}",
+            record_lock(t, "$4", "$5")
         ),
         insert_at: format!(
             "INSERT INTO {t} (scope, idem_key, fingerprint, state, fence, lease_until, expires_at, \
              attempts, recovery_point, phase_state) \
-             VALUES ($1, $2, $3, 0, $4, {now} + $5, {now} + $6, 1, $7, $8) \
-             ON CONFLICT (scope, idem_key) DO NOTHING"
+             SELECT $1::bytea, $2::bytea, $3::bytea, 0, $4::bigint, {now} + $5::bigint, \
+             {now} + $6::bigint, 1, $7::text, $8::bytea \
+             WHERE {} ON CONFLICT (scope, idem_key) DO NOTHING",
+            record_lock(t, "$1", "$2")
         ),
         reset_at: format!(
             "UPDATE {t} SET fingerprint = $1, state = 0, fence = fence + 1, \
              lease_until = {now} + $2, expires_at = {now} + $3, result = NULL, \
              recovery_point = $4, phase_state = $5, attempts = 1 \
              WHERE scope = $6 AND idem_key = $7 AND fence = $8 AND expires_at <= {now} \
-             AND (state <> 0 OR (lease_until <= {now} AND recovery_point IS NULL))"
+             AND (state <> 0 OR (lease_until <= {now} AND recovery_point IS NULL)) AND {}",
+            record_lock(t, "$6", "$7")
         ),
         take_over: format!(
             "UPDATE {t} SET fence = fence + 1, lease_until = {now} + $1, attempts = attempts + 1 \
              WHERE scope = $2 AND idem_key = $3 AND fence = $4 AND state = 0 \
-             AND lease_until <= {now}"
+             AND lease_until <= {now} AND {}",
+            record_lock(t, "$2", "$3")
         ),
         complete: format!(
             "UPDATE {t} SET state = 1, result = $1, expires_at = {now} + $2 \

@@ -15,6 +15,7 @@ struct MySqlFixture {
 impl RequestFixture for MySqlFixture {
     type Store = MySqlStore;
     const SHARED_TRANSACTION: bool = true;
+    const ONE_TRANSACTION: bool = true;
 
     async fn setup(test: &str) -> Option<Self> {
         let database = MySqlDatabase::create("idem_req", test).await?;

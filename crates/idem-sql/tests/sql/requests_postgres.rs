@@ -16,6 +16,7 @@ struct PgFixture {
 impl RequestFixture for PgFixture {
     type Store = PostgresStore;
     const SHARED_TRANSACTION: bool = true;
+    const ONE_TRANSACTION: bool = true;
 
     async fn setup(test: &str) -> Option<Self> {
         let schema = PgSchema::create("idem_req", test).await?;

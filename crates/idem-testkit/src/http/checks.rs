@@ -411,8 +411,12 @@ pub async fn a_late_completion_with_a_stale_fence_is_rejected<A: HttpFramework, 
 ) {
     let fx = fixture!(test);
     let server = Arc::new(
+        // The leased mode: a record taken in one transaction is held as long as its
+        // transaction, never taken over under it (the request conformance checks that).
         serve::<A, F>(Arc::clone(&fx), fx.store(), |b| {
-            b.lease(Duration::from_secs(1)).without_heartbeat()
+            b.lease(Duration::from_secs(1))
+                .without_heartbeat()
+                .leased_only()
         })
         .await,
     );
