@@ -351,6 +351,7 @@ impl<S: RequestStore + Clone + 'static> Idempotency<S> {
             heartbeat: None,
             in_tx: true,
             settled: false,
+            cache_fill: None,
         }
     }
 
