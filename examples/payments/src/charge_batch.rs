@@ -84,7 +84,7 @@ impl SetHandler<PostgresTx, PaymentRequested> for ChargeBatch<PostgresStore> {
     ) -> Result<(), BoxError> {
         let ids: Vec<String> = msgs.iter().map(|m| m.message_id().to_string()).collect();
         let payments: Vec<&PaymentRequested> = msgs.iter().map(|m| m.payload()).collect();
-        charge_set_postgres(&mut **tx, ids, &payments).await?;
+        charge_set_postgres(tx, ids, &payments).await?;
         crate::ledger::emit_all(&self.emit, tx, msgs).await
     }
 }

@@ -260,7 +260,7 @@ impl Handler<PostgresTx, PaymentRequested> for Charge<PostgresStore> {
         tx: &mut PostgresTx,
         msg: &Message<PaymentRequested>,
     ) -> Result<(), BoxError> {
-        charge_postgres(&mut **tx, msg.message_id().to_string(), msg.payload()).await?;
+        charge_postgres(tx, msg.message_id().to_string(), msg.payload()).await?;
         emit_all(&self.emit, tx, &[msg]).await
     }
 }

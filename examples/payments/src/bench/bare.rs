@@ -278,6 +278,8 @@ impl Fetch for Nats {
         Row::decode(id, &m.payload)
     }
 
+    // Not `async fn`: the future is spawned, so it must not borrow the source.
+    #[allow(clippy::manual_async_fn)]
     fn ack(&self, items: Vec<Self::Item>) -> impl Future<Output = Result<()>> + Send + 'static {
         async move {
             for m in items {
@@ -336,6 +338,8 @@ impl Fetch for Amqp {
         Row::decode(id, &d.data)
     }
 
+    // Not `async fn`: the future is spawned, so it must not borrow the source.
+    #[allow(clippy::manual_async_fn)]
     fn ack(&self, items: Vec<Self::Item>) -> impl Future<Output = Result<()>> + Send + 'static {
         async move {
             for d in items {
