@@ -1,9 +1,14 @@
 //! `payments bench`: broker-to-committed-effect throughput, next to the same broker's own
 //! consume-and-ack rate, measured in one run on one backlog size.
 //!
-//! Both legs consume a pre-published backlog of `--messages` messages through the same adapter
-//! source, so the difference is exactly what idem and the database add: decode, claim, charge
-//! row, balance update and commit per message. Publishing is not timed.
+//! The broker and idem legs consume a pre-published backlog of `--messages` messages through the
+//! same adapter source, so the difference is exactly what idem and the database add: decode,
+//! claim, charge row, balance update and commit per message. The bare consumer ([`bare`])
+//! drains a backlog of its own with the broker's client and sqlx, the same writes and no claim:
+//! the pipeline idem is compared with. Publishing is not timed.
+
+mod bare;
+pub(crate) mod cpu;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -13,7 +18,7 @@ use anyhow::{Context, Result};
 use idem_consumer::{CancellationToken, Consumer, Delivery, Handler, SetHandler, Source};
 use idem_core::{BatchClaimStore, Fingerprint, Message, MessageId, Processor, TransactionalStore};
 
-use idem_any::{BrokerUrl, WithSource};
+use idem_any::{Broker, BrokerUrl, WithSource};
 
 use crate::brokers;
 use crate::charge_batch::ChargeBatch;
@@ -21,10 +26,14 @@ use crate::ledger::{Charge, PaymentRequested};
 use crate::{Database, Settings};
 
 /// What one bench run measured.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct Rates {
     /// The broker's own consume-and-ack rate through the adapter, nothing else.
     pub(crate) raw: f64,
+    /// Broker to committed effect without idem ([`bare`]): the broker's own client, the same
+    /// writes in the same transactions, acked after commit, no claim. `None` where the bench
+    /// has none (MQTT, or a database other than PostgreSQL).
+    pub(crate) consumer: Option<f64>,
     /// Broker to committed effect through idem.
     pub(crate) idem: f64,
     /// The same consumer over the in-memory fake broker: what the database allows idem when
@@ -34,6 +43,8 @@ pub(crate) struct Rates {
     /// with `--batch`, set-based with `--set`) and the same number of workers, with no claim
     /// and no broker — what a hand-written consumer could at best reach.
     pub(crate) bare: f64,
+    /// With `--cpu-split`: each leg's CPU per process.
+    pub(crate) cpu: Vec<(&'static str, cpu::Split)>,
 }
 
 fn backlog(prefix: &str, n: usize) -> Vec<(String, Vec<u8>)> {
@@ -161,13 +172,26 @@ where
     Ok(elapsed)
 }
 
-/// Publishes two backlogs of `n` messages and measures both legs.
+/// Publishes a backlog of `n` messages per broker leg and measures every leg; with `cpu`,
+/// also which process spends each leg's CPU.
 pub(crate) async fn run(
     broker: &BrokerUrl,
     settings: &Settings,
     database: &str,
     n: usize,
+    cpu: bool,
 ) -> Result<Rates> {
+    let pg_port = url::Url::parse(database)
+        .ok()
+        .and_then(|u| u.port())
+        .unwrap_or(5432);
+    let mut splits = Vec::new();
+    let watch = || cpu.then(|| cpu::Watch::start(broker.broker(), pg_port));
+    let mut record = |leg: &'static str, w: Option<cpu::Watch>| {
+        if let Some(w) = w {
+            splits.push((leg, w.stop()));
+        }
+    };
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.subsec_nanos())
@@ -175,6 +199,7 @@ pub(crate) async fn run(
     let tag = format!("{}-{nanos}", std::process::id());
     let raw_source = format!("{}-raw-{tag}", settings.source);
     let idem_source = format!("{}-idem-{tag}", settings.source);
+    let bare_source = format!("{}-bare-{tag}", settings.source);
 
     // One instance name per leg: on MQTT the name is the client ID, hence the session.
     let raw_settings = Settings {
@@ -187,20 +212,35 @@ pub(crate) async fn run(
         instance: format!("{}-idem", settings.instance),
         ..settings.clone()
     };
+    let bare_settings = Settings {
+        source: bare_source.clone(),
+        instance: format!("{}-bare", settings.instance),
+        ..settings.clone()
+    };
+    // The bare consumer writes to PostgreSQL with sqlx directly, and reads no MQTT.
+    let with_bare = database.starts_with("postgres") && broker.broker() != Broker::Mqtt;
     brokers::with_source(broker, &raw_settings, Subscribe).await?;
     brokers::with_source(broker, &idem_settings, Subscribe).await?;
 
+    let backlogs = if with_bare { 3 } else { 2 };
     eprintln!(
-        "bench: publishing 2 × {n} messages to {}",
+        "bench: publishing {backlogs} × {n} messages to {}",
         broker.redacted()
     );
     // IDs unique to this run: claims from an earlier run must not turn these into duplicates.
     brokers::publish_many(broker, &raw_source, &backlog(&format!("raw-{tag}"), n)).await?;
     brokers::publish_many(broker, &idem_source, &backlog(&format!("idem-{tag}"), n)).await?;
+    if with_bare {
+        let msgs = backlog(&format!("consumer-{tag}"), n);
+        brokers::publish_many(broker, &bare_source, &msgs).await?;
+    }
 
+    let w = watch();
     let raw = brokers::with_source(broker, &raw_settings, DrainAndAck { n }).await?;
+    record("broker consume+ack", w);
 
     let db = Database::open(database).await?;
+    let w = watch();
     let idem = brokers::with_source(
         broker,
         &idem_settings,
@@ -211,12 +251,30 @@ pub(crate) async fn run(
         },
     )
     .await?;
+    record("idem end to end", w);
+
+    // Right after the idem leg, on the same tables: the two legs the verdict compares.
+    let consumer = if with_bare {
+        let plan = bare::Plan {
+            messages: n,
+            concurrency: settings.concurrency,
+            batch: settings.batch,
+            set: settings.set,
+        };
+        let w = watch();
+        let took = bare::run(broker, &bare_source, database, plan).await?;
+        record("bare consumer", w);
+        took
+    } else {
+        None
+    };
 
     let fake = idem_consumer::InMemoryBroker::new();
     for (id, payload) in backlog(&format!("ceiling-{tag}"), n) {
         fake.publish(&[("message-id", id.as_bytes())], payload);
     }
     let db = Database::open(database).await?;
+    let w = watch();
     let ceiling = Idem {
         db,
         settings: &idem_settings,
@@ -224,20 +282,27 @@ pub(crate) async fn run(
     }
     .run(fake.source())
     .await?;
+    record("idem from memory", w);
 
     let db = Database::open(database).await?;
-    let bare = db
-        .bare(&idem_settings, &backlog(&format!("bare-{tag}"), n))
-        .await?;
+    let msgs = backlog(&format!("bare-{tag}"), n);
+    let w = watch();
+    let bare = db.bare(&idem_settings, &msgs).await?;
+    record("bare handler, no broker", w);
 
     brokers::teardown(broker, &raw_settings).await?;
     brokers::teardown(broker, &idem_settings).await?;
+    if with_bare {
+        brokers::teardown(broker, &bare_settings).await?;
+    }
 
     let rates = Rates {
         raw: n as f64 / raw.as_secs_f64(),
+        consumer: consumer.map(|d| n as f64 / d.as_secs_f64()),
         idem: n as f64 / idem.as_secs_f64(),
         ceiling: n as f64 / ceiling.as_secs_f64(),
         bare: n as f64 / bare.as_secs_f64(),
+        cpu: splits,
     };
     Ok(rates)
 }

@@ -30,11 +30,10 @@ impl<S> ChargeBatch<S> {
 /// account. The map is ordered, so balances are locked in account order: two concurrent
 /// batches touching the same accounts wait for each other instead of deadlocking.
 fn balances<'a>(
-    msgs: &[&'a Message<PaymentRequested>],
+    payments: impl IntoIterator<Item = &'a PaymentRequested>,
 ) -> Result<BTreeMap<&'a str, i64>, BoxError> {
     let mut sums = BTreeMap::new();
-    for m in msgs {
-        let p = m.payload();
+    for p in payments {
         p.validate()?;
         let sum: &mut i64 = sums.entry(p.account.as_str()).or_default();
         *sum = sum
@@ -52,7 +51,7 @@ impl SetHandler<Tx<Sqlite>, PaymentRequested> for ChargeBatch<SqliteStore> {
         tx: &mut Tx<Sqlite>,
         msgs: &[&Message<PaymentRequested>],
     ) -> Result<(), BoxError> {
-        let sums = balances(msgs)?;
+        let sums = balances(msgs.iter().map(|m| m.payload()))?;
         let mut charges =
             QueryBuilder::<Sqlite>::new("INSERT INTO charges (message_id, account, amount_cents) ");
         charges.push_values(msgs, |mut row, m| {
@@ -77,38 +76,53 @@ impl SetHandler<Tx<Sqlite>, PaymentRequested> for ChargeBatch<SqliteStore> {
 impl SetHandler<PostgresTx, PaymentRequested> for ChargeBatch<PostgresStore> {
     type Output = ();
 
-    /// Arrays bound once each (`unnest`): the statement text is the same for every batch size,
-    /// so it is prepared once.
+    /// See [`charge_set_postgres`].
     async fn handle_set(
         &self,
         tx: &mut PostgresTx,
         msgs: &[&Message<PaymentRequested>],
     ) -> Result<(), BoxError> {
-        let sums = balances(msgs)?;
         let ids: Vec<String> = msgs.iter().map(|m| m.message_id().to_string()).collect();
-        let accounts: Vec<&str> = msgs.iter().map(|m| m.payload().account.as_str()).collect();
-        let amounts: Vec<i64> = msgs.iter().map(|m| m.payload().amount_cents).collect();
-        sqlx::query(
-            "INSERT INTO charges (message_id, account, amount_cents)
-             SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[])",
-        )
-        .bind(&ids)
-        .bind(&accounts)
-        .bind(&amounts)
-        .execute(&mut **tx)
-        .await?;
-        let (names, totals): (Vec<&str>, Vec<i64>) = sums.into_iter().unzip();
-        sqlx::query(
-            "INSERT INTO accounts (account, balance_cents)
-             SELECT * FROM unnest($1::text[], $2::bigint[])
-             ON CONFLICT (account) DO UPDATE SET balance_cents = accounts.balance_cents + excluded.balance_cents",
-        )
-        .bind(&names)
-        .bind(&totals)
-        .execute(&mut **tx)
-        .await?;
+        let payments: Vec<&PaymentRequested> = msgs.iter().map(|m| m.payload()).collect();
+        charge_set_postgres(tx, ids, &payments).await?;
         crate::ledger::emit_all(&self.emit, tx, msgs).await
     }
+}
+
+/// The set's effect on PostgreSQL, `ChargeBatch`'s and the bench's bare consumer's (which has
+/// no claim and no `Message`): every charge row in one insert, every touched balance in one
+/// upsert. `ids[i]` is `payments[i]`'s message ID.
+///
+/// Arrays bound once each (`unnest`): the statement text is the same for every batch size,
+/// so it is prepared once.
+pub(crate) async fn charge_set_postgres(
+    conn: &mut sqlx::PgConnection,
+    ids: Vec<String>,
+    payments: &[&PaymentRequested],
+) -> Result<(), BoxError> {
+    let sums = balances(payments.iter().copied())?;
+    let accounts: Vec<&str> = payments.iter().map(|p| p.account.as_str()).collect();
+    let amounts: Vec<i64> = payments.iter().map(|p| p.amount_cents).collect();
+    sqlx::query(
+        "INSERT INTO charges (message_id, account, amount_cents)
+         SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[])",
+    )
+    .bind(&ids)
+    .bind(&accounts)
+    .bind(&amounts)
+    .execute(&mut *conn)
+    .await?;
+    let (names, totals): (Vec<&str>, Vec<i64>) = sums.into_iter().unzip();
+    sqlx::query(
+        "INSERT INTO accounts (account, balance_cents)
+         SELECT * FROM unnest($1::text[], $2::bigint[])
+         ON CONFLICT (account) DO UPDATE SET balance_cents = accounts.balance_cents + excluded.balance_cents",
+    )
+    .bind(&names)
+    .bind(&totals)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
 }
 
 impl SetHandler<Tx<MySql>, PaymentRequested> for ChargeBatch<MySqlStore> {
@@ -119,7 +133,7 @@ impl SetHandler<Tx<MySql>, PaymentRequested> for ChargeBatch<MySqlStore> {
         tx: &mut Tx<MySql>,
         msgs: &[&Message<PaymentRequested>],
     ) -> Result<(), BoxError> {
-        let sums = balances(msgs)?;
+        let sums = balances(msgs.iter().map(|m| m.payload()))?;
         // Bytes for the VARBINARY columns, as `Charge` binds them.
         let mut charges =
             QueryBuilder::<MySql>::new("INSERT INTO charges (message_id, account, amount_cents) ");

@@ -64,6 +64,10 @@ pub(crate) struct BenchArgs {
     /// Print one Markdown table row.
     #[arg(long)]
     pub(crate) markdown: bool,
+    /// Also print each leg's CPU time per message of this process, the broker's server and
+    /// this process's PostgreSQL backends (read from Linux's /proc), as Markdown rows.
+    #[arg(long)]
+    pub(crate) cpu_split: bool,
 }
 
 #[derive(Args)]

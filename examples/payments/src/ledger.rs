@@ -260,24 +260,34 @@ impl Handler<PostgresTx, PaymentRequested> for Charge<PostgresStore> {
         tx: &mut PostgresTx,
         msg: &Message<PaymentRequested>,
     ) -> Result<(), BoxError> {
-        let p = msg.payload();
-        p.validate()?;
-        sqlx::query("INSERT INTO charges (message_id, account, amount_cents) VALUES ($1, $2, $3)")
-            .bind(msg.message_id().to_string())
-            .bind(&p.account)
-            .bind(p.amount_cents)
-            .execute(&mut **tx)
-            .await?;
-        sqlx::query(
-            "INSERT INTO accounts (account, balance_cents) VALUES ($1, $2)
-             ON CONFLICT (account) DO UPDATE SET balance_cents = accounts.balance_cents + excluded.balance_cents",
-        )
-        .bind(&p.account)
-        .bind(p.amount_cents)
-        .execute(&mut **tx)
-        .await?;
+        charge_postgres(tx, msg.message_id().to_string(), msg.payload()).await?;
         emit_all(&self.emit, tx, &[msg]).await
     }
+}
+
+/// The charge's effect on PostgreSQL, `Charge`'s and the bench's bare consumer's (which has no
+/// claim and no `Message`): one row, one balance upsert.
+pub(crate) async fn charge_postgres(
+    conn: &mut sqlx::PgConnection,
+    message_id: String,
+    p: &PaymentRequested,
+) -> Result<(), BoxError> {
+    p.validate()?;
+    sqlx::query("INSERT INTO charges (message_id, account, amount_cents) VALUES ($1, $2, $3)")
+        .bind(message_id)
+        .bind(&p.account)
+        .bind(p.amount_cents)
+        .execute(&mut *conn)
+        .await?;
+    sqlx::query(
+        "INSERT INTO accounts (account, balance_cents) VALUES ($1, $2)
+         ON CONFLICT (account) DO UPDATE SET balance_cents = accounts.balance_cents + excluded.balance_cents",
+    )
+    .bind(&p.account)
+    .bind(p.amount_cents)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
 }
 
 impl Handler<Tx<MySql>, PaymentRequested> for Charge<MySqlStore> {

@@ -177,13 +177,20 @@ async fn run(cli: Cli) -> Result<()> {
                 card: None,
                 shutdown: CancellationToken::new(),
             };
-            let r = bench::run(&broker, &settings, &b.database, b.messages).await?;
+            let r = bench::run(&broker, &settings, &b.database, b.messages, b.cpu_split).await?;
             let scheme = broker.redacted();
             let scheme = scheme.split("://").next().unwrap_or_default();
             let db = b.database.split(':').next().unwrap_or_default();
+            // The bare consumer's column, or why it is empty.
+            let consumer = r
+                .consumer
+                .map_or_else(|| "n/a".to_owned(), |c| format!("{c:.0}"));
+            let vs_consumer = r
+                .consumer
+                .map_or_else(|| "n/a".to_owned(), |c| format!("{:.2}", r.idem / c));
             if b.markdown {
                 println!(
-                    "| {scheme} | {db} | {} | {} | {}{} | {:.0} | {:.0} | {:.0} | {:.0} | {:.3} | {:.2} | {:.2} |",
+                    "| {scheme} | {db} | {} | {} | {}{} | {:.0} | {consumer} | {:.0} | {:.0} | {:.0} | {vs_consumer} | {:.3} | {:.2} | {:.2} |",
                     b.messages,
                     b.concurrency,
                     b.batch,
@@ -198,7 +205,7 @@ async fn run(cli: Cli) -> Result<()> {
                 );
             } else {
                 println!(
-                    "{scheme}: broker consume+ack {:.0} msg/s; idem + {db} {:.0} msg/s end to end ({:.3}× the broker), {:.0} msg/s from the in-memory fake ({:.2}× of that), bare handler without claim {:.0} msg/s ({:.2}× of that DB ceiling); {} messages, concurrency {}, batch {}{}",
+                    "{scheme}: broker consume+ack {:.0} msg/s; bare consumer (no claim) {consumer} msg/s; idem + {db} {:.0} msg/s end to end ({vs_consumer}× the bare consumer, {:.3}× the broker), {:.0} msg/s from the in-memory fake ({:.2}× of that), bare handler without claim or broker {:.0} msg/s ({:.2}× of that DB ceiling); {} messages, concurrency {}, batch {}{}",
                     r.raw,
                     r.idem,
                     r.idem / r.raw,
@@ -211,6 +218,16 @@ async fn run(cli: Cli) -> Result<()> {
                     b.batch,
                     if b.set { ", set handler" } else { "" }
                 );
+            }
+            if b.cpu_split {
+                println!("{}", bench::cpu::HEADER);
+                let mode = format!("{}{}", b.batch, if b.set { " set" } else { "" });
+                for (leg, split) in &r.cpu {
+                    println!(
+                        "{}",
+                        split.row(&format!("{leg} ({mode})"), scheme, b.messages)
+                    );
+                }
             }
             Ok(())
         }
