@@ -1,20 +1,6 @@
 //! The engine: take a record, run the operation, complete or abandon — in one of two modes.
 //!
-//! - **One transaction** (the default where the store supports it:
-//!   [`RequestStore::begin_request_in`], PostgreSQL and MariaDB): the record is taken inside
-//!   the operation's transaction, so the effect, the record and the stored result commit once
-//!   — one commit per first execution instead of two. No lease is renewed and nothing is
-//!   released: a crash, a dropped connection or an abandon rolls everything back and the key
-//!   is free. A concurrent duplicate is answered "in progress" at once by the store.
-//! - **Leased**: the record is taken in a committed statement of its own
-//!   ([`RequestStore::begin_request`]), held under a lease with a heartbeat, and completed in
-//!   the operation's transaction. Needed where the record must be visible before the operation
-//!   ends: recovery points ([`Idempotency::run_phases`], idem-http's `IdemPhases`: each phase
-//!   boundary commits, and a foreign call's key must outlive a crash), an operation that must
-//!   survive its connection (it commits more than once), the completer, and stores without a
-//!   shared transaction (Redis) or whose one write lock must not be held for the operation
-//!   (SQLite). An execution begun in one transaction moves to the leased mode when it starts
-//!   phases ([`Execution::lease_record`]).
+//! The two modes are described on [`Idempotency`].
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -30,6 +16,24 @@ use tokio::task::JoinHandle;
 /// Idempotent execution of operations keyed by client keys, on a [`RequestStore`].
 ///
 /// Cheap to clone; one per service (or per route group with its own policy).
+///
+/// # Two modes
+///
+/// - **One transaction** (the default where the store supports it:
+///   [`RequestStore::begin_request_in`], PostgreSQL and MariaDB): the record is taken inside
+///   the operation's transaction, so the effect, the record and the stored result commit once
+///   — one commit per first execution instead of two. No lease is renewed and nothing is
+///   released: a crash, a dropped connection or an abandon rolls everything back and the key
+///   is free. A concurrent duplicate is answered "in progress" at once by the store.
+/// - **Leased**: the record is taken in a committed statement of its own
+///   ([`RequestStore::begin_request`]), held under a lease with a heartbeat, and completed in
+///   the operation's transaction. Needed where the record must be visible before the operation
+///   ends: recovery points ([`Idempotency::run_phases`], idem-http's `IdemPhases`: each phase
+///   boundary commits, and a foreign call's key must outlive a crash), an operation that must
+///   survive its connection (it commits more than once), the completer, and stores without a
+///   shared transaction (Redis) or whose one write lock must not be held for the operation
+///   (SQLite). An execution begun in one transaction moves to the leased mode when it starts
+///   phases ([`Execution::lease_record`]).
 #[derive(Debug)]
 pub struct Idempotency<S> {
     inner: Arc<Inner<S>>,
@@ -128,7 +132,7 @@ impl<S> IdempotencyBuilder<S> {
     }
 
     /// Takes every record in the leased mode, even on a store that can take it inside the
-    /// operation's transaction (see the [module docs](self)): two commits per first execution,
+    /// operation's transaction (see [`Idempotency`]'s two modes): two commits per first execution,
     /// a record visible (in progress) from its take on, released or taken over after a crash.
     /// For an operation that must commit before it completes; an execution of phases switches
     /// by itself.
@@ -211,7 +215,7 @@ impl<S: RequestStore + Clone + 'static> Idempotency<S> {
     /// lease ran out), and begins the execution's transaction
     /// ([`RequestStore::begin_execution`]): inside that transaction where the store can
     /// ([`RequestStore::begin_request_in`], the one-transaction mode), else under a lease
-    /// (see the [module docs](self)). Never waits for another executor. An execution of
+    /// (see [`Idempotency`]'s two modes). Never waits for another executor. An execution of
     /// the same key that this engine gave up but whose record the store would not free yet
     /// (see [`Execution::abandon`]) is freed first; if the store still refuses, so does this.
     pub async fn start(
