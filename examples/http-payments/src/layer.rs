@@ -41,6 +41,9 @@ pub(crate) fn engine<S: RequestStore + Clone + 'static>(
         Some(Heartbeat::Every(every)) => builder.heartbeat(every),
         None => builder,
     };
+    if args.leased_only {
+        builder = builder.leased_only();
+    }
     Ok(builder.build()?)
 }
 

@@ -110,6 +110,11 @@ pub(crate) struct ServeArgs {
     /// over once the lease ran out.
     #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = parse_duration)]
     pub(crate) lease: Duration,
+    /// Take every record in the leased mode (a committed take, a lease, a takeover after a
+    /// crash), even on PostgreSQL and MariaDB, where a first execution is otherwise taken in
+    /// its own transaction and a crash frees its key at once.
+    #[arg(long)]
+    pub(crate) leased_only: bool,
     /// How often a running request renews its lease (default: a third of the lease), or
     /// `off`: a request outliving its lease can then be taken over, and its late completion
     /// is refused.

@@ -1,7 +1,10 @@
-//! Crashes and takeovers with the real binary: a server SIGKILLed mid-request leaves its key
-//! leased — a retry on the restarted server is 409 until the lease runs out, then executes
-//! exactly once and replays — and a server whose request outlives its lease while another
-//! instance takes the key over has its late completion refused and its charge rolled back.
+//! Crashes and takeovers with the real binary: in the leased mode (`--leased-only`, and always
+//! on SQLite and Redis) a server SIGKILLed mid-request leaves its key leased — a retry on the
+//! restarted server is 409 until the lease runs out, then executes exactly once and replays —
+//! and a server whose request outlives its lease while another instance takes the key over
+//! has its late completion refused and its charge rolled back. In the one-transaction mode
+//! (PostgreSQL and MariaDB by default) the kill rolls the take back with the charge: the
+//! retry executes at once, exactly once.
 
 use std::time::{Duration, Instant};
 
@@ -21,7 +24,7 @@ async fn sigkill_mid_request(store: Store, test: &str) {
     let me = token(test);
     let key = format!("\"{test}\"");
 
-    let doomed = Server::start(&db, &["--test-hooks", "--lease", LEASE]);
+    let doomed = Server::start(&db, &["--test-hooks", "--lease", LEASE, "--leased-only"]);
     let in_flight = {
         let (http, base, me, key) = (http.clone(), doomed.base.clone(), me.clone(), key.clone());
         tokio::spawn(async move {
@@ -55,7 +58,7 @@ async fn sigkill_mid_request(store: Store, test: &str) {
     );
 
     // The restarted server: the dead request's lease still holds the key.
-    let server = Server::start(&db, &["--test-hooks", "--lease", LEASE]);
+    let server = Server::start(&db, &["--test-hooks", "--lease", LEASE, "--leased-only"]);
     let busy = post(&http, &server.base, &Post::new(&me, &key, BODY))
         .await
         .expect("retry");
@@ -117,6 +120,81 @@ async fn sigkill_mid_request(store: Store, test: &str) {
 /// Instance A runs without a heartbeat, so its 2 s lease lapses while its handler sleeps 5 s;
 /// instance B takes the key over and executes. A's late completion carries a stale fencing
 /// token and is refused; its charge row rolls back with it.
+/// The one-transaction mode: a server SIGKILLed mid-request (its charge written, its
+/// transaction open) leaves nothing behind — the take rolled back with the charge — so the
+/// retry on the restarted server executes at once, exactly once, and then replays.
+async fn sigkill_mid_request_in_one_transaction(store: Store, test: &str) {
+    let Some(db) = TestDb::new(store, test).await else {
+        return;
+    };
+    let http = client();
+    let me = token(test);
+    let key = format!("\"{test}\"");
+
+    let doomed = Server::start(&db, &["--test-hooks", "--lease", LEASE]);
+    let in_flight = {
+        let (http, base, me, key) = (http.clone(), doomed.base.clone(), me.clone(), key.clone());
+        tokio::spawn(async move {
+            let p = Post {
+                sleep_ms: Some(60_000),
+                ..Post::new(&me, &key, BODY)
+            };
+            post(&http, &base, &p).await
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !doomed
+        .log()
+        .iter()
+        .any(|l| l.contains("charge written, sleeping"))
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the request never started: {:#?}",
+            doomed.log()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    doomed.kill();
+    let lost = in_flight.await.expect("task");
+    assert!(
+        lost.is_err(),
+        "the client sees the connection drop: {lost:?}"
+    );
+
+    let server = Server::start(&db, &["--test-hooks", "--lease", LEASE]);
+    // The server may still be ending the dead connection's transaction: a 409 meanwhile is
+    // allowed, a wait for the lease (4 s) is not needed.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let executed = loop {
+        let a = post(&http, &server.base, &Post::new(&me, &key, BODY))
+            .await
+            .expect("retry");
+        if a.status != 409 {
+            break a;
+        }
+        assert!(Instant::now() < deadline, "still 409: {a:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(executed.status, 201, "{executed:?} {:#?}", server.log());
+    assert!(!executed.replayed(), "the retry executes");
+    let replay = post(&http, &server.base, &Post::new(&me, &key, BODY))
+        .await
+        .expect("replay");
+    assert!(
+        replay.replayed() && replay.body == executed.body,
+        "{replay:?}"
+    );
+    assert_eq!(db.count_charges(&me).await, 1, "exactly one charge");
+    assert!(
+        !server.log().iter().any(|l| l.contains("took over")),
+        "nothing to take over: {:#?}",
+        server.log()
+    );
+    drop(server);
+    db.teardown().await;
+}
+
 async fn stale_fence(store: Store, test: &str) {
     let Some(db) = TestDb::new(store, test).await else {
         return;
@@ -126,9 +204,16 @@ async fn stale_fence(store: Store, test: &str) {
     let key = format!("\"{test}\"");
     let a = Server::start(
         &db,
-        &["--test-hooks", "--lease", "2s", "--heartbeat", "off"],
+        &[
+            "--test-hooks",
+            "--lease",
+            "2s",
+            "--heartbeat",
+            "off",
+            "--leased-only",
+        ],
     );
-    let b = Server::start(&db, &["--test-hooks", "--lease", "2s"]);
+    let b = Server::start(&db, &["--test-hooks", "--lease", "2s", "--leased-only"]);
 
     let late = {
         let (http, base, me, key) = (http.clone(), a.base.clone(), me.clone(), key.clone());
@@ -222,6 +307,16 @@ async fn redis_sigkill_mid_request_then_one_execution() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_sigkill_mid_request_in_one_transaction_then_one_execution() {
+    sigkill_mid_request_in_one_transaction(Store::Postgres, "postgres_sigkill_one_tx").await;
+}
+
+#[tokio::test]
+async fn mysql_sigkill_mid_request_in_one_transaction_then_one_execution() {
+    sigkill_mid_request_in_one_transaction(Store::MySql, "mysql_sigkill_one_tx").await;
+}
+
+#[tokio::test]
 async fn sqlite_stale_fence_late_completion_is_refused() {
     stale_fence(Store::Sqlite, "sqlite_stale_fence").await;
 }

@@ -188,7 +188,14 @@ async fn takeover_emits_once(store: Store, test: &str) {
     let a = Server::start(
         &db,
         &[
-            &["--test-hooks", "--lease", "2s", "--heartbeat", "off"][..],
+            &[
+                "--test-hooks",
+                "--lease",
+                "2s",
+                "--heartbeat",
+                "off",
+                "--leased-only",
+            ][..],
             &emit,
             &["--relay-name", "relay-a"],
         ]
@@ -197,7 +204,7 @@ async fn takeover_emits_once(store: Store, test: &str) {
     let b = Server::start(
         &db,
         &[
-            &["--test-hooks", "--lease", "2s"][..],
+            &["--test-hooks", "--lease", "2s", "--leased-only"][..],
             &emit,
             &["--relay-name", "relay-b"],
         ]
