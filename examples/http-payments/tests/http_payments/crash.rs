@@ -16,17 +16,15 @@ const BODY: &str = r#"{"account":"carol","amount_cents":700}"#;
 /// retry before it runs out even on a busy machine, short enough for a test.
 const LEASE: &str = "4s";
 
-async fn sigkill_mid_request(store: Store, test: &str) {
-    let Some(db) = TestDb::new(store, test).await else {
-        return;
-    };
-    let http = client();
-    let me = token(test);
-    let key = format!("\"{test}\"");
-
-    let doomed = Server::start(&db, &["--test-hooks", "--lease", LEASE, "--leased-only"]);
+/// Starts a server with `extra` arguments, sends it a request that sleeps in its transaction
+/// after writing its charge, and SIGKILLs the server mid-sleep; returns when it was killed.
+async fn kill_mid_request(db: &TestDb, me: &str, key: &str, extra: &[&str]) -> Instant {
+    let doomed = Server::start(
+        db,
+        &[&["--test-hooks", "--lease", LEASE][..], extra].concat(),
+    );
     let in_flight = {
-        let (http, base, me, key) = (http.clone(), doomed.base.clone(), me.clone(), key.clone());
+        let (http, base, me, key) = (client(), doomed.base.clone(), me.to_owned(), key.to_owned());
         tokio::spawn(async move {
             let p = Post {
                 sleep_ms: Some(60_000),
@@ -56,6 +54,18 @@ async fn sigkill_mid_request(store: Store, test: &str) {
         lost.is_err(),
         "the client sees the connection drop: {lost:?}"
     );
+    killed_at
+}
+
+async fn sigkill_mid_request(store: Store, test: &str) {
+    let Some(db) = TestDb::new(store, test).await else {
+        return;
+    };
+    let http = client();
+    let me = token(test);
+    let key = format!("\"{test}\"");
+
+    let killed_at = kill_mid_request(&db, &me, &key, &["--leased-only"]).await;
 
     // The restarted server: the dead request's lease still holds the key.
     let server = Server::start(&db, &["--test-hooks", "--lease", LEASE, "--leased-only"]);
@@ -131,36 +141,7 @@ async fn sigkill_mid_request_in_one_transaction(store: Store, test: &str) {
     let me = token(test);
     let key = format!("\"{test}\"");
 
-    let doomed = Server::start(&db, &["--test-hooks", "--lease", LEASE]);
-    let in_flight = {
-        let (http, base, me, key) = (http.clone(), doomed.base.clone(), me.clone(), key.clone());
-        tokio::spawn(async move {
-            let p = Post {
-                sleep_ms: Some(60_000),
-                ..Post::new(&me, &key, BODY)
-            };
-            post(&http, &base, &p).await
-        })
-    };
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !doomed
-        .log()
-        .iter()
-        .any(|l| l.contains("charge written, sleeping"))
-    {
-        assert!(
-            Instant::now() < deadline,
-            "the request never started: {:#?}",
-            doomed.log()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    doomed.kill();
-    let lost = in_flight.await.expect("task");
-    assert!(
-        lost.is_err(),
-        "the client sees the connection drop: {lost:?}"
-    );
+    kill_mid_request(&db, &me, &key, &[]).await;
 
     let server = Server::start(&db, &["--test-hooks", "--lease", LEASE]);
     // The server may still be ending the dead connection's transaction: a 409 meanwhile is
