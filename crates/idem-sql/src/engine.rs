@@ -318,7 +318,7 @@ pub trait Driver: sqlx::Database {
 
     /// The request record `sql` reads (always one row).
     fn fetch_record<'e>(
-        pool: &'e sqlx::Pool<Self>,
+        conn: &'e mut Self::Connection,
         sql: &'e str,
         params: &'e [Param<'e>],
     ) -> impl Future<Output = Result<RecordRow, sqlx::Error>> + Send + 'e;
@@ -446,11 +446,11 @@ where
     }
 
     async fn fetch_record<'e>(
-        pool: &'e sqlx::Pool<Self>,
+        conn: &'e mut Self::Connection,
         sql: &'e str,
         params: &'e [Param<'e>],
     ) -> Result<RecordRow, sqlx::Error> {
-        let r = bind(sqlx::query::<DB>(sql), params).fetch_one(pool).await?;
+        let r = bind(sqlx::query::<DB>(sql), params).fetch_one(conn).await?;
         use sqlx::Row;
         Ok((
             r.try_get(0)?,

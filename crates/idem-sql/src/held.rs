@@ -174,44 +174,45 @@ impl<E: Engine> HeldConnections<E> {
         self: &Arc<Self>,
         begin: &'static str,
     ) -> Result<Held<E>, sqlx::Error> {
-        let permit = tokio::time::timeout(self.wait, self.permits.clone().acquire_owned())
-            .await
-            .map_err(|_| sqlx::Error::PoolTimedOut)?
-            .map_err(|_| sqlx::Error::PoolClosed)?;
-        let mut held = Held {
-            kept: self.take_idle(),
-            home: self.clone(),
-            spoiled: true, // until BEGIN succeeded
-            _permit: permit,
-        };
-        if let Some(kept) = held.kept.as_mut() {
+        let mut held = self.lend().await?;
+        if let Some(conn) = held.idle_conn() {
             let begun = bounded(
                 self.limits.begin_timeout,
-                begin_on::<E>(&mut kept.conn, true, begin),
+                "BEGIN",
+                begin_on::<E>(conn, true, begin),
             );
             if begun.await.is_ok() {
-                held.spoiled = false;
+                held.ready();
                 return Ok(held);
             }
             // Went stale while idle, or its peer no longer answers: replace it now rather
             // than fail this transaction (dropping it closes the socket).
-            held.kept = None;
         }
-        let conn = tokio::time::timeout(self.wait, E::Connection::connect_with(&self.options))
-            .await
-            .map_err(|_| sqlx::Error::PoolTimedOut)??;
-        let kept = held.kept.insert(Kept {
-            conn,
-            opened: Instant::now(),
-            read_only: 0,
-        });
+        let conn = held.open().await?;
         bounded(
             self.limits.begin_timeout,
-            begin_on::<E>(&mut kept.conn, true, begin),
+            "BEGIN",
+            begin_on::<E>(conn, true, begin),
         )
         .await?;
-        held.spoiled = false;
+        held.ready();
         Ok(held)
+    }
+
+    /// A permit for one connection and the most recently freed one, if any (see
+    /// [`Held::idle_conn`] and [`Held::open`]). Not ready until [`Held::ready`]: dropped before,
+    /// its connection is closed.
+    pub(crate) async fn lend(self: &Arc<Self>) -> Result<Held<E>, sqlx::Error> {
+        let permit = tokio::time::timeout(self.wait, self.permits.clone().acquire_owned())
+            .await
+            .map_err(|_| sqlx::Error::PoolTimedOut)?
+            .map_err(|_| sqlx::Error::PoolClosed)?;
+        Ok(Held {
+            kept: self.take_idle(),
+            home: self.clone(),
+            spoiled: true,
+            _permit: permit,
+        })
     }
 
     /// The most recently freed connection within its lifetime and idle timeout; every free
@@ -257,6 +258,33 @@ fn close<E: Engine>(conn: E::Connection) {
 }
 
 impl<E: Engine> Held<E> {
+    /// The idle connection it was lent with, if there was one: it may have gone stale while
+    /// idle (the server restarted, the peer vanished), so its first statement failing is
+    /// a reason to [`open`](Self::open) a fresh one, not to fail.
+    pub(crate) fn idle_conn(&mut self) -> Option<&mut E::Connection> {
+        self.kept.as_mut().map(|k| &mut k.conn)
+    }
+
+    /// Replaces its connection (if any) with a newly opened one.
+    pub(crate) async fn open(&mut self) -> Result<&mut E::Connection, sqlx::Error> {
+        self.kept = None;
+        let home = &self.home;
+        let conn = tokio::time::timeout(home.wait, E::Connection::connect_with(&home.options))
+            .await
+            .map_err(|_| sqlx::Error::PoolTimedOut)??;
+        let kept = self.kept.insert(Kept {
+            conn,
+            opened: Instant::now(),
+            read_only: 0,
+        });
+        Ok(&mut kept.conn)
+    }
+
+    /// Its first statement succeeded: the connection goes back to the stack when dropped.
+    pub(crate) fn ready(&mut self) {
+        self.spoiled = false;
+    }
+
     /// Its transaction ended in a way that leaves the connection in doubt: close it.
     pub(crate) fn spoil(&mut self) {
         self.spoiled = true;

@@ -174,7 +174,9 @@ async fn take<E: Engine>(
     let mut last = None;
     for _ in 0..MAX_ATTEMPTS {
         let now = Clocked::<E>::now();
-        let row = E::fetch_record(&store.pool, &store.rsql.read, &now.params([fp, scope, id]))
+        // The connection goes back at once: this mode's take commits on its own.
+        let (row, _) = store
+            .read_record(&store.rsql.read, &now.params([fp, scope, id]))
             .await
             .map_err(err)?;
         let next = decide(row, fingerprint)?;
@@ -327,9 +329,10 @@ fn lock_not_granted<E: Engine>(e: &sqlx::Error) -> bool {
 }
 
 /// [`RequestStore::begin_request_in`]: the lookup of [`take`], each take run in a new
-/// transaction of the operation's and kept there. The read runs on the pool first, so a
-/// replay, a mismatch or a live lease is answered without a transaction; only a take begins
-/// one. Every take statement is guarded by what the read found and never waits for a record
+/// transaction of the operation's and kept there. The read runs first, outside any
+/// transaction, so a replay, a mismatch or a live lease is answered without one; only a take
+/// begins one, on the connection the read ran on (a held one when the store holds
+/// connections: a replay is then one round trip, and a first execution pays no pool pings). Every take statement is guarded by what the read found and never waits for a record
 /// held uncommitted (see [`Engine::ONE_TRANSACTION`]): affecting no row, it is rolled back
 /// and the record read again.
 async fn take_in<E: Engine>(
@@ -347,7 +350,8 @@ async fn take_in<E: Engine>(
     let mut last = None;
     for _ in 0..MAX_ATTEMPTS {
         let now = Clocked::<E>::now();
-        let row = E::fetch_record(&store.pool, &store.rsql.read, &now.params([fp, scope, id]))
+        let (row, conn) = store
+            .read_record(&store.rsql.read, &now.params([fp, scope, id]))
             .await
             .map_err(err)?;
         let next = decide(row, fingerprint)?;
@@ -376,7 +380,8 @@ async fn take_in<E: Engine>(
                 true,
             ),
         };
-        let mut tx = store.begin_execution().await?;
+        // On the connection the record was read on: one acquire for both.
+        let mut tx = store.begin_execution_on(conn).await?;
         match E::execute(&mut tx, statement, &params).await {
             Ok(1) => {
                 return Ok(BeginIn::Acquired {

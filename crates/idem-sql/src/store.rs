@@ -21,8 +21,9 @@ use crate::common::stored_fingerprint;
 use crate::engine::{ClaimStatements, Engine, OutboxStatements, Param, RequestStatements};
 use crate::errors::{commit_error, store_error};
 use crate::held::{HeldConnections, PoolStrikes, Recycling};
-use crate::tx::Tx;
+use crate::tx::{Lent, Tx, bounded};
 use idem_core::TableName;
+use idem_core::request_record::RecordRow;
 
 /// Claims (and idempotent-request records) in an SQL database, on engine `E`: use the aliases
 /// [`SqliteStore`](crate::SqliteStore), [`PostgresStore`](crate::PostgresStore) and
@@ -150,8 +151,12 @@ impl<E: Engine> SqlStore<E> {
     /// the pool: a finished transaction's connection goes straight to the next one, without
     /// the two pings (acquire and return) sqlx's pool sends, which are a third of a
     /// one-message PostgreSQL transaction's round trips. Give a consumer as many as it has
-    /// messages in flight. The pool still serves pruning, statistics, request lookups and
-    /// migrations.
+    /// messages in flight, an HTTP service as many as it has keyed requests in flight.
+    ///
+    /// An idempotent request's record read runs on one of them too, and in the
+    /// one-transaction mode its execution's transaction begins on the same connection: a
+    /// replay costs one round trip, and a first execution no pings. The pool still serves
+    /// pruning, statistics, lease renewals and releases, recovery points and migrations.
     ///
     /// The connections are opened on demand with the pool's connect options and wait up to
     /// its acquire timeout. A connection is closed, and the next transaction opens a new one
@@ -255,6 +260,59 @@ impl<E: Engine> SqlStore<E> {
             }
         }
         .map_err(|e| store_error::<E>(begin, e))
+    }
+
+    /// Reads an idempotent request's record with `sql` on a connection that is then lent to
+    /// the caller ([`Lent`]), to begin the transaction that takes the record on: one of the
+    /// held connections if the store holds them (no pings; an idle one that fails is replaced
+    /// by a fresh one, as for a `BEGIN`), else the pool's. Bounded by the `BEGIN` timeout: it
+    /// is the first statement on the connection.
+    pub(crate) async fn read_record(
+        &self,
+        sql: &str,
+        params: &[Param<'_>],
+    ) -> Result<(RecordRow, Lent<E>), sqlx::Error> {
+        let limit = self.recycling.begin_timeout;
+        let Some(held) = &self.held else {
+            let mut conn = self.pool.acquire().await?;
+            return match bounded(limit, "a read", E::fetch_record(&mut conn, sql, params)).await {
+                Ok(row) => Ok((row, Lent::pooled(conn, self.strikes.clone()))),
+                Err(e) => {
+                    if !matches!(e, sqlx::Error::Database(_)) {
+                        conn.close_on_drop();
+                    }
+                    Err(e)
+                }
+            };
+        };
+        let mut lent = held.lend().await?;
+        if let Some(conn) = lent.idle_conn() {
+            match bounded(limit, "a read", E::fetch_record(conn, sql, params)).await {
+                Ok(row) => {
+                    lent.ready();
+                    return Ok((row, Lent::held(lent)));
+                }
+                // The server answered: the connection is sound, the statement is not.
+                Err(e @ sqlx::Error::Database(_)) => {
+                    lent.ready();
+                    return Err(e);
+                }
+                // Went stale while idle: a fresh connection below.
+                Err(_) => {}
+            }
+        }
+        let conn = lent.open().await?;
+        let row = bounded(limit, "a read", E::fetch_record(conn, sql, params)).await?;
+        lent.ready();
+        Ok((row, Lent::held(lent)))
+    }
+
+    /// The transaction of an idempotent request's execution (the engine's `REQUEST_BEGIN`) on
+    /// the connection its record was just read on.
+    pub(crate) async fn begin_execution_on(&self, lent: Lent<E>) -> Result<Tx<E>, Error> {
+        Tx::begin_lent(lent, E::REQUEST_BEGIN, self.recycling.begin_timeout)
+            .await
+            .map_err(|e| store_error::<E>(E::REQUEST_BEGIN, e))
     }
 
     /// The claim on a connection inside a transaction the caller began (see

@@ -96,6 +96,43 @@ enum Conn<E: Engine> {
     Held(Held<E>),
 }
 
+/// A connection on loan for statements outside any transaction (an idempotent request's
+/// record read), from the held connections (no pings) or the pool. The transaction that takes
+/// the record then begins on the same connection ([`Tx::begin_lent`]): one acquire — on the
+/// pool, one pair of pings — for the read and the transaction, not two.
+pub(crate) struct Lent<E: Engine>(Conn<E>);
+
+impl<E: Engine> Lent<E> {
+    pub(crate) fn pooled(conn: PoolConnection<E>, strikes: Arc<PoolStrikes>) -> Self {
+        Self(Conn::Pooled(conn, Some(strikes)))
+    }
+
+    /// A held connection its first statement already succeeded on ([`Held::ready`]).
+    pub(crate) fn held(held: Held<E>) -> Self {
+        Self(Conn::Held(held))
+    }
+}
+
+impl<E: Engine> Deref for Lent<E> {
+    type Target = E::Connection;
+
+    fn deref(&self) -> &E::Connection {
+        match &self.0 {
+            Conn::Pooled(c, _) => c,
+            Conn::Held(h) => h.conn(),
+        }
+    }
+}
+
+impl<E: Engine> DerefMut for Lent<E> {
+    fn deref_mut(&mut self) -> &mut E::Connection {
+        match &mut self.0 {
+            Conn::Pooled(c, _) => c,
+            Conn::Held(h) => h.conn_mut(),
+        }
+    }
+}
+
 /// What a transaction's writes said about the server.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Writes {
@@ -124,13 +161,40 @@ impl<E: Engine> Tx<E> {
         strikes: Option<Arc<PoolStrikes>>,
     ) -> Result<Self, sqlx::Error> {
         let mut conn = pool.acquire().await?;
-        if let Err(e) = bounded(timeout, begin_on::<E>(&mut conn, false, begin)).await {
+        if let Err(e) = bounded(timeout, "BEGIN", begin_on::<E>(&mut conn, false, begin)).await {
             // The connection's state is unknown; do not hand it back to the pool.
             conn.close_on_drop();
             return Err(e);
         }
         Ok(Self {
             conn: Conn::Pooled(conn, strikes),
+            open: true,
+            writes: Writes::Unknown,
+        })
+    }
+
+    /// A transaction begun with `begin` on the connection a statement outside any
+    /// transaction was just run on ([`Lent`]). On an error the connection is closed.
+    pub(crate) async fn begin_lent(
+        lent: Lent<E>,
+        begin: &'static str,
+        timeout: Option<Duration>,
+    ) -> Result<Self, sqlx::Error> {
+        let mut conn = lent.0;
+        let held = matches!(conn, Conn::Held(_));
+        let on: &mut E::Connection = match &mut conn {
+            Conn::Pooled(c, _) => c,
+            Conn::Held(h) => h.conn_mut(),
+        };
+        if let Err(e) = bounded(timeout, "BEGIN", begin_on::<E>(on, held, begin)).await {
+            match &mut conn {
+                Conn::Pooled(c, _) => c.close_on_drop(),
+                Conn::Held(h) => h.spoil(),
+            }
+            return Err(e);
+        }
+        Ok(Self {
+            conn,
             open: true,
             writes: Writes::Unknown,
         })
@@ -272,17 +336,18 @@ pub(crate) async fn begin_on<E: Engine>(
 /// half-sent `BEGIN` — is dropped; the caller drops the connection.
 pub(crate) async fn bounded<T>(
     limit: Option<Duration>,
-    begin: impl Future<Output = Result<T, sqlx::Error>>,
+    what: &str,
+    first: impl Future<Output = Result<T, sqlx::Error>>,
 ) -> Result<T, sqlx::Error> {
     let Some(limit) = limit else {
-        return begin.await;
+        return first.await;
     };
-    match tokio::time::timeout(limit, begin).await {
+    match tokio::time::timeout(limit, first).await {
         Ok(result) => result,
         Err(_) => Err(sqlx::Error::Io(std::io::Error::new(
             std::io::ErrorKind::TimedOut,
             format!(
-                "no answer to BEGIN within {limit:?}; the connection was closed (a peer that \
+                "no answer to {what} within {limit:?}; the connection was closed (a peer that \
                  vanished, or a network path that stopped forwarding)"
             ),
         ))),

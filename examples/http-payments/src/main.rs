@@ -134,6 +134,11 @@ pub(crate) struct ServeArgs {
     /// pools have 16.)
     #[arg(long, value_name = "N", default_value_t = 32)]
     pub(crate) max_connections: u32,
+    /// PostgreSQL and MySQL: connections the idempotency store keeps for keyed requests
+    /// (their record reads and transactions), without the two pings sqlx's pool sends per
+    /// use; size it for the keyed requests in flight. 0: every request on the pool (16).
+    #[arg(long, value_name = "N", default_value_t = 16)]
+    pub(crate) held_connections: u32,
     /// Threads serving requests (default: one per core).
     #[arg(long, value_name = "N")]
     pub(crate) worker_threads: Option<usize>,
@@ -178,6 +183,7 @@ impl std::fmt::Debug for ServeArgs {
             .field("ttl", &self.ttl)
             .field("busy_timeout", &self.busy_timeout)
             .field("max_connections", &self.max_connections)
+            .field("held_connections", &self.held_connections)
             .field("worker_threads", &self.worker_threads)
             .field("test_hooks", &self.test_hooks)
             .field("mode", &self.mode)

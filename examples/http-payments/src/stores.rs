@@ -189,6 +189,10 @@ impl StoreVisitor for SqlRouter<'_> {
 
     async fn postgres(self, store: PostgresStore) -> Result<Router> {
         let ledger = Ledger::postgres(store.pool().clone()).await?;
+        let store = match self.args.held_connections {
+            0 => store,
+            n => store.hold_connections(n),
+        };
         if self.args.card_processor.is_some() {
             return crate::processor::sql(store, ledger, self.args);
         }
@@ -198,6 +202,10 @@ impl StoreVisitor for SqlRouter<'_> {
 
     async fn mysql(self, store: MySqlStore) -> Result<Router> {
         let ledger = Ledger::mysql(store.pool().clone()).await?;
+        let store = match self.args.held_connections {
+            0 => store,
+            n => store.hold_connections(n),
+        };
         if self.args.card_processor.is_some() {
             return crate::processor::sql(store, ledger, self.args);
         }

@@ -201,19 +201,24 @@ pub(crate) async fn run(
     let idem_source = format!("{}-idem-{tag}", settings.source);
     let bare_source = format!("{}-bare-{tag}", settings.source);
 
-    // One instance name per leg: on MQTT the name is the client ID, hence the session.
+    // One instance name per leg: on MQTT the name is the client ID, hence the session. And
+    // one consumer (group) per leg and run: a Kafka group the raw leg's static member just
+    // left would hold the idem leg's join until that member's session timed out.
     let raw_settings = Settings {
         source: raw_source.clone(),
+        consumer: format!("{}-raw-{tag}", settings.consumer),
         instance: format!("{}-raw", settings.instance),
         ..settings.clone()
     };
     let idem_settings = Settings {
         source: idem_source.clone(),
+        consumer: format!("{}-idem-{tag}", settings.consumer),
         instance: format!("{}-idem", settings.instance),
         ..settings.clone()
     };
     let bare_settings = Settings {
         source: bare_source.clone(),
+        consumer: format!("{}-bare-{tag}", settings.consumer),
         instance: format!("{}-bare", settings.instance),
         ..settings.clone()
     };
@@ -262,7 +267,8 @@ pub(crate) async fn run(
             set: settings.set,
         };
         let w = watch();
-        let took = bare::run(broker, &bare_source, database, plan).await?;
+        let group = bare_settings.consumer.as_str();
+        let took = bare::run(broker, &bare_source, group, database, plan).await?;
         record("bare consumer", w);
         took
     } else {

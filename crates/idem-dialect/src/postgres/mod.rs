@@ -167,11 +167,13 @@ pub fn claim_statements(t: &TableName, partitioned: bool) -> ClaimStatements {
 /// a one-transaction execution (whose insert or update a plain statement would wait for) makes
 /// the take affect no row at once instead; a statement run on its own (the leased mode)
 /// releases it as it ends. Its key: 64 bits of `md5(scope || key || table)`, the same for
-/// both PostgreSQL stores. `scope`, `key`: the statement's parameters holding them.
+/// both PostgreSQL stores, with the table as the OID its name resolves to: advisory locks are
+/// the database's, so two schemas' tables of the same name (one per tenant, one per test)
+/// must not share a record's lock. `scope`, `key`: the statement's parameters holding them.
 fn record_lock(t: &TableName, scope: &str, key: &str) -> String {
     format!(
         "pg_try_advisory_xact_lock(('x' || left(md5({scope}::bytea || {key}::bytea || \
-         '{t}'::bytea), 16))::bit(64)::bigint)"
+         COALESCE(to_regclass('{t}')::oid::text, '{t}')::bytea), 16))::bit(64)::bigint)"
     )
 }
 

@@ -6,13 +6,15 @@ use idem_sql::MySqlStore;
 use idem_testkit::isolated::MySqlDatabase;
 use idem_testkit::{RequestFixture, RequestTxOf};
 
+/// `HELD`: the store holds its connections ([`MySqlStore::hold_connections`]), where request
+/// lookups and the one-transaction mode's transactions run without pool pings.
 #[derive(Debug)]
-struct MySqlFixture {
+struct MySqlFixture<const HELD: bool = false> {
     store: MySqlStore,
     database: MySqlDatabase,
 }
 
-impl RequestFixture for MySqlFixture {
+impl<const HELD: bool> RequestFixture for MySqlFixture<HELD> {
     type Store = MySqlStore;
     const SHARED_TRANSACTION: bool = true;
     const ONE_TRANSACTION: bool = true;
@@ -21,6 +23,11 @@ impl RequestFixture for MySqlFixture {
         let database = MySqlDatabase::create("idem_req", test).await?;
         let pool = database.pool(20).await;
         let store = MySqlStore::from_pool(pool);
+        let store = if HELD {
+            store.hold_connections(8)
+        } else {
+            store
+        };
         store.migrate().await.expect("migrate");
         sqlx::query("CREATE TABLE effects (k VARCHAR(255) NOT NULL) ENGINE = InnoDB")
             .execute(store.pool())
@@ -57,6 +64,14 @@ impl RequestFixture for MySqlFixture {
 
 idem_testkit::request_conformance_tests!(MySqlFixture);
 crate::request_extras::request_extras!(MySqlFixture);
+
+/// The same suite on held connections: the record read on one of them, and the
+/// one-transaction mode's transaction begun on the connection the read ran on.
+mod held {
+    use super::MySqlFixture;
+
+    idem_testkit::request_conformance_tests!(MySqlFixture<true>);
+}
 
 impl idem_testkit::RecoveryFixture for MySqlFixture {
     async fn legacy_store(

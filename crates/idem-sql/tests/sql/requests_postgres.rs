@@ -7,13 +7,15 @@ use idem_sql::PostgresStore;
 use idem_testkit::isolated::PgSchema;
 use idem_testkit::{RequestFixture, RequestTxOf};
 
+/// `HELD`: the store holds its connections ([`PostgresStore::hold_connections`]), where request
+/// lookups and the one-transaction mode's transactions run without pool pings.
 #[derive(Debug)]
-struct PgFixture {
+struct PgFixture<const HELD: bool = false> {
     store: PostgresStore,
     schema: PgSchema,
 }
 
-impl RequestFixture for PgFixture {
+impl<const HELD: bool> RequestFixture for PgFixture<HELD> {
     type Store = PostgresStore;
     const SHARED_TRANSACTION: bool = true;
     const ONE_TRANSACTION: bool = true;
@@ -22,6 +24,11 @@ impl RequestFixture for PgFixture {
         let schema = PgSchema::create("idem_req", test).await?;
         let pool = schema.pool(20).await;
         let store = PostgresStore::from_pool(pool);
+        let store = if HELD {
+            store.hold_connections(8)
+        } else {
+            store
+        };
         store.migrate().await.expect("migrate");
         sqlx::query("CREATE TABLE effects (key text NOT NULL)")
             .execute(store.pool())
@@ -58,6 +65,14 @@ impl RequestFixture for PgFixture {
 
 idem_testkit::request_conformance_tests!(PgFixture);
 crate::request_extras::request_extras!(PgFixture);
+
+/// The same suite on held connections: the record read on one of them, and the
+/// one-transaction mode's transaction begun on the connection the read ran on.
+mod held {
+    use super::PgFixture;
+
+    idem_testkit::request_conformance_tests!(PgFixture<true>);
+}
 
 impl idem_testkit::RecoveryFixture for PgFixture {
     async fn legacy_store(

@@ -67,6 +67,10 @@ pub(crate) struct BenchArgs {
     /// makes a virtualenv with it).
     #[arg(long, value_name = "PATH", default_value = "python3")]
     python: String,
+    /// The layered servers' `--held-connections` on PostgreSQL and MySQL (0: the layer's
+    /// store on sqlx's pool, with its pings, as the server without the layer is).
+    #[arg(long, value_name = "N", default_value_t = 16)]
+    held_connections: u32,
     /// Worker threads of every server (default: one per core).
     #[arg(long, value_name = "N")]
     server_threads: Option<usize>,
@@ -457,6 +461,8 @@ pub(crate) async fn run(a: BenchArgs) -> Result<()> {
             args.push("--test-hooks");
             let mut bare_args = args.clone();
             bare_args.extend(["--mode", "bare"]);
+            let held = a.held_connections.to_string();
+            args.extend(["--held-connections", &held]);
             // The layered server first: it migrates the store and creates the charges table.
             let layered = Server::start(&args, a.server_threads).await?;
             let bare = Server::start(&bare_args, a.server_threads).await?;
@@ -632,11 +638,15 @@ fn report(
     };
     let _ = writeln!(
         out,
-        "\nHTTP: POST /charges over loopback TCP, keep-alive HTTP/1.1, {} s per cell after a {} s warm-up, {} interleaved rounds (median round shown; min–max req/s across rounds); slow handler: {} ms of work before its one write\n",
+        "\nHTTP: POST /charges over loopback TCP, keep-alive HTTP/1.1, {} s per cell after a {} s warm-up, {} interleaved rounds (median round shown; min–max req/s across rounds); slow handler: {} ms of work before its one write; the layer's store on PostgreSQL and MySQL: {}\n",
         a.seconds,
         a.seconds / 5.0,
         a.rounds,
-        a.work_ms
+        a.work_ms,
+        match a.held_connections {
+            0 => "sqlx's pool (as the service without the layer)".to_owned(),
+            n => format!("{n} held connections (the service without the layer: sqlx's pool)"),
+        }
     );
     let _ = writeln!(
         out,

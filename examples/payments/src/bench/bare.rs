@@ -25,8 +25,6 @@ use tokio::task::JoinSet;
 use crate::charge_batch::charge_set_postgres;
 use crate::ledger::{PaymentRequested, charge_postgres};
 
-/// The bare consumer's durable consumer, queue consumer tag or consumer group.
-const GROUP: &str = "payments-bare";
 /// How long the bare consumer waits for a message before it calls the leg stalled.
 const STALL: Duration = Duration::from_secs(30);
 /// The AMQP prefetch floor, as idem-any sets it for the idem leg (idem-amqp's default).
@@ -53,20 +51,31 @@ impl Plan {
 }
 
 /// Times the bare consumer over the backlog in `name` (a JetStream stream, an AMQP queue, a
-/// Redis stream or a Kafka topic) into the PostgreSQL database `database`. `None` on MQTT,
-/// where the bench has no bare consumer.
+/// Redis stream or a Kafka topic) into the PostgreSQL database `database`, as `group` (its
+/// durable consumer, queue consumer tag or consumer group: one per run, never shared with
+/// another leg). `None` on MQTT, where the bench has no bare consumer.
 pub(crate) async fn run(
     broker: &BrokerUrl,
     name: &str,
+    group: &str,
     database: &str,
     plan: Plan,
 ) -> Result<Option<Duration>> {
     let address = broker.address();
     let took = match broker.broker() {
-        Broker::Nats => drive(Nats::connect(address, name, plan).await?, database, plan).await?,
-        Broker::Amqp => drive(Amqp::connect(address, name, plan).await?, database, plan).await?,
-        Broker::RedisStreams => drive(Redis::connect(address, name).await?, database, plan).await?,
-        Broker::Kafka => drive(Kafka::connect(address, name)?, database, plan).await?,
+        Broker::Nats => {
+            let nats = Nats::connect(address, name, group, plan).await?;
+            drive(nats, database, plan).await?
+        }
+        Broker::Amqp => {
+            let amqp = Amqp::connect(address, name, group, plan).await?;
+            drive(amqp, database, plan).await?
+        }
+        Broker::RedisStreams => {
+            let redis = Redis::connect(address, name, group).await?;
+            drive(redis, database, plan).await?
+        }
+        Broker::Kafka => drive(Kafka::connect(address, name, group)?, database, plan).await?,
         // MQTT, and any family a later idem-any adds.
         _ => return Ok(None),
     };
@@ -240,13 +249,13 @@ struct Nats {
 }
 
 impl Nats {
-    async fn connect(url: &str, stream: &str, plan: Plan) -> Result<Nats> {
+    async fn connect(url: &str, stream: &str, group: &str, plan: Plan) -> Result<Nats> {
         use async_nats::jetstream::consumer::{AckPolicy, pull};
         let js = async_nats::jetstream::new(async_nats::connect(url).await?);
         let consumer = js
             .create_consumer_on_stream(
                 pull::Config {
-                    durable_name: Some(GROUP.to_owned()),
+                    durable_name: Some(group.to_owned()),
                     ack_policy: AckPolicy::Explicit,
                     ..Default::default()
                 },
@@ -298,7 +307,7 @@ struct Amqp {
 }
 
 impl Amqp {
-    async fn connect(url: &str, queue: &str, plan: Plan) -> Result<Amqp> {
+    async fn connect(url: &str, queue: &str, group: &str, plan: Plan) -> Result<Amqp> {
         use lapin::options::{BasicConsumeOptions, BasicQosOptions};
         use lapin::types::FieldTable;
         let connection = lapin::Connection::connect(url, Default::default()).await?;
@@ -310,7 +319,7 @@ impl Amqp {
         let consumer = channel
             .basic_consume(
                 queue.into(),
-                GROUP.into(),
+                group.into(),
                 BasicConsumeOptions::default(),
                 FieldTable::default(),
             )
@@ -356,10 +365,11 @@ struct Redis {
     reader: redis::aio::MultiplexedConnection,
     acker: redis::aio::MultiplexedConnection,
     stream: Arc<str>,
+    group: Arc<str>,
 }
 
 impl Redis {
-    async fn connect(url: &str, stream: &str) -> Result<Redis> {
+    async fn connect(url: &str, stream: &str, group: &str) -> Result<Redis> {
         let client = redis::Client::open(url)?;
         let config = redis::AsyncConnectionConfig::new()
             .set_response_timeout(Some(STALL + Duration::from_secs(5)));
@@ -370,7 +380,7 @@ impl Redis {
         let created: redis::RedisResult<()> = redis::cmd("XGROUP")
             .arg("CREATE")
             .arg(stream)
-            .arg(GROUP)
+            .arg(group)
             .arg("0")
             .arg("MKSTREAM")
             .query_async(&mut reader)
@@ -384,6 +394,7 @@ impl Redis {
             reader,
             acker,
             stream: stream.into(),
+            group: group.into(),
         })
     }
 }
@@ -395,7 +406,7 @@ impl Fetch for Redis {
         loop {
             let reply: redis::streams::StreamReadReply = redis::cmd("XREADGROUP")
                 .arg("GROUP")
-                .arg(GROUP)
+                .arg(&*self.group)
                 .arg("bare-1")
                 .arg("COUNT")
                 .arg(max)
@@ -421,9 +432,10 @@ impl Fetch for Redis {
 
     fn ack(&self, items: Vec<Self::Item>) -> impl Future<Output = Result<()>> + Send + 'static {
         let (mut conn, stream) = (self.acker.clone(), self.stream.clone());
+        let group = self.group.clone();
         async move {
             let mut xack = redis::cmd("XACK");
-            xack.arg(&*stream).arg(GROUP);
+            xack.arg(&*stream).arg(&*group);
             for e in &items {
                 xack.arg(&e.id);
             }
@@ -444,11 +456,11 @@ struct Kafka {
 }
 
 impl Kafka {
-    fn connect(brokers: &str, topic: &str) -> Result<Kafka> {
+    fn connect(brokers: &str, topic: &str, group: &str) -> Result<Kafka> {
         use rdkafka::consumer::Consumer;
         let consumer: rdkafka::consumer::StreamConsumer = rdkafka::ClientConfig::new()
             .set("bootstrap.servers", brokers)
-            .set("group.id", GROUP)
+            .set("group.id", group)
             .set("enable.auto.commit", "true")
             .set("enable.auto.offset.store", "false")
             .set("auto.offset.reset", "earliest")
