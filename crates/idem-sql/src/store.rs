@@ -39,11 +39,12 @@ pub struct SqlStore<E: Engine> {
     /// Read-only refusals in a row of the transactions on the pool.
     strikes: Arc<PoolStrikes>,
     table: TableName,
-    pub(crate) sql: ClaimStatements,
+    // The statements behind `Arc`s: an HTTP layer clones the store per request.
+    pub(crate) sql: Arc<ClaimStatements>,
     requests: TableName,
-    pub(crate) rsql: RequestStatements,
+    pub(crate) rsql: Arc<RequestStatements>,
     outbox: TableName,
-    pub(crate) osql: OutboxStatements,
+    pub(crate) osql: Arc<OutboxStatements>,
     /// The claims table's layout beyond its name: `()` but on PostgreSQL, where
     /// `PostgresStore::partitioned` sets its partitioning.
     pub(crate) layout: E::Layout,
@@ -93,9 +94,9 @@ impl<E: Engine> SqlStore<E> {
         let recycling = Recycling::of_pool(&pool);
         let layout = E::Layout::default();
         Self {
-            sql: E::claim_statements(&table, &layout),
-            rsql: E::request_statements(&requests),
-            osql: E::outbox_statements(&outbox),
+            sql: Arc::new(E::claim_statements(&table, &layout)),
+            rsql: Arc::new(E::request_statements(&requests)),
+            osql: Arc::new(E::outbox_statements(&outbox)),
             outbox,
             pool,
             held: None,
@@ -113,7 +114,7 @@ impl<E: Engine> SqlStore<E> {
     pub fn with_table(mut self, table: TableName) -> Result<Self, Error> {
         let table = E::resolved_table(table);
         E::check_table(&table, &self.layout)?;
-        self.sql = E::claim_statements(&table, &self.layout);
+        self.sql = Arc::new(E::claim_statements(&table, &self.layout));
         self.table = table;
         Ok(self)
     }
@@ -123,7 +124,7 @@ impl<E: Engine> SqlStore<E> {
     #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) fn with_layout(mut self, layout: E::Layout) -> Result<Self, Error> {
         E::check_table(&self.table, &layout)?;
-        self.sql = E::claim_statements(&self.table, &layout);
+        self.sql = Arc::new(E::claim_statements(&self.table, &layout));
         self.layout = layout;
         Ok(self)
     }
@@ -132,7 +133,7 @@ impl<E: Engine> SqlStore<E> {
     pub fn with_requests_table(mut self, table: TableName) -> Result<Self, Error> {
         let table = E::resolved_table(table);
         E::check_table(&table, &E::Layout::default())?;
-        self.rsql = E::request_statements(&table);
+        self.rsql = Arc::new(E::request_statements(&table));
         self.requests = table;
         Ok(self)
     }
@@ -142,7 +143,7 @@ impl<E: Engine> SqlStore<E> {
     pub fn with_outbox_table(mut self, table: TableName) -> Result<Self, Error> {
         let table = E::resolved_table(table);
         E::check_table(&table, &E::Layout::default())?;
-        self.osql = E::outbox_statements(&table);
+        self.osql = Arc::new(E::outbox_statements(&table));
         self.outbox = table;
         Ok(self)
     }

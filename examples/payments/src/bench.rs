@@ -47,6 +47,28 @@ pub(crate) struct Rates {
     pub(crate) cpu: Vec<(&'static str, cpu::Split)>,
 }
 
+/// How often the bare legs run a transaction a deadlock rolled back.
+const DEADLOCK_ATTEMPTS: u32 = 5;
+
+/// Whether `e` (or an error it wraps) is PostgreSQL's or MySQL's deadlock or serialization
+/// failure: the bare legs retry those, as idem's runner does (`ErrorKind::Transient`).
+fn deadlocked(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(e);
+    while let Some(e) = cause {
+        if let Some(sqlx::Error::Database(db)) = e.downcast_ref::<sqlx::Error>() {
+            return matches!(
+                db.code().as_deref(),
+                Some("40P01" | "40001" | "1213" | "1205")
+            );
+        }
+        if let Some(idem) = e.downcast_ref::<idem_core::Error>() {
+            return idem.is_retryable();
+        }
+        cause = e.source();
+    }
+    false
+}
+
 fn backlog(prefix: &str, n: usize) -> Vec<(String, Vec<u8>)> {
     (0..n)
         .map(|i| {
@@ -367,26 +389,14 @@ where
                         return Ok::<_, anyhow::Error>(());
                     }
                     let chunk = &msgs[from..(from + per_tx).min(msgs.len())];
-                    let mut tx = store.begin().await?;
-                    let done = if set {
-                        let refs: Vec<&Message<PaymentRequested>> = chunk.iter().collect();
-                        ChargeBatch::<S>::plain().handle_set(&mut tx, &refs).await
-                    } else {
-                        let mut r = Ok(());
-                        for m in chunk {
-                            r = Charge::<S>::plain().handle(&mut tx, m).await;
-                            if r.is_err() {
-                                break;
-                            }
-                        }
-                        r
-                    };
-                    match done {
-                        Ok(()) => store.commit(tx).await?,
-                        Err(e) => {
-                            let _ = store.rollback(tx).await;
+                    // A deadlock between two transactions' account updates rolls one back:
+                    // retried, as idem's runner retries it.
+                    let mut attempt = 1;
+                    while let Err(e) = charge_unit(&store, set, chunk).await {
+                        if attempt >= DEADLOCK_ATTEMPTS || !deadlocked(e.as_ref()) {
                             anyhow::bail!("the bare leg's handler failed: {e}");
                         }
+                        attempt += 1;
                     }
                 }
             })
@@ -396,4 +406,38 @@ where
         w.await.context("bare worker")??;
     }
     Ok(started.elapsed())
+}
+
+/// `chunk`'s effect in one transaction of `store`'s, committed.
+async fn charge_unit<S>(
+    store: &S,
+    set: bool,
+    chunk: &[Message<PaymentRequested>],
+) -> Result<(), idem_core::BoxError>
+where
+    S: TransactionalStore,
+    Charge<S>: Handler<S::Tx, PaymentRequested, Output = ()>,
+    ChargeBatch<S>: SetHandler<S::Tx, PaymentRequested, Output = ()>,
+{
+    let mut tx = store.begin().await?;
+    let done = if set {
+        let refs: Vec<&Message<PaymentRequested>> = chunk.iter().collect();
+        ChargeBatch::<S>::plain().handle_set(&mut tx, &refs).await
+    } else {
+        let mut r = Ok(());
+        for m in chunk {
+            r = Charge::<S>::plain().handle(&mut tx, m).await;
+            if r.is_err() {
+                break;
+            }
+        }
+        r
+    };
+    match done {
+        Ok(()) => Ok(store.commit(tx).await?),
+        Err(e) => {
+            let _ = store.rollback(tx).await;
+            Err(e)
+        }
+    }
 }

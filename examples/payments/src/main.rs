@@ -171,7 +171,10 @@ async fn run(cli: Cli) -> Result<()> {
                 retention: idem_core::Retention::default(),
                 local_cache: None,
                 redeliver_after: None,
-                static_membership: true,
+                // Each leg joins once and leaves for good, as the bare consumer does: a static
+                // member's join waits for the group's rebalance delay, and on close it keeps
+                // its partitions for the session timeout.
+                static_membership: false,
                 emit: None,
                 receipts: false,
                 card: None,

@@ -191,21 +191,15 @@ impl Workers {
         }
         let (pool, set) = (self.pool.clone(), self.set);
         self.tasks.spawn(async move {
-            let mut tx = pool.begin().await?;
-            if set {
-                let ids = rows.iter().map(|r| r.id.clone()).collect();
-                let payments: Vec<&PaymentRequested> = rows.iter().map(|r| &r.payment).collect();
-                charge_set_postgres(&mut tx, ids, &payments)
-                    .await
-                    .map_err(|e| anyhow!(e))?;
-            } else {
-                for r in &rows {
-                    charge_postgres(&mut tx, r.id.clone(), &r.payment)
-                        .await
-                        .map_err(|e| anyhow!(e))?;
+            // A deadlock between two transactions' account updates rolls one back: retried,
+            // as idem's runner retries it.
+            let mut attempt = 1;
+            while let Err(e) = charge(&pool, set, &rows).await {
+                if attempt >= super::DEADLOCK_ATTEMPTS || !super::deadlocked(e.as_ref()) {
+                    return Err(anyhow!(e));
                 }
+                attempt += 1;
             }
-            tx.commit().await?;
             ack.await?;
             drop(permit);
             Ok(())
@@ -220,6 +214,22 @@ impl Workers {
         }
         Ok(())
     }
+}
+
+/// `rows`' effect, committed in one transaction.
+async fn charge(pool: &PgPool, set: bool, rows: &[Row]) -> Result<(), idem_core::BoxError> {
+    let mut tx = pool.begin().await?;
+    if set {
+        let ids = rows.iter().map(|r| r.id.clone()).collect();
+        let payments: Vec<&PaymentRequested> = rows.iter().map(|r| &r.payment).collect();
+        charge_set_postgres(&mut tx, ids, &payments).await?;
+    } else {
+        for r in rows {
+            charge_postgres(&mut tx, r.id.clone(), &r.payment).await?;
+        }
+    }
+    tx.commit().await?;
+    Ok(())
 }
 
 /// The first item of `stream`, then up to `max` in all of what has already arrived.
