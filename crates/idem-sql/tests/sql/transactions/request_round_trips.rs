@@ -9,44 +9,27 @@ use std::time::Duration;
 
 use idem_core::TransactionalStore;
 use idem_core::store::RequestStore;
-use idem_core::{Begin, BeginIn, Fingerprint, IdempotencyKey, Migrate, RequestKey, RequestScope};
-use idem_sql::PostgresStore;
-use idem_testkit::isolated::PgSchema;
-use sqlx::postgres::PgPoolOptions;
+use idem_core::{Begin, BeginIn, Fingerprint, IdempotencyKey, RequestKey, RequestScope};
 
-use super::proxy::{Proxy, upstream};
+use super::round_trips::Counted;
 
-/// Far longer than the client takes between two requests it sends without waiting.
-const HOLD: Duration = Duration::from_millis(40);
 const LEASE: Duration = Duration::from_secs(30);
 const TTL: Duration = Duration::from_secs(3600);
 
 async fn run(test: &str, held: bool) {
-    let Some(schema) = PgSchema::create("idem_rrt", test).await else {
+    let Some(Counted {
+        schema,
+        admin,
+        proxy,
+        store,
+    }) = Counted::setup("idem_rrt", test, held).await
+    else {
         return;
     };
-    let admin = schema.pool(2).await;
-    PostgresStore::from_pool(admin.clone())
-        .migrate()
-        .await
-        .expect("migrate");
-    sqlx::query("CREATE TABLE effects (k text NOT NULL)")
-        .execute(&admin)
-        .await
-        .expect("effects");
-    let proxy = Proxy::start(upstream(schema.url(), 5432).await, HOLD).await;
-    let pool = PgPoolOptions::new()
-        .max_connections(1)
-        .connect_lazy_with(schema.options().host("127.0.0.1").port(proxy.port()));
-    let store = PostgresStore::from_pool(pool);
-    let store = if held {
-        store.hold_connections(1)
-    } else {
-        store
-    };
-    // A scope per test: the take's advisory lock is keyed on scope, key and table name, not
-    // on the schema, so the two tests' first takes would otherwise meet on the same lock.
-    let scope = RequestScope::new(["charges", test]);
+    // The same scope and keys in both tests, which run at once in two schemas: the take's
+    // advisory lock is keyed on the table's OID, so they never meet on one lock (keyed on
+    // the table's name, one test's take answered the other "in progress").
+    let scope = RequestScope::new(["charges", "alice"]);
     let fingerprint = Fingerprint::of(b"{\"amount\":100}");
     let key = |k: &str| RequestKey::new(scope, IdempotencyKey::new(k).expect("key"));
     // A first execution: the handler's one statement, then the completion and the commit.
@@ -77,8 +60,7 @@ async fn run(test: &str, held: bool) {
         BeginIn::Answer(Begin::Completed { result }) => assert_eq!(result, b"201 charged"),
         other => panic!("{k}: not replayed: {other:?}"),
     };
-    // The pool's return ping runs in a task of its own: let it land before counting.
-    let settle = async || tokio::time::sleep(HOLD * 4).await;
+    let settle = Counted::settle;
 
     // Prepared statements are cached per connection: warm up first.
     first("warm").await;

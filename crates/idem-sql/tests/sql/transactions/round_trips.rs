@@ -25,28 +25,61 @@ async fn state_of(admin: &sqlx::PgPool, pid: i32) -> String {
         .expect("the backend's state")
 }
 
+/// A store migrated in a schema of its own with an `effects (k text)` table, whose one
+/// connection (held, or a pool of one) goes through a proxy counting round trips; `admin`
+/// reaches the schema directly.
+pub(super) struct Counted {
+    pub(super) schema: PgSchema,
+    pub(super) admin: sqlx::PgPool,
+    pub(super) proxy: Proxy,
+    pub(super) store: PostgresStore,
+}
+
+impl Counted {
+    pub(super) async fn setup(prefix: &str, test: &str, held: bool) -> Option<Self> {
+        let schema = PgSchema::create(prefix, test).await?;
+        let admin = schema.pool(2).await;
+        PostgresStore::from_pool(admin.clone())
+            .migrate()
+            .await
+            .expect("migrate");
+        sqlx::query("CREATE TABLE effects (k text NOT NULL)")
+            .execute(&admin)
+            .await
+            .expect("effects");
+        let proxy = Proxy::start(upstream(schema.url(), 5432).await, HOLD).await;
+        let pool = PgPoolOptions::new()
+            .max_connections(1)
+            .connect_lazy_with(schema.options().host("127.0.0.1").port(proxy.port()));
+        let store = PostgresStore::from_pool(pool);
+        let store = if held {
+            store.hold_connections(1)
+        } else {
+            store
+        };
+        Some(Self {
+            schema,
+            admin,
+            proxy,
+            store,
+        })
+    }
+
+    /// Lets the pool's return ping, which runs in a task of its own, land before counting.
+    pub(super) async fn settle() {
+        tokio::time::sleep(HOLD * 4).await;
+    }
+}
+
 async fn run(test: &str, held: bool) {
-    let Some(schema) = PgSchema::create("idem_rt", test).await else {
+    let Some(Counted {
+        schema,
+        admin,
+        proxy,
+        store,
+    }) = Counted::setup("idem_rt", test, held).await
+    else {
         return;
-    };
-    let admin = schema.pool(2).await;
-    PostgresStore::from_pool(admin.clone())
-        .migrate()
-        .await
-        .expect("migrate");
-    sqlx::query("CREATE TABLE effects (k text NOT NULL)")
-        .execute(&admin)
-        .await
-        .expect("effects");
-    let proxy = Proxy::start(upstream(schema.url(), 5432).await, HOLD).await;
-    let pool = PgPoolOptions::new()
-        .max_connections(1)
-        .connect_lazy_with(schema.options().host("127.0.0.1").port(proxy.port()));
-    let store = PostgresStore::from_pool(pool);
-    let store = if held {
-        store.hold_connections(1)
-    } else {
-        store
     };
     let p = Processor::builder(store.clone(), "rt")
         .build()
@@ -75,8 +108,7 @@ async fn run(test: &str, held: bool) {
             other => panic!("{id}: {other:?}"),
         }
     };
-    // The pool's return ping runs in a task of its own: let it land before counting.
-    let settle = async || tokio::time::sleep(HOLD * 4).await;
+    let settle = Counted::settle;
 
     // Prepared statements are cached per connection: warm up first.
     process("warm-1", true).await;
