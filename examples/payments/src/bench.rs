@@ -50,6 +50,22 @@ pub(crate) struct Rates {
 /// How often the bare legs run a transaction a deadlock rolled back.
 const DEADLOCK_ATTEMPTS: u32 = 5;
 
+/// Runs `unit` (one transaction of a bare leg) until it commits: again after a deadlock rolled
+/// it back, at most [`DEADLOCK_ATTEMPTS`] times in all, as idem's runner retries it.
+async fn until_committed<F, Fut>(mut unit: F) -> Result<(), idem_core::BoxError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<(), idem_core::BoxError>>,
+{
+    let mut attempt = 1;
+    loop {
+        match unit().await {
+            Err(e) if attempt < DEADLOCK_ATTEMPTS && deadlocked(e.as_ref()) => attempt += 1,
+            done => return done,
+        }
+    }
+}
+
 /// Whether `e` (or an error it wraps) is PostgreSQL's or MySQL's deadlock or serialization
 /// failure: the bare legs retry those, as idem's runner does (`ErrorKind::Transient`).
 fn deadlocked(e: &(dyn std::error::Error + 'static)) -> bool {
@@ -389,14 +405,9 @@ where
                         return Ok::<_, anyhow::Error>(());
                     }
                     let chunk = &msgs[from..(from + per_tx).min(msgs.len())];
-                    // A deadlock between two transactions' account updates rolls one back:
-                    // retried, as idem's runner retries it.
-                    let mut attempt = 1;
-                    while let Err(e) = charge_unit(&store, set, chunk).await {
-                        if attempt >= DEADLOCK_ATTEMPTS || !deadlocked(e.as_ref()) {
-                            anyhow::bail!("the bare leg's handler failed: {e}");
-                        }
-                        attempt += 1;
+                    // A deadlock between two transactions' account updates rolls one back.
+                    if let Err(e) = until_committed(|| charge_unit(&store, set, chunk)).await {
+                        anyhow::bail!("the bare leg's handler failed: {e}");
                     }
                 }
             })

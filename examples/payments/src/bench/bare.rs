@@ -191,15 +191,10 @@ impl Workers {
         }
         let (pool, set) = (self.pool.clone(), self.set);
         self.tasks.spawn(async move {
-            // A deadlock between two transactions' account updates rolls one back: retried,
-            // as idem's runner retries it.
-            let mut attempt = 1;
-            while let Err(e) = charge(&pool, set, &rows).await {
-                if attempt >= super::DEADLOCK_ATTEMPTS || !super::deadlocked(e.as_ref()) {
-                    return Err(anyhow!(e));
-                }
-                attempt += 1;
-            }
+            // A deadlock between two transactions' account updates rolls one back.
+            super::until_committed(|| charge(&pool, set, &rows))
+                .await
+                .map_err(|e| anyhow!(e))?;
             ack.await?;
             drop(permit);
             Ok(())
